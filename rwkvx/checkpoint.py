@@ -1,0 +1,229 @@
+"""Checkpoints in the safetensors format, written atomically, read with strict validation.
+
+The file is plain safetensors (8-byte little-endian header length, JSON header, raw little-endian
+tensor data), so saved models open in any safetensors reader. rwkvx adds metadata: the format
+version and the Config as JSON. Extra state (optimizer moments, step, data sampler) travels as
+tensors under the ``extra.`` prefix plus a JSON ``extra_meta`` entry.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import Config
+from .params import ParamDict, check_params, param_shapes
+
+FORMAT_VERSION = 1
+_EXTRA_PREFIX = "extra."
+_MAX_HEADER = 100 * 1024 * 1024
+
+_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+           "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"),
+           "I8": np.dtype("i1"), "U8": np.dtype("u1"), "U16": np.dtype("<u2"),
+           "U32": np.dtype("<u4"), "U64": np.dtype("<u8"), "BOOL": np.dtype("?")}
+_CODES = {v: k for k, v in _DTYPES.items()}
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16")
+
+
+def _encode(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, list[np.ndarray]]:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    arrays, offset = [], 0
+    for name, value in tensors.items():
+        arr = np.ascontiguousarray(value)
+        code = _CODES.get(arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype)
+        if code is None:
+            raise TypeError(f"tensor {name}: dtype {arr.dtype} cannot be stored in safetensors")
+        arr = arr.astype(_DTYPES[code], copy=False)
+        header[name] = {"dtype": code, "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        arrays.append(arr)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, arrays
+
+
+def atomic_write(path: str | os.PathLike, write: Any) -> None:
+    """Call ``write(fileobj)`` on a temporary file beside ``path``, fsync it, then rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(path: str | os.PathLike, cfg: Config, params: ParamDict,
+                    extra: dict[str, Any] | None = None) -> None:
+    """Write ``params`` (and optional ``extra``) to ``path`` as safetensors, atomically.
+
+    ``extra`` may hold ``"tensors"`` (name -> numpy array, e.g. optimizer moments) and ``"meta"``
+    (a JSON-serialisable dict, e.g. the step count); both come back from :func:`load_checkpoint`.
+    """
+    check_params(cfg, params)
+    extra = extra or {}
+    unknown = set(extra) - {"tensors", "meta"}
+    if unknown:
+        raise ValueError(f"extra accepts keys 'tensors' and 'meta', got {sorted(unknown)}")
+    tensors: dict[str, np.ndarray] = {n: np.asarray(params[n], np.float32) for n in param_shapes(cfg)}
+    for name, value in (extra.get("tensors") or {}).items():
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"extra tensor {name} must be a numpy array")
+        tensors[_EXTRA_PREFIX + name] = value
+    metadata = {"format": "rwkvx", "format_version": str(FORMAT_VERSION),
+                "config": json.dumps(cfg.to_dict()),
+                "extra_meta": json.dumps(extra.get("meta") or {})}
+    header, arrays = _encode(tensors, metadata)
+
+    def write(f: Any) -> None:
+        f.write(header)
+        for arr in arrays:
+            f.write(arr.tobytes())
+
+    atomic_write(path, write)
+
+
+def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    return (raw.astype(np.uint32) << 16).view(np.float32)
+
+
+def read_safetensors(path: str | os.PathLike
+                     ) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:
+    """``(tensors, dtype codes as stored, metadata)`` of a safetensors file; ``ValueError`` on corruption.
+
+    bf16 tensors are widened to float32; every other dtype is returned as stored."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: truncated checkpoint (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise ValueError(f"{path}: corrupt checkpoint (header length {n} exceeds file size {size})")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{path}: corrupt checkpoint header ({exc})") from None
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint not found: {path}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt checkpoint header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path}: corrupt checkpoint metadata")
+    tensors: dict[str, np.ndarray] = {}
+    codes: dict[str, str] = {}
+    for name, info in header.items():
+        try:
+            code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: corrupt header entry for tensor {name}") from None
+        if code not in _DTYPES and code != "BF16":
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {code}")
+        itemsize = 2 if code == "BF16" else _DTYPES[code].itemsize
+        count = int(np.prod(shape, dtype=np.int64))
+        if not (0 <= begin <= end <= len(data)) or end - begin != count * itemsize:
+            raise ValueError(f"{path}: tensor {name} data is truncated or corrupt "
+                             f"(offsets {begin}..{end}, {len(data)} data bytes, shape {list(shape)})")
+        raw = np.frombuffer(data, dtype="<u2" if code == "BF16" else _DTYPES[code],
+                            count=count, offset=begin)
+        tensors[name] = (_bf16_to_f32(raw) if code == "BF16" else raw.copy()).reshape(shape)
+        codes[name] = code
+    return tensors, codes, metadata
+
+
+_RWKV7_V012 = re.compile(r"^blocks\.0\.att\.v[012]$")
+
+
+def _from_rwkv7_names(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Map plain RWKV-7 state-dict names (no ``rwkv.`` prefix) to rwkvx names."""
+    out = {}
+    for name, value in tensors.items():
+        if _RWKV7_V012.match(name):
+            continue  # RWKV-LM stores unused v0/v1/v2 for block 0
+        out[name if name.startswith(("rwkv.", "moba.", _EXTRA_PREFIX)) else "rwkv." + name] = value
+    return out
+
+
+def infer_config(params: ParamDict) -> Config:
+    """The Config of an RWKV-7 parameter set (no attention blocks), read from tensor shapes."""
+    try:
+        V, C = params["rwkv.emb.weight"].shape
+        H, N = params["rwkv.blocks.0.att.r_k"].shape
+        L = 1 + max(int(m.group(1)) for k in params if (m := re.match(r"rwkv\.blocks\.(\d+)\.", k)))
+        return Config(vocab_size=V, n_embd=C, n_rwkv_layer=L, head_size=N,
+                      ffn_dim=params["rwkv.blocks.0.ffn.key.weight"].shape[0],
+                      dim_w=params["rwkv.blocks.0.att.w1"].shape[1],
+                      dim_a=params["rwkv.blocks.0.att.a1"].shape[1],
+                      dim_v=params["rwkv.blocks.1.att.v1"].shape[1] if L > 1 else None,
+                      dim_g=params["rwkv.blocks.0.att.g1"].shape[1],
+                      ln0="rwkv.blocks.0.ln0.weight" in params)
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"cannot infer the model config from the checkpoint: missing or malformed {exc}") from None
+
+
+def load_checkpoint(path: str | os.PathLike, cfg: Config | None = None
+                    ) -> tuple[Config, ParamDict, dict[str, Any]]:
+    """Read a checkpoint: ``(cfg, params, extra)``; every problem raises ``ValueError``.
+
+    Files written by :func:`save_checkpoint` carry their Config. Plain RWKV-7 safetensors
+    (names without the ``rwkv.`` prefix, any float dtype incl. bf16) load too; their Config is
+    inferred from the shapes unless ``cfg`` is given.
+    """
+    tensors, codes, metadata = read_safetensors(path)
+    if "config" in metadata:
+        try:
+            saved = Config.from_dict(json.loads(metadata["config"]))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"{path}: corrupt config metadata ({exc})") from None
+        if cfg is not None and cfg != saved:
+            raise ValueError(f"{path}: checkpoint config {saved} differs from the requested {cfg}")
+        cfg = saved
+    renamed = _from_rwkv7_names(tensors)
+    stored_codes = _from_rwkv7_names(codes)
+    params = {k: v for k, v in renamed.items() if not k.startswith(_EXTRA_PREFIX)}
+    for name in params:
+        if stored_codes[name] not in _FLOAT_CODES:
+            raise ValueError(f"{path}: tensor {name} has dtype {stored_codes[name]}, expected a float type")
+    if cfg is None:
+        cfg = infer_config(params)
+    expected = param_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in params:
+            raise ValueError(f"{path}: checkpoint is missing tensor {name}")
+        if params[name].shape != shape:
+            raise ValueError(f"{path}: tensor {name} has shape {params[name].shape}, expected {shape}")
+    unexpected = sorted(set(params) - set(expected))
+    if unexpected:
+        raise ValueError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])}")
+    params = {n: params[n].astype(np.float32, copy=False) for n in expected}
+    try:
+        meta = json.loads(metadata.get("extra_meta", "{}"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: corrupt extra metadata ({exc})") from None
+    extra = {"tensors": {k[len(_EXTRA_PREFIX):]: v for k, v in renamed.items()
+                         if k.startswith(_EXTRA_PREFIX)},
+             "meta": meta}
+    return cfg, params, extra

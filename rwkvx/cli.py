@@ -1,0 +1,644 @@
+"""``python -m rwkvx``: ``train`` a model and ``sample`` text from a checkpoint.
+
+``python -m rwkvx train`` with no arguments trains the ``tiny`` preset on the embedded Shakespeare
+corpus (GPU when usable, else the CPU oracle) and prints where the checkpoint, the loss log (CSV) and
+the loss curve (PNG) are. Every argument and the data are checked before anything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+CHECKPOINT_NAME = "checkpoint.safetensors"
+LOG_NAME = "log.csv"
+PLOT_NAME = "loss.png"
+RUN_NAME = "run.json"
+LOG_FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "elapsed_s", "tokens_per_s"]
+
+# model flag -> Config field
+MODEL_FLAGS = {"vocab_size": "vocab_size", "n_embd": "n_embd", "n_layer": "n_rwkv_layer",
+               "n_attn_layer": "n_attn_layer", "head_size": "head_size", "ffn_dim": "ffn_dim",
+               "chunk": "moba_chunk_size", "top_k": "moba_top_k"}
+# training option -> type, for the values the CLI, the preset and a resumed run agree on
+TRAIN_KEYS = ("batch_size", "seq_len", "lr", "lr_min", "warmup", "weight_decay", "grad_clip",
+              "eval_every", "eval_batches", "ckpt_every", "val_fraction")
+
+
+class UsageError(Exception):
+    """A bad argument or bad data: reported as ``error: ...`` with exit status 2, nothing written."""
+
+
+# ---------------------------------------------------------------------------------------------
+# argument parsing
+# ---------------------------------------------------------------------------------------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _nonneg_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a number > 0, got 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _nonneg_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text}")
+    return value
+
+
+def _token_count(text: str) -> int:
+    """An integer with an optional k/M/G suffix (``--tokens 2M``)."""
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9}
+    t = text.strip().lower()
+    mult = 1
+    if t and t[-1] in scale:
+        mult, t = scale[t[-1]], t[:-1]
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count like 500000 or 2M, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .presets import DEFAULT_PRESET, PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rwkvx",
+        description="Train RWKV-X language models (RWKV-7 + MoBA attention) and sample from them.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    tr = sub.add_parser(
+        "train", help="train a model (no arguments: tiny model on the embedded Shakespeare corpus)",
+        description="Train a model. With no arguments: the 'tiny' preset on the embedded public-domain "
+                    "Shakespeare corpus, on the GPU when usable, else on the CPU (oracle).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = tr.add_argument_group("model (preset, then overrides)")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help=f"model + training preset (default {DEFAULT_PRESET})")
+    g.add_argument("--vocab-size", type=_positive_int, help="V (text data needs 256)")
+    g.add_argument("--n-embd", type=_positive_int, help="C, the model width")
+    g.add_argument("--n-layer", type=_positive_int, help="L, RWKV-7 blocks")
+    g.add_argument("--n-attn-layer", type=_nonneg_int, help="M, MoBA attention blocks (0 <= M <= L)")
+    g.add_argument("--head-size", type=_positive_int, help="N, head size (must divide C)")
+    g.add_argument("--ffn-dim", type=_positive_int, help="channel-mix width (default 4*C)")
+    g.add_argument("--chunk", type=_positive_int, help="MoBA block length in tokens")
+    g.add_argument("--top-k", type=_positive_int, help="MoBA blocks per query, its own included")
+
+    g = tr.add_argument_group("data")
+    g.add_argument("--data", help="UTF-8 .txt (byte tokens), .npy / raw .bin tokens, or a binidx "
+                                  "prefix (PREFIX.bin + PREFIX.idx); default: embedded corpus")
+    g.add_argument("--token-width", type=int, choices=(2, 4),
+                   help="bytes per token of a raw .bin file: 2 = uint16, 4 = uint32")
+    g.add_argument("--val-fraction", type=_fraction, help="fraction of the data held out for validation")
+
+    g = tr.add_argument_group("training")
+    g.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
+                   help="auto: the GPU when usable, else the CPU oracle")
+    g.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default=None,
+                   help="GPU GEMM precision (the CPU backend computes in --cpu-dtype)")
+    g.add_argument("--cpu-dtype", choices=("float32", "float64"), default=None,
+                   help="arithmetic of the CPU oracle backend (default float32)")
+    g.add_argument("--batch-size", type=_positive_int, help="B, sequences per step")
+    g.add_argument("--seq-len", type=_positive_int, help="T, tokens per sequence")
+    n = g.add_mutually_exclusive_group()
+    n.add_argument("--steps", type=_positive_int, help="total optimizer steps")
+    n.add_argument("--tokens", type=_token_count, help="total training tokens (steps = tokens / (B*T))")
+    g.add_argument("--lr", type=_positive_float, help="peak learning rate")
+    g.add_argument("--lr-min", type=_nonneg_float, help="final learning rate of the cosine decay")
+    g.add_argument("--warmup", type=_nonneg_int, help="linear warm-up steps")
+    g.add_argument("--weight-decay", type=_nonneg_float, help="AdamW decay of 2-D *.weight matrices")
+    g.add_argument("--grad-clip", type=_nonneg_float, help="global gradient-norm clip (0: off)")
+    g.add_argument("--seed", type=_nonneg_int, help="parameter init and data sampling seed (default 0)")
+
+    g = tr.add_argument_group("output")
+    g.add_argument("--out", help="run directory (default runs/<date>-<time>; with --resume: the "
+                                 "checkpoint's directory)")
+    g.add_argument("--eval-every", type=_nonneg_int, help="validation every N steps (0: only at the end)")
+    g.add_argument("--eval-batches", type=_positive_int, help="validation batches per evaluation")
+    g.add_argument("--ckpt-every", type=_nonneg_int, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--resume", metavar="CKPT", help="continue a run from its checkpoint file or directory")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sp = sub.add_parser("sample", help="generate text from a checkpoint",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sp.add_argument("--ckpt", required=True, help="checkpoint file (or run directory)")
+    sp.add_argument("--prompt", default="",
+                    help="text to continue (byte-level models); token ids separated by spaces or "
+                         "commas for other vocabularies")
+    sp.add_argument("--tokens", type=_positive_int, default=200, help="tokens to generate")
+    sp.add_argument("--temperature", type=_nonneg_float, default=0.8, help="0 = greedy")
+    sp.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass, in (0, 1]")
+    sp.add_argument("--seed", type=_nonneg_int, default=0)
+    sp.add_argument("--ctx", type=_positive_int, default=None,
+                    help="context window fed to the model (default: the run's --seq-len, else 256)")
+    sp.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# train
+# ---------------------------------------------------------------------------------------------
+
+def _find_checkpoint(path: str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / CHECKPOINT_NAME
+    if not p.is_file():
+        raise UsageError(f"checkpoint not found: {p}")
+    return p
+
+
+def _default_out() -> Path:
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out, i = base, 1
+    while out.exists():
+        out, i = Path(f"{base}-{i}"), i + 1
+    return out
+
+
+def _read_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                if int(row["step"]) <= upto_step:
+                    rows.append(row)
+            except (KeyError, ValueError):
+                continue
+    return rows
+
+
+def _write_log(path: Path, rows: list[dict[str, Any]]) -> None:
+    from .checkpoint import atomic_write
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=LOG_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: row.get(k, "") for k in LOG_FIELDS})
+    data = buf.getvalue().encode()
+    atomic_write(path, lambda f: f.write(data))
+
+
+def _fmt(value: float | None, digits: int = 6) -> str:
+    return "" if value is None or not math.isfinite(value) else f"{value:.{digits}g}"
+
+
+def write_plot(path: Path, rows: list[dict[str, Any]], title: str, entropy: float | None) -> None:
+    """The loss curve: training loss (raw and smoothed) and validation loss against the step."""
+    import matplotlib
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from .checkpoint import atomic_write
+
+    steps = np.array([int(r["step"]) for r in rows if r.get("train_loss") not in ("", None)])
+    train = np.array([float(r["train_loss"]) for r in rows if r.get("train_loss") not in ("", None)])
+    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss") not in ("", None)]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    if len(train):
+        ax.plot(steps, train, color="tab:blue", alpha=0.3, linewidth=0.8, label="train (per step)")
+        ema, out = train[0], []
+        for x in train:
+            ema = 0.9 * ema + 0.1 * x
+            out.append(ema)
+        ax.plot(steps, out, color="tab:blue", linewidth=1.8, label="train (smoothed)")
+    if val:
+        vs, vl = zip(*val)
+        ax.plot(vs, vl, "o-", color="tab:orange", linewidth=1.5, markersize=4, label="validation")
+    if entropy is not None:
+        ax.axhline(entropy, color="gray", linestyle="--", linewidth=1,
+                   label=f"unigram entropy {entropy:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    data = buf.getvalue()
+    atomic_write(path, lambda f: f.write(data))
+
+
+def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {cfg_name: getattr(args, flag) for flag, cfg_name in MODEL_FLAGS.items()
+            if getattr(args, flag) is not None}
+
+
+def _prepare_train(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything a run needs, validated; raises UsageError. Writes nothing."""
+    from .config import Config
+    from .data import default_corpus_path, eval_batches, load_tokens, split_train_val
+    from .presets import DEFAULT_PRESET, get_preset
+    from .train import resolve_device
+
+    kind, note = resolve_device(args.device)
+    if kind == "gpu" and args.device == "gpu":
+        from .train import _gpu_unavailable_reason
+        reason = _gpu_unavailable_reason()
+        if reason is not None:
+            raise UsageError(f"--device gpu: the GPU backend cannot be used: {reason}. "
+                             "Use --device cpu or --device auto.")
+
+    resume_path = _find_checkpoint(args.resume) if args.resume else None
+    saved_run: dict[str, Any] = {}
+    ckpt_cfg = None
+    if resume_path is not None:
+        from .checkpoint import load_checkpoint
+        try:
+            ckpt_cfg, _, extra = load_checkpoint(resume_path)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        meta = extra.get("meta") or {}
+        if meta.get("kind") != "rwkvx-trainer":
+            raise UsageError(f"{resume_path}: not a training checkpoint (no optimizer state)")
+        saved_run = ((meta.get("user") or {}).get("run")) or {}
+        overrides = _model_overrides(args)
+        clash = [f for f, v in overrides.items() if getattr(ckpt_cfg, f) != v]
+        if clash:
+            raise UsageError(f"--resume: the checkpoint's model differs in {', '.join(clash)}; "
+                             "model flags cannot change a resumed run")
+        if args.preset and args.preset != saved_run.get("preset"):
+            raise UsageError("--resume: --preset cannot change a resumed run")
+
+    preset_name = saved_run.get("preset") or args.preset or DEFAULT_PRESET
+    preset = get_preset(preset_name, device=kind)
+    train = dict(preset["train"])
+    for key in TRAIN_KEYS + ("steps",):
+        if key in saved_run and saved_run[key] is not None:
+            train[key] = saved_run[key]
+    for key in TRAIN_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            train[key] = value
+    train["seed"] = args.seed if args.seed is not None else saved_run.get("seed", 0)
+    train["precision"] = args.precision or saved_run.get("precision") or "fp32"
+    train["cpu_dtype"] = args.cpu_dtype or saved_run.get("cpu_dtype") or "float32"
+    B, T = train["batch_size"], train["seq_len"]
+    if args.steps is not None:
+        train["steps"] = args.steps
+    elif args.tokens is not None:
+        train["steps"] = max(1, math.ceil(args.tokens / (B * T)))
+    if train["lr_min"] > train["lr"]:
+        raise UsageError(f"--lr-min ({train['lr_min']}) must not exceed --lr ({train['lr']})")
+
+    # data
+    data_arg = args.data if args.data is not None else saved_run.get("data")
+    token_width = args.token_width if args.token_width is not None else saved_run.get("token_width")
+    data_path = data_arg if data_arg is not None else str(default_corpus_path())
+    try:
+        data = load_tokens(data_path, token_width=token_width)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+    # model
+    if ckpt_cfg is not None:
+        cfg = ckpt_cfg
+    else:
+        model = dict(preset["model"])
+        model.update(_model_overrides(args))
+        if data.format != "text" and args.vocab_size is None:
+            hi = data.max_token()
+            if hi >= model["vocab_size"]:
+                raise UsageError(f"{data.source}: token id {hi} does not fit the preset's vocab_size "
+                                 f"{model['vocab_size']}; pass --vocab-size (at least {hi + 1})")
+        try:
+            cfg = Config(**model)
+        except (ValueError, TypeError) as exc:
+            raise UsageError(str(exc)) from None
+    if data.format == "text" and cfg.vocab_size < 256:
+        raise UsageError(f"{data.source}: byte-level text needs --vocab-size >= 256, got {cfg.vocab_size}")
+    if data.format != "text":
+        hi = data.max_token()
+        if hi >= cfg.vocab_size:
+            raise UsageError(f"{data.source}: token id {hi} is out of range for vocab_size "
+                             f"{cfg.vocab_size}")
+    try:
+        train_tokens, val_tokens = split_train_val(data.tokens, T, train["val_fraction"])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    val = eval_batches(val_tokens, B, T, train["eval_batches"]) if val_tokens is not None else []
+    if resume_path is None and train["steps"] < 1:
+        raise UsageError("--steps must be >= 1")
+    return {"kind": kind, "note": note, "resume": resume_path, "saved_run": saved_run,
+            "preset": preset_name, "train": train, "cfg": cfg, "data": data,
+            "data_arg": data_arg, "token_width": token_width,
+            "train_tokens": train_tokens, "val_batches": val}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .data import BatchSampler, unigram_entropy
+    from .params import init_params
+    from .train import Trainer
+
+    run = _prepare_train(args)
+    tr, cfg, kind = run["train"], run["cfg"], run["kind"]
+    B, T, steps = tr["batch_size"], tr["seq_len"], tr["steps"]
+    trainer_kwargs = dict(batch_size=B, seq_len=T, lr=tr["lr"], lr_min=tr["lr_min"],
+                          warmup=tr["warmup"], total_steps=steps, weight_decay=tr["weight_decay"],
+                          grad_clip=tr["grad_clip"], precision=tr["precision"], seed=tr["seed"],
+                          cpu_dtype=tr["cpu_dtype"])
+    try:
+        if run["resume"] is not None:
+            trainer = Trainer.load(run["resume"], backend=kind, **trainer_kwargs)
+        else:
+            trainer = Trainer(cfg, init_params(cfg, tr["seed"]), backend=kind, **trainer_kwargs)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from None
+    start = trainer.step_count
+    sampler = BatchSampler(run["train_tokens"], B, T, seed=tr["seed"])
+    if run["resume"] is not None and trainer.meta.get("sampler"):
+        sampler.set_state(trainer.meta["sampler"])
+
+    if args.out is not None:
+        out = Path(args.out)
+    elif run["resume"] is not None:
+        out = run["resume"].parent
+    else:
+        out = _default_out()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    if run["resume"] is None and (out / CHECKPOINT_NAME).exists():
+        raise UsageError(f"--out {out} already holds a run ({CHECKPOINT_NAME}); use --resume "
+                         f"{out} to continue it or choose another --out")
+    ckpt_path, log_path, plot_path = out / CHECKPOINT_NAME, out / LOG_NAME, out / PLOT_NAME
+
+    entropy = None
+    if len(run["train_tokens"]) <= 50_000_000:
+        entropy = unigram_entropy(run["train_tokens"], cfg.vocab_size)
+
+    run_info = {"preset": run["preset"], "data": run["data_arg"], "token_width": run["token_width"],
+                "steps": steps, **{k: tr[k] for k in TRAIN_KEYS}, "seed": tr["seed"],
+                "precision": tr["precision"], "cpu_dtype": tr["cpu_dtype"]}
+    say = print
+    if run["note"]:
+        say(f"note: {run['note']}")
+    say(f"device: {trainer.device}" + (f" ({tr['cpu_dtype']} oracle)" if trainer.device == "cpu"
+                                       else f" ({tr['precision']})"))
+    say(f"model: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} M={cfg.n_attn_layer} "
+        f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
+        f"({sum(p.size for p in trainer.params.values()):,} parameters)")
+    say(f"data: {run['data'].source} [{run['data'].format}], {len(run['data']):,} tokens "
+        f"({len(run['train_tokens']):,} train, {len(run['val_batches']) * B * T:,} validation tokens)"
+        + (f", unigram entropy {entropy:.4f} nats" if entropy is not None else ""))
+    say(f"training: steps {start + 1}..{steps}, B={B} T={T}, lr {tr['lr']:g} -> {tr['lr_min']:g}, "
+        f"warmup {tr['warmup']}, wd {tr['weight_decay']:g}, clip {tr['grad_clip']:g}; out {out}")
+    if start >= steps:
+        say(f"checkpoint is at step {start} >= --steps {steps}: nothing to train "
+            "(pass a larger --steps to continue)")
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    from .checkpoint import atomic_write
+    run_json = json.dumps({"config": cfg.to_dict(), "run": run_info}, indent=2).encode()
+    atomic_write(out / RUN_NAME, lambda f: f.write(run_json))
+
+    rows = _read_log(run["resume"].parent / LOG_NAME, start) if run["resume"] is not None else []
+    tokens_seen = int(trainer.meta.get("tokens_seen", start * B * T)) if run["resume"] else 0
+    elapsed0 = float(trainer.meta.get("elapsed_s", 0.0)) if run["resume"] else 0.0
+    title = (f"rwkvx {run['preset']}: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} "
+             f"M={cfg.n_attn_layer}, B={B} T={T}, {trainer.device}")
+
+    def evaluate() -> float | None:
+        if not run["val_batches"]:
+            return None
+        return float(np.mean([trainer.evaluate(x, y) for x, y in run["val_batches"]]))
+
+    def save(step_time: float) -> None:
+        trainer.save(ckpt_path, meta={"run": run_info, "sampler": sampler.state(),
+                                      "tokens_seen": tokens_seen, "elapsed_s": step_time})
+        _write_log(log_path, rows)
+
+    from tqdm import tqdm
+    bar = tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, mininterval=0.5,
+               disable=args.no_progress, file=sys.stderr)
+    t0 = time.perf_counter()
+    train_time, ema, last_val = 0.0, None, None
+    step = start
+    interrupted = False
+    try:
+        for step in range(start + 1, steps + 1):
+            x, y = sampler.next()
+            ts = time.perf_counter()
+            loss = trainer.step(x, y)
+            train_time += time.perf_counter() - ts
+            tokens_seen += B * T
+            ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+            tps = (step - start) * B * T / max(train_time, 1e-9)
+            row = {"step": step, "tokens": tokens_seen, "lr": _fmt(trainer.last_stats.get("lr")),
+                   "train_loss": _fmt(loss), "grad_norm": _fmt(trainer.last_stats.get("grad_norm")),
+                   "tokens_per_s": _fmt(tps, 5)}
+            if (tr["eval_every"] and step % tr["eval_every"] == 0) or step == steps:
+                last_val = evaluate()
+                row["val_loss"] = _fmt(last_val)
+            row["elapsed_s"] = _fmt(elapsed0 + time.perf_counter() - t0, 5)
+            rows.append(row)
+            postfix = {"loss": f"{ema:.3f}", "tok/s": f"{tps:,.0f}"}
+            if last_val is not None:
+                postfix["val"] = f"{last_val:.3f}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+            if tr["ckpt_every"] and step % tr["ckpt_every"] == 0 and step != steps:
+                save(elapsed0 + time.perf_counter() - t0)
+    except KeyboardInterrupt:
+        interrupted = True
+        step = trainer.step_count
+    finally:
+        bar.close()
+    total_time = elapsed0 + time.perf_counter() - t0
+    save(total_time)
+    write_plot(plot_path, rows, title, entropy)
+    final_train = next((float(r["train_loss"]) for r in reversed(rows) if r.get("train_loss")), None)
+    final_val = next((float(r["val_loss"]) for r in reversed(rows) if r.get("val_loss")), None)
+    summary = f"step {step}/{steps}"
+    if ema is not None:
+        summary += f": train loss {ema:.4f} (smoothed; last {final_train:.4f})"
+    if final_val is not None:
+        summary += f", validation loss {final_val:.4f}"
+    if entropy is not None:
+        summary += f" [unigram entropy {entropy:.4f}]"
+    this_run = max(train_time, 1e-9)
+    say(("interrupted at " if interrupted else "done: ") + summary)
+    say(f"time: {time.perf_counter() - t0:.1f} s this run, {(step - start) * B * T / this_run:,.0f} "
+        "tokens/s training")
+    say(f"checkpoint: {ckpt_path}")
+    say(f"log:        {log_path}")
+    say(f"plot:       {plot_path}")
+    if interrupted:
+        say(f"resume:     python -m rwkvx train --resume {out}")
+        return 130
+    prompt = "ROMEO:" if run["data_arg"] is None else ""
+    say(f"sample:     python -m rwkvx sample --ckpt {ckpt_path}"
+        + (f" --prompt {prompt!r}" if prompt else ""))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# sample
+# ---------------------------------------------------------------------------------------------
+
+def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """One token from ``logits`` [V]: greedy at temperature 0, else nucleus (top-p) sampling."""
+    z = np.asarray(logits, dtype=np.float64)
+    if temperature == 0:
+        return int(np.argmax(z))
+    z = z / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    cum = np.cumsum(p[order])
+    keep = int(np.searchsorted(cum, top_p) + 1)  # smallest prefix whose mass reaches top_p
+    keep = max(1, min(keep, len(order)))
+    chosen = order[:keep]
+    q = p[chosen] / p[chosen].sum()
+    return int(chosen[rng.choice(keep, p=q)])
+
+
+def _forward_fn(cfg, params, device: str):
+    """``tokens [1, T] -> logits [1, T, V]`` on the chosen device, plus a note."""
+    from .train import resolve_device
+
+    kind, note = resolve_device(device)
+    if kind == "gpu":
+        # HOOK (GPU): rwkvx.model is expected to offer forward_fn(cfg, params) with this contract.
+        from . import model
+        factory = getattr(model, "forward_fn", None)
+        if factory is not None:
+            return factory(cfg, params), note
+        if device == "gpu":
+            raise UsageError("--device gpu: rwkvx.model has no forward_fn for sampling yet; "
+                             "use --device cpu")
+        note = "the GPU model has no sampling forward yet; sampling on the CPU with the oracle"
+    try:
+        from .oracle import Oracle
+    except ImportError as exc:
+        raise UsageError(f"sampling on the CPU needs the compiled oracle (rwkvx.oracle): {exc}") from None
+    oracle = Oracle(cfg, params, dtype=np.float32)
+    return oracle.forward, note
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    from .checkpoint import load_checkpoint
+
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    path = _find_checkpoint(args.ckpt)
+    try:
+        cfg, params, extra = load_checkpoint(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    byte_level = cfg.vocab_size == 256
+    if byte_level:
+        prompt = list(args.prompt.encode("utf-8")) or [10]
+    else:
+        try:
+            prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
+        except ValueError:
+            raise UsageError(f"this model has vocab_size {cfg.vocab_size}, not byte-level: give --prompt "
+                             "as token ids separated by spaces or commas") from None
+        if not prompt:
+            prompt = [0]
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise UsageError(f"prompt token id {bad[0]} is out of range [0, {cfg.vocab_size})")
+    run = ((extra.get("meta") or {}).get("user") or {}).get("run") or {}
+    ctx = args.ctx or int(run.get("seq_len") or 256)
+    forward, note = _forward_fn(cfg, params, args.device)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    rng = np.random.default_rng(args.seed)
+    tokens = list(prompt)
+    out = sys.stdout
+    if byte_level:
+        out.write(args.prompt)
+        out.flush()
+        pending = b""
+    else:
+        out.write(" ".join(map(str, prompt)))
+    for _ in range(args.tokens):
+        window = np.array([tokens[-ctx:]], dtype=np.int64)
+        logits = np.asarray(forward(window))[0, -1]
+        nxt = sample_next(logits, args.temperature, args.top_p, rng)
+        tokens.append(nxt)
+        if byte_level:
+            pending += bytes([nxt])
+            try:
+                text = pending.decode("utf-8")
+                pending = b""
+            except UnicodeDecodeError as exc:
+                if exc.reason == "unexpected end of data" and len(pending) < 4:
+                    continue
+                text, pending = pending.decode("utf-8", errors="replace"), b""
+            out.write(text)
+        else:
+            out.write(f" {nxt}")
+        out.flush()
+    if byte_level and pending:
+        out.write(pending.decode("utf-8", errors="replace"))
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return cmd_train(args)
+        return cmd_sample(args)
+    except UsageError as exc:
+        parser.exit(2, f"{parser.prog} {args.command}: error: {exc}\n")
+    return 0  # pragma: no cover
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

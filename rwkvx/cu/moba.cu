@@ -1,0 +1,948 @@
+// moba.cu — MoBA sparse attention (SPEC §2.3 "Attn (MoBA)"), forward and backward, fp32, flash-style.
+//
+// Layout: q, k, v, o, do, dq, dk, dv float32 [B, T, H, N] (= row-major [B*T, C], c = h*N + n), 16-byte
+// aligned. N = HEAD_SIZE (compile-time, a multiple of 4, 4..256); chunk, top_k runtime; K1 = top_k - 1;
+// nblk = ceil(T / chunk); scale = 1/sqrt(N). Per (b, h) "bh" = b*H + h.
+//
+// Scratch (see rwkvx/ops/moba.py for sizes; nothing needs zeroing beforehand):
+//   kmean  float [B, H, nblk, N]    mean of k over each block
+//   sel    int   [B, H, T, K1]      selected past blocks of query t, ascending, -1 padded
+//   cnt    int   [B, H, nblk]       number of queries that selected block j
+//   idx    int   [B, H, 3, nblk+1]  per bh: offs[j] = sum_{j'<j} cnt[j'] (entries in qlist),
+//                                   toff_f[j] = sum_{j'<j} ceil(cnt[j'] / MOBA_FQ),
+//                                   toff_d[j] = sum_{j'<j} ceil(cnt[j'] / MOBA_DQ_Q)  (tile offsets)
+//   qlist  int   [B, H, Emax]       per bh, for each j the entries t*K1 + s of the queries t whose slot s
+//                                   selected j, ascending t, at offs[j] .. offs[j+1]-1
+//                                   (Emax = sum_t min(K1, t // chunk), the most entries there can be)
+//   part   float [B, H, T, K1, N]   forward: normalised partial output of query t over block sel[t,s];
+//                                   backward: dq of query t from the keys of block sel[t,s]
+//   lpart  float [B, H, T, K1]      forward: logsumexp of that partial
+//   lse    float [B, H, T]          logsumexp (natural log) of the scaled scores over all visible keys
+//   delta  float [B, H, T]          backward: D_t = sum_n do[t,n] * o[t,n]
+//
+// Forward:  moba_kmean -> moba_select -> moba_scan -> moba_fill -> moba_fwd_past -> moba_fwd_own
+// Backward: moba_bwd_delta -> moba_bwd_dq_past -> moba_bwd_dq_own -> moba_bwd_dkdv
+//
+// Determinism: no floating-point atomics. moba_select counts selections with integer atomics (the
+// count does not depend on the order); every list position and every float sum has a fixed order:
+//   * past attention is key-block-centric: one CTA per (block j, tile of the queries that selected j,
+//     gathered in ascending t); it writes a per-(query, slot) partial, merged by the own-block kernel in
+//     slot order (forward: logsumexp merge; backward dq: plain sum);
+//   * dk, dv: one CTA per (key tile of block j) loops over the own-block query tiles (causal), then the
+//     tiles of qlist for j, accumulating in registers, and writes once.
+
+#ifndef HEAD_SIZE
+#define HEAD_SIZE 64
+#endif
+// Tiles (ops/moba.py passes all of them; these defaults only serve stand-alone compile checks).
+#ifndef MOBA_FQ            // forward: queries per tile
+#define MOBA_FQ 64
+#endif
+#ifndef MOBA_FK            // forward: keys per tile
+#define MOBA_FK 64
+#endif
+#ifndef MOBA_DQ_Q          // backward dq: queries per tile
+#define MOBA_DQ_Q 64
+#endif
+#ifndef MOBA_DQ_K          // backward dq: keys per tile
+#define MOBA_DQ_K 32
+#endif
+#ifndef MOBA_KV_K          // backward dk/dv: keys per tile
+#define MOBA_KV_K 64
+#endif
+#ifndef MOBA_KV_Q          // backward dk/dv: queries per tile
+#define MOBA_KV_Q 32
+#endif
+#ifndef MOBA_SEL_J         // selection: block means staged per step
+#define MOBA_SEL_J 32
+#endif
+
+#define HS HEAD_SIZE
+#define HS4 (HS / 4)
+#define LDH (HS + 4)               // padded shared-memory row stride of [rows][HS] tiles
+#define NC ((HS + 15) / 16)        // output columns per thread (col = tx + 16*c)
+#define TX 16                      // threads along columns
+#define TY 8                       // threads along rows
+#define NTHR 128                   // threads of the attention kernels
+#define SEL_Q 64                   // threads (= queries) per moba_select block
+#define KM_THREADS 256
+#define FILL_THREADS 256
+
+static_assert(HS % 4 == 0 && HS >= 4 && HS <= 256, "HEAD_SIZE must be a multiple of 4 in [4, 256]");
+static_assert(MOBA_FQ % TY == 0 && MOBA_FK % TX == 0, "forward tiles");
+static_assert(MOBA_DQ_Q % TY == 0 && MOBA_DQ_K % TX == 0, "dq tiles");
+static_assert(MOBA_KV_K % TY == 0 && MOBA_KV_Q % TX == 0, "dk/dv tiles");
+static_assert(MOBA_FK % 4 == 0 && MOBA_DQ_K % 4 == 0 && MOBA_KV_Q % 4 == 0, "float4 rows");
+
+#define FULL_MASK 0xffffffffu
+#define MOBA_INF __int_as_float(0x7f800000)   // +inf (NVRTC has no <cmath> INFINITY)
+
+// ------------------------------------------------------------------------------------------------
+// helpers
+// ------------------------------------------------------------------------------------------------
+
+// max / sum over the 16 lanes of a half-warp that share a tile row (fixed xor tree: deterministic)
+static __device__ __forceinline__ float moba_row_max(float v)
+{
+#pragma unroll
+    for (int o = TX / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+static __device__ __forceinline__ float moba_row_sum(float v)
+{
+#pragma unroll
+    for (int o = TX / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ bool moba_col_ok(int col)
+{
+    return (HS % 16 == 0) || col < HS;
+}
+
+// Rows tok[0..R) of a [T, H, HS] head slice (base = &x[b, 0, h, 0], row stride tstride) into dst
+// [R][LDH]; tok < 0 gives a zero row. Coalesced float4 loads.
+static __device__ __forceinline__ void moba_load_rows(float* __restrict__ dst, const float* __restrict__ base,
+                                                      size_t tstride, const int* tok, int R)
+{
+    for (int idx = threadIdx.x; idx < R * HS4; idx += blockDim.x) {
+        const int r = idx / HS4, c4 = idx - r * HS4;
+        const int t = tok[r];
+        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (t >= 0) val = *reinterpret_cast<const float4*>(base + (size_t)t * tstride + c4 * 4);
+        *reinterpret_cast<float4*>(dst + r * LDH + c4 * 4) = val;
+    }
+}
+
+// Rows u0 .. u0+nk-1 (contiguous tokens; rows nk..R-1 zero)
+static __device__ __forceinline__ void moba_load_range(float* __restrict__ dst, const float* __restrict__ base,
+                                                       size_t tstride, int u0, int nk, int R)
+{
+    for (int idx = threadIdx.x; idx < R * HS4; idx += blockDim.x) {
+        const int r = idx / HS4, c4 = idx - r * HS4;
+        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < nk) val = *reinterpret_cast<const float4*>(base + (size_t)(u0 + r) * tstride + c4 * 4);
+        *reinterpret_cast<float4*>(dst + r * LDH + c4 * 4) = val;
+    }
+}
+
+// acc[i][c] += A[row_i] . B[col_c] over HS, A rows ty + TY*i, B rows tx + TX*c (both [.][LDH] in smem).
+// Summation in ascending n (fixed order).
+template <int RI, int CJ>
+static __device__ __forceinline__ void moba_dot_tile(float (&acc)[RI][CJ], const float* __restrict__ A,
+                                                     const float* __restrict__ Bm, int ty, int tx)
+{
+#pragma unroll 2
+    for (int n = 0; n < HS; n += 4) {
+        float4 bv[CJ];
+#pragma unroll
+        for (int c = 0; c < CJ; ++c) bv[c] = *reinterpret_cast<const float4*>(Bm + (tx + TX * c) * LDH + n);
+#pragma unroll
+        for (int i = 0; i < RI; ++i) {
+            const float4 av = *reinterpret_cast<const float4*>(A + (ty + TY * i) * LDH + n);
+#pragma unroll
+            for (int c = 0; c < CJ; ++c) {
+                float s = acc[i][c];
+                s = fmaf(av.x, bv[c].x, s);
+                s = fmaf(av.y, bv[c].y, s);
+                s = fmaf(av.z, bv[c].z, s);
+                s = fmaf(av.w, bv[c].w, s);
+                acc[i][c] = s;
+            }
+        }
+    }
+}
+
+// out[i][c2] += sum_u P[row_i][u] * V[u][col_c2], P [.][LDP] rows ty + TY*i, V [.][LDH], u in [0, NU).
+template <int RI, int NU, int LDP>
+static __device__ __forceinline__ void moba_pv_tile(float (&out)[RI][NC], const float* __restrict__ P,
+                                                    const float* __restrict__ V, int ty, int tx)
+{
+#pragma unroll 2
+    for (int u = 0; u < NU; u += 4) {
+        float vv[4][NC];
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const int col = tx + TX * c;
+                vv[e][c] = moba_col_ok(col) ? V[(u + e) * LDH + col] : 0.f;
+            }
+#pragma unroll
+        for (int i = 0; i < RI; ++i) {
+            const float4 pv = *reinterpret_cast<const float4*>(P + (ty + TY * i) * LDP + u);
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                float s = out[i][c];
+                s = fmaf(pv.x, vv[0][c], s);
+                s = fmaf(pv.y, vv[1][c], s);
+                s = fmaf(pv.z, vv[2][c], s);
+                s = fmaf(pv.w, vv[3][c], s);
+                out[i][c] = s;
+            }
+        }
+    }
+}
+
+// Largest j with toff[j] <= x (toff non-decreasing, toff[0] = 0); false when x >= toff[nblk].
+static __device__ __forceinline__ bool moba_find_tile(const int* __restrict__ toff, int nblk, int x,
+                                                      int& j, int& tile)
+{
+    if (x >= toff[nblk]) return false;
+    int lo = 0, hi = nblk - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (toff[mid] <= x) lo = mid; else hi = mid - 1;
+    }
+    j = lo;
+    tile = x - toff[lo];
+    return true;
+}
+
+// ------------------------------------------------------------------------------------------------
+// (1) block means of k; also zeroes cnt (the selection counts)
+//     grid (nblk, H, B), block KM_THREADS
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(KM_THREADS)
+moba_kmean(const float* __restrict__ k, float* __restrict__ kmean, int* __restrict__ cnt,
+           int T, int H, int chunk, int nblk)
+{
+    constexpr int NP = KM_THREADS / HS;       // partial sums per channel (>= 1)
+    __shared__ float red[KM_THREADS];
+    const int j = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int bh = b * H + h;
+    const int u0 = j * chunk, u1 = min(u0 + chunk, T);
+    const int part = threadIdx.x / HS, n = threadIdx.x - part * HS;
+    float s = 0.f;
+    if (part < NP) {
+        const float* base = k + ((size_t)b * T * H + h) * HS + n;
+        for (int u = u0 + part; u < u1; u += NP) s += base[(size_t)u * H * HS];
+    }
+    red[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x < HS) {
+        float tot = 0.f;
+#pragma unroll
+        for (int p = 0; p < NP; ++p) tot += red[p * HS + threadIdx.x];
+        kmean[((size_t)bh * nblk + j) * HS + threadIdx.x] = tot / (float)(u1 - u0);
+    }
+    if (threadIdx.x == 0) cnt[(size_t)bh * nblk + j] = 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+// (2) gate + top-(K1) selection, one thread per query
+//     g_j = q_t . kmean_j (fp32, fmaf chain over n ascending) for j < t // chunk; the K1 largest,
+//     ties -> lower j. Writes sel (ascending, -1 padded) and adds the selections to cnt (int atomics).
+//     grid (ceil(T/SEL_Q), H, B), block SEL_Q,
+//     dynamic smem 4 * (SEL_Q*(HS+1) + MOBA_SEL_J*HS + 2*SEL_Q*K1) bytes
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(SEL_Q)
+moba_select(const float* __restrict__ q, const float* __restrict__ kmean, int* __restrict__ sel,
+            int* __restrict__ cnt, int T, int H, int chunk, int K1, int nblk)
+{
+    extern __shared__ float4 moba_smem4[];
+    float* qs = reinterpret_cast<float*>(moba_smem4);          // [SEL_Q][HS+1]
+    float* kms = qs + SEL_Q * (HS + 1);                         // [SEL_J][HS]
+    float* topg = kms + MOBA_SEL_J * HS;                        // [K1][SEL_Q]
+    int* topj = reinterpret_cast<int*>(topg + SEL_Q * K1);      // [K1][SEL_Q]
+
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int tid = threadIdx.x;
+    const int t0 = blockIdx.x * SEL_Q;
+    const int t = t0 + tid;
+    const bool valid = t < T;
+    const int bt = valid ? t / chunk : 0;
+    const size_t tstride = (size_t)H * HS;
+    const float* qbase = q + ((size_t)b * T * H + h) * HS;
+
+    for (int idx = tid; idx < SEL_Q * HS; idx += SEL_Q) {
+        const int r = idx / HS, n = idx - r * HS;
+        qs[r * (HS + 1) + n] = (t0 + r < T) ? qbase[(size_t)(t0 + r) * tstride + n] : 0.f;
+    }
+    const int jmax = (min(t0 + SEL_Q, T) - 1) / chunk;        // candidate blocks of this CTA: j < jmax
+    int nf = 0;
+    const float* kmb = kmean + (size_t)bh * nblk * HS;
+    for (int j0 = 0; j0 < jmax; j0 += MOBA_SEL_J) {
+        const int nj = min(MOBA_SEL_J, jmax - j0);
+        __syncthreads();
+        for (int idx = tid; idx < nj * HS; idx += SEL_Q) kms[idx] = kmb[(size_t)j0 * HS + idx];
+        __syncthreads();
+        for (int jj = 0; jj < nj; ++jj) {
+            const int j = j0 + jj;
+            if (j >= bt) break;
+            float g = 0.f;
+            const float* qr = qs + tid * (HS + 1);
+            const float* kr = kms + jj * HS;
+#pragma unroll 8
+            for (int n = 0; n < HS; ++n) g = fmaf(qr[n], kr[n], g);
+            int pos;
+            if (nf < K1) {
+                pos = nf++;
+            } else if (g > topg[(K1 - 1) * SEL_Q + tid]) {
+                pos = K1 - 1;
+            } else {
+                continue;
+            }
+            while (pos > 0 && g > topg[(pos - 1) * SEL_Q + tid]) {
+                topg[pos * SEL_Q + tid] = topg[(pos - 1) * SEL_Q + tid];
+                topj[pos * SEL_Q + tid] = topj[(pos - 1) * SEL_Q + tid];
+                --pos;
+            }
+            topg[pos * SEL_Q + tid] = g;
+            topj[pos * SEL_Q + tid] = j;
+        }
+    }
+    if (!valid) return;
+    // ascending block order (insertion sort of the nf <= K1 selected)
+    for (int i = 1; i < nf; ++i) {
+        const int v = topj[i * SEL_Q + tid];
+        int p = i;
+        while (p > 0 && topj[(p - 1) * SEL_Q + tid] > v) {
+            topj[p * SEL_Q + tid] = topj[(p - 1) * SEL_Q + tid];
+            --p;
+        }
+        topj[p * SEL_Q + tid] = v;
+    }
+    int* srow = sel + ((size_t)bh * T + t) * K1;
+    for (int s = 0; s < K1; ++s) {
+        const int j = s < nf ? topj[s * SEL_Q + tid] : -1;
+        srow[s] = j;
+        if (j >= 0) atomicAdd(cnt + (size_t)bh * nblk + j, 1);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (3) offsets: per bh, exclusive prefix sums over j of cnt, ceil(cnt/FQ), ceil(cnt/DQ_Q)
+//     grid (B*H), block 32
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(32)
+moba_scan(const int* __restrict__ cnt, int* __restrict__ idx, int nblk)
+{
+    const int bh = blockIdx.x, lane = threadIdx.x;
+    int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    int* toff_f = offs + (nblk + 1);
+    int* toff_d = offs + 2 * (nblk + 1);
+    int ca = 0, cb = 0, cc = 0;
+    for (int j0 = 0; j0 < nblk; j0 += 32) {
+        const int j = j0 + lane;
+        const int c = j < nblk ? cnt[(size_t)bh * nblk + j] : 0;
+        const int va = c, vb = (c + MOBA_FQ - 1) / MOBA_FQ, vc = (c + MOBA_DQ_Q - 1) / MOBA_DQ_Q;
+        int ia = va, ib = vb, ic = vc;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int xa = __shfl_up_sync(FULL_MASK, ia, o);
+            const int xb = __shfl_up_sync(FULL_MASK, ib, o);
+            const int xc = __shfl_up_sync(FULL_MASK, ic, o);
+            if (lane >= o) { ia += xa; ib += xb; ic += xc; }
+        }
+        if (j < nblk) {
+            offs[j] = ca + ia - va;
+            toff_f[j] = cb + ib - vb;
+            toff_d[j] = cc + ic - vc;
+        }
+        ca += __shfl_sync(FULL_MASK, ia, 31);
+        cb += __shfl_sync(FULL_MASK, ib, 31);
+        cc += __shfl_sync(FULL_MASK, ic, 31);
+    }
+    if (lane == 0) {
+        offs[nblk] = ca;
+        toff_f[nblk] = cb;
+        toff_d[nblk] = cc;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (4) inverse selection lists: for block j, the entries t*K1 + s with sel[t, s] == j, ascending t
+//     grid (nblk, H, B), block FILL_THREADS
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(FILL_THREADS)
+moba_fill(const int* __restrict__ sel, const int* __restrict__ idx, int* __restrict__ qlist,
+          int T, int H, int chunk, int K1, int nblk, int Emax)
+{
+    constexpr int NW = FILL_THREADS / 32;
+    __shared__ int wcount[NW];
+    const int j = blockIdx.x, h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int start = (j + 1) * chunk;
+    if (start >= T) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int* out = qlist + (size_t)bh * Emax + idx[(size_t)bh * 3 * (nblk + 1) + j];
+    const int* selb = sel + (size_t)bh * T * K1;
+    int running = 0;
+    for (int base = start; base < T; base += FILL_THREADS) {
+        const int t = base + threadIdx.x;
+        int slot = -1;
+        if (t < T) {
+            const int* srow = selb + (size_t)t * K1;
+            for (int s = 0; s < K1; ++s) {
+                const int v = srow[s];
+                if (v == j) { slot = s; break; }
+                if (v > j || v < 0) break;
+            }
+        }
+        const unsigned m = __ballot_sync(FULL_MASK, slot >= 0);
+        if (lane == 0) wcount[warp] = __popc(m);
+        __syncthreads();
+        int wbase = 0, total = 0;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const int c = wcount[w];
+            wbase += (w < warp) ? c : 0;
+            total += c;
+        }
+        if (slot >= 0) out[running + wbase + __popc(m & ((1u << lane) - 1u))] = t * K1 + slot;
+        running += total;
+        __syncthreads();
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// forward attention core: one key tile [u0, u0+nk) against the query tile in Qs (rows ty + TY*i),
+// online softmax in fp32. causal: key u visible to query t iff u <= t (t = qtok[row]; qtok < 0 rows
+// see nothing). Ks, Vs [FK][LDH], Ps [FQ][FK+4].
+// ------------------------------------------------------------------------------------------------
+#define FRQ (MOBA_FQ / TY)
+#define FCK (MOBA_FK / TX)
+#define FLDP (MOBA_FK + 4)
+
+static __device__ __forceinline__ void moba_fwd_tile(const float* __restrict__ Qs, const float* __restrict__ Ks,
+                                                     const float* __restrict__ Vs, float* __restrict__ Ps,
+                                                     const int* __restrict__ qtok, int u0, int nk, bool causal,
+                                                     float scale, float (&m)[FRQ], float (&l)[FRQ],
+                                                     float (&acc)[FRQ][NC])
+{
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+    float s[FRQ][FCK];
+#pragma unroll
+    for (int i = 0; i < FRQ; ++i)
+#pragma unroll
+        for (int c = 0; c < FCK; ++c) s[i][c] = 0.f;
+    moba_dot_tile<FRQ, FCK>(s, Qs, Ks, ty, tx);
+#pragma unroll
+    for (int i = 0; i < FRQ; ++i) {
+        const int r = ty + TY * i;
+        const int t = qtok[r];
+        float mx = -MOBA_INF;
+#pragma unroll
+        for (int c = 0; c < FCK; ++c) {
+            const int kc = tx + TX * c;
+            const bool vis = kc < nk && t >= 0 && (!causal || u0 + kc <= t);
+            s[i][c] = vis ? s[i][c] * scale : -MOBA_INF;
+            mx = fmaxf(mx, s[i][c]);
+        }
+        mx = moba_row_max(mx);
+        const float mnew = fmaxf(m[i], mx);
+        const float mref = (mnew == -MOBA_INF) ? 0.f : mnew;
+        const float alpha = expf(m[i] - mref);
+        float rs = 0.f;
+#pragma unroll
+        for (int c = 0; c < FCK; ++c) {
+            const float p = expf(s[i][c] - mref);
+            Ps[r * FLDP + tx + TX * c] = p;
+            rs += p;
+        }
+        rs = moba_row_sum(rs);
+        l[i] = l[i] * alpha + rs;
+        m[i] = mnew;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[i][c] *= alpha;
+    }
+    __syncthreads();
+    moba_pv_tile<FRQ, MOBA_FK, FLDP>(acc, Ps, Vs, ty, tx);
+    __syncthreads();
+}
+
+#define FWD_SMEM_FLOATS (MOBA_FQ * LDH + 2 * MOBA_FK * LDH + MOBA_FQ * FLDP)
+
+// ------------------------------------------------------------------------------------------------
+// (5) forward over the selected past blocks: CTA = (block j, tile of up to FQ queries that selected j)
+//     writes part[bh, t, s, :] = softmax-weighted v over block j (normalised), lpart = its logsumexp.
+//     grid (ceil(Emax/FQ) + nblk, H, B), block NTHR, dynamic smem 4*(FWD_SMEM_FLOATS + 2*FQ) bytes
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_fwd_past(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+              const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
+              float* __restrict__ lpart, int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+{
+    extern __shared__ float4 moba_smem4[];
+    float* Qs = reinterpret_cast<float*>(moba_smem4);
+    float* Ks = Qs + MOBA_FQ * LDH;
+    float* Vs = Ks + MOBA_FK * LDH;
+    float* Ps = Vs + MOBA_FK * LDH;
+    int* qtok = reinterpret_cast<int*>(Ps + MOBA_FQ * FLDP);
+    int* qent = qtok + MOBA_FQ;
+
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    int j, tile;
+    if (!moba_find_tile(offs + (nblk + 1), nblk, blockIdx.x, j, tile)) return;
+    const int e0 = offs[j] + tile * MOBA_FQ;
+    const int e1 = min(e0 + MOBA_FQ, offs[j + 1]);
+    for (int r = threadIdx.x; r < MOBA_FQ; r += NTHR) {
+        const int p = (e0 + r < e1) ? qlist[(size_t)bh * Emax + e0 + r] : -1;
+        qent[r] = p;
+        qtok[r] = p >= 0 ? p / K1 : -1;
+    }
+    __syncthreads();
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    moba_load_rows(Qs, q + hoff, tstride, qtok, MOBA_FQ);
+
+    float m[FRQ], l[FRQ], acc[FRQ][NC];
+#pragma unroll
+    for (int i = 0; i < FRQ; ++i) {
+        m[i] = -MOBA_INF;
+        l[i] = 0.f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[i][c] = 0.f;
+    }
+    const int kend = (j + 1) * chunk;            // block j is complete (a later block exists)
+    for (int u0 = j * chunk; u0 < kend; u0 += MOBA_FK) {
+        const int nk = min(MOBA_FK, kend - u0);
+        moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_FK);
+        moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_FK);
+        __syncthreads();
+        moba_fwd_tile(Qs, Ks, Vs, Ps, qtok, u0, nk, false, scale, m, l, acc);
+    }
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+#pragma unroll
+    for (int i = 0; i < FRQ; ++i) {
+        const int p = qent[ty + TY * i];
+        if (p < 0) continue;
+        const size_t e = (size_t)bh * T * K1 + p;
+        const float inv = 1.f / l[i];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int col = tx + TX * c;
+            if (moba_col_ok(col)) part[e * HS + col] = acc[i][c] * inv;
+        }
+        if (tx == 0) lpart[e] = m[i] + logf(l[i]);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (6) forward over the own block (causal) + merge of the past partials; writes o and lse.
+//     CTA = (query tile of up to FQ queries inside one block). tiles per block tpc = ceil(chunk/FQ).
+//     grid (nblk*tpc, H, B), block NTHR, dynamic smem 4*(FWD_SMEM_FLOATS + 2*FQ) bytes
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_fwd_own(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+             const int* __restrict__ sel, const float* __restrict__ part, const float* __restrict__ lpart,
+             float* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
+{
+    extern __shared__ float4 moba_smem4[];
+    float* Qs = reinterpret_cast<float*>(moba_smem4);
+    float* Ks = Qs + MOBA_FQ * LDH;
+    float* Vs = Ks + MOBA_FK * LDH;
+    float* Ps = Vs + MOBA_FK * LDH;
+    int* qtok = reinterpret_cast<int*>(Ps + MOBA_FQ * FLDP);
+
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int tpc = (chunk + MOBA_FQ - 1) / MOBA_FQ;
+    const int cblk = blockIdx.x / tpc, ti = blockIdx.x - cblk * tpc;
+    const int kstart = cblk * chunk;
+    const int q0 = kstart + ti * MOBA_FQ;
+    if (q0 >= T) return;
+    const int q1 = min(min(q0 + MOBA_FQ, kstart + chunk), T);
+    for (int r = threadIdx.x; r < MOBA_FQ; r += NTHR) qtok[r] = (q0 + r < q1) ? q0 + r : -1;
+    __syncthreads();
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    moba_load_rows(Qs, q + hoff, tstride, qtok, MOBA_FQ);
+
+    float m[FRQ], l[FRQ], acc[FRQ][NC];
+#pragma unroll
+    for (int i = 0; i < FRQ; ++i) {
+        m[i] = -MOBA_INF;
+        l[i] = 0.f;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[i][c] = 0.f;
+    }
+    for (int u0 = kstart; u0 < q1; u0 += MOBA_FK) {
+        const int nk = min(MOBA_FK, q1 - u0);
+        moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_FK);
+        moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_FK);
+        __syncthreads();
+        moba_fwd_tile(Qs, Ks, Vs, Ps, qtok, u0, nk, true, scale, m, l, acc);
+    }
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+#pragma unroll
+    for (int i = 0; i < FRQ; ++i) {
+        const int t = qtok[ty + TY * i];
+        if (t < 0) continue;
+        float mi = m[i], li = l[i];
+        const size_t e0 = ((size_t)bh * T + t) * K1;
+        for (int s = 0; s < K1; ++s) {
+            if (sel[e0 + s] < 0) break;
+            const float lp = lpart[e0 + s];
+            const float mnew = fmaxf(mi, lp);
+            const float alpha = expf(mi - mnew), beta = expf(lp - mnew);
+            li = li * alpha + beta;
+            mi = mnew;
+            const float* pr = part + (e0 + s) * HS;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const int col = tx + TX * c;
+                const float pv = moba_col_ok(col) ? pr[col] : 0.f;
+                acc[i][c] = fmaf(acc[i][c], alpha, beta * pv);
+            }
+        }
+        float* orow = o + hoff + (size_t)t * tstride;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int col = tx + TX * c;
+            if (moba_col_ok(col)) orow[col] = acc[i][c] / li;
+        }
+        if (tx == 0) lse[(size_t)bh * T + t] = mi + logf(li);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (7) backward: delta[bh, t] = sum_n do[b,t,h,n] * o[b,t,h,n]; one warp per (b, t, h)
+//     grid ceil(B*T*H / 4), block 128
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(128)
+moba_bwd_delta(const float* __restrict__ o, const float* __restrict__ dout, float* __restrict__ delta,
+               int B, int T, int H)
+{
+    const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= (long long)B * T * H) return;
+    const float* orow = o + row * HS;
+    const float* drow = dout + row * HS;
+    float s = 0.f;
+    for (int n = lane; n < HS; n += 32) s = fmaf(orow[n], drow[n], s);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
+    if (lane == 0) {
+        const int h = (int)(row % H);
+        const long long bt = row / H;
+        const int t = (int)(bt % T), b = (int)(bt / T);
+        delta[((size_t)b * H + h) * T + t] = s;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// backward dq core: one key tile [u0, u0+nk) against the query tile (Qs, dOs rows ty + TY*i)
+//   P = exp(scale*q.k - lse), dP = do.v, dS = P*(dP - D); acc += dS @ K
+// Ks, Vs [DQ_K][LDH]; dSs [DQ_Q][DQ_K+4]
+// ------------------------------------------------------------------------------------------------
+#define DRQ (MOBA_DQ_Q / TY)
+#define DCK (MOBA_DQ_K / TX)
+#define DLDP (MOBA_DQ_K + 4)
+
+static __device__ __forceinline__ void moba_dq_tile(const float* __restrict__ Qs, const float* __restrict__ dOs,
+                                                    const float* __restrict__ Ks, const float* __restrict__ Vs,
+                                                    float* __restrict__ dSs, const int* __restrict__ qtok,
+                                                    const float* __restrict__ lse_s, const float* __restrict__ D_s,
+                                                    int u0, int nk, bool causal, float scale,
+                                                    float (&acc)[DRQ][NC])
+{
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+    float s[DRQ][DCK], dp[DRQ][DCK];
+#pragma unroll
+    for (int i = 0; i < DRQ; ++i)
+#pragma unroll
+        for (int c = 0; c < DCK; ++c) { s[i][c] = 0.f; dp[i][c] = 0.f; }
+    moba_dot_tile<DRQ, DCK>(s, Qs, Ks, ty, tx);
+    moba_dot_tile<DRQ, DCK>(dp, dOs, Vs, ty, tx);
+#pragma unroll
+    for (int i = 0; i < DRQ; ++i) {
+        const int r = ty + TY * i;
+        const int t = qtok[r];
+        const float lt = lse_s[r], Dt = D_s[r];
+#pragma unroll
+        for (int c = 0; c < DCK; ++c) {
+            const int kc = tx + TX * c;
+            const bool vis = kc < nk && t >= 0 && (!causal || u0 + kc <= t);
+            const float p = vis ? expf(s[i][c] * scale - lt) : 0.f;
+            dSs[r * DLDP + kc] = p * (dp[i][c] - Dt);
+        }
+    }
+    __syncthreads();
+    moba_pv_tile<DRQ, MOBA_DQ_K, DLDP>(acc, dSs, Ks, ty, tx);
+    __syncthreads();
+}
+
+#define DQ_SMEM_FLOATS (2 * MOBA_DQ_Q * LDH + 2 * MOBA_DQ_K * LDH + MOBA_DQ_Q * DLDP + 2 * MOBA_DQ_Q)
+
+// query-tile preparation shared by the dq kernels: Q, dO rows, lse and delta of the tokens in qtok
+static __device__ __forceinline__ void moba_dq_load_queries(float* Qs, float* dOs, float* lse_s, float* D_s,
+                                                            const int* qtok, const float* __restrict__ q,
+                                                            const float* __restrict__ dout,
+                                                            const float* __restrict__ lse,
+                                                            const float* __restrict__ delta,
+                                                            size_t hoff, size_t tstride, size_t bhT, int R)
+{
+    moba_load_rows(Qs, q + hoff, tstride, qtok, R);
+    moba_load_rows(dOs, dout + hoff, tstride, qtok, R);
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const int t = qtok[r];
+        lse_s[r] = t >= 0 ? lse[bhT + t] : 0.f;
+        D_s[r] = t >= 0 ? delta[bhT + t] : 0.f;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (8) dq over the selected past blocks: CTA = (block j, tile of up to DQ_Q queries that selected j);
+//     part[bh, t, s, :] = scale * sum_{u in block j} dS[t,u] k_u
+//     grid (ceil(Emax/DQ_Q) + nblk, H, B), block NTHR, dynamic smem 4*(DQ_SMEM_FLOATS + 2*DQ_Q) bytes
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_bwd_dq_past(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                 const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                 const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
+                 int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+{
+    extern __shared__ float4 moba_smem4[];
+    float* Qs = reinterpret_cast<float*>(moba_smem4);
+    float* dOs = Qs + MOBA_DQ_Q * LDH;
+    float* Ks = dOs + MOBA_DQ_Q * LDH;
+    float* Vs = Ks + MOBA_DQ_K * LDH;
+    float* dSs = Vs + MOBA_DQ_K * LDH;
+    float* lse_s = dSs + MOBA_DQ_Q * DLDP;
+    float* D_s = lse_s + MOBA_DQ_Q;
+    int* qtok = reinterpret_cast<int*>(D_s + MOBA_DQ_Q);
+    int* qent = qtok + MOBA_DQ_Q;
+
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    int j, tile;
+    if (!moba_find_tile(offs + 2 * (nblk + 1), nblk, blockIdx.x, j, tile)) return;
+    const int e0 = offs[j] + tile * MOBA_DQ_Q;
+    const int e1 = min(e0 + MOBA_DQ_Q, offs[j + 1]);
+    for (int r = threadIdx.x; r < MOBA_DQ_Q; r += NTHR) {
+        const int p = (e0 + r < e1) ? qlist[(size_t)bh * Emax + e0 + r] : -1;
+        qent[r] = p;
+        qtok[r] = p >= 0 ? p / K1 : -1;
+    }
+    __syncthreads();
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    moba_dq_load_queries(Qs, dOs, lse_s, D_s, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,
+                         MOBA_DQ_Q);
+    float acc[DRQ][NC];
+#pragma unroll
+    for (int i = 0; i < DRQ; ++i)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[i][c] = 0.f;
+    const int kend = (j + 1) * chunk;
+    for (int u0 = j * chunk; u0 < kend; u0 += MOBA_DQ_K) {
+        const int nk = min(MOBA_DQ_K, kend - u0);
+        moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_DQ_K);
+        moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_DQ_K);
+        __syncthreads();
+        moba_dq_tile(Qs, dOs, Ks, Vs, dSs, qtok, lse_s, D_s, u0, nk, false, scale, acc);
+    }
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+#pragma unroll
+    for (int i = 0; i < DRQ; ++i) {
+        const int p = qent[ty + TY * i];
+        if (p < 0) continue;
+        float* pr = part + ((size_t)bh * T * K1 + p) * HS;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int col = tx + TX * c;
+            if (moba_col_ok(col)) pr[col] = acc[i][c] * scale;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (9) dq over the own block (causal), plus the past partials in slot order; writes dq.
+//     grid (nblk*ceil(chunk/DQ_Q), H, B), block NTHR, dynamic smem 4*(DQ_SMEM_FLOATS + 2*DQ_Q) bytes
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_bwd_dq_own(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                const int* __restrict__ sel, const float* __restrict__ part, float* __restrict__ dq,
+                int T, int H, int chunk, int K1, float scale)
+{
+    extern __shared__ float4 moba_smem4[];
+    float* Qs = reinterpret_cast<float*>(moba_smem4);
+    float* dOs = Qs + MOBA_DQ_Q * LDH;
+    float* Ks = dOs + MOBA_DQ_Q * LDH;
+    float* Vs = Ks + MOBA_DQ_K * LDH;
+    float* dSs = Vs + MOBA_DQ_K * LDH;
+    float* lse_s = dSs + MOBA_DQ_Q * DLDP;
+    float* D_s = lse_s + MOBA_DQ_Q;
+    int* qtok = reinterpret_cast<int*>(D_s + MOBA_DQ_Q);
+
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int tpc = (chunk + MOBA_DQ_Q - 1) / MOBA_DQ_Q;
+    const int cblk = blockIdx.x / tpc, ti = blockIdx.x - cblk * tpc;
+    const int kstart = cblk * chunk;
+    const int q0 = kstart + ti * MOBA_DQ_Q;
+    if (q0 >= T) return;
+    const int q1 = min(min(q0 + MOBA_DQ_Q, kstart + chunk), T);
+    for (int r = threadIdx.x; r < MOBA_DQ_Q; r += NTHR) qtok[r] = (q0 + r < q1) ? q0 + r : -1;
+    __syncthreads();
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    moba_dq_load_queries(Qs, dOs, lse_s, D_s, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,
+                         MOBA_DQ_Q);
+    float acc[DRQ][NC];
+#pragma unroll
+    for (int i = 0; i < DRQ; ++i)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) acc[i][c] = 0.f;
+    for (int u0 = kstart; u0 < q1; u0 += MOBA_DQ_K) {
+        const int nk = min(MOBA_DQ_K, q1 - u0);
+        moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_DQ_K);
+        moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_DQ_K);
+        __syncthreads();
+        moba_dq_tile(Qs, dOs, Ks, Vs, dSs, qtok, lse_s, D_s, u0, nk, true, scale, acc);
+    }
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+#pragma unroll
+    for (int i = 0; i < DRQ; ++i) {
+        const int t = qtok[ty + TY * i];
+        if (t < 0) continue;
+        float r[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) r[c] = acc[i][c] * scale;
+        const size_t e0 = ((size_t)bh * T + t) * K1;
+        for (int s = 0; s < K1; ++s) {
+            if (sel[e0 + s] < 0) break;
+            const float* pr = part + (e0 + s) * HS;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                const int col = tx + TX * c;
+                if (moba_col_ok(col)) r[c] += pr[col];
+            }
+        }
+        float* drow = dq + hoff + (size_t)t * tstride;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int col = tx + TX * c;
+            if (moba_col_ok(col)) drow[col] = r[c];
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (10) dk, dv: CTA = (key tile kt of block j); loops over the own-block queries t >= u (causal) in
+//      tiles of KV_Q, then over qlist[offs[j] .. offs[j+1]) in tiles of KV_Q; accumulates
+//      dv[u] += P[t,u] do_t and dk[u] += scale * dS[t,u] q_t in registers; writes once.
+//      grid (ceil(chunk/KV_K), nblk, B*H), block NTHR, dynamic smem 4*KV_SMEM_FLOATS bytes
+// ------------------------------------------------------------------------------------------------
+#define KRK (MOBA_KV_K / TY)
+#define KCQ (MOBA_KV_Q / TX)
+#define KLDP (MOBA_KV_Q + 4)
+#define KV_SMEM_FLOATS (2 * MOBA_KV_K * LDH + 2 * MOBA_KV_Q * LDH + 2 * MOBA_KV_K * KLDP + 3 * MOBA_KV_Q)
+
+static __device__ __forceinline__ void moba_kv_tile(const float* __restrict__ Ks, const float* __restrict__ Vs,
+                                                    float* __restrict__ Qs, float* __restrict__ dOs,
+                                                    float* __restrict__ Ps, float* __restrict__ dSs,
+                                                    float* __restrict__ lse_s, float* __restrict__ D_s,
+                                                    const int* __restrict__ qtok,
+                                                    const float* __restrict__ q, const float* __restrict__ dout,
+                                                    const float* __restrict__ lse, const float* __restrict__ delta,
+                                                    size_t hoff, size_t tstride, size_t bhT,
+                                                    int u0, int nk, bool causal, float scale,
+                                                    float (&dk)[KRK][NC], float (&dv)[KRK][NC])
+{
+    // qtok was written before the caller's __syncthreads()
+    moba_dq_load_queries(Qs, dOs, lse_s, D_s, qtok, q, dout, lse, delta, hoff, tstride, bhT, MOBA_KV_Q);
+    __syncthreads();
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+    float s[KRK][KCQ], dp[KRK][KCQ];
+#pragma unroll
+    for (int i = 0; i < KRK; ++i)
+#pragma unroll
+        for (int c = 0; c < KCQ; ++c) { s[i][c] = 0.f; dp[i][c] = 0.f; }
+    moba_dot_tile<KRK, KCQ>(s, Ks, Qs, ty, tx);      // s[key row][query col] = k_u . q_t
+    moba_dot_tile<KRK, KCQ>(dp, Vs, dOs, ty, tx);    // dp = v_u . do_t
+#pragma unroll
+    for (int i = 0; i < KRK; ++i) {
+        const int r = ty + TY * i;
+        const int u = u0 + r;
+#pragma unroll
+        for (int c = 0; c < KCQ; ++c) {
+            const int qc = tx + TX * c;
+            const int t = qtok[qc];
+            const bool vis = r < nk && t >= 0 && (!causal || u <= t);
+            const float p = vis ? expf(s[i][c] * scale - lse_s[qc]) : 0.f;
+            Ps[r * KLDP + qc] = p;
+            dSs[r * KLDP + qc] = p * (dp[i][c] - D_s[qc]);
+        }
+    }
+    __syncthreads();
+    moba_pv_tile<KRK, MOBA_KV_Q, KLDP>(dv, Ps, dOs, ty, tx);   // dv[u] += sum_t P[u][t] do[t]
+    moba_pv_tile<KRK, MOBA_KV_Q, KLDP>(dk, dSs, Qs, ty, tx);   // dk[u] += sum_t dS[u][t] q[t]
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_bwd_dkdv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+              const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+              const int* __restrict__ idx, const int* __restrict__ qlist,
+              float* __restrict__ dk, float* __restrict__ dv,
+              int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+{
+    extern __shared__ float4 moba_smem4[];
+    float* Ks = reinterpret_cast<float*>(moba_smem4);
+    float* Vs = Ks + MOBA_KV_K * LDH;
+    float* Qs = Vs + MOBA_KV_K * LDH;
+    float* dOs = Qs + MOBA_KV_Q * LDH;
+    float* Ps = dOs + MOBA_KV_Q * LDH;
+    float* dSs = Ps + MOBA_KV_K * KLDP;
+    float* lse_s = dSs + MOBA_KV_K * KLDP;
+    float* D_s = lse_s + MOBA_KV_Q;
+    int* qtok = reinterpret_cast<int*>(D_s + MOBA_KV_Q);
+
+    const int j = blockIdx.y;
+    const int bh = blockIdx.z, b = bh / H, h = bh - b * H;
+    const int u0 = j * chunk + blockIdx.x * MOBA_KV_K;
+    const int bend = min((j + 1) * chunk, T);
+    if (u0 >= bend) return;
+    const int nk = min(MOBA_KV_K, bend - u0);
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    const size_t bhT = (size_t)bh * T;
+    moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_KV_K);
+    moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_KV_K);
+
+    float dka[KRK][NC], dva[KRK][NC];
+#pragma unroll
+    for (int i = 0; i < KRK; ++i)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) { dka[i][c] = 0.f; dva[i][c] = 0.f; }
+
+    // own block: queries u0 .. bend-1 (key u visible to t iff u <= t)
+    for (int t0 = u0; t0 < bend; t0 += MOBA_KV_Q) {
+        for (int r = threadIdx.x; r < MOBA_KV_Q; r += NTHR) qtok[r] = (t0 + r < bend) ? t0 + r : -1;
+        __syncthreads();
+        moba_kv_tile(Ks, Vs, Qs, dOs, Ps, dSs, lse_s, D_s, qtok, q, dout, lse, delta, hoff, tstride, bhT,
+                     u0, nk, true, scale, dka, dva);
+    }
+    // later queries that selected block j (all of block j visible to them); K1 == 0: none
+    if (K1 <= 0) goto write_out;
+    {
+    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    const int ebeg = offs[j], eend = offs[j + 1];
+    const int* ql = qlist + (size_t)bh * Emax;
+    for (int e0 = ebeg; e0 < eend; e0 += MOBA_KV_Q) {
+        for (int r = threadIdx.x; r < MOBA_KV_Q; r += NTHR) qtok[r] = (e0 + r < eend) ? ql[e0 + r] / K1 : -1;
+        __syncthreads();
+        moba_kv_tile(Ks, Vs, Qs, dOs, Ps, dSs, lse_s, D_s, qtok, q, dout, lse, delta, hoff, tstride, bhT,
+                     u0, nk, false, scale, dka, dva);
+    }
+    }
+write_out:
+    const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+#pragma unroll
+    for (int i = 0; i < KRK; ++i) {
+        const int r = ty + TY * i;
+        if (r >= nk) continue;
+        const size_t off = hoff + (size_t)(u0 + r) * tstride;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const int col = tx + TX * c;
+            if (moba_col_ok(col)) {
+                dk[off + col] = dka[i][c] * scale;
+                dv[off + col] = dva[i][c];
+            }
+        }
+    }
+}

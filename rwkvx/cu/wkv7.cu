@@ -1,0 +1,486 @@
+// rwkvx/cu/wkv7.cu -- RWKV-7 ("x070") WKV recurrence, forward and backward.
+//
+// Per sequence bb and head h (N = HEAD_SIZE), S is N x N (row i = value index, column j = key index),
+// S = 0 before t = 0:
+//     sa_t = S_{t-1} a_t
+//     S_t  = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T
+//     y_t  = S_t r_t
+// All tensors are float32 [B,T,H,N] (= row-major [B*T, C], c = h*N + n).
+//
+// Thread mapping (Q = WKV_Q lanes per row, M = N/Q elements per lane, lanes of a row adjacent in a warp):
+//   "row role":    thread (ri, rq) owns S[row, rq*M .. rq*M+M-1] (row = i0 + ri) -- row reductions
+//                  (sa, y, dv, dsa) are M-term partial sums + shuffle-xor over the Q lanes.
+//   "column role"  (backward only): thread (cj, cq) owns dS[i0 + cq*M .. +M-1, cj] -- column reductions
+//                  (dr, dk, db, dw, da) over the block's rows, shuffle-xor over CQ = Q/P lanes.
+// Row split P = gridDim.x: block p owns rows i0 = p*N/P .. i0 + N/P - 1 (blockDim.x = (N/P)*Q).
+//   Forward: rows are independent, any P dividing N works.
+//   Backward: P <= Q; the column reductions then cover only the block's rows -> per-split partials
+//   (split 0 into dr/dw/dk/da/db, splits 1..P-1 into scratch), added in order by wkv7_backward_reduce.
+//
+// Inputs are staged through shared memory in stages of LS tokens with cp.async double buffering.
+// Forward writes the state at the start of every 16-token chunk c >= 1 (S_{16c-1}) into
+// ckpt [B,H,nC,N,N] (nC = ceil(T/16); slot c = 0 is never written nor read).
+// Backward walks the chunks in reverse: recompute the chunk's states S_{t-1} (row layout) from the
+// checkpoint into the per-block slab [16, N/P, N] (global, L2-resident) and sa_t into shared memory,
+// then step backward through the chunk reading columns S_{t-1}[:, j] from the slab.
+// Deterministic: no atomics, fixed reduction orders. All accumulation in fp32.
+//
+// Gradients, with G_t = dL/dS_t (carried in registers twice: row copy and column copy):
+//   G_t      += dy_t r_t^T                     (y_t = S_t r_t)
+//   dr_t      = S_t^T dy_t                     (S_t[:,j] = S_{t-1}[:,j] w_j + sa b_j + v k_j, rebuilt)
+//   dv_t      = G_t k_t            dk_t = G_t^T v_t
+//   dsa       = G_t b_t            db_t = G_t^T sa_t
+//   dw_t[j]   = sum_i G_t[i,j] S_{t-1}[i,j]
+//   da_t      = S_{t-1}^T dsa                  (sa_t = S_{t-1} a_t)
+//   G_{t-1}   = G_t diag(w_t) + dsa a_t^T      (+ dy_{t-1} r_{t-1}^T at the next step)
+
+#ifndef HEAD_SIZE
+#error "HEAD_SIZE must be defined (-DHEAD_SIZE=N)"
+#endif
+#ifndef WKV_Q
+#define WKV_Q 4            // lanes per row; must match rwkvx/ops/wkv7.py
+#endif
+
+namespace wkv7 {
+
+constexpr int HN = HEAD_SIZE;
+constexpr int Q = WKV_Q;
+constexpr int M = HN / Q;                                   // elements per lane and role
+constexpr int CHUNK = 16;                                   // checkpoint interval (tokens)
+constexpr int LS = HN >= 128 ? 4 : (HN >= 64 ? 8 : 16);     // tokens per staged block (divides CHUNK)
+constexpr int VW = (M % 4 == 0) ? 4 : ((M % 2 == 0) ? 2 : 1);   // vector width for M-runs
+constexpr int FWD_MAXT = HN * Q;                            // forward block size with P = 1
+constexpr int BWD_MAXT = (HN * Q < 256) ? HN * Q : 256;     // backward: N = 128 needs P >= 2
+constexpr bool PREFETCH_COL = M <= 16;                     // registers: N = 128 loads per step
+constexpr int BWD_MINB = HN >= 128 ? 1 : 2;                 // 2 blocks/SM (<= 128 regs) for N <= 64
+
+static_assert(HN == 4 || HN == 8 || HN == 16 || HN == 32 || HN == 64 || HN == 128,
+              "HEAD_SIZE must be one of 4, 8, 16, 32, 64, 128");
+static_assert(Q == 4, "WKV_Q must be 4 (shuffle masks assume quads)");
+static_assert(CHUNK % LS == 0, "LS must divide CHUNK");
+
+// ---- small helpers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void cp_async16(void* dst_smem, const void* src_gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst_smem)), "l"(src_gmem)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int K>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(K) : "memory"); }
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
+// load / store VW consecutive floats (16/8/4-byte aligned by construction)
+__device__ __forceinline__ void ldv(const float* p, float* o) {
+    if constexpr (VW == 4) { float4 t = *reinterpret_cast<const float4*>(p); o[0] = t.x; o[1] = t.y; o[2] = t.z; o[3] = t.w; }
+    else if constexpr (VW == 2) { float2 t = *reinterpret_cast<const float2*>(p); o[0] = t.x; o[1] = t.y; }
+    else { o[0] = p[0]; }
+}
+__device__ __forceinline__ void stv(float* p, const float* o) {
+    if constexpr (VW == 4) { *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]); }
+    else if constexpr (VW == 2) { *reinterpret_cast<float2*>(p) = make_float2(o[0], o[1]); }
+    else { p[0] = o[0]; }
+}
+
+// Sum over the `width` adjacent lanes of a group (width in {1,2,4}); every lane gets the total.
+// The mask names the lane's quad: all four lanes of a quad always execute this together.
+__device__ __forceinline__ float group_sum(float x, int width) {
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned mask = 0xFu << (lane & ~3u);
+    if (width >= 2) x += __shfl_xor_sync(mask, x, 1);
+    if (width >= 4) x += __shfl_xor_sync(mask, x, 2);
+    return x;
+}
+
+__device__ __forceinline__ float vw_sum(const float* acc) {
+    if constexpr (VW == 4) return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    else if constexpr (VW == 2) return acc[0] + acc[1];
+    else return acc[0];
+}
+// Partial row dot sum_m S[m] * vec[j0 + m] over this lane's M columns, with VW independent accumulator
+// chains (shorter dependency chain); fixed summation order. Shared by the forward and the backward's
+// recompute so both produce the same states bit for bit.
+__device__ __forceinline__ float row_dot(const float* S, const float* vec) {
+    float acc[VW];
+#pragma unroll
+    for (int u = 0; u < VW; ++u) acc[u] = 0.f;
+#pragma unroll
+    for (int m = 0; m < M; m += VW) {
+        float x[VW];
+        ldv(vec + m, x);
+#pragma unroll
+        for (int u = 0; u < VW; ++u) acc[u] = fmaf(S[m + u], x[u], acc[u]);
+    }
+    return vw_sum(acc);
+}
+// S[row, j] <- S[row, j] w_j + sa b_j + v_row k_j  (same expression in forward and recompute)
+__device__ __forceinline__ float state_update(float s, float wj, float sa, float bj, float vi, float kj) {
+    return fmaf(s, wj, fmaf(sa, bj, vi * kj));
+}
+
+// Stage `cnt` tokens (from token tstart) of one [B,T,H,N] tensor into dst [LS][HN] with cp.async.
+// src points at X + h*HN; token t of sequence bb lives at src + ((bb*T + t)*H)*HN.
+__device__ __forceinline__ void stage_vec(float* dst, const float* src, long long tokbase, int tstart, int cnt,
+                                          int H, int tid, int nt) {
+    constexpr int R4 = HN / 4;
+    for (int e = tid; e < cnt * R4; e += nt) {
+        const int sl = e / R4, n4 = e - sl * R4;
+        cp_async16(dst + sl * HN + n4 * 4, src + (tokbase + tstart + sl) * (long long)H * HN + n4 * 4);
+    }
+}
+
+}  // namespace wkv7
+
+using namespace wkv7;
+
+// =============================================================================================
+// Forward.  grid (P, H, B), block (N/P * Q).  y [B,T,H,N]; ckpt [B,H,ceil(T/16),N,N].
+// =============================================================================================
+extern "C" __global__ void __launch_bounds__(FWD_MAXT)
+wkv7_forward(const float* __restrict__ r, const float* __restrict__ w, const float* __restrict__ k,
+             const float* __restrict__ v, const float* __restrict__ a, const float* __restrict__ b,
+             float* __restrict__ y, float* __restrict__ ckpt, int T, int H)
+{
+    constexpr int NV = 6;                                        // r w k v a b
+    __shared__ __align__(16) float buf[2][NV][LS][HN];
+
+    const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
+    const int NR = HN / P, nt = NR * Q, tid = threadIdx.x;
+    const int ri = tid / Q, rq = tid % Q, row = p * NR + ri, j0 = rq * M;
+    const int nC = (T + CHUNK - 1) / CHUNK;
+    const long long tokbase = (long long)bb * T;
+    const long long hoff = (long long)h * HN;
+    float* ck = ckpt + ((long long)(bb * H + h) * nC) * HN * HN + (long long)row * HN + j0;
+
+    float S[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) S[m] = 0.f;
+
+    const int G = (T + LS - 1) / LS;
+    auto issue = [&](int g) {
+        const int ts = g * LS, cnt = min(LS, T - ts);
+        float* d = &buf[g & 1][0][0][0];
+        stage_vec(d + 0 * LS * HN, r + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 1 * LS * HN, w + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 2 * LS * HN, k + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 3 * LS * HN, v + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 4 * LS * HN, a + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 5 * LS * HN, b + hoff, tokbase, ts, cnt, H, tid, nt);
+    };
+
+    issue(0);
+    cp_commit();
+    for (int g = 0; g < G; ++g) {
+        if (g + 1 < G) { issue(g + 1); cp_commit(); cp_wait<1>(); }
+        else { cp_wait<0>(); }
+        __syncthreads();
+        const float(*sb)[LS][HN] = buf[g & 1];
+        const int ts = g * LS, cnt = min(LS, T - ts);
+        for (int sl = 0; sl < cnt; ++sl) {
+            const int t = ts + sl;
+            if ((t % CHUNK) == 0 && t > 0) {                     // state at the start of chunk t/16
+                float* dst = ck + (long long)(t / CHUNK) * HN * HN;
+#pragma unroll
+                for (int m = 0; m < M; m += VW) stv(dst + m, S + m);
+            }
+            // sa_row = sum_j S[row,j] a_j
+            const float sa = group_sum(row_dot(S, &sb[4][sl][j0]), Q);
+            const float vi = sb[3][sl][row];
+            // S = S diag(w) + sa b^T + v k^T ; y_row = sum_j S[row,j] r_j
+            float ya[VW];
+#pragma unroll
+            for (int u = 0; u < VW; ++u) ya[u] = 0.f;
+#pragma unroll
+            for (int m = 0; m < M; m += VW) {
+                float wv[VW], bv[VW], kv[VW], rv[VW];
+                ldv(&sb[1][sl][j0 + m], wv);
+                ldv(&sb[5][sl][j0 + m], bv);
+                ldv(&sb[2][sl][j0 + m], kv);
+                ldv(&sb[0][sl][j0 + m], rv);
+#pragma unroll
+                for (int u = 0; u < VW; ++u) {
+                    const float s = state_update(S[m + u], wv[u], sa, bv[u], vi, kv[u]);
+                    S[m + u] = s;
+                    ya[u] = fmaf(s, rv[u], ya[u]);
+                }
+            }
+            const float yy = group_sum(vw_sum(ya), Q);
+            if (rq == 0) y[(tokbase + t) * (long long)H * HN + hoff + row] = yy;
+        }
+        __syncthreads();
+    }
+}
+
+// =============================================================================================
+// Backward.  grid (P, H, B) with P in {1,2,4} (P <= Q), block (N/P * Q) <= BWD_MAXT.
+//   dv [B,T,H,N] (complete).  dr, dw, dk, da, db [B,T,H,N]: split p = 0 writes its partial sums there;
+//   split p >= 1 writes them to part [5][P-1][n] (dr dw dk da db; n = B*T*H*N), and
+//   wkv7_backward_reduce then adds them in order p = 1..P-1 (P = 1: part unused, may be NULL).
+//   slab: [B,H,P][16][N/P][N] floats scratch (= B*H*16*N*N floats for any P).
+// =============================================================================================
+namespace wkv7 {
+// Stage g of the backward walk -> chunk c, sub-stage kk (tokens 16c + kk*LS ...), phase.
+// Order: for c = nC-1 .. 0: recompute sub-stages 0..Kc-1, then backward sub-stages Kc-1..0.
+struct BStage { int c, kk, Kc; bool rec; };
+__device__ __forceinline__ BStage bwd_stage(int g, int nC, int Klast) {
+    constexpr int K = CHUNK / LS;
+    BStage s;
+    int loc;
+    if (g < 2 * Klast) { s.c = nC - 1; loc = g; s.Kc = Klast; }
+    else { const int g2 = g - 2 * Klast; s.c = nC - 2 - g2 / (2 * K); loc = g2 % (2 * K); s.Kc = K; }
+    s.rec = loc < s.Kc;
+    s.kk = s.rec ? loc : 2 * s.Kc - 1 - loc;
+    return s;
+}
+}  // namespace wkv7
+
+extern "C" __global__ void __launch_bounds__(BWD_MAXT, BWD_MINB)
+wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const float* __restrict__ k,
+              const float* __restrict__ v, const float* __restrict__ a, const float* __restrict__ b,
+              const float* __restrict__ dy, const float* __restrict__ ckpt,
+              float* slab,   // written and re-read by this block: no __restrict__/nc loads
+              float* __restrict__ dr, float* __restrict__ dw, float* __restrict__ dk,
+              float* __restrict__ dv, float* __restrict__ da, float* __restrict__ db,
+              float* __restrict__ part, int T, int H, long long n)
+{
+    constexpr int NV = 7;                                        // r w k v a b dy
+    constexpr int K = CHUNK / LS;
+    __shared__ __align__(16) float buf[2][NV][LS][HN];
+    __shared__ __align__(16) float sa_sm[CHUNK][HN];             // sa_t of the chunk, local rows
+    __shared__ __align__(16) float dsa_sm[2][HN];                // dsa of the step (by parity), local rows
+
+    const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
+    const int NR = HN / P, nt = NR * Q, tid = threadIdx.x, i0 = p * NR;
+    // row role
+    const int ri = tid / Q, rq = tid % Q, row = i0 + ri, j0 = rq * M;
+    // column role
+    const int CQ = Q / P, cj = tid / CQ, cq = tid % CQ, ic0 = cq * M;   // local rows ic0 .. ic0+M-1
+
+    const int nC = (T + CHUNK - 1) / CHUNK;
+    const int Llast = T - (nC - 1) * CHUNK;
+    const int Klast = (Llast + LS - 1) / LS;
+    const int G = 2 * Klast + 2 * K * (nC - 1);
+    const long long tokbase = (long long)bb * T;
+    const long long hoff = (long long)h * HN;
+    const long long HC = (long long)H * HN;
+    const float* ckb = ckpt + ((long long)(bb * H + h) * nC) * HN * HN + (long long)row * HN + j0;
+    float* slb = slab + ((long long)(bb * H + h) * P + p) * CHUNK * NR * HN;
+    // destinations of this split's column sums
+    float *odr = dr, *odw = dw, *odk = dk, *oda = da, *odb = db;
+    if (p > 0) {
+        const long long xs = (long long)(P - 1) * n;            // stride between the 5 tensors
+        float* base = part + (long long)(p - 1) * n;
+        odr = base; odw = base + xs; odk = base + 2 * xs; oda = base + 3 * xs; odb = base + 4 * xs;
+    }
+
+    float S[M];      // recompute state, row `row`, columns j0..j0+M-1
+    float dSr[M];    // G[row, j0 + m]
+    float dSc[M];    // G[i0 + ic0 + m, cj]
+#pragma unroll
+    for (int m = 0; m < M; ++m) { S[m] = 0.f; dSr[m] = 0.f; dSc[m] = 0.f; }
+
+    auto issue = [&](int g) {
+        const BStage st = bwd_stage(g, nC, Klast);
+        const int ts = st.c * CHUNK + st.kk * LS, cnt = min(LS, T - ts);
+        float* d = &buf[g & 1][0][0][0];
+        stage_vec(d + 0 * LS * HN, r + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 1 * LS * HN, w + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 2 * LS * HN, k + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 3 * LS * HN, v + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 4 * LS * HN, a + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 5 * LS * HN, b + hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(d + 6 * LS * HN, dy + hoff, tokbase, ts, cnt, H, tid, nt);
+    };
+
+    issue(0);
+    cp_commit();
+    for (int g = 0; g < G; ++g) {
+        if (g + 1 < G) { issue(g + 1); cp_commit(); cp_wait<1>(); }
+        else { cp_wait<0>(); }
+        __syncthreads();
+        const float(*sb)[LS][HN] = buf[g & 1];
+        const BStage st = bwd_stage(g, nC, Klast);
+        const int c0 = st.c * CHUNK;                           // first token of the chunk
+        const int L = min(CHUNK, T - c0);                      // tokens in the chunk
+        const int ts = c0 + st.kk * LS;                        // first token of the stage
+        const int cnt = min(LS, T - ts);
+
+        if (st.rec) {
+            // ---------------- recompute S_{t-1} (row layout) and sa_t for the chunk ----------------
+            if (st.kk == 0) {
+                if (st.c == 0) {
+#pragma unroll
+                    for (int m = 0; m < M; ++m) S[m] = 0.f;
+                } else {
+                    const float* src = ckb + (long long)st.c * HN * HN;
+#pragma unroll
+                    for (int m = 0; m < M; m += VW) ldv(src + m, S + m);
+                }
+                if (st.c >= 2) prefetch_l2(ckb + (long long)(st.c - 1) * HN * HN);   // next chunk's
+            }
+            for (int sl = 0; sl < cnt; ++sl) {
+                const int s = st.kk * LS + sl;                  // index within the chunk
+                float* dst = slb + ((long long)s * NR + ri) * HN + j0;
+#pragma unroll
+                for (int m = 0; m < M; m += VW) stv(dst + m, S + m);     // slab[s] = S_{t-1}
+                const float sa = group_sum(row_dot(S, &sb[4][sl][j0]), Q);
+                if (rq == 0) sa_sm[s][ri] = sa;
+                if (s + 1 < L) {                                // S_t is needed by the next step only
+                    const float vi = sb[3][sl][row];
+#pragma unroll
+                    for (int m = 0; m < M; m += VW) {
+                        float wv[VW], bv[VW], kv[VW];
+                        ldv(&sb[1][sl][j0 + m], wv);
+                        ldv(&sb[5][sl][j0 + m], bv);
+                        ldv(&sb[2][sl][j0 + m], kv);
+#pragma unroll
+                        for (int u = 0; u < VW; ++u)
+                            S[m + u] = state_update(S[m + u], wv[u], sa, bv[u], vi, kv[u]);
+                    }
+                }
+            }
+        } else {
+            // ---------------- backward steps, t descending ----------------
+            // column S_{t-1}[i0+ic0 .. +M-1, cj] of the slab for the column role; with PREFETCH_COL the
+            // next step's column is loaded one step ahead (within the stage) to hide the L2 latency
+            const float* colp = slb + (long long)ic0 * HN + cj;        // + s*NR*HN + m*HN
+            float sv[M];
+#pragma unroll
+            for (int m = 0; m < M; ++m) sv[m] = colp[((long long)(st.kk * LS + cnt - 1) * NR + m) * HN];
+            for (int sl = cnt - 1; sl >= 0; --sl) {
+                const int s = st.kk * LS + sl;
+                const int t = ts + sl;
+                const long long gout = (tokbase + t) * HC + hoff;   // [b,t,h,0]
+                float svn[PREFETCH_COL ? M : 1];
+                if constexpr (PREFETCH_COL) {
+                    if (sl > 0) {
+#pragma unroll
+                        for (int m = 0; m < M; ++m) svn[m] = colp[((long long)(s - 1) * NR + m) * HN];
+                    }
+                }
+                // ---- row role: G[row,:] ; dv_row, dsa_row ; G <- G diag(w) + dsa a^T
+                {
+                    const float dyi = sb[6][sl][row];
+                    float dva[VW], dsaa[VW];
+#pragma unroll
+                    for (int u = 0; u < VW; ++u) { dva[u] = 0.f; dsaa[u] = 0.f; }
+#pragma unroll
+                    for (int m = 0; m < M; m += VW) {
+                        float rv[VW], kv[VW], bv[VW];
+                        ldv(&sb[0][sl][j0 + m], rv);
+                        ldv(&sb[2][sl][j0 + m], kv);
+                        ldv(&sb[5][sl][j0 + m], bv);
+#pragma unroll
+                        for (int u = 0; u < VW; ++u) {
+                            const float gg = fmaf(dyi, rv[u], dSr[m + u]);   // G_t += dy r^T
+                            dSr[m + u] = gg;
+                            dva[u] = fmaf(gg, kv[u], dva[u]);                // dv = G k
+                            dsaa[u] = fmaf(gg, bv[u], dsaa[u]);              // dsa = G b
+                        }
+                    }
+                    const float dvp = group_sum(vw_sum(dva), Q);
+                    const float dsap = group_sum(vw_sum(dsaa), Q);
+#pragma unroll
+                    for (int m = 0; m < M; m += VW) {
+                        float wv[VW], av[VW];
+                        ldv(&sb[1][sl][j0 + m], wv);
+                        ldv(&sb[4][sl][j0 + m], av);
+#pragma unroll
+                        for (int u = 0; u < VW; ++u)
+                            dSr[m + u] = fmaf(dSr[m + u], wv[u], dsap * av[u]);  // G_{t-1}
+                    }
+                    if (rq == 0) {
+                        dsa_sm[s & 1][ri] = dsap;
+                        dv[gout + row] = dvp;
+                    }
+                }
+                __syncthreads();   // dsa of this step visible to the column role
+                // ---- column role: G[:,cj] over the block's rows
+                {
+                    const float rj = sb[0][sl][cj], wj = sb[1][sl][cj], kj = sb[2][sl][cj];
+                    const float aj = sb[4][sl][cj], bj = sb[5][sl][cj];
+                    float pr = 0.f, pw = 0.f, pk = 0.f, pa = 0.f, pb = 0.f;
+#pragma unroll
+                    for (int m = 0; m < M; m += VW) {
+                        float dyv[VW], vv[VW], sav[VW], dsav[VW];
+                        ldv(&sb[6][sl][i0 + ic0 + m], dyv);
+                        ldv(&sb[3][sl][i0 + ic0 + m], vv);
+                        ldv(&sa_sm[s][ic0 + m], sav);
+                        ldv(&dsa_sm[s & 1][ic0 + m], dsav);
+#pragma unroll
+                        for (int u = 0; u < VW; ++u) {
+                            const float sp = sv[m + u];                               // S_{t-1}[i,j]
+                            const float gg = fmaf(dyv[u], rj, dSc[m + u]);            // G_t[i,j]
+                            const float scur = fmaf(sp, wj, fmaf(sav[u], bj, vv[u] * kj));   // S_t[i,j]
+                            pr = fmaf(scur, dyv[u], pr);                              // dr = S_t^T dy
+                            pk = fmaf(gg, vv[u], pk);                                 // dk = G^T v
+                            pb = fmaf(gg, sav[u], pb);                                // db = G^T sa
+                            pw = fmaf(gg, sp, pw);                                    // dw = sum G .* S_{t-1}
+                            pa = fmaf(sp, dsav[u], pa);                               // da = S_{t-1}^T dsa
+                            dSc[m + u] = fmaf(gg, wj, dsav[u] * aj);                  // G_{t-1}
+                        }
+                    }
+                    pr = group_sum(pr, CQ);
+                    pw = group_sum(pw, CQ);
+                    pk = group_sum(pk, CQ);
+                    pa = group_sum(pa, CQ);
+                    pb = group_sum(pb, CQ);
+                    if (cq == 0) {
+                        const long long o = gout + cj;
+                        odr[o] = pr; odw[o] = pw; odk[o] = pk; oda[o] = pa; odb[o] = pb;
+                    }
+                }
+                // no second barrier: the next step writes dsa_sm[(s-1)&1]; slab / sa_sm are read-only here
+                if (sl > 0) {
+                    if constexpr (PREFETCH_COL) {
+#pragma unroll
+                        for (int m = 0; m < M; ++m) sv[m] = svn[m];
+                    } else {
+#pragma unroll
+                        for (int m = 0; m < M; ++m) sv[m] = colp[((long long)(s - 1) * NR + m) * HN];
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// Add the splits p = 1..P-1 (part [5][P-1][n]: dr, dw, dk, da, db) into the outputs, which hold split 0:
+// out = ((out + part_1) + part_2) + ...  -- a fixed order. n % 4 == 0 (n = B*T*H*N); grid-stride, float4.
+namespace wkv7 {
+__device__ __forceinline__ void add_parts(float* out, const float* src, long long e, long long n4, int P) {
+    float4* o = reinterpret_cast<float4*>(out) + e;
+    const float4* s = reinterpret_cast<const float4*>(src) + e;
+    float4 acc = *o;
+    for (int q = 0; q < P - 1; ++q) {
+        const float4 u = s[(long long)q * n4];
+        acc.x += u.x; acc.y += u.y; acc.z += u.z; acc.w += u.w;
+    }
+    *o = acc;
+}
+}  // namespace wkv7
+
+extern "C" __global__ void __launch_bounds__(256)
+wkv7_backward_reduce(const float* __restrict__ part, float* __restrict__ dr, float* __restrict__ dw,
+                     float* __restrict__ dk, float* __restrict__ da, float* __restrict__ db,
+                     long long n, int P)
+{
+    const long long n4 = n / 4, xs = (long long)(P - 1) * n;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n4;
+         e += (long long)gridDim.x * blockDim.x) {
+        add_parts(dr, part + 0 * xs, e, n4, P);
+        add_parts(dw, part + 1 * xs, e, n4, P);
+        add_parts(dk, part + 2 * xs, e, n4, P);
+        add_parts(da, part + 3 * xs, e, n4, P);
+        add_parts(db, part + 4 * xs, e, n4, P);
+    }
+}

@@ -1,0 +1,188 @@
+"""Launch builders for rwkvx/cu/wkv7.cu: the RWKV-7 WKV recurrence (forward and backward).
+
+Per sequence b and head h (N = head size), S is N x N (row i = value index, column j = key index),
+S = 0 before t = 0::
+
+    sa_t = S_{t-1} a_t ;  S_t = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T ;  y_t = S_t r_t
+
+(the model passes a = -kk, b = kk * a_rate; w is the decay in (0, 1)). Twin of
+``rwkvx.oracle.wkv7_forward`` / ``wkv7_backward``.
+
+Buffers (float32, 16-byte aligned; outputs must not alias inputs):
+
+* r, w, k, v, a, b, dy, y, dr, dw, dk, dv, da, db: ``[B, T, H, N]`` (= row-major ``[B*T, C]``, c = h*N + n).
+* ``ckpt`` ``[B, H, nC, N, N]``, nC = ceil(T/16): written by :func:`forward`, read by :func:`backward`
+  (slot c holds the state at the start of chunk c, S_{16c-1}; slot 0 is never written nor read).
+  It is the only thing the forward saves for the backward, and must come from a forward over the
+  same r, w, k, v, a, b.
+* ``slab`` ``[B, H, 16, N, N]``: backward scratch (states of the chunk being processed; L2-resident).
+* ``partials`` ``[5, P-1, B, T, H, N]``: backward scratch for the row-split column reductions, only
+  when the backward split P > 1 (see :func:`backward_split`); ``None`` otherwise. Split 0 writes
+  its partial sums into dr, dw, dk, da, db directly; splits 1..P-1 into ``partials``.
+
+Sizes: :func:`scratch_bytes`. Use::
+
+    ops += wkv7.forward(r, w, k, v, a, b, y, ckpt, B, T, H, N)
+    ops += wkv7.backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B, T, H, N,
+                         partials=partials)
+
+All gradients are *written* (not accumulated). Deterministic (no atomics): with P > 1 the per-split
+partial sums are added in a fixed order (split 0, then 1, ..., P-1) by ``wkv7_backward_reduce``.
+
+Splits: the forward splits the N state rows of each (b, h) over ``P_f`` blocks (rows are independent);
+the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become per-split partials).
+Defaults fill an H200 (132 SMs) for small B*H; both can be forced with ``split=``.
+"""
+from __future__ import annotations
+
+import math
+
+MODULE = "wkv7"
+HEAD_SIZES = (4, 8, 16, 32, 64, 128)
+Q = 4                 # WKV_Q in wkv7.cu: lanes per state row (block = N/P * Q threads)
+CHUNK = 16            # checkpoint interval in tokens
+NUM_SMS = 132         # H200
+_BWD_MAXT = 256       # backward __launch_bounds__ (N = 128 needs P_b >= 2)
+
+
+def _Launch(*a, **kw):
+    from rwkvx.runtime.ops import Launch
+    return Launch(*a, **kw)
+
+
+def _p(x) -> int:
+    if x is None:
+        return 0
+    if hasattr(x, "ptr") and not isinstance(x, int):
+        return int(x.ptr)
+    return int(x)
+
+
+def _defs(N: int) -> tuple:
+    return (("HEAD_SIZE", int(N)),)
+
+
+def n_chunks(T: int) -> int:
+    return (int(T) + CHUNK - 1) // CHUNK
+
+
+def _check(B: int, T: int, H: int, N: int) -> None:
+    for name, x in (("B", B), ("T", T), ("H", H), ("N", N)):
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise TypeError(f"wkv7: {name} must be an int, got {type(x).__name__}")
+        if x < 1:
+            raise ValueError(f"wkv7: {name} must be >= 1, got {x}")
+    if N not in HEAD_SIZES:
+        raise ValueError(f"wkv7: head size N={N} not supported (one of {HEAD_SIZES})")
+    if B > 65535 or H > 65535:
+        raise ValueError(f"wkv7: B={B} and H={H} must be <= 65535 (grid dimensions)")
+    if B * T * H * N >= 2 ** 40:
+        raise ValueError("wkv7: tensor too large")
+
+
+def _check_ptrs(what: str, **ptrs) -> None:
+    for name, x in ptrs.items():
+        p = _p(x)
+        if p == 0:
+            raise ValueError(f"{what}: {name} is required (NULL pointer)")
+        if p % 16:
+            raise ValueError(f"{what}: {name} must be 16-byte aligned (got {p:#x})")
+
+
+# ------------------------------------------------------------------------------------------------
+# splits
+# ------------------------------------------------------------------------------------------------
+def _forward_splits(N: int) -> list[int]:
+    pmax = max(1, min(8, N * Q // 32))          # keep >= one full warp per block
+    return [p for p in (1, 2, 4, 8) if p <= pmax]
+
+
+def _backward_splits(N: int) -> list[int]:
+    pmax = max(1, min(Q, N // 8))
+    return [p for p in (1, 2, 4) if p <= pmax and N * Q // p <= _BWD_MAXT]
+
+
+def forward_split(B: int, H: int, N: int) -> int:
+    """Default forward row split: the P minimising the busiest SM's threads, ceil(B*H*P/SMs) * N*Q/P
+    (ties: the smaller P, i.e. less redundant input staging)."""
+    best, best_load = 1, None
+    for p in _forward_splits(N):
+        load = math.ceil(B * H * p / NUM_SMS) * (N * Q // p)
+        if best_load is None or load < best_load:
+            best, best_load = p, load
+    return best
+
+
+def backward_split(B: int, H: int, N: int) -> int:
+    """Default backward row split: the largest allowed P with B*H*P <= SMs (at least the smallest
+    allowed P; N = 128 needs P >= 2). P > 1 costs a reduction pass over 5*(P+1) [B,T,H,N] tensors, so
+    it is used only where B*H alone leaves more than half of the SMs idle."""
+    ok = _backward_splits(N)
+    best = ok[0]
+    for p in ok:
+        if B * H * p <= NUM_SMS:
+            best = p
+    return best
+
+
+def scratch_bytes(B: int, T: int, H: int, N: int, split: int | None = None) -> dict[str, int]:
+    """Scratch sizes in bytes (float32)::
+
+        ckpt     [B, H, ceil(T/16), N, N]   forward -> backward (saved state checkpoints)
+        slab     [B, H, 16, N, N]           backward scratch
+        partials [5, P-1, B, T, H, N]       backward scratch, 0 when the backward split P == 1
+
+    ``split`` is the backward split (default :func:`backward_split`)."""
+    _check(B, T, H, N)
+    P = backward_split(B, H, N) if split is None else int(split)
+    if P not in _backward_splits(N):
+        raise ValueError(f"wkv7: backward split {P} not allowed for N={N} (one of {_backward_splits(N)})")
+    return {"ckpt": 4 * B * H * n_chunks(T) * N * N,
+            "slab": 4 * B * H * CHUNK * N * N,
+            "partials": 4 * 5 * (P - 1) * B * T * H * N}
+
+
+# ------------------------------------------------------------------------------------------------
+# launches
+# ------------------------------------------------------------------------------------------------
+def forward(r, w, k, v, a, b, y, ckpt, B: int, T: int, H: int, N: int, split: int | None = None) -> list:
+    """wkv7_forward: y = WKV(r, w, k, v, a, b) and the state checkpoints ``ckpt`` (see module doc)."""
+    _check(B, T, H, N)
+    _check_ptrs("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y, ckpt=ckpt)
+    P = forward_split(B, H, N) if split is None else int(split)
+    if P not in _forward_splits(N):
+        raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
+    return [_Launch(MODULE, "wkv7_forward", grid=(P, H, B), block=(N * Q // P, 1, 1), smem=0,
+                    args=(("p", _p(r)), ("p", _p(w)), ("p", _p(k)), ("p", _p(v)), ("p", _p(a)),
+                          ("p", _p(b)), ("p", _p(y)), ("p", _p(ckpt)), ("i", T), ("i", H)),
+                    defines=_defs(N))]
+
+
+def backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
+             partials=None, split: int | None = None) -> list:
+    """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
+
+    ``ckpt`` from :func:`forward` on the same inputs; ``slab`` and (P > 1) ``partials`` are scratch of
+    :func:`scratch_bytes` with the same ``split``."""
+    _check(B, T, H, N)
+    _check_ptrs("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, ckpt=ckpt, slab=slab,
+                dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
+    P = backward_split(B, H, N) if split is None else int(split)
+    if P not in _backward_splits(N):
+        raise ValueError(f"wkv7.backward: split {P} not allowed for N={N} (one of {_backward_splits(N)})")
+    n = B * T * H * N
+    if P > 1:
+        _check_ptrs("wkv7.backward", partials=partials)
+    args = (("p", _p(r)), ("p", _p(w)), ("p", _p(k)), ("p", _p(v)), ("p", _p(a)), ("p", _p(b)),
+            ("p", _p(dy)), ("p", _p(ckpt)), ("p", _p(slab)),
+            ("p", _p(dr)), ("p", _p(dw)), ("p", _p(dk)), ("p", _p(dv)), ("p", _p(da)), ("p", _p(db)),
+            ("p", _p(partials) if P > 1 else 0), ("i", T), ("i", H), ("l", n))
+    ops = [_Launch(MODULE, "wkv7_backward", grid=(P, H, B), block=(N * Q // P, 1, 1), smem=0,
+                   args=args, defines=_defs(N))]
+    if P > 1:
+        grid = max(1, min(math.ceil(n // 4 / 256), NUM_SMS * 8))
+        ops.append(_Launch(MODULE, "wkv7_backward_reduce", grid=(grid, 1, 1), block=(256, 1, 1), smem=0,
+                           args=(("p", _p(partials)), ("p", _p(dr)), ("p", _p(dw)), ("p", _p(dk)),
+                                 ("p", _p(da)), ("p", _p(db)), ("l", n), ("i", P)),
+                           defines=_defs(N)))
+    return ops

@@ -1,0 +1,35 @@
+"""rwkvx GPU runtime: device + stream, NVRTC compile cache, cuBLAS shim, op records, plans, graphs.
+
+```python
+from rwkvx.runtime import Device, Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH, Plan, Graph
+dev = Device.get()
+plan = Plan(dev, ops, precision="fp32")    # or "tf32"
+plan.run(); dev.synchronize()
+graph = Graph.capture(dev, plan.run); graph.launch()
+```
+
+Importing this package needs neither a GPU nor the compiled extension: the op records (``ops``), the GEMM
+helpers (``gemm``) and ``compile_cubin`` work on a CPU; ``Plan`` / ``sum_float64`` come from the compiled
+``rwkvx._core`` on first access; ``Device.get()`` raises RuntimeError without a GPU.
+"""
+from .device import Device, DeviceBuffer, PinnedBuffer
+from .errors import CudaError, NvrtcCompileError
+from .graph import Graph
+from .nvrtc import cache_dir, compile_cubin, compile_source
+from .ops import ARG_KINDS, Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
+from . import gemm
+
+__all__ = ["Device", "DeviceBuffer", "PinnedBuffer", "CudaError", "NvrtcCompileError", "Graph",
+           "Launch", "Gemm", "Memset", "Copy", "CopyHtoD", "CopyDtoH", "Plan", "sum_float64",
+           "compile_cubin", "compile_source", "cache_dir", "flatten_ops", "ARG_KINDS", "gemm"]
+
+
+def __getattr__(name: str):
+    if name in ("Plan", "sum_float64"):
+        try:
+            from .. import _core
+        except ImportError as e:
+            raise ImportError("rwkvx._core is not built: run `pip install -e .` or "
+                              "`python setup.py build_ext --inplace`") from e
+        return getattr(_core, name)
+    raise AttributeError(f"module 'rwkvx.runtime' has no attribute {name!r}")

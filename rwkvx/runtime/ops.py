@@ -1,0 +1,266 @@
+"""The op records a :class:`rwkvx._core.Plan` executes: plain, validated, immutable data.
+
+Building them needs no GPU, so step plans are constructed and checked on CPU CI. Pointers may be given
+as ints or as any object with an integer ``ptr`` attribute (a DeviceBuffer / PinnedBuffer); they are
+stored as ints. Validation errors: wrong *type or kind* -> TypeError, wrong *value* -> ValueError.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+ARG_KINDS = ("p", "i", "l", "f", "d")   # device pointer u64, int32, int64, float32, float64
+
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_I64 = (-(1 << 63), (1 << 63) - 1)
+_U64_MAX = (1 << 64) - 1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def as_ptr(v, what: str) -> int:
+    """A device/host address as int (accepts ints and objects with an int ``ptr``)."""
+    if not _is_int(v) and hasattr(v, "ptr"):
+        v = v.ptr
+    if not _is_int(v):
+        raise TypeError(f"{what}: expected a pointer (int or buffer with .ptr), got {type(v).__name__}")
+    v = int(v)
+    if not 0 <= v <= _U64_MAX:
+        raise ValueError(f"{what}: pointer {v} out of range")
+    return v
+
+
+def _as_count(v, what: str, minimum: int = 0) -> int:
+    if not _is_int(v):
+        raise TypeError(f"{what}: expected an int, got {type(v).__name__}")
+    v = int(v)
+    if v < minimum:
+        raise ValueError(f"{what}: must be >= {minimum}, got {v}")
+    return v
+
+
+def _as_dim3(v, what: str) -> tuple[int, int, int]:
+    if _is_int(v):
+        v = (v,)
+    if not isinstance(v, (tuple, list)) or not 1 <= len(v) <= 3:
+        raise TypeError(f"{what}: expected an int or a tuple of 1-3 ints, got {v!r}")
+    out = [_as_count(x, what, 1) for x in v]
+    for x in out:
+        if x > 0x7FFFFFFF:
+            raise ValueError(f"{what}: dimension {x} too large")
+    return tuple(out + [1] * (3 - len(out)))  # type: ignore[return-value]
+
+
+def _normalize_defines(defines) -> tuple[tuple[str, str], ...]:
+    if defines is None:
+        return ()
+    items = defines.items() if isinstance(defines, dict) else defines
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            name, value = item, "1"
+        else:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(f"defines: expected (name, value) pairs, got {item!r}")
+            name, value = item
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(f"defines: bad macro name {name!r}")
+        if isinstance(value, bool):
+            value = int(value)
+        if not isinstance(value, (str, numbers.Integral, float)):
+            raise TypeError(f"defines: value of {name} must be str/int/float, got {type(value).__name__}")
+        out.append((name, str(value)))
+    return tuple(sorted(out))
+
+
+def normalize_defines(defines) -> tuple[tuple[str, str], ...]:
+    """Defines as a sorted tuple of (name, str(value)); accepts a dict or (name, value) pairs."""
+    return _normalize_defines(defines)
+
+
+def _normalize_args(args) -> tuple[tuple[str, int | float], ...]:
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args: expected a tuple of (kind, value) pairs, got {type(args).__name__}")
+    out = []
+    for i, a in enumerate(args):
+        if not isinstance(a, (tuple, list)) or len(a) != 2:
+            raise TypeError(f"args[{i}]: expected a (kind, value) pair, got {a!r}")
+        kind, value = a
+        if kind not in ARG_KINDS:
+            raise TypeError(f"args[{i}]: unknown kind {kind!r} (use one of {', '.join(ARG_KINDS)})")
+        if kind == "p":
+            value = as_ptr(value, f"args[{i}]")
+        elif kind in ("i", "l"):
+            if not _is_int(value):
+                raise TypeError(f"args[{i}]: kind {kind!r} needs an int, got {type(value).__name__}")
+            value = int(value)
+            lo, hi = _I32 if kind == "i" else _I64
+            if not lo <= value <= hi:
+                raise ValueError(f"args[{i}]: {value} does not fit kind {kind!r}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"args[{i}]: kind {kind!r} needs a float, got {type(value).__name__}")
+            value = float(value)
+        out.append((kind, value))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``name`` in rwkvx/cu/<module>.cu compiled with ``defines``."""
+    module: str
+    name: str
+    grid: tuple = (1, 1, 1)
+    block: tuple = (1, 1, 1)
+    smem: int = 0
+    args: tuple = ()
+    defines: tuple = ()
+
+    def __post_init__(self):
+        if not isinstance(self.module, str) or not self.module:
+            raise TypeError(f"Launch.module: expected a non-empty str, got {self.module!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"Launch.name: expected a non-empty str, got {self.name!r}")
+        set_ = object.__setattr__
+        set_(self, "grid", _as_dim3(self.grid, f"Launch {self.name}: grid"))
+        set_(self, "block", _as_dim3(self.block, f"Launch {self.name}: block"))
+        set_(self, "smem", _as_count(self.smem, f"Launch {self.name}: smem"))
+        try:
+            set_(self, "args", _normalize_args(self.args))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Launch {self.name}: {e}") from None
+        set_(self, "defines", _normalize_defines(self.defines))
+
+
+# cudaDataType_t values used for GEMM operands
+GEMM_TYPES = {"f32": 0, "bf16": 14, "f16": 2}
+
+
+def _as_trans(v, what: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.upper() in ("N", "T"):
+        return v.upper() == "T"
+    if _is_int(v) and int(v) in (0, 1):
+        return bool(v)
+    raise TypeError(f"{what}: expected 'N'/'T' or a bool, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """C = alpha * op(A) @ op(B) + beta * C in column-major cuBLAS conventions (cublasGemmEx).
+
+    op(A) is m x k, op(B) is k x n, C is m x n; trans* = True/'T' means the stored matrix is transposed.
+    ``ab_type``: operand type of A and B ("f32", or "bf16"/"f16" with fp32 accumulation); C is fp32.
+    """
+    transa: bool
+    transb: bool
+    m: int
+    n: int
+    k: int
+    alpha: float
+    A: int
+    lda: int
+    B: int
+    ldb: int
+    beta: float
+    C: int
+    ldc: int
+    ab_type: str = field(default="f32")
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        set_(self, "transa", _as_trans(self.transa, "Gemm.transa"))
+        set_(self, "transb", _as_trans(self.transb, "Gemm.transb"))
+        for f in ("m", "n", "k", "lda", "ldb", "ldc"):
+            set_(self, f, _as_count(getattr(self, f), f"Gemm.{f}"))
+            if getattr(self, f) > 0x7FFFFFFF:
+                raise ValueError(f"Gemm.{f}: {getattr(self, f)} does not fit int32")
+        for f in ("alpha", "beta"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"Gemm.{f}: expected a float, got {type(v).__name__}")
+            set_(self, f, float(v))
+        for f in ("A", "B", "C"):
+            set_(self, f, as_ptr(getattr(self, f), f"Gemm.{f}"))
+        if self.ab_type not in GEMM_TYPES:
+            raise ValueError(f"Gemm.ab_type: expected one of {sorted(GEMM_TYPES)}, got {self.ab_type!r}")
+        a_rows = self.k if self.transa else self.m
+        b_rows = self.n if self.transb else self.k
+        for ld, rows, f in ((self.lda, a_rows, "lda"), (self.ldb, b_rows, "ldb"), (self.ldc, self.m, "ldc")):
+            if ld < max(1, rows):
+                raise ValueError(f"Gemm.{f}={ld} < max(1, {rows}) (m={self.m}, n={self.n}, k={self.k}, "
+                                 f"transa={self.transa}, transb={self.transb})")
+
+
+@dataclass(frozen=True)
+class Memset:
+    """Zero ``nbytes`` at device ``ptr`` asynchronously on the stream."""
+    ptr: int
+    nbytes: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "ptr", as_ptr(self.ptr, "Memset.ptr"))
+        object.__setattr__(self, "nbytes", _as_count(self.nbytes, "Memset.nbytes"))
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Asynchronous device-to-device copy of ``nbytes``."""
+    dst: int
+    src: int
+    nbytes: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "dst", as_ptr(self.dst, "Copy.dst"))
+        object.__setattr__(self, "src", as_ptr(self.src, "Copy.src"))
+        object.__setattr__(self, "nbytes", _as_count(self.nbytes, "Copy.nbytes"))
+
+
+@dataclass(frozen=True)
+class CopyHtoD:
+    """Asynchronous host-to-device copy from pinned host memory (read when the op executes)."""
+    dst: int
+    host_ptr: int
+    nbytes: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "dst", as_ptr(self.dst, "CopyHtoD.dst"))
+        object.__setattr__(self, "host_ptr", as_ptr(self.host_ptr, "CopyHtoD.host_ptr"))
+        object.__setattr__(self, "nbytes", _as_count(self.nbytes, "CopyHtoD.nbytes"))
+
+
+@dataclass(frozen=True)
+class CopyDtoH:
+    """Asynchronous device-to-host copy into pinned host memory."""
+    host_ptr: int
+    src: int
+    nbytes: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "host_ptr", as_ptr(self.host_ptr, "CopyDtoH.host_ptr"))
+        object.__setattr__(self, "src", as_ptr(self.src, "CopyDtoH.src"))
+        object.__setattr__(self, "nbytes", _as_count(self.nbytes, "CopyDtoH.nbytes"))
+
+
+OP_TYPES = (Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH)
+
+
+def flatten_ops(ops) -> list:
+    """Flatten nested lists/tuples of ops (builders return lists) and check every item is an op."""
+    out: list = []
+
+    def walk(x, path):
+        if isinstance(x, OP_TYPES):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            for i, y in enumerate(x):
+                walk(y, f"{path}[{i}]")
+        else:
+            raise TypeError(f"ops{path}: expected an op ({', '.join(t.__name__ for t in OP_TYPES)}), "
+                            f"got {type(x).__name__}")
+
+    walk(ops, "")
+    return out

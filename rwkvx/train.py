@@ -1,0 +1,328 @@
+"""The training loop's core: :class:`Trainer` over a pluggable backend (CPU oracle now, GPU model later).
+
+A backend owns the parameters and the optimizer state and does whole steps:
+
+* :class:`CPUBackend` — :class:`rwkvx.oracle.Oracle` forward/backward + numpy :class:`rwkvx.optim.AdamW`.
+* GPU backend — **HOOK** (see :func:`_make_gpu_backend`): the graph-replayed ``rwkvx.model.Model``
+  step with the fused AdamW kernel. It implements the same :class:`Backend` interface, so the Trainer,
+  checkpoints and the CLI do not change when it lands.
+
+Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
+parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
+metadata: the step count, the optimizer and schedule settings, the trainer settings and whatever
+the caller adds (the CLI adds the data sampler's generator state and its run options). Written
+atomically. Resuming is exact on the CPU backend: N steps straight == N/2 steps, save, load, N/2 steps,
+bit for bit (with the same batches).
+"""
+from __future__ import annotations
+
+import abc
+import math
+import os
+from typing import Any, Mapping
+
+import numpy as np
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import Config
+from .optim import AdamW, Schedule
+from .params import ParamDict, check_params
+from .validate import check_targets, check_tokens
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+BACKENDS = ("auto", "cpu", "gpu")
+CHECKPOINT_KIND = "rwkvx-trainer"
+
+
+class Backend(abc.ABC):
+    """What a Trainer needs from a backend. The GPU backend implements exactly this.
+
+    * ``train_step(tokens, targets)``: forward, loss, backward, clip + AdamW update with the
+      learning rate ``schedule.lr_at(step_count + 1)``; increments ``step_count``; returns the mean
+      loss (float, reduced in float64). Inputs are validated int64 ``[B, T]`` arrays.
+    * ``evaluate(tokens, targets)``: the mean loss, no update.
+    * ``forward(tokens)``: logits ``[B, T, V]`` as a numpy array (for sampling).
+    * ``get_params()``: host float32 copies of every parameter (SPEC §2.4 names).
+    * ``optimizer_state()`` / ``load_optimizer_state(state)``: the
+      ``{"tensors": {"optim.m.<name>", "optim.v.<name>"}, "meta": {"optim_step": int, ...}}``
+      dict of :meth:`rwkvx.optim.AdamW.state_dict` (host float32 moments).
+    * ``step_count``: updates done; ``last_stats``: ``{"lr", "grad_norm", "clip"}`` of the last step
+      (the GPU backend may report NaN for values it does not read back).
+    """
+
+    name = "abstract"
+    step_count: int
+    last_stats: dict[str, float]
+
+    @abc.abstractmethod
+    def train_step(self, tokens: np.ndarray, targets: np.ndarray) -> float: ...
+
+    @abc.abstractmethod
+    def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float: ...
+
+    @abc.abstractmethod
+    def forward(self, tokens: np.ndarray) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    def get_params(self) -> ParamDict: ...
+
+    @abc.abstractmethod
+    def optimizer_state(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def load_optimizer_state(self, state: Mapping[str, Any]) -> None: ...
+
+
+class CPUBackend(Backend):
+    """Oracle forward/backward (``dtype`` float32 or float64 math) + numpy AdamW on float32 params."""
+
+    name = "cpu"
+
+    def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
+                 grad_clip: float | None, dtype: Any = np.float32) -> None:
+        try:
+            from .oracle import Oracle
+        except ImportError as exc:  # the Cython extension is not built
+            raise RuntimeError(
+                "the CPU backend needs the compiled oracle (rwkvx.oracle): build it with "
+                "`pip install --no-build-isolation --no-deps -e .` or "
+                f"`cythonize -3 -i oracle/*.pyx` ({exc})") from None
+        self._Oracle = Oracle
+        self.cfg = cfg
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float64):
+            raise ValueError(f"CPU backend dtype must be float32 or float64, got {self.dtype}")
+        self.params = {n: np.array(p, dtype=np.float32, copy=True) for n, p in params.items()}
+        self.opt = AdamW(self.params, schedule, weight_decay=weight_decay, grad_clip=grad_clip)
+        self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
+
+    @property
+    def step_count(self) -> int:  # type: ignore[override]
+        return self.opt.step_count
+
+    def _oracle(self):
+        # A fresh Oracle per call sees the parameters exactly as they are now (the optimizer
+        # updates them in place); building one costs a dtype conversion of the weights, which is
+        # small next to a forward/backward.
+        return self._Oracle(self.cfg, self.params, dtype=self.dtype)
+
+    def train_step(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        loss, grads = self._oracle().loss_and_grads(tokens, targets)
+        loss = float(loss)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {self.step_count + 1}")
+        self.last_stats = self.opt.step(grads)
+        return loss
+
+    def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        loss, _ = self._oracle().loss_and_grads(tokens, targets)
+        return float(loss)
+
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
+        return np.asarray(self._oracle().forward(tokens))
+
+    def get_params(self) -> ParamDict:
+        return {n: p.copy() for n, p in self.params.items()}
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.opt.state_dict()
+
+    def load_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        self.opt.load_state_dict(state)
+
+
+def _gpu_unavailable_reason() -> str | None:
+    """None when a GPU backend can be built here, else why not (module missing, no device...)."""
+    try:
+        from .runtime import Device
+    except (ImportError, RuntimeError, OSError) as exc:
+        return f"the GPU runtime (rwkvx.runtime) is not importable: {exc}"
+    try:
+        from . import model  # noqa: F401
+    except (ImportError, RuntimeError, OSError) as exc:
+        return f"the GPU model (rwkvx.model) is not available yet: {exc}"
+    try:
+        Device.get()
+    except (RuntimeError, OSError) as exc:
+        return f"no usable CUDA GPU: {exc}"
+    return None
+
+
+def _make_gpu_backend(cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
+                      grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
+                      ) -> Backend:
+    """HOOK for the GPU backend (the lead writes it in rwkvx.model).
+
+    Contract: ``rwkvx.model.GPUBackend(cfg, params, schedule=..., weight_decay=..., grad_clip=...,
+    batch_size=..., seq_len=..., precision=...)`` returns a :class:`Backend` whose ``train_step``
+    replays the captured graph (forward + loss + backward + AdamW per rwkvx/optim.py's formulas,
+    learning rate and step count in device memory), for inputs of exactly ``[batch_size, seq_len]``;
+    ``evaluate``/``forward`` may take any ``[B, T]`` with B <= batch_size, T <= seq_len.
+    """
+    reason = _gpu_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"--device gpu: the GPU backend cannot be used: {reason}. "
+                           "Use --device cpu (the oracle) or --device auto.")
+    from . import model
+    factory = getattr(model, "GPUBackend", None)
+    if factory is None:
+        raise RuntimeError("--device gpu: rwkvx.model has no GPUBackend yet (the Trainer hook is not "
+                           "implemented). Use --device cpu or --device auto.")
+    return factory(cfg, params, schedule=schedule, weight_decay=weight_decay, grad_clip=grad_clip,
+                   batch_size=batch_size, seq_len=seq_len, precision=precision)
+
+
+def resolve_device(device: str) -> tuple[str, str | None]:
+    """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a note."""
+    if device not in BACKENDS:
+        raise ValueError(f"device must be one of {', '.join(BACKENDS)}, got {device!r}")
+    if device == "cpu":
+        return "cpu", None
+    if device == "gpu":
+        return "gpu", None
+    reason = _gpu_unavailable_reason()
+    if reason is None:
+        return "gpu", None
+    return "cpu", f"no GPU backend ({reason}); training on the CPU with the oracle"
+
+
+class Trainer:
+    """Trains a model: ``step(tokens, targets) -> loss``; ``evaluate``; ``save``/``load`` with exact resume.
+
+    ``backend`` is "cpu" (oracle + numpy AdamW), "gpu" (graph replay; needs rwkvx.model) or "auto"
+    (GPU when usable, else CPU). The schedule is :class:`rwkvx.optim.Schedule` (``lr`` = peak,
+    ``lr_min``, ``warmup``, ``total_steps``). ``precision`` applies to the GPU backend (fp32, tf32,
+    bf16); the CPU backend computes in ``cpu_dtype`` (float32 default, float64 for the reference).
+    """
+
+    def __init__(self, cfg: Config, params: ParamDict, backend: str = "auto", batch_size: int = 8,
+                 seq_len: int = 64, lr: float = 1e-3, lr_min: float | None = None, warmup: int = 0,
+                 total_steps: int | None = None, weight_decay: float = 0.0,
+                 grad_clip: float | None = 1.0, precision: str = "fp32", seed: int = 0,
+                 cpu_dtype: Any = np.float32) -> None:
+        if not isinstance(cfg, Config):
+            raise TypeError("cfg must be an rwkvx.Config")
+        check_params(cfg, params)
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        self.cfg = cfg
+        self.batch_size, self.seq_len = int(batch_size), int(seq_len)
+        self.schedule = Schedule(lr_max=float(lr), lr_min=float(lr if lr_min is None else lr_min),
+                                 warmup=int(warmup), total_steps=total_steps)
+        self.weight_decay = float(weight_decay)
+        self.grad_clip = float(grad_clip) if grad_clip else None
+        self.precision = precision
+        self.seed = int(seed)
+        self.cpu_dtype = np.dtype(cpu_dtype)
+        kind, self.device_note = resolve_device(backend)
+        if kind == "gpu":
+            self.backend: Backend = _make_gpu_backend(
+                cfg, params, self.schedule, self.weight_decay, self.grad_clip,
+                self.batch_size, self.seq_len, precision)
+        else:
+            self.backend = CPUBackend(cfg, params, self.schedule, self.weight_decay, self.grad_clip,
+                                      dtype=self.cpu_dtype)
+        self.meta: dict[str, Any] = {}  # the caller's metadata read back by Trainer.load
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        return self.backend.name
+
+    @property
+    def step_count(self) -> int:
+        return self.backend.step_count
+
+    @property
+    def params(self) -> ParamDict:
+        """Host float32 copies of the current parameters."""
+        return self.backend.get_params()
+
+    @property
+    def last_stats(self) -> dict[str, float]:
+        return self.backend.last_stats
+
+    def lr_at(self, step: int) -> float:
+        return self.schedule.lr_at(step)
+
+    # -- steps --------------------------------------------------------------------------------
+    def _inputs(self, tokens: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        tokens = check_tokens(tokens, self.cfg.vocab_size)
+        targets = check_targets(targets, tokens.shape, self.cfg.vocab_size)
+        return tokens, targets
+
+    def step(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        """One training step (forward, loss, backward, AdamW); returns the mean loss before the update."""
+        tokens, targets = self._inputs(tokens, targets)
+        return self.backend.train_step(tokens, targets)
+
+    def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        """Mean loss on a batch, parameters unchanged."""
+        tokens, targets = self._inputs(tokens, targets)
+        return self.backend.evaluate(tokens, targets)
+
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
+        return self.backend.forward(check_tokens(tokens, self.cfg.vocab_size))
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """The trainer's JSON-able settings (what :meth:`load` restores by default)."""
+        return {"batch_size": self.batch_size, "seq_len": self.seq_len,
+                "schedule": self.schedule.to_dict(), "weight_decay": self.weight_decay,
+                "grad_clip": self.grad_clip, "precision": self.precision, "seed": self.seed,
+                "cpu_dtype": self.cpu_dtype.name}
+
+    def save(self, path: str | os.PathLike, meta: Mapping[str, Any] | None = None,
+             tensors: Mapping[str, np.ndarray] | None = None) -> None:
+        """Write an atomic checkpoint: parameters, AdamW state, step, settings, plus ``meta`` (JSON-able)
+        and ``tensors`` (extra arrays) of the caller."""
+        state = self.backend.optimizer_state()
+        all_tensors = dict(state["tensors"])
+        for name, value in (tensors or {}).items():
+            if name.startswith("optim."):
+                raise ValueError(f"extra tensor name {name!r} clashes with the optimizer state")
+            all_tensors[name] = value
+        full_meta = {"kind": CHECKPOINT_KIND, "step": self.step_count, "trainer": self.settings(),
+                     "optim_state_meta": state["meta"], "user": dict(meta or {})}
+        save_checkpoint(path, self.cfg, self.backend.get_params(),
+                        extra={"tensors": all_tensors, "meta": full_meta})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, backend: str = "auto", **overrides: Any) -> "Trainer":
+        """A Trainer restored from :meth:`save`: parameters, optimizer moments and step exactly.
+
+        Settings are those saved unless given in ``overrides`` (``batch_size``, ``seq_len``, ``lr``,
+        ``lr_min``, ``warmup``, ``total_steps``, ``weight_decay``, ``grad_clip``, ``precision``,
+        ``seed``, ``cpu_dtype``; None values are ignored). The caller's ``meta`` is ``trainer.meta``,
+        its extra tensors ``trainer.extra_tensors``."""
+        cfg, params, extra = load_checkpoint(path)
+        meta = extra.get("meta") or {}
+        if meta.get("kind") != CHECKPOINT_KIND:
+            raise ValueError(f"{path}: not a trainer checkpoint (no optimizer state); it holds weights "
+                             "only — start a new run from it instead of resuming")
+        saved = meta.get("trainer") or {}
+        sched = saved.get("schedule") or {}
+        kwargs: dict[str, Any] = {
+            "batch_size": saved.get("batch_size", 8), "seq_len": saved.get("seq_len", 64),
+            "lr": sched.get("lr_max", 1e-3), "lr_min": sched.get("lr_min"),
+            "warmup": sched.get("warmup", 0), "total_steps": sched.get("total_steps"),
+            "weight_decay": saved.get("weight_decay", 0.0), "grad_clip": saved.get("grad_clip"),
+            "precision": saved.get("precision", "fp32"), "seed": saved.get("seed", 0),
+            "cpu_dtype": saved.get("cpu_dtype", "float32")}
+        unknown = set(overrides) - set(kwargs)
+        if unknown:
+            raise TypeError(f"unknown Trainer.load override(s): {', '.join(sorted(unknown))}")
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        trainer = cls(cfg, params, backend=backend, **kwargs)
+        tensors = extra.get("tensors") or {}
+        trainer.backend.load_optimizer_state(
+            {"tensors": {k: v for k, v in tensors.items() if k.startswith("optim.")},
+             "meta": meta.get("optim_state_meta") or {}})
+        if trainer.step_count != meta.get("step"):
+            raise ValueError(f"{path}: inconsistent step count in checkpoint")
+        trainer.meta = dict(meta.get("user") or {})
+        trainer.extra_tensors = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
+        return trainer

@@ -1,0 +1,30 @@
+"""Print the short table that ends scripts/gpu_check.sh: test counts per file, benchmark medians."""
+import json
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+
+def main(out: Path) -> None:
+    xml = out / "gpu-tests.xml"
+    if xml.exists():
+        counts: dict = defaultdict(lambda: [0, 0, 0])
+        for case in ET.parse(xml).iter("testcase"):
+            f = case.get("file") or case.get("classname", "?")
+            status = 1 if case.find("failure") is not None or case.find("error") is not None else (
+                2 if case.find("skipped") is not None else 0)
+            counts[f][status] += 1
+        print(f"\n{'GPU test file':<44}{'pass':>6}{'fail':>6}{'skip':>6}")
+        for f, (p, fl, s) in sorted(counts.items()):
+            print(f"{f:<44}{p:>6}{fl:>6}{s:>6}")
+    bench = out / "bench.json"
+    if bench.exists():
+        print(f"\n{'benchmark':<60}{'median ms':>12}  extra")
+        for b in json.loads(bench.read_text())["benchmarks"]:
+            extra = ", ".join(f"{k}={v}" for k, v in b.get("extra_info", {}).items())
+            print(f"{b['name']:<60}{1e3 * b['stats']['median']:>12.3f}  {extra}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

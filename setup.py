@@ -1,0 +1,27 @@
+"""Builds the Cython extensions: the CPU oracle (oracle/*.pyx) and the GPU plan executor
+(rwkvx/_core.pyx). Building needs no GPU, no CUDA toolkit and no CUDA header: _core calls the driver and
+cuBLAS through function pointers resolved at run time (see its docstring for why not cydriver)."""
+import glob
+import os
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+COMPILE_ARGS = ["-O3", "-ffp-contract=off"]
+
+
+def extensions() -> list[Extension]:
+    exts = [Extension(f"rwkvx.oracle.{os.path.basename(p)[:-4]}", [p],
+                      include_dirs=[np.get_include()], extra_compile_args=COMPILE_ARGS)
+            for p in sorted(glob.glob("oracle/*.pyx"))]
+    if os.path.exists("rwkvx/_core.pyx"):
+        exts.append(Extension("rwkvx._core", ["rwkvx/_core.pyx"],
+                              include_dirs=[np.get_include()],
+                              extra_compile_args=COMPILE_ARGS))
+    return exts
+
+
+setup(ext_modules=cythonize(extensions(), language_level=3,
+                            compiler_directives={"boundscheck": False, "wraparound": False,
+                                                 "cdivision": True, "initializedcheck": False}))

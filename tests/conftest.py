@@ -1,0 +1,45 @@
+"""Shared fixtures: random (non-zero) model parameters for the oracle tests."""
+import numpy as np
+import pytest
+
+from rwkvx import init_params
+
+
+def make_random_params(cfg, seed=0):
+    """init_params(cfg) with every tensor replaced by scaled random values.
+
+    The training init has zero matrices (w1, a1, v1, g1, output, ffn.value) that would hide
+    gradients; here every tensor is non-zero, activations stay O(1) (matrices scaled by
+    1/sqrt(fan_in)), mixes stay in [0, 1] and the decay stays in its natural range.
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, value in init_params(cfg, seed).items():
+        shape = value.shape
+        leaf = name.rsplit(".", 2)
+        if name.endswith(("ln0.weight", "ln1.weight", "ln2.weight", "ln_x.weight", "ln_out.weight")):
+            new = 1 + 0.2 * rng.standard_normal(shape)
+        elif leaf[-1] in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g") or name.endswith("ffn.x_k"):
+            new = rng.uniform(0.05, 0.95, shape)
+        elif leaf[-1] == "k_a":
+            new = 1 + 0.3 * rng.standard_normal(shape)
+        elif leaf[-1] == "k_k":
+            new = 0.7 + 0.3 * rng.standard_normal(shape)
+        elif leaf[-1] in ("w0", "a0", "v0"):
+            new = rng.standard_normal(shape)
+        elif name == "rwkv.emb.weight":
+            new = rng.standard_normal(shape)
+        elif len(shape) == 2 and name.endswith("weight"):   # Lin weight [out, in]
+            new = rng.standard_normal(shape) / np.sqrt(shape[1])
+        elif len(shape) == 2 and leaf[-1] in ("w1", "a1", "v1", "g1", "w2", "a2", "v2", "g2"):
+            new = rng.standard_normal(shape) / np.sqrt(shape[0])
+        else:                                                # biases, r_k
+            new = 0.3 * rng.standard_normal(shape)
+        out[name] = new.astype(np.float64)
+    return out
+
+
+@pytest.fixture
+def random_params():
+    """The :func:`make_random_params` factory."""
+    return make_random_params

@@ -1,0 +1,383 @@
+"""CPU tests of the GPU runtime: op validation, GEMM helper mapping, Plan packing, the no-GPU error."""
+import struct
+
+import numpy as np
+import pytest
+
+from rwkvx.runtime import Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
+from rwkvx.runtime import gemm as G
+
+
+# ---------------------------------------------------------------- op records
+def test_launch_normalizes():
+    op = Launch("m", "k", grid=4, block=(32, 2), args=[("p", 16), ("i", -3), ("l", 1 << 40),
+                                                        ("f", 1), ("d", 2.5)], defines={"HEAD_SIZE": 64})
+    assert op.grid == (4, 1, 1) and op.block == (32, 2, 1)
+    assert op.args == (("p", 16), ("i", -3), ("l", 1 << 40), ("f", 1.0), ("d", 2.5))
+    assert op.defines == (("HEAD_SIZE", "64"),)
+    assert hash(op) == hash(Launch("m", "k", (4,), (32, 2, 1), 0, op.args, (("HEAD_SIZE", 64),)))
+
+
+class _Buf:
+    ptr = 4096
+
+
+def test_launch_accepts_buffers_as_pointers():
+    assert Launch("m", "k", args=(("p", _Buf()),)).args == (("p", 4096),)
+    assert Memset(_Buf(), 8).ptr == 4096
+
+
+@pytest.mark.parametrize("args", [
+    (("x", 1),),                 # unknown kind
+    (("p", 1.5),),               # float as pointer
+    (("p", "0x10"),),            # str as pointer
+    (("i", 2.0),),               # float as int
+    (("i", True),),              # bool is not an int argument
+    (("f", "1"),),               # str as float
+    (("f", None),),
+    ("p",),                      # not a pair
+    ((("p", 1, 2)),),            # triple
+    "p",                         # not a sequence of pairs
+])
+def test_launch_bad_args_type_error(args):
+    with pytest.raises(TypeError):
+        Launch("m", "k", args=args)
+
+
+@pytest.mark.parametrize("args", [(("i", 1 << 31),), (("i", -(1 << 31) - 1),), (("l", 1 << 63),),
+                                  (("p", -1),)])
+def test_launch_bad_arg_values(args):
+    with pytest.raises(ValueError):
+        Launch("m", "k", args=args)
+
+
+def test_launch_bad_shapes():
+    with pytest.raises(ValueError):
+        Launch("m", "k", grid=(0, 1, 1))
+    with pytest.raises(TypeError):
+        Launch("m", "k", grid=(1, 1, 1, 1))
+    with pytest.raises(TypeError):
+        Launch("m", "k", block=(1.0,))
+    with pytest.raises(ValueError):
+        Launch("m", "k", smem=-1)
+    with pytest.raises(TypeError):
+        Launch("", "k")
+    with pytest.raises(TypeError):
+        Launch("m", None)
+    with pytest.raises(TypeError):
+        Launch("m", "k", defines={"bad name": 1})
+
+
+def test_gemm_validation():
+    g = Gemm("N", "T", 3, 4, 5, 1, 8, 3, 16, 4, 0, 24, 3)
+    assert g.transa is False and g.transb is True and isinstance(g.alpha, float)
+    with pytest.raises(ValueError):      # lda < m for transa=N
+        Gemm("N", "N", 3, 4, 5, 1.0, 8, 2, 16, 5, 0.0, 24, 3)
+    with pytest.raises(ValueError):      # ldb < n for transb=T
+        Gemm("N", "T", 3, 4, 5, 1.0, 8, 3, 16, 3, 0.0, 24, 3)
+    with pytest.raises(ValueError):      # ldc < m
+        Gemm("N", "N", 3, 4, 5, 1.0, 8, 3, 16, 5, 0.0, 24, 2)
+    with pytest.raises(TypeError):
+        Gemm("X", "N", 3, 4, 5, 1.0, 8, 3, 16, 5, 0.0, 24, 3)
+    with pytest.raises(TypeError):
+        Gemm("N", "N", 3, 4, 5, "1", 8, 3, 16, 5, 0.0, 24, 3)
+    with pytest.raises(TypeError):
+        Gemm("N", "N", 3.0, 4, 5, 1.0, 8, 3, 16, 5, 0.0, 24, 3)
+    with pytest.raises(ValueError):
+        Gemm("N", "N", 3, 4, 5, 1.0, 8, 3, 16, 5, 0.0, 24, 3, ab_type="f64")
+
+
+def test_memset_copy_validation():
+    assert Copy(1, 2, 3).nbytes == 3 and CopyHtoD(1, 2, 3).host_ptr == 2 and CopyDtoH(1, 2, 3).src == 2
+    with pytest.raises(ValueError):
+        Memset(1, -1)
+    with pytest.raises(TypeError):
+        Memset("1", 8)
+    with pytest.raises(TypeError):
+        Copy(1, 2, 3.0)
+
+
+def test_flatten_ops():
+    a, b, c = Memset(1, 1), Copy(1, 2, 3), Launch("m", "k")
+    assert flatten_ops([a, [b, (c,)], []]) == [a, b, c]
+    with pytest.raises(TypeError):
+        flatten_ops([a, "not an op"])
+
+
+# ---------------------------------------------------------------- GEMM mapping (column-major emulation)
+def _cm_index(rows, cols, ld):
+    return np.arange(rows)[:, None] + np.arange(cols)[None, :] * ld
+
+
+def emulate_sgemm(g: Gemm, mem: dict):
+    """Column-major cuBLAS GEMM on flat float64 numpy arrays keyed by pointer."""
+    A, B, C = mem[g.A], mem[g.B], mem[g.C]
+    opA = A[_cm_index(g.k, g.m, g.lda)].T if g.transa else A[_cm_index(g.m, g.k, g.lda)]
+    opB = B[_cm_index(g.n, g.k, g.ldb)].T if g.transb else B[_cm_index(g.k, g.n, g.ldb)]
+    idx = _cm_index(g.m, g.n, g.ldc)
+    C[idx] = g.alpha * (opA @ opB) + g.beta * C[idx]
+
+
+def _rowmajor_buffer(arr, ld):
+    """Row-major 2-D array stored with row stride ld (>= cols) in a flat buffer (padding = NaN)."""
+    r, c = arr.shape
+    flat = np.full(r * ld, np.nan)
+    flat.reshape(r, ld)[:, :c] = arr
+    return flat
+
+
+def _read_rowmajor(flat, r, c, ld):
+    return flat.reshape(r, ld)[:, :c]
+
+
+X, W, Y = 1000, 2000, 3000
+
+
+@pytest.mark.parametrize("helper", ["linear", "linear_dx", "linear_dw", "matmul", "matmul_dx", "matmul_dw"])
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_gemm_helper_mapping(helper, beta, pad):
+    rng = np.random.default_rng(0)
+    R, n_in, n_out, alpha = 7, 5, 6, 1.5
+    if helper == "linear":          # y = x @ W^T
+        a, w = rng.normal(size=(R, n_in)), rng.normal(size=(n_out, n_in))
+        out0 = rng.normal(size=(R, n_out))
+        ref = alpha * a @ w.T + beta * out0
+        lds = dict(ld_x=n_in + pad, ld_w=n_in + pad, ld_y=n_out + pad)
+        call = lambda: G.linear(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
+        bufs = (a, lds["ld_x"]), (w, lds["ld_w"]), (out0, lds["ld_y"])
+    elif helper == "linear_dx":     # dx = dy @ W
+        a, w = rng.normal(size=(R, n_out)), rng.normal(size=(n_out, n_in))
+        out0 = rng.normal(size=(R, n_in))
+        ref = alpha * a @ w + beta * out0
+        lds = dict(ld_dy=n_out + pad, ld_w=n_in + pad, ld_dx=n_in + pad)
+        call = lambda: G.linear_dx(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
+        bufs = (a, lds["ld_dy"]), (w, lds["ld_w"]), (out0, lds["ld_dx"])
+    elif helper == "linear_dw":     # dW = dy^T @ x ; here X holds x, W holds dy, Y holds dW
+        a, w = rng.normal(size=(R, n_in)), rng.normal(size=(R, n_out))
+        out0 = rng.normal(size=(n_out, n_in))
+        ref = alpha * w.T @ a + beta * out0
+        lds = dict(ld_x=n_in + pad, ld_dy=n_out + pad, ld_dw=n_in + pad)
+        call = lambda: G.linear_dw(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
+        bufs = (a, lds["ld_x"]), (w, lds["ld_dy"]), (out0, lds["ld_dw"])
+    elif helper == "matmul":        # y = x @ W, W [in,out]
+        a, w = rng.normal(size=(R, n_in)), rng.normal(size=(n_in, n_out))
+        out0 = rng.normal(size=(R, n_out))
+        ref = alpha * a @ w + beta * out0
+        lds = dict(ld_x=n_in + pad, ld_w=n_out + pad, ld_y=n_out + pad)
+        call = lambda: G.matmul(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
+        bufs = (a, lds["ld_x"]), (w, lds["ld_w"]), (out0, lds["ld_y"])
+    elif helper == "matmul_dx":     # dx = dy @ W^T
+        a, w = rng.normal(size=(R, n_out)), rng.normal(size=(n_in, n_out))
+        out0 = rng.normal(size=(R, n_in))
+        ref = alpha * a @ w.T + beta * out0
+        lds = dict(ld_dy=n_out + pad, ld_w=n_out + pad, ld_dx=n_in + pad)
+        call = lambda: G.matmul_dx(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
+        bufs = (a, lds["ld_dy"]), (w, lds["ld_w"]), (out0, lds["ld_dx"])
+    else:                           # dW = x^T @ dy ; X holds x, W holds dy, Y holds dW
+        a, w = rng.normal(size=(R, n_in)), rng.normal(size=(R, n_out))
+        out0 = rng.normal(size=(n_in, n_out))
+        ref = alpha * a.T @ w + beta * out0
+        lds = dict(ld_x=n_in + pad, ld_dy=n_out + pad, ld_dw=n_out + pad)
+        call = lambda: G.matmul_dw(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
+        bufs = (a, lds["ld_x"]), (w, lds["ld_dy"]), (out0, lds["ld_dw"])
+    g = call()
+    assert isinstance(g, Gemm)
+    mem = {p: _rowmajor_buffer(arr, ld) for p, (arr, ld) in zip((X, W, Y), bufs)}
+    if beta == 0.0:      # beta = 0 must not read C: poison it (NaN * 0 would leak through otherwise)
+        mem[Y][:] = np.where(np.isnan(mem[Y]), np.nan, 0.0)
+    emulate_sgemm(g, mem)
+    out_ld = bufs[2][1]
+    got = _read_rowmajor(mem[Y], *ref.shape, out_ld)
+    np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    if pad:   # padding columns untouched
+        assert np.isnan(mem[Y].reshape(ref.shape[0], out_ld)[:, ref.shape[1]:]).all()
+
+
+def test_gemm_helper_defaults_dense():
+    g = G.linear(1, 2, 3, rows=10, n_in=4, n_out=6)
+    assert (g.transa, g.transb, g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.beta) == (True, False, 6, 10, 4, 4, 4, 6, 0.0)
+    assert (g.A, g.B, g.C) == (2, 1, 3)
+
+
+# ---------------------------------------------------------------- Plan packing (no GPU: never run)
+class _FakeCublas:
+    handle = 0x1234
+    gemm_ex_ptr = 0x5678
+
+
+class _FakeDev:
+    stream_handle = 0
+    context_handle = 0
+    driver_procs: dict = {}
+    cublas = _FakeCublas()
+
+    def __init__(self):
+        self.calls = []
+
+    def kernel(self, module, name, defines):
+        self.calls.append((module, name, defines))
+        return 0x1000 + len(self.calls)
+
+    def prepare_kernel(self, fn, smem, name):
+        pass
+
+
+def _core():
+    return pytest.importorskip("rwkvx._core", reason="rwkvx._core is not built (python setup.py build_ext --inplace)")
+
+
+def test_plan_packs_arguments():
+    core = _core()
+    dev = _FakeDev()
+    ops = [Launch("m", "k1", args=(("p", 0xDEADBEEF01), ("i", -7), ("l", -(1 << 40)), ("f", 0.1), ("d", 0.1)),
+                  defines={"HEAD_SIZE": 64}),
+           [Gemm("N", "N", 2, 2, 2, 1.0, 8, 2, 16, 2, 0.0, 24, 2), Memset(8, 4)],
+           Launch("m", "k2"), Copy(1, 2, 3), CopyHtoD(1, 2, 3), CopyDtoH(1, 2, 3)]
+    plan = core.Plan(dev, ops, precision="tf32")
+    assert len(plan) == 7 and plan.precision == "tf32"
+    assert dev.calls == [("m", "k1", (("HEAD_SIZE", "64"),)), ("m", "k2", ())]
+    assert plan.names[0] == "k1" and plan.names[1] == "cublasGemmEx op #1" and plan.names[3] == "k2"
+    packed = plan.packed_args(0)
+    assert len(packed) == 5 * 8
+    assert struct.unpack_from("<Q", packed, 0)[0] == 0xDEADBEEF01
+    assert struct.unpack_from("<i", packed, 8)[0] == -7
+    assert struct.unpack_from("<q", packed, 16)[0] == -(1 << 40)
+    assert struct.unpack_from("<f", packed, 24)[0] == np.float32(0.1)
+    assert struct.unpack_from("<d", packed, 32)[0] == 0.1
+    assert plan.packed_args(3) == b""
+    with pytest.raises(TypeError):
+        plan.packed_args(1)
+    with pytest.raises(RuntimeError):      # fake device has no driver entry points: refuses, no crash
+        plan.run()
+
+
+def test_plan_rejects_bad_input():
+    core = _core()
+    with pytest.raises(ValueError):
+        core.Plan(_FakeDev(), [], precision="fp16")
+    with pytest.raises(TypeError):
+        core.Plan(_FakeDev(), [Memset(1, 1), 42])
+
+
+def test_sum_float64():
+    core = _core()
+    x = np.random.default_rng(1).normal(size=1001)
+    s = 0.0
+    for v in x:
+        s += float(v)
+    assert core.sum_float64(x) == s
+    assert core.sum_float64(x.reshape(7, 143)) == s
+    assert core.sum_float64(np.zeros(0)) == 0.0
+    with pytest.raises(TypeError):
+        core.sum_float64(x.astype(np.float32))
+
+
+# ---------------------------------------------------------------- no GPU
+def test_device_get_without_gpu_is_helpful():
+    from rwkvx.runtime import Device
+    try:
+        dev = Device.get()
+    except RuntimeError as e:
+        msg = str(e)
+        assert "no CUDA GPU" in msg and "rwkvx.oracle.Oracle" in msg
+    else:
+        pytest.skip(f"a GPU is available here ({dev.name}); the no-GPU path is not exercised")
+
+
+# ---------------------------------------------------------------- Plan.run dispatch, with fake entry points
+def test_plan_run_dispatch_with_fake_driver():
+    """Plan.run's nogil loop against ctypes stand-ins for the driver and cublasGemmEx: order, arguments,
+    error naming, stop at the first failure."""
+    import ctypes as C
+    core = _core()
+    calls = []
+    fail_fn = {"addr": None}
+
+    LAUNCH = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_uint, C.c_uint, C.c_uint, C.c_uint, C.c_uint, C.c_uint,
+                         C.c_uint, C.c_void_p, C.POINTER(C.c_void_p), C.c_void_p)
+
+    def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        first = C.cast(params[0], C.POINTER(C.c_uint64))[0] if params else None
+        second = C.cast(params[1], C.POINTER(C.c_float))[0] if params else None
+        calls.append(("launch", f, (gx, gy, gz), (bx, by, bz), smem, stream, first, second))
+        return 1 if f == fail_fn["addr"] else 0
+
+    MEMSET = C.CFUNCTYPE(C.c_int, C.c_ulonglong, C.c_ubyte, C.c_size_t, C.c_void_p)
+    DTOD = C.CFUNCTYPE(C.c_int, C.c_ulonglong, C.c_ulonglong, C.c_size_t, C.c_void_p)
+    HTOD = C.CFUNCTYPE(C.c_int, C.c_ulonglong, C.c_void_p, C.c_size_t, C.c_void_p)
+    DTOH = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_ulonglong, C.c_size_t, C.c_void_p)
+    CTXG = C.CFUNCTYPE(C.c_int, C.POINTER(C.c_void_p))
+    CTXS = C.CFUNCTYPE(C.c_int, C.c_void_p)
+    GEMM = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_int, C.c_int, C.c_int, C.c_int, C.c_int, C.c_void_p,
+                       C.c_void_p, C.c_int, C.c_int, C.c_void_p, C.c_int, C.c_int, C.c_void_p, C.c_void_p,
+                       C.c_int, C.c_int, C.c_int, C.c_int)
+    ctx = {"cur": 0}
+
+    def gemm(h, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, Cp, ct, ldc, compute, algo):
+        calls.append(("gemm", h, ta, tb, m, n, k, C.cast(alpha, C.POINTER(C.c_float))[0], A, at, lda, B, bt,
+                      ldb, C.cast(beta, C.POINTER(C.c_float))[0], Cp, ct, ldc, compute, algo))
+        return 0
+
+    def ctx_get(p):
+        p[0] = ctx["cur"]
+        return 0
+
+    def ctx_set(c):
+        calls.append(("ctx_set", c))
+        ctx["cur"] = c
+        return 0
+
+    keep = [LAUNCH(launch), MEMSET(lambda d, v, n, s: calls.append(("memset", d, v, n, s)) or 0),
+            DTOD(lambda d, s_, n, s: calls.append(("dtod", d, s_, n, s)) or 0),
+            HTOD(lambda d, h, n, s: calls.append(("htod", d, h, n, s)) or 0),
+            DTOH(lambda h, d, n, s: calls.append(("dtoh", h, d, n, s)) or 0),
+            CTXG(ctx_get), CTXS(ctx_set), GEMM(gemm)]
+    addr = [C.cast(f, C.c_void_p).value for f in keep]
+
+    class Cub:
+        handle = 0xAB
+        gemm_ex_ptr = addr[7]
+
+    class Dev(_FakeDev):
+        stream_handle = 0x5150
+        context_handle = 0xC0
+        driver_procs = dict(zip(core.DRIVER_PROCS[:5] + ("cuCtxGetCurrent", "cuCtxSetCurrent"), addr[:7]))
+        cublas = Cub()
+
+    assert core.DRIVER_PROCS == ("cuLaunchKernel", "cuMemsetD8Async", "cuMemcpyDtoDAsync", "cuMemcpyHtoDAsync",
+                                 "cuMemcpyDtoHAsync", "cuCtxGetCurrent", "cuCtxSetCurrent")
+    dev = Dev()
+    ops = [Launch("m", "ka", grid=(3, 2), block=(64,), smem=128, args=(("p", 0x1234), ("f", 2.5))),
+           G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, beta=0.5),
+           Memset(0x40, 16), Memset(0x40, 0), Copy(0x50, 0x60, 8), CopyHtoD(0x70, 0x80, 4), CopyDtoH(0x90, 0xA0, 4),
+           Launch("m", "kb")]
+    plan = core.Plan(dev, ops, precision="tf32")
+    plan.run()
+    S = 0x5150
+    assert calls == [
+        ("ctx_set", 0xC0),
+        ("launch", 0x1001, (3, 2, 1), (64, 1, 1), 128, S, 0x1234, 2.5),
+        ("gemm", 0xAB, 1, 0, 5, 6, 4, 1.0, 0x20, 0, 4, 0x10, 0, 4, 0.5, 0x30, 0, 5, 77, -1),
+        ("memset", 0x40, 0, 16, S),                       # the empty memset is skipped
+        ("dtod", 0x50, 0x60, 8, S), ("htod", 0x70, 0x80, 4, S), ("dtoh", 0x90, 0xA0, 4, S),
+        ("launch", 0x1002, (1, 1, 1), (1, 1, 1), 0, S, None, None),
+    ]
+    calls.clear()
+    plan.run()                                            # context already current: no second ctx_set
+    assert calls[0][0] == "launch" and len(calls) == 7
+
+    fp32 = core.Plan(dev, [ops[1]], precision="fp32")
+    calls.clear()
+    fp32.run()
+    assert calls[0][-2] == 68
+
+    # the first failing op stops the loop and is named
+    fail_fn["addr"] = 0x1001
+    calls.clear()
+    from rwkvx.runtime import CudaError
+    with pytest.raises(CudaError) as ei:
+        plan.run()
+    assert "cuLaunchKernel" in str(ei.value) and "ka" in str(ei.value) and "op #0" in str(ei.value)
+    assert [c[0] for c in calls] == ["launch"]
+    del keep
