@@ -12,7 +12,9 @@ import io
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -114,8 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser(
         "train", help="train a model (no arguments: tiny model on the embedded Shakespeare corpus)",
         description="Train a model. With no arguments: the 'tiny' preset on the embedded public-domain "
-                    "Shakespeare corpus, on the GPU when usable, else on the CPU (oracle).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "Shakespeare corpus, on the GPU when usable, else on the CPU (oracle). "
+                    "Unset options come from the preset (or, with --resume, from the run).",
+        epilog="presets: " + "; ".join(
+            f"{name}: V={p['model']['vocab_size']} C={p['model']['n_embd']} "
+            f"L={p['model']['n_rwkv_layer']} M={p['model']['n_attn_layer']}, "
+            f"B={p['train']['batch_size']} T={p['train']['seq_len']} steps={p['train']['steps']}"
+            for name, p in PRESETS.items()))
     g = tr.add_argument_group("model (preset, then overrides)")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help=f"model + training preset (default {DEFAULT_PRESET})")
@@ -200,6 +207,16 @@ def _default_out() -> Path:
     return out
 
 
+def _write_bytes(path: Path, data: bytes) -> None:
+    """Atomically write ``data`` to ``path`` with the usual file mode (0666 minus the umask)."""
+    from .checkpoint import atomic_write
+
+    atomic_write(path, lambda f: f.write(data))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def _read_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
@@ -215,15 +232,12 @@ def _read_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
 
 
 def _write_log(path: Path, rows: list[dict[str, Any]]) -> None:
-    from .checkpoint import atomic_write
-
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=LOG_FIELDS, lineterminator="\n")
     writer.writeheader()
     for row in rows:
         writer.writerow({k: row.get(k, "") for k in LOG_FIELDS})
-    data = buf.getvalue().encode()
-    atomic_write(path, lambda f: f.write(data))
+    _write_bytes(path, buf.getvalue().encode())
 
 
 def _fmt(value: float | None, digits: int = 6) -> str:
@@ -235,8 +249,6 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str, entropy: floa
     import matplotlib
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
-
-    from .checkpoint import atomic_write
 
     steps = np.array([int(r["step"]) for r in rows if r.get("train_loss") not in ("", None)])
     train = np.array([float(r["train_loss"]) for r in rows if r.get("train_loss") not in ("", None)])
@@ -264,8 +276,7 @@ def write_plot(path: Path, rows: list[dict[str, Any]], title: str, entropy: floa
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
-    data = buf.getvalue()
-    atomic_write(path, lambda f: f.write(data))
+    _write_bytes(path, buf.getvalue())
 
 
 def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -282,8 +293,8 @@ def _prepare_train(args: argparse.Namespace) -> dict[str, Any]:
 
     kind, note = resolve_device(args.device)
     if kind == "gpu" and args.device == "gpu":
-        from .train import _gpu_unavailable_reason
-        reason = _gpu_unavailable_reason()
+        from .train import gpu_unavailable_reason
+        reason = gpu_unavailable_reason()
         if reason is not None:
             raise UsageError(f"--device gpu: the GPU backend cannot be used: {reason}. "
                              "Use --device cpu or --device auto.")
@@ -437,9 +448,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
-    from .checkpoint import atomic_write
-    run_json = json.dumps({"config": cfg.to_dict(), "run": run_info}, indent=2).encode()
-    atomic_write(out / RUN_NAME, lambda f: f.write(run_json))
+    _write_bytes(out / RUN_NAME, json.dumps({"config": cfg.to_dict(), "run": run_info}, indent=2).encode())
 
     rows = _read_log(run["resume"].parent / LOG_NAME, start) if run["resume"] is not None else []
     tokens_seen = int(trainer.meta.get("tokens_seen", start * B * T)) if run["resume"] else 0
@@ -464,8 +473,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     train_time, ema, last_val = 0.0, None, None
     step = start
     interrupted = False
+    # Ctrl-C stops between steps (never inside an update), then the run is checkpointed as usual;
+    # a second Ctrl-C aborts at once (the last periodic checkpoint stays).
+    stop = {"requested": False}
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if stop["requested"]:
+            raise KeyboardInterrupt
+        stop["requested"] = True
+        bar.write("stopping after this step (Ctrl-C again to abort without saving)...")
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if in_main else None
     try:
         for step in range(start + 1, steps + 1):
+            if stop["requested"]:
+                interrupted = True
+                step = trainer.step_count
+                break
             x, y = sampler.next()
             ts = time.perf_counter()
             loss = trainer.step(x, y)
@@ -488,10 +513,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             bar.update(1)
             if tr["ckpt_every"] and step % tr["ckpt_every"] == 0 and step != steps:
                 save(elapsed0 + time.perf_counter() - t0)
-    except KeyboardInterrupt:
-        interrupted = True
-        step = trainer.step_count
     finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
         bar.close()
     total_time = elapsed0 + time.perf_counter() - t0
     save(total_time)
@@ -542,21 +566,14 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.ra
     return int(chosen[rng.choice(keep, p=q)])
 
 
-def _forward_fn(cfg, params, device: str):
-    """``tokens [1, T] -> logits [1, T, V]`` on the chosen device, plus a note."""
-    from .train import resolve_device
+def _forward_fn(cfg, params, device: str, ctx: int):
+    """``tokens [1, T <= ctx] -> logits [1, T, V]`` on the chosen device, plus a note."""
+    from .optim import Schedule
+    from .train import GPUBackend, resolve_device
 
     kind, note = resolve_device(device)
     if kind == "gpu":
-        # HOOK (GPU): rwkvx.model is expected to offer forward_fn(cfg, params) with this contract.
-        from . import model
-        factory = getattr(model, "forward_fn", None)
-        if factory is not None:
-            return factory(cfg, params), note
-        if device == "gpu":
-            raise UsageError("--device gpu: rwkvx.model has no forward_fn for sampling yet; "
-                             "use --device cpu")
-        note = "the GPU model has no sampling forward yet; sampling on the CPU with the oracle"
+        return GPUBackend(cfg, params, Schedule(), 0.0, None, 1, ctx, "fp32").forward, note
     try:
         from .oracle import Oracle
     except ImportError as exc:
@@ -591,7 +608,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
             raise UsageError(f"prompt token id {bad[0]} is out of range [0, {cfg.vocab_size})")
     run = ((extra.get("meta") or {}).get("user") or {}).get("run") or {}
     ctx = args.ctx or int(run.get("seq_len") or 256)
-    forward, note = _forward_fn(cfg, params, args.device)
+    forward, note = _forward_fn(cfg, params, args.device, ctx)
     if note:
         print(f"note: {note}", file=sys.stderr)
     rng = np.random.default_rng(args.seed)

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import validate
 from .config import Config
+from .optim import Schedule
 from .ops import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from .params import ParamDict, check_params, param_shapes
 from .runtime import gemm
@@ -51,6 +52,12 @@ class Layout:
         self.param_shapes = shapes
         for region in ("params", "grads", "adam_m", "adam_v"):
             self._add(region, 4 * n_flat)
+        self.adam_table, self.adam_lrmul = adamw.build_table(self.param_segments)
+        self.adam_chunks = len(self.adam_lrmul)
+        self._add("adam_table", self.adam_table.nbytes)
+        self._add("adam_lrmul", self.adam_lrmul.nbytes)
+        self._add("adam_state", 8 * adamw.STATE_DOUBLES)
+        self._add("adam_partials", adamw.scratch_bytes(self.adam_chunks))
         # per-step inputs (written from pinned host memory inside the step)
         for name in ("tokens", "targets", "emb_order"):
             self._add(name, 4 * R)
@@ -215,6 +222,13 @@ class StepBuilder:
                                   self.buf("emb_seg_start"), self.buf("emb_n_seg"),
                                   self.gp("rwkv.emb.weight"), R, C, V)
         return ops
+
+    def optimizer(self, weight_decay: float, clip: bool) -> list:
+        """One fused AdamW update of every parameter (rwkvx/optim.py's formulas; state on device)."""
+        b = self.buf
+        return adamw.step(None, b("params"), b("grads"), b("adam_m"), b("adam_v"), b("adam_table"),
+                          b("adam_lrmul"), b("adam_state"), self.L.adam_chunks, b("adam_partials"),
+                          weight_decay=weight_decay, clip=clip)
 
     @staticmethod
     def _prefix(kind: str, idx: int) -> str:
@@ -487,12 +501,102 @@ class Model:
         inv = float(self._pinned["inv_count"].array(np.float64, (1,))[0])
         return sum_float64(self._pinned["loss_t"].array(np.float64, (self.B * self.T,))) * inv
 
+    def run_step(self) -> None:
+        """Enqueue one forward + loss + backward on the staged batch (no synchronisation)."""
+        self._step_plan.run()
+
     def loss_and_grads(self, tokens, targets, ignore_index: int = -100) -> tuple[float, ParamDict]:
         """Mean cross-entropy over targets != ignore_index, and the gradient of every parameter."""
         self.stage_batch(tokens, targets, ignore_index)
-        self._step_plan.run()
+        self.run_step()
         self.dev.synchronize()
         return self.mean_loss(), self.grads()
+
+    # -- training: the whole step, AdamW included, as one CUDA graph -----------------------------
+    def configure_optimizer(self, schedule: Schedule, weight_decay: float = 0.0,
+                            grad_clip: float | None = None) -> None:
+        """Set up AdamW (moments zeroed, step 0) and the training plan ``train_step`` replays."""
+        from .runtime import Plan
+        b = self.builder.buf
+        self.dev.upload(b("adam_table"), self.layout.adam_table)
+        self.dev.upload(b("adam_lrmul"), self.layout.adam_lrmul)
+        self.dev.upload(b("adam_state"), adamw.state_from_schedule(schedule, grad_clip))
+        zeros = np.zeros(self.layout.sizes["adam_m"] // 4, np.float32)
+        self.dev.upload(b("adam_m"), zeros)
+        self.dev.upload(b("adam_v"), zeros)
+        self.schedule, self.weight_decay, self.grad_clip = schedule, weight_decay, grad_clip
+        ops = self.ops
+        self._train_plan = Plan(self.dev, ops.stage_tokens + ops.stage_targets + ops.forward + ops.loss
+                                + ops.backward + self.builder.optimizer(weight_decay, bool(grad_clip)),
+                                precision=self.precision)
+        self._train_graph = None
+
+    def train_step(self, tokens, targets, ignore_index: int = -100, graph: bool = True) -> float:
+        """Forward, loss, backward and AdamW update on one batch; returns the mean loss.
+
+        With ``graph`` (default) the step is captured once as a CUDA graph and replayed; otherwise
+        the same plan is enqueued op by op. Both give bit-identical results.
+        """
+        if getattr(self, "_train_plan", None) is None:
+            raise RuntimeError("call configure_optimizer() before train_step()")
+        self.stage_batch(tokens, targets, ignore_index)
+        if not graph:
+            self._train_plan.run()
+        else:
+            if self._train_graph is None:
+                from .runtime import Graph
+                self._step_plan.run()   # warm-up without an update: modules and cuBLAS ready
+                self.dev.synchronize()
+                self._train_graph = Graph.capture(self.dev, self._train_plan.run)
+            self._train_graph.launch()
+        self.dev.synchronize()
+        return self.mean_loss()
+
+    def evaluate(self, tokens, targets, ignore_index: int = -100) -> float:
+        """Mean loss on one batch: forward and loss only, the parameters untouched."""
+        from .runtime import Plan
+        if getattr(self, "_eval_plan", None) is None:
+            ops = self.ops
+            self._eval_plan = Plan(self.dev, ops.stage_tokens + ops.stage_targets + ops.forward + ops.loss,
+                                   precision=self.precision)
+        self.stage_batch(tokens, targets, ignore_index)
+        self._eval_plan.run()
+        self.dev.synchronize()
+        return self.mean_loss()
+
+    def optimizer_stats(self) -> dict[str, float]:
+        """``{"step", "lr", "grad_norm", "clip"}`` of the last update, read from the device state."""
+        st = self.dev.download(self.builder.buf("adam_state"), (adamw.STATE_DOUBLES,), np.float64)
+        return {"step": int(st[adamw.ST_STEP]), "lr": float(st[adamw.ST_LR]),
+                "grad_norm": float(st[adamw.ST_NORM]), "clip": float(st[adamw.ST_SCALE])}
+
+    def optimizer_state(self) -> dict:
+        """AdamW moments and step, in :meth:`rwkvx.optim.AdamW.state_dict`'s format."""
+        tensors = {}
+        for key, region in (("m", "adam_m"), ("v", "adam_v")):
+            for name, value in self._region(region).items():
+                tensors[f"optim.{key}.{name}"] = value
+        return {"tensors": tensors, "meta": {"optim_step": self.optimizer_stats()["step"]}}
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Restore moments and step saved by :meth:`optimizer_state` (or the CPU AdamW)."""
+        tensors, meta = state.get("tensors") or {}, state.get("meta") or {}
+        step = meta.get("optim_step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"optimizer state needs an int step count 'optim_step' >= 0, got {step!r}")
+        for key, region in (("m", "adam_m"), ("v", "adam_v")):
+            flat = np.zeros(self.layout.sizes[region] // 4, np.float32)
+            for name, (off, size) in self.layout.param_offsets.items():
+                full = f"optim.{key}.{name}"
+                if full not in tensors:
+                    raise ValueError(f"optimizer state is missing {full}")
+                value = np.asarray(tensors[full], np.float32)
+                if value.shape != self.layout.param_shapes[name]:
+                    raise ValueError(f"optimizer state {full} has shape {value.shape}")
+                flat[off:off + size] = value.ravel()
+            self.dev.upload(self.builder.buf(region), flat)
+        self.dev.upload(self.builder.buf("adam_state"),
+                        adamw.state_from_schedule(self.schedule, self.grad_clip, step=step))
 
     def moba_selection(self) -> list[np.ndarray]:
         """Each attention block's selection of the last forward: int32 ``[B, H, T, top_k-1]``."""

@@ -18,13 +18,16 @@ _TRAIN_DEFAULTS: dict[str, Any] = {
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # The no-argument default. CPU: about two minutes on 2 cores (see rwkvx/data/README.md for the
-    # corpus). The GPU path runs the same model; it may choose more steps (GPU_TRAIN below).
+    # The no-argument default (corpus: rwkvx/data/README.md). The GPU path runs the same model;
+    # it may choose more steps or a bigger batch (GPU_TRAIN below).
     "tiny": {
+        # 212k parameters; T = 128 is 4 MoBA blocks of 32, each query sees its own + 1 chosen.
+        # Measured alone on the 2-core CI machine: ~54 ms/step (float32 oracle), ~60 s in all;
+        # validation loss ~1.6 nats/byte vs the corpus's unigram entropy 3.31.
         "model": {"vocab_size": 256, "n_embd": 64, "n_rwkv_layer": 2, "n_attn_layer": 1,
-                  "head_size": 16, "moba_chunk_size": 16, "moba_top_k": 2},
-        "train": {"batch_size": 8, "seq_len": 64, "steps": 150, "lr": 4e-3, "lr_min": 4e-4,
-                  "warmup": 10, "eval_every": 50, "eval_batches": 2, "ckpt_every": 50},
+                  "head_size": 16, "moba_chunk_size": 32, "moba_top_k": 2},
+        "train": {"batch_size": 8, "seq_len": 128, "steps": 1000, "lr": 4e-3, "lr_min": 4e-4,
+                  "warmup": 20, "eval_every": 100, "eval_batches": 4, "ckpt_every": 250},
     },
     # The "small" config (launch-bound on a GPU): V=256, C=256, L=4, M=1, B=8, T=512.
     "small": {
@@ -44,9 +47,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 DEFAULT_PRESET = "tiny"
 
-# Training overrides the GPU backend applies to a preset when the user gave no explicit value
-# (HOOK for the GPU path: empty until it exists; e.g. {"tiny": {"steps": 300}}).
-GPU_TRAIN: dict[str, dict[str, Any]] = {}
+# Training overrides the GPU backend applies to a preset when the user gave no explicit value:
+# the GPU takes 8x the tokens per step of the CPU default in a fraction of the time.
+GPU_TRAIN: dict[str, dict[str, Any]] = {"tiny": {"batch_size": 32, "seq_len": 256}}
 
 
 def get_preset(name: str, device: str = "cpu") -> dict[str, Any]:

@@ -3,15 +3,14 @@
 A backend owns the parameters and the optimizer state and does whole steps:
 
 * :class:`CPUBackend` — :class:`rwkvx.oracle.Oracle` forward/backward + numpy :class:`rwkvx.optim.AdamW`.
-* GPU backend — **HOOK** (see :func:`_make_gpu_backend`): the graph-replayed ``rwkvx.model.Model``
-  step with the fused AdamW kernel. It implements the same :class:`Backend` interface, so the Trainer,
-  checkpoints and the CLI do not change when it lands.
+* :class:`GPUBackend` — the graph-replayed :class:`rwkvx.model.Model` step with the fused AdamW
+  kernel, behind the same :class:`Backend` interface: the Trainer, checkpoints and the CLI are shared.
 
 Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
 parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
 metadata: the step count, the optimizer and schedule settings, the trainer settings and whatever
 the caller adds (the CLI adds the data sampler's generator state and its run options). Written
-atomically. Resuming is exact on the CPU backend: N steps straight == N/2 steps, save, load, N/2 steps,
+atomically. Resuming is exact on either backend: N steps straight == N/2 steps, save, load, N/2 steps,
 bit for bit (with the same batches).
 """
 from __future__ import annotations
@@ -73,6 +72,20 @@ class Backend(abc.ABC):
     def load_optimizer_state(self, state: Mapping[str, Any]) -> None: ...
 
 
+def cross_entropy_mean(logits: np.ndarray, targets: np.ndarray, ignore_index: int = -100) -> float:
+    """Mean over targets != ignore_index of logsumexp(logits) - logits[target], in float64
+    (0.0 when every target is ignored, as the oracle's loss)."""
+    z = np.asarray(logits, dtype=np.float64).reshape(-1, logits.shape[-1])
+    t = np.asarray(targets, dtype=np.int64).reshape(-1)
+    keep = t != ignore_index
+    if not keep.any():
+        return 0.0
+    z, t = z[keep], t[keep]
+    zmax = z.max(axis=1)
+    lse = zmax + np.log(np.exp(z - zmax[:, None]).sum(axis=1))
+    return float(np.mean(lse - z[np.arange(z.shape[0]), t]))
+
+
 class CPUBackend(Backend):
     """Oracle forward/backward (``dtype`` float32 or float64 math) + numpy AdamW on float32 params."""
 
@@ -115,8 +128,8 @@ class CPUBackend(Backend):
         return loss
 
     def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float:
-        loss, _ = self._oracle().loss_and_grads(tokens, targets)
-        return float(loss)
+        # Forward only (no backward), the cross-entropy in float64 as the oracle computes it.
+        return cross_entropy_mean(self.forward(tokens), targets)
 
     def forward(self, tokens: np.ndarray) -> np.ndarray:
         return np.asarray(self._oracle().forward(tokens))
@@ -131,45 +144,80 @@ class CPUBackend(Backend):
         self.opt.load_state_dict(state)
 
 
-def _gpu_unavailable_reason() -> str | None:
-    """None when a GPU backend can be built here, else why not (module missing, no device...)."""
+class GPUBackend(Backend):
+    """The device-resident :class:`rwkvx.model.Model`; ``train_step`` replays one CUDA graph holding
+    forward, loss, backward and the fused AdamW update (step count and learning rate on the device).
+
+    Training batches are exactly ``[batch_size, seq_len]``; ``evaluate``/``forward`` take any
+    ``[B, T]`` with B <= batch_size and T <= seq_len: they are padded at the end (tokens 0, targets
+    ignored), which changes nothing before the padding because the model is causal.
+    """
+
+    name = "gpu"
+
+    def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
+                 grad_clip: float | None, batch_size: int, seq_len: int, precision: str) -> None:
+        reason = gpu_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
+                               "(the oracle) or 'auto'.")
+        from .model import Model
+        self.model = Model(cfg, params, batch_size, seq_len, precision=precision)
+        self.model.configure_optimizer(schedule, weight_decay, grad_clip)
+        self.step_count = 0
+        self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
+
+    def _padded(self, tokens: np.ndarray, targets: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+        B, T = tokens.shape
+        full_b, full_t = self.model.B, self.model.T
+        if B > full_b or T > full_t:
+            raise ValueError(f"batch {tokens.shape} is larger than the GPU model's "
+                             f"(batch_size, seq_len) = {(full_b, full_t)}")
+        tok = np.zeros((full_b, full_t), np.int64)
+        tok[:B, :T] = tokens
+        tgt = np.full((full_b, full_t), -100, np.int64)
+        if targets is not None:
+            tgt[:B, :T] = targets
+        return tok, tgt
+
+    def train_step(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        if tokens.shape != (self.model.B, self.model.T):
+            raise ValueError(f"training batches must be {(self.model.B, self.model.T)}, got {tokens.shape}")
+        loss = self.model.train_step(tokens, targets)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {self.step_count + 1}")
+        self.step_count += 1
+        stats = self.model.optimizer_stats()
+        self.last_stats = {"lr": stats["lr"], "grad_norm": stats["grad_norm"], "clip": stats["clip"]}
+        return loss
+
+    def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+        return self.model.evaluate(*self._padded(tokens, targets))
+
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
+        B, T = tokens.shape
+        return self.model.forward(self._padded(tokens)[0])[:B, :T]
+
+    def get_params(self) -> ParamDict:
+        return self.model.params()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return self.model.optimizer_state()
+
+    def load_optimizer_state(self, state: Mapping[str, Any]) -> None:
+        self.model.load_optimizer_state(dict(state))
+        self.step_count = int(state["meta"]["optim_step"])
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when the GPU backend can be built here, else why not (runtime missing, no device...)."""
     try:
         from .runtime import Device
-    except (ImportError, RuntimeError, OSError) as exc:
-        return f"the GPU runtime (rwkvx.runtime) is not importable: {exc}"
-    try:
-        from . import model  # noqa: F401
-    except (ImportError, RuntimeError, OSError) as exc:
-        return f"the GPU model (rwkvx.model) is not available yet: {exc}"
-    try:
         Device.get()
-    except (RuntimeError, OSError) as exc:
-        return f"no usable CUDA GPU: {exc}"
+    except (ImportError, RuntimeError, OSError) as exc:
+        return str(exc)
     return None
-
-
-def _make_gpu_backend(cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
-                      grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
-                      ) -> Backend:
-    """HOOK for the GPU backend (the lead writes it in rwkvx.model).
-
-    Contract: ``rwkvx.model.GPUBackend(cfg, params, schedule=..., weight_decay=..., grad_clip=...,
-    batch_size=..., seq_len=..., precision=...)`` returns a :class:`Backend` whose ``train_step``
-    replays the captured graph (forward + loss + backward + AdamW per rwkvx/optim.py's formulas,
-    learning rate and step count in device memory), for inputs of exactly ``[batch_size, seq_len]``;
-    ``evaluate``/``forward`` may take any ``[B, T]`` with B <= batch_size, T <= seq_len.
-    """
-    reason = _gpu_unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"--device gpu: the GPU backend cannot be used: {reason}. "
-                           "Use --device cpu (the oracle) or --device auto.")
-    from . import model
-    factory = getattr(model, "GPUBackend", None)
-    if factory is None:
-        raise RuntimeError("--device gpu: rwkvx.model has no GPUBackend yet (the Trainer hook is not "
-                           "implemented). Use --device cpu or --device auto.")
-    return factory(cfg, params, schedule=schedule, weight_decay=weight_decay, grad_clip=grad_clip,
-                   batch_size=batch_size, seq_len=seq_len, precision=precision)
 
 
 def resolve_device(device: str) -> tuple[str, str | None]:
@@ -180,7 +228,7 @@ def resolve_device(device: str) -> tuple[str, str | None]:
         return "cpu", None
     if device == "gpu":
         return "gpu", None
-    reason = _gpu_unavailable_reason()
+    reason = gpu_unavailable_reason()
     if reason is None:
         return "gpu", None
     return "cpu", f"no GPU backend ({reason}); training on the CPU with the oracle"
@@ -219,7 +267,7 @@ class Trainer:
         self.cpu_dtype = np.dtype(cpu_dtype)
         kind, self.device_note = resolve_device(backend)
         if kind == "gpu":
-            self.backend: Backend = _make_gpu_backend(
+            self.backend: Backend = GPUBackend(
                 cfg, params, self.schedule, self.weight_decay, self.grad_clip,
                 self.batch_size, self.seq_len, precision)
         else:

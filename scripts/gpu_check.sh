@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# GPU check: build in place (no internet needed), run the GPU tests and the benchmarks, print a table.
-# Usage: scripts/gpu_check.sh [pytest -k expression]     Logs go to $OUT (default /tmp/rwkvx-gpu-check).
+# GPU check: build in place (no internet needed), run the GPU tests, the benchmarks, the default
+# training run and a step profile, then print a short table. Logs go to $OUT (default /tmp/rwkvx-gpu-check).
+# Usage: scripts/gpu_check.sh [pytest -k expression]   (SKIP_BENCH=1 / SKIP_TRAIN=1 / SKIP_PROFILE=1 to skip parts)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/rwkvx-gpu-check}"
 mkdir -p "$OUT"
-export RWKVX_CACHE_DIR="${RWKVX_CACHE_DIR:-$OUT/nvrtc-cache}"
+export RWKVX_CACHE_DIR="${RWKVX_CACHE_DIR:-/tmp/rwkvx-nvrtc-cache}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 KEXPR=(); [ $# -gt 0 ] && KEXPR=(-k "$1")
 python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider "${KEXPR[@]}" --junitxml="$OUT/gpu-tests.xml" \
-    -o junit_family=xunit1 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
+    -o junit_family=xunit1 >"$OUT/gpu-tests.log" 2>&1
+grep -E "passed|failed|Error|error" "$OUT/gpu-tests.log" | tail -25
 if [ -z "${SKIP_BENCH:-}" ]; then
-  python3 -m pytest benchmarks -q -p no:cacheprovider "${KEXPR[@]}" --benchmark-json="$OUT/bench.json" \
-      2>&1 | tee "$OUT/bench.log" | tail -30
+  python3 -m pytest benchmarks/test_gpu_step.py -q -p no:cacheprovider "${KEXPR[@]}" \
+      --benchmark-json="$OUT/bench.json" >"$OUT/bench.log" 2>&1 || tail -30 "$OUT/bench.log"
+fi
+if [ -z "${SKIP_TRAIN:-}" ]; then   # the README's main job, on the GPU
+  python3 -m rwkvx train --device gpu --no-progress --out "$OUT/default-run" >"$OUT/train.log" 2>&1 \
+      || tail -30 "$OUT/train.log"
+fi
+if [ -z "${SKIP_PROFILE:-}" ]; then
+  for p in fp32 tf32; do
+    python3 scripts/profile_step.py --preset base --precision $p >"$OUT/profile-$p.log" 2>&1 \
+        || tail -20 "$OUT/profile-$p.log"
+  done
 fi
 python3 scripts/gpu_summary.py "$OUT"

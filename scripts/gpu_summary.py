@@ -24,6 +24,13 @@ def main(out: Path) -> None:
         for b in json.loads(bench.read_text())["benchmarks"]:
             extra = ", ".join(f"{k}={v}" for k, v in b.get("extra_info", {}).items())
             print(f"{b['name']:<60}{1e3 * b['stats']['median']:>12.3f}  {extra}")
+    train = out / "train.log"
+    if train.exists():
+        print("\ndefault `python -m rwkvx train --device gpu`:")
+        print("\n".join(train.read_text().strip().splitlines()[-6:]))
+    for prof in sorted(out.glob("profile-*.log")):
+        lines = prof.read_text().strip().splitlines()
+        print(f"\n{prof.name}:\n" + "\n".join(lines[:14]))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import pytest
 from rwkvx import Config, init_params, save_checkpoint
 from rwkvx.data import BatchSampler, eval_batches, load_tokens, split_train_val, unigram_entropy
 from rwkvx.optim import AdamW, Schedule
-from rwkvx.train import CPUBackend, Trainer, _gpu_unavailable_reason, resolve_device
+from rwkvx.train import CPUBackend, Trainer, gpu_unavailable_reason, resolve_device
 
 # A small RWKV-X: two RWKV blocks and one MoBA block (chunk 16, top-2 of 4 blocks per query).
 CFG = Config(vocab_size=256, n_embd=32, n_rwkv_layer=2, n_attn_layer=1, head_size=16,
@@ -151,10 +151,24 @@ def test_float64_cpu_backend_agrees_with_float32():
     assert t32.evaluate(x, x) == pytest.approx(t64.evaluate(x, x), rel=1e-5)
 
 
-@pytest.mark.skipif(_gpu_unavailable_reason() is None, reason="a GPU backend is usable here")
+@pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU backend is usable here")
 def test_device_selection_without_gpu():
     kind, note = resolve_device("auto")
     assert kind == "cpu" and "CPU" in note
     assert _trainer(backend="auto").device == "cpu"
     with pytest.raises(RuntimeError, match="GPU backend cannot be used"):
         _trainer(backend="gpu")
+
+
+def test_evaluate_equals_oracle_loss():
+    from rwkvx.oracle import Oracle
+
+    params = init_params(CFG, 2)
+    trainer = Trainer(CFG, params, backend="cpu", batch_size=2, seq_len=32)
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 256, (2, 32))
+    y = rng.integers(0, 256, (2, 32))
+    y[0, :5] = -100
+    ref, _ = Oracle(CFG, params, dtype=np.float32).loss_and_grads(x, y)
+    assert trainer.evaluate(x, y) == pytest.approx(ref, rel=1e-12)
+    assert trainer.evaluate(x, np.full_like(y, -100)) == 0.0

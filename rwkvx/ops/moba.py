@@ -42,6 +42,7 @@ Numerics: gate in fp32 (fmaf chain over n), scores, online softmax and all sums 
 from __future__ import annotations
 
 import math
+import numbers
 
 MODULE = "moba"
 NTHR = 128          # NTHR in moba.cu (attention kernels)
@@ -85,9 +86,10 @@ def defines(N: int) -> tuple:
 
 
 def check_shape(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> None:
+    """ValueError unless the sizes are supported (N a multiple of 4 in [4, 256], all >= 1, ...)."""
     for name, val, lo in (("B", B, 1), ("T", T, 1), ("H", H, 1), ("N", N, 4), ("chunk", chunk, 1),
                           ("top_k", top_k, 1)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+        if not isinstance(val, numbers.Integral) or isinstance(val, bool) or val < lo:
             raise ValueError(f"moba: {name} must be an int >= {lo}, got {val!r}")
     if N % 4 or N > 256:
         raise ValueError(f"moba: head size N must be a multiple of 4 in [4, 256], got {N}")
@@ -118,6 +120,7 @@ def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dic
     E <= T*K1:  4 * (B*H*T*(K1*N + 2*K1 + 2) + B*H*nblk*(N + 1) + 3*B*H*(nblk+1) + B*H*E)
     i.e. about 4*B*T*C*K1 bytes (the partials) plus O(B*H*T*K1)."""
     check_shape(B, T, H, N, chunk, top_k)
+    B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
     K1 = top_k - 1
     nblk = nblocks(T, chunk)
     BH = B * H
@@ -202,6 +205,7 @@ def forward(dev, q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chun
     Launches (K1 = top_k-1 > 0 and T > chunk): moba_kmean, moba_select, moba_scan, moba_fill,
     moba_fwd_past, moba_fwd_own. top_k == 1: moba_fwd_own only; T <= chunk: kmean, select (all -1), own."""
     check_shape(B, T, H, N, chunk, top_k)
+    B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
     q, k, v, o = _p(q), _p(k), _p(v), _p(o)
     _check_ptrs("forward", q=q, k=k, v=v, o=o)
     K1 = top_k - 1
@@ -258,6 +262,7 @@ def backward(dev, q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: 
     qlist); uses ``delta`` and ``part`` as scratch. Launches: moba_bwd_delta, moba_bwd_dq_past (when some
     query has a past block), moba_bwd_dq_own, moba_bwd_dkdv."""
     check_shape(B, T, H, N, chunk, top_k)
+    B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
     q, k, v, o, do, dq, dk, dv = (_p(x) for x in (q, k, v, o, do, dq, dk, dv))
     _check_ptrs("backward", q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv)
     K1 = top_k - 1

@@ -16,12 +16,13 @@ from .device import Device, DeviceBuffer, PinnedBuffer
 from .errors import CudaError, NvrtcCompileError
 from .graph import Graph
 from .nvrtc import cache_dir, compile_cubin, compile_source
+from .timing import EventTimer
 from .ops import ARG_KINDS, Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
 from . import gemm
 
 __all__ = ["Device", "DeviceBuffer", "PinnedBuffer", "CudaError", "NvrtcCompileError", "Graph",
            "Launch", "Gemm", "Memset", "Copy", "CopyHtoD", "CopyDtoH", "Plan", "sum_float64",
-           "compile_cubin", "compile_source", "cache_dir", "flatten_ops", "ARG_KINDS", "gemm"]
+           "EventTimer", "compile_cubin", "compile_source", "cache_dir", "flatten_ops", "ARG_KINDS", "gemm"]
 
 
 def __getattr__(name: str):

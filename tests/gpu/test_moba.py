@@ -217,11 +217,3 @@ def test_moba_dense_is_causal_attention(dev):
     for t in range(T):
         assert (sel[:, :, t] == list(range(bt[t])) + [-1] * (top_k - 1 - bt[t])).all()
 
-
-def test_moba_builders_reject_bad_shapes():
-    with pytest.raises(ValueError):
-        moba.scratch_sizes(1, 64, 2, 6, 16, 2)        # N not a multiple of 4
-    with pytest.raises(ValueError):
-        moba.scratch_sizes(1, 64, 2, 512, 16, 2)      # N > 256
-    with pytest.raises(ValueError):
-        moba.scratch_sizes(1, 64, 2, 64, 0, 2)        # chunk < 1
