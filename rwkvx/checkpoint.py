@@ -55,6 +55,9 @@ def atomic_write(path: str | os.PathLike, write: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes the file owner-only; give it a normal file's mode
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -11,7 +11,6 @@ import csv
 import io
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -105,6 +104,7 @@ def _token_count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .train import PRECISIONS
     from .presets import DEFAULT_PRESET, PRESETS
 
     parser = argparse.ArgumentParser(
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = tr.add_argument_group("training")
     g.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                    help="auto: the GPU when usable, else the CPU oracle")
-    g.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default=None,
+    g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="GPU GEMM precision (the CPU backend computes in --cpu-dtype)")
     g.add_argument("--cpu-dtype", choices=("float32", "float64"), default=None,
                    help="arithmetic of the CPU oracle backend (default float32)")
@@ -208,13 +208,10 @@ def _default_out() -> Path:
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    """Atomically write ``data`` to ``path`` with the usual file mode (0666 minus the umask)."""
+    """Atomically write ``data`` to ``path``."""
     from .checkpoint import atomic_write
 
     atomic_write(path, lambda f: f.write(data))
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
 
 
 def _read_log(path: Path, upto_step: int) -> list[dict[str, Any]]:

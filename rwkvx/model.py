@@ -9,9 +9,7 @@ CPU CI; :class:`Model` allocates the arena once and runs the ops through :class:
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -154,7 +152,7 @@ class StepBuilder:
 
     # -- the step -----------------------------------------------------------------------------
     def build(self) -> StepOps:
-        cfg, R = self.cfg, self.R
+        R = self.R
         stage_tokens = [CopyHtoD(self.buf("tokens"), self.host["tokens"], 4 * R)]
         stage_targets = [CopyHtoD(self.buf(n), self.host[n], self.L.sizes[n])
                          for n in ("targets", "emb_order", "emb_seg_start", "emb_n_seg", "inv_count")]
@@ -165,13 +163,13 @@ class StepBuilder:
         ops = []
         x0 = self.buf("block_in.0")
         if cfg.ln0:
-            ops += embedding.forward(None, self.buf("tokens"), self.p("rwkv.emb.weight"),
+            ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"),
                                      self.buf("emb_out"), R, C, V)
-            ops += layernorm.forward(None, self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"),
+            ops += layernorm.forward(self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"),
                                      self.p("rwkv.blocks.0.ln0.bias"), x0,
                                      self.buf("ln0_mean"), self.buf("ln0_rstd"), R, C)
         else:
-            ops += embedding.forward(None, self.buf("tokens"), self.p("rwkv.emb.weight"), x0, R, C, V)
+            ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"), x0, R, C, V)
         for pos, (kind, idx) in enumerate(cfg.block_order()):
             xin, xout = self.buf(f"block_in.{pos}"), self.buf(f"block_in.{pos + 1}")
             if kind == "rwkv":
@@ -180,14 +178,14 @@ class StepBuilder:
                 ops += self.attn_forward(idx, xin)
             ops += self.channel_mix_forward(self._prefix(kind, idx), xout)
         final = self.buf(f"block_in.{cfg.n_blocks}")
-        ops += layernorm.forward(None, final, self.p("rwkv.ln_out.weight"), self.p("rwkv.ln_out.bias"),
+        ops += layernorm.forward(final, self.p("rwkv.ln_out.weight"), self.p("rwkv.ln_out.bias"),
                                  self.buf("lnout"), self.buf("lnout_mean"), self.buf("lnout_rstd"), R, C)
         ops.append(gemm.linear(self.buf("lnout"), self.p("rwkv.head.weight"), self.buf("logits"), R, C, V))
         return ops
 
     def loss(self) -> list:
         R, V = self.R, self.cfg.vocab_size
-        ops = loss.cross_entropy(None, self.buf("logits"), self.buf("targets"), self.buf("loss_t"),
+        ops = loss.cross_entropy(self.buf("logits"), self.buf("targets"), self.buf("loss_t"),
                                  self.buf("logits"), self.buf("inv_count"), R, V, ignore_index=-1)
         ops.append(CopyDtoH(self.host["loss_t"], self.buf("loss_t"), 8 * R))
         return ops
@@ -198,7 +196,7 @@ class StepBuilder:
         ops = [gemm.linear_dw(self.buf("lnout"), dlogits, self.gp("rwkv.head.weight"), R, C, V),
                gemm.linear_dx(dlogits, self.p("rwkv.head.weight"), self.buf("dlnout"), R, C, V)]
         final = self.buf(f"block_in.{cfg.n_blocks}")
-        ops += layernorm.backward(None, final, self.p("rwkv.ln_out.weight"), self.buf("dlnout"), dx,
+        ops += layernorm.backward(final, self.p("rwkv.ln_out.weight"), self.buf("dlnout"), dx,
                                   self.gp("rwkv.ln_out.weight"), self.gp("rwkv.ln_out.bias"),
                                   self.buf("lnout_mean"), self.buf("lnout_rstd"), self.buf("partials"),
                                   R, C)
@@ -214,11 +212,11 @@ class StepBuilder:
         demb_in = dx
         if cfg.ln0:
             demb_in = self.buf("dh1")
-            ops += layernorm.backward(None, self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"), dx,
+            ops += layernorm.backward(self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"), dx,
                                       demb_in, self.gp("rwkv.blocks.0.ln0.weight"),
                                       self.gp("rwkv.blocks.0.ln0.bias"), self.buf("ln0_mean"),
                                       self.buf("ln0_rstd"), self.buf("partials"), R, C)
-        ops += embedding.backward(None, demb_in, self.buf("tokens"), self.buf("emb_order"),
+        ops += embedding.backward(demb_in, self.buf("tokens"), self.buf("emb_order"),
                                   self.buf("emb_seg_start"), self.buf("emb_n_seg"),
                                   self.gp("rwkv.emb.weight"), R, C, V)
         return ops
@@ -226,7 +224,7 @@ class StepBuilder:
     def optimizer(self, weight_decay: float, clip: bool) -> list:
         """One fused AdamW update of every parameter (rwkvx/optim.py's formulas; state on device)."""
         b = self.buf
-        return adamw.step(None, b("params"), b("grads"), b("adam_m"), b("adam_v"), b("adam_table"),
+        return adamw.step(b("params"), b("grads"), b("adam_m"), b("adam_v"), b("adam_table"),
                           b("adam_lrmul"), b("adam_state"), self.L.adam_chunks, b("adam_partials"),
                           weight_decay=weight_decay, clip=clip)
 
@@ -244,11 +242,11 @@ class StepBuilder:
         """h2 = LN2(x1); kf = relu(xk2 @ key^T)^2; xout = x1 + kf @ value^T (skipped when None)."""
         R, C, F, T = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T
         b = self.buf
-        ops = layernorm.forward(None, b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
+        ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
                                 b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
-        ops += channelmix.shift_mix(None, b("h2"), self.p(prefix + "ffn.x_k"), b("xk2"), R, T, C)
+        ops += channelmix.shift_mix(b("h2"), self.p(prefix + "ffn.x_k"), b("xk2"), R, T, C)
         ops.append(gemm.linear(b("xk2"), self.p(prefix + "ffn.key.weight"), b("kf"), R, C, F))
-        ops += channelmix.relu_sq(None, b("kf"), b("kf"), R * F)
+        ops += channelmix.relu_sq(b("kf"), b("kf"), R * F)
         if xout is not None:
             ops += self._residual_out(b("x1"), b("kf"), self.p(prefix + "ffn.value.weight"), xout, F)
         return ops
@@ -259,24 +257,24 @@ class StepBuilder:
         b, dx = self.buf, self.buf("dx")
         ops = [gemm.linear_dw(b("kf"), dx, self.gp(prefix + "ffn.value.weight"), R, F, C),
                gemm.linear_dx(dx, self.p(prefix + "ffn.value.weight"), b("dkf"), R, F, C)]
-        ops += channelmix.relu_sq_backward(None, b("dkf"), b("kf"), b("dkf"), R * F, src_is_k=True)
+        ops += channelmix.relu_sq_backward(b("dkf"), b("kf"), b("dkf"), R * F, src_is_k=True)
         ops += [gemm.linear_dw(b("xk2"), b("dkf"), self.gp(prefix + "ffn.key.weight"), R, C, F),
                 gemm.linear_dx(b("dkf"), self.p(prefix + "ffn.key.weight"), b("dxk2"), R, C, F)]
-        ops += channelmix.mix_backward(None, b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), b("dh2"),
+        ops += channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), b("dh2"),
                                        self.gp(prefix + "ffn.x_k"), b("partials"), R, T, C)
-        ops += layernorm.backward(None, b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), dx,
+        ops += layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), dx,
                                   self.gp(prefix + "ln2.weight"), self.gp(prefix + "ln2.bias"),
                                   b("ln2_mean"), b("ln2_rstd"), b("partials"), R, C, accumulate_dx=True)
         return ops
 
     def _ln1_forward(self, prefix: str, xin: int) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
-        return layernorm.forward(None, xin, self.p(prefix + "ln1.weight"), self.p(prefix + "ln1.bias"),
+        return layernorm.forward(xin, self.p(prefix + "ln1.weight"), self.p(prefix + "ln1.bias"),
                                  b("h1"), b("ln1_mean"), b("ln1_rstd"), R, C)
 
     def _ln1_backward(self, prefix: str, xin: int) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
-        return layernorm.backward(None, xin, self.p(prefix + "ln1.weight"), b("dh1"), b("dx"),
+        return layernorm.backward(xin, self.p(prefix + "ln1.weight"), b("dh1"), b("dx"),
                                   self.gp(prefix + "ln1.weight"), self.gp(prefix + "ln1.bias"),
                                   b("ln1_mean"), b("ln1_rstd"), b("partials"), R, C, accumulate_dx=True)
 
@@ -292,7 +290,7 @@ class StepBuilder:
 
     def rwkv_forward(self, i: int, xin: int) -> list:
         """x1 = xin + TimeMix(LN1(xin)) (SPEC §2.3), leaving every transient the backward needs."""
-        cfg, R, C, T, N, H = self.cfg, self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head
+        R, C, T, N, H = self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head
         pre, b, p = f"rwkv.blocks.{i}.", self.buf, self.p
         att = pre + "att."
         ops = self._ln1_forward(pre, xin)
@@ -322,7 +320,7 @@ class StepBuilder:
 
     def rwkv_backward(self, i: int, xin: int) -> list:
         """From dx = d x1 to dx = d xin (in place), with every TimeMix and ln1 gradient of block i."""
-        cfg, R, C, T, N, H = self.cfg, self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head
+        R, C, T, N, H = self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head
         pre, b, p, gp = f"rwkv.blocks.{i}.", self.buf, self.p, self.gp
         att = pre + "att."
         dx = b("dx")
@@ -385,7 +383,7 @@ class StepBuilder:
         ops = self._ln1_forward(pre, xin)
         for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
             ops.append(gemm.linear(b("h1"), p(f"{pre}att.{name}.weight"), b(dst), R, C, C))
-        ops += moba.forward(None, b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
+        ops += moba.forward(b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
         ops += self._residual_out(xin, b("y"), p(pre + "att.output.weight"), b("x1"), C)
         return ops
 
@@ -396,7 +394,7 @@ class StepBuilder:
         dx = b("dx")
         ops = [gemm.linear_dw(b("y"), dx, gp(pre + "att.output.weight"), R, C, C),
                gemm.linear_dx(dx, p(pre + "att.output.weight"), b("dz"), R, C, C)]
-        ops += moba.backward(None, b("r"), b("k"), b("v"), b("y"), b("dz"), b("dr"), b("dk"), b("dv"),
+        ops += moba.backward(b("r"), b("k"), b("v"), b("y"), b("dz"), b("dr"), b("dk"), b("dv"),
                              **self._moba_args(j))
         for n, (dsrc, name) in enumerate((("dr", "receptance"), ("dk", "key"), ("dv", "value"))):
             ops += [gemm.linear_dw(b("h1"), b(dsrc), gp(f"{pre}att.{name}.weight"), R, C, C),

@@ -28,7 +28,7 @@ from .optim import AdamW, Schedule
 from .params import ParamDict, check_params
 from .validate import check_targets, check_tokens
 
-PRECISIONS = ("fp32", "tf32", "bf16")
+PRECISIONS = ("fp32", "tf32")  # GPU GEMM precision; bf16 (SPEC §4) is not implemented yet
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 
@@ -239,8 +239,8 @@ class Trainer:
 
     ``backend`` is "cpu" (oracle + numpy AdamW), "gpu" (graph replay; needs rwkvx.model) or "auto"
     (GPU when usable, else CPU). The schedule is :class:`rwkvx.optim.Schedule` (``lr`` = peak,
-    ``lr_min``, ``warmup``, ``total_steps``). ``precision`` applies to the GPU backend (fp32, tf32,
-    bf16); the CPU backend computes in ``cpu_dtype`` (float32 default, float64 for the reference).
+    ``lr_min``, ``warmup``, ``total_steps``). ``precision`` applies to the GPU backend (fp32, tf32);
+    the CPU backend computes in ``cpu_dtype`` (float32 default, float64 for the reference).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, backend: str = "auto", batch_size: int = 8,

@@ -16,8 +16,8 @@ def scratch_for(B, T, H, N, chunk, top_k):
 
 def build(B, T, H, N, chunk, top_k):
     sc = scratch_for(B, T, H, N, chunk, top_k)
-    fwd = moba.forward(None, A, 2 * A, 3 * A, 4 * A, sc, B, T, H, N, chunk, top_k)
-    bwd = moba.backward(None, A, 2 * A, 3 * A, 4 * A, 5 * A, 6 * A, 7 * A, 8 * A, sc, B, T, H, N, chunk, top_k)
+    fwd = moba.forward(A, 2 * A, 3 * A, 4 * A, sc, B, T, H, N, chunk, top_k)
+    bwd = moba.backward(A, 2 * A, 3 * A, 4 * A, 5 * A, 6 * A, 7 * A, 8 * A, sc, B, T, H, N, chunk, top_k)
     return fwd, bwd
 
 
@@ -72,9 +72,9 @@ def test_builders(B, T, H, N, chunk, top_k, fwd_names, bwd_names):
 def test_builders_validate():
     sc = scratch_for(1, 64, 2, 64, 16, 3)
     with pytest.raises(ValueError):
-        moba.forward(None, A + 4, A, A, A, sc, 1, 64, 2, 64, 16, 3)      # misaligned q
+        moba.forward(A + 4, A, A, A, sc, 1, 64, 2, 64, 16, 3)      # misaligned q
     with pytest.raises(ValueError):
-        moba.forward(None, A, A, A, A, {}, 1, 64, 2, 64, 16, 3)          # no scratch
+        moba.forward(A, A, A, A, {}, 1, 64, 2, 64, 16, 3)          # no scratch
     with pytest.raises(ValueError):
         moba.scratch_sizes(1, 64, 2, 6, 16, 3)
     with pytest.raises(ValueError):

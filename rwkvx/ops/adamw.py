@@ -44,7 +44,6 @@ Per step (:func:`step`): ``adamw_step_begin`` (1 thread: t += 1, lr, bc1, bc2, c
 ``clip=True`` ``adamw_sumsq_partial`` (float64 sum of squares per chunk into ``partials``, float64
 ``[n_chunks]``, :func:`scratch_bytes`) and ``adamw_clip_finalize`` (one block, fixed order), then
 ``adamw_update``. Run it after every gradient is final (all gradient buffers written for this step).
-``dev`` is accepted first (DESIGN.md) and unused.
 """
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from . import reduce as _reduce
+from ._common import Launch, ptr
 
 MODULE = "adamw"
 THREADS = 256            # ADAMW_THREADS
@@ -66,8 +65,6 @@ STATE_DOUBLES = 16
 ST_STEP, ST_LR_MAX, ST_LR_MIN, ST_WARMUP, ST_TOTAL, ST_CLIP = 0, 1, 2, 3, 4, 5
 ST_LR, ST_BC1, ST_BC2, ST_SCALE, ST_NORM = 6, 7, 8, 9, 10
 
-_p = _reduce._p
-_Launch = _reduce._Launch
 
 
 def uses_weight_decay(name: str, shape) -> bool:
@@ -142,7 +139,7 @@ def scratch_bytes(n_chunks: int) -> int:
     return 8 * int(n_chunks)
 
 
-def step(dev, params, grads, m, v, table, lrmul, state, n_chunks: int, partials=None,
+def step(params, grads, m, v, table, lrmul, state, n_chunks: int, partials=None,
          weight_decay: float = 0.0, betas: tuple[float, float] = BETAS, eps: float = EPS,
          clip: bool = False) -> list:
     """One AdamW update of the flat buffers (see the module docstring). ``clip=True`` adds the global
@@ -150,18 +147,18 @@ def step(dev, params, grads, m, v, table, lrmul, state, n_chunks: int, partials=
     if n_chunks <= 0:
         raise ValueError("adamw.step: n_chunks must be positive")
     b1, b2 = float(betas[0]), float(betas[1])
-    ops = [_Launch(MODULE, "adamw_step_begin", grid=(1, 1, 1), block=(1, 1, 1),
-                   args=(("p", _p(state)), ("d", b1), ("d", b2)))]
+    ops = [Launch(MODULE, "adamw_step_begin", grid=(1, 1, 1), block=(1, 1, 1),
+                  args=(("p", ptr(state)), ("d", b1), ("d", b2)))]
     if clip:
-        if not _p(partials):
+        if not ptr(partials):
             raise ValueError("adamw.step: clip=True needs partials (scratch_bytes(n_chunks))")
-        ops.append(_Launch(MODULE, "adamw_sumsq_partial", grid=(int(n_chunks), 1, 1), block=(THREADS, 1, 1),
-                           args=(("p", _p(grads)), ("p", _p(table)), ("p", _p(partials)), ("i", int(n_chunks)))))
-        ops.append(_Launch(MODULE, "adamw_clip_finalize", grid=(1, 1, 1), block=(FIN_THREADS, 1, 1),
-                           args=(("p", _p(partials)), ("i", int(n_chunks)), ("p", _p(state)))))
-    ops.append(_Launch(MODULE, "adamw_update", grid=(int(n_chunks), 1, 1), block=(THREADS, 1, 1),
-                       args=(("p", _p(params)), ("p", _p(grads)), ("p", _p(m)), ("p", _p(v)),
-                             ("p", _p(table)), ("p", _p(lrmul)), ("p", _p(state)),
-                             ("d", b1), ("d", b2), ("d", float(eps)), ("d", float(weight_decay)),
-                             ("i", int(n_chunks)))))
+        ops.append(Launch(MODULE, "adamw_sumsq_partial", grid=(int(n_chunks), 1, 1), block=(THREADS, 1, 1),
+                          args=(("p", ptr(grads)), ("p", ptr(table)), ("p", ptr(partials)), ("i", int(n_chunks)))))
+        ops.append(Launch(MODULE, "adamw_clip_finalize", grid=(1, 1, 1), block=(FIN_THREADS, 1, 1),
+                          args=(("p", ptr(partials)), ("i", int(n_chunks)), ("p", ptr(state)))))
+    ops.append(Launch(MODULE, "adamw_update", grid=(int(n_chunks), 1, 1), block=(THREADS, 1, 1),
+                      args=(("p", ptr(params)), ("p", ptr(grads)), ("p", ptr(m)), ("p", ptr(v)),
+                            ("p", ptr(table)), ("p", ptr(lrmul)), ("p", ptr(state)),
+                            ("d", b1), ("d", b2), ("d", float(eps)), ("d", float(weight_decay)),
+                            ("i", int(n_chunks)))))
     return ops

@@ -1,18 +1,18 @@
 """Launch builders for rwkvx/cu/embedding.cu, and the host-side token sort for the deterministic gradient.
 
 Buffers: tokens int32 ``[R]`` (validated on the host: 0 <= token < V); emb, demb float32 ``[V, C]``;
-x, dx float32 ``[R, C]``; C % 4 == 0, 16-byte aligned. ``dev`` is accepted first (DESIGN.md) and unused.
+x, dx float32 ``[R, C]``; C % 4 == 0, 16-byte aligned.
 
 Forward: ``x[r] = emb[tokens[r]]``::
 
-    ops += embedding.forward(dev, tokens, emb, x, R, C, V)
+    ops += embedding.forward(tokens, emb, x, R, C, V)
 
 Backward (deterministic, no atomics): each step the host computes, with the tokens,
 ``order, seg_start, n_seg = sort_tokens(tokens)`` and uploads them (int32 ``[R]``, ``[R+1]``, ``[1]``)
 into resident device buffers next to the tokens (e.g. from pinned memory with CopyHtoD inside the
 graph). Then::
 
-    ops += embedding.backward(dev, dx, tokens, order, seg_start, n_seg, demb, R, C, V)
+    ops += embedding.backward(dx, tokens, order, seg_start, n_seg, demb, R, C, V)
 
 One block column per segment s < n_seg (grid fixed at max_segments = min(R, V); the rest exit) sums
 ``dx[order[i]]`` over the segment's entries in a fixed order and **writes** ``demb[token]``.
@@ -26,12 +26,11 @@ import math
 
 import numpy as np
 
+from ._common import Launch, Memset, ptr
 from . import reduce as _reduce
 
 MODULE = "embedding"
 BY = 8                   # EMB_BY in embedding.cu
-_p = _reduce._p
-_Launch = _reduce._Launch
 
 
 def sort_tokens(tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -54,24 +53,23 @@ def sort_tokens(tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return order, seg_start, np.array([starts.size], dtype=np.int32)
 
 
-def forward(dev, tokens, emb, x, R: int, C: int, V: int) -> list:
+def forward(tokens, emb, x, R: int, C: int, V: int) -> list:
     """embedding_forward: x [R, C] = emb [V, C] rows at tokens [R]."""
     _reduce.check_rows("embedding.forward", R, C, emb, x)
     n4 = R * (C // 4)
     blocks = max(1, min(math.ceil(n4 / 256), 132 * 16))
-    return [_Launch(MODULE, "embedding_forward", grid=(blocks, 1, 1), block=(256, 1, 1),
-                    args=(("p", _p(tokens)), ("p", _p(emb)), ("p", _p(x)),
-                          ("i", int(R)), ("i", int(C)), ("i", int(V))))]
+    return [Launch(MODULE, "embedding_forward", grid=(blocks, 1, 1), block=(256, 1, 1),
+                   args=(("p", ptr(tokens)), ("p", ptr(emb)), ("p", ptr(x)),
+                         ("i", int(R)), ("i", int(C)), ("i", int(V))))]
 
 
-def backward(dev, dx, tokens, order, seg_start, n_seg, demb, R: int, C: int, V: int,
+def backward(dx, tokens, order, seg_start, n_seg, demb, R: int, C: int, V: int,
              zero_first: bool = True) -> list:
     """embedding_backward: demb [V, C] from dx [R, C] (see the module docstring)."""
     _reduce.check_rows("embedding.backward", R, C, dx, demb)
-    from rwkvx.runtime.ops import Memset
     max_seg = min(R, V)
-    ops = [Memset(_p(demb), V * C * 4)] if zero_first else []
-    ops.append(_Launch(MODULE, "embedding_backward", grid=(max_seg, math.ceil(C / 128), 1), block=(32, BY, 1),
-                       args=(("p", _p(dx)), ("p", _p(tokens)), ("p", _p(order)), ("p", _p(seg_start)),
-                             ("p", _p(n_seg)), ("p", _p(demb)), ("i", int(C)), ("i", int(V)))))
+    ops = [Memset(ptr(demb), V * C * 4)] if zero_first else []
+    ops.append(Launch(MODULE, "embedding_backward", grid=(max_seg, math.ceil(C / 128), 1), block=(32, BY, 1),
+                      args=(("p", ptr(dx)), ("p", ptr(tokens)), ("p", ptr(order)), ("p", ptr(seg_start)),
+                            ("p", ptr(n_seg)), ("p", ptr(demb)), ("i", int(C)), ("i", int(V)))))
     return ops

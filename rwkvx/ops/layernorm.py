@@ -3,18 +3,18 @@
     y = (x - mean) * rstd * w + b,  mean = sum_c x / C,  rstd = 1 / sqrt(sum_c (x - mean)^2 / C + eps)
 
 Buffers (float32, row-major, 16-byte aligned, C % 4 == 0): x, y, dy, dx ``[R, C]``; w, b, dw, db ``[C]``;
-mean, rstd ``[R]`` (saved statistics). ``dev`` is accepted first (DESIGN.md) and unused.
+mean, rstd ``[R]`` (saved statistics).
 Rows up to a few million (tiles <= 65535), C up to 4096 (any multiple of 4 works).
 
 Forward::
 
-    ops += layernorm.forward(dev, x, w, b, y, mean, rstd, R, C)      # mean/rstd None: not saved
+    ops += layernorm.forward(x, w, b, y, mean, rstd, R, C)      # mean/rstd None: not saved
 
 ``y`` may alias ``x`` (in place).
 
 Backward (one call: statistics if needed, dweight/dbias partials, their reduction, dx)::
 
-    ops += layernorm.backward(dev, x, w, dy, dx, dw, db, mean, rstd, scratch, R, C,
+    ops += layernorm.backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R, C,
                               stats_valid=True, accumulate_dx=False, accumulate_dparams=False)
 
 * ``mean``/``rstd`` are required: with ``stats_valid=True`` they hold the forward's statistics of this
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+from ._common import Launch, ptr
 from . import reduce as _reduce
 
 MODULE = "layernorm"
@@ -38,8 +39,6 @@ WARPS = 8            # LN_WARPS in layernorm.cu (rows per block of the row kerne
 BY = 8               # LN_BY
 EPS = 1e-5
 
-_p = _reduce._p
-_Launch = _reduce._Launch
 
 
 def scratch_bytes(R: int, C: int, rows_per_tile: int | None = None) -> int:
@@ -47,39 +46,39 @@ def scratch_bytes(R: int, C: int, rows_per_tile: int | None = None) -> int:
     return 2 * _reduce.scratch_bytes(R, C, rows_per_tile)
 
 
-def forward(dev, x, w, b, y, mean, rstd, R: int, C: int, eps: float = EPS) -> list:
+def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = EPS) -> list:
     """ln_forward: y [R,C] = LN(x [R,C]; w, b [C]); mean, rstd [R] saved when not None.
     ``y=None`` computes only the statistics (used by :func:`backward` with stats_valid=False)."""
     _reduce.check_rows("layernorm.forward", R, C, x, w, b, y)
-    return [_Launch(MODULE, "ln_forward", grid=(math.ceil(R / WARPS), 1, 1), block=(32 * WARPS, 1, 1),
-                    args=(("p", _p(x)), ("p", _p(w)), ("p", _p(b)), ("p", _p(y)),
-                          ("p", _p(mean)), ("p", _p(rstd)), ("i", int(R)), ("i", int(C)),
-                          ("f", float(eps))))]
+    return [Launch(MODULE, "ln_forward", grid=(math.ceil(R / WARPS), 1, 1), block=(32 * WARPS, 1, 1),
+                   args=(("p", ptr(x)), ("p", ptr(w)), ("p", ptr(b)), ("p", ptr(y)),
+                         ("p", ptr(mean)), ("p", ptr(rstd)), ("i", int(R)), ("i", int(C)),
+                         ("f", float(eps))))]
 
 
-def backward(dev, x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, eps: float = EPS,
+def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, eps: float = EPS,
              stats_valid: bool = True, accumulate_dx: bool = False, accumulate_dparams: bool = False,
              rows_per_tile: int | None = None) -> list:
     """LayerNorm backward; see the module docstring. Returns 4 launches (5 with stats_valid=False)."""
     _reduce.check_rows("layernorm.backward", R, C, x, w, dy, dx, dw, db, scratch)
-    if not _p(mean) or not _p(rstd):
+    if not ptr(mean) or not ptr(rstd):
         raise ValueError("layernorm.backward: mean and rstd buffers [R] are required")
-    if not _p(scratch):
+    if not ptr(scratch):
         raise ValueError("layernorm.backward: scratch is required (scratch_bytes(R, C))")
-    if _p(dx) == _p(x):
+    if ptr(dx) == ptr(x):
         raise ValueError("layernorm.backward: dx must not alias x")
-    if accumulate_dx and _p(dx) == _p(dy):
+    if accumulate_dx and ptr(dx) == ptr(dy):
         raise ValueError("layernorm.backward: dx may alias dy only without accumulate_dx")
     rpt, n = _reduce.tiles(R, C, rows_per_tile)
     ops = []
     if not stats_valid:
-        ops += forward(dev, x, w, w, None, mean, rstd, R, C, eps)
-    ops.append(_Launch(MODULE, "ln_backward_dwdb", grid=(math.ceil(C / 128), n, 1), block=(32, BY, 1),
-                       args=(("p", _p(x)), ("p", _p(dy)), ("p", _p(mean)), ("p", _p(rstd)),
-                             ("p", _p(scratch)), ("i", int(R)), ("i", int(C)), ("i", int(rpt)))))
-    ops += _reduce.cols(dev, _p(scratch), dw, n, C, accumulate_dparams)
-    ops += _reduce.cols(dev, _p(scratch) + 4 * n * C, db, n, C, accumulate_dparams)
-    ops.append(_Launch(MODULE, "ln_backward_dx", grid=(math.ceil(R / WARPS), 1, 1), block=(32 * WARPS, 1, 1),
-                       args=(("p", _p(x)), ("p", _p(w)), ("p", _p(dy)), ("p", _p(mean)), ("p", _p(rstd)),
-                             ("p", _p(dx)), ("i", int(R)), ("i", int(C)), ("i", int(bool(accumulate_dx))))))
+        ops += forward(x, w, w, None, mean, rstd, R, C, eps)
+    ops.append(Launch(MODULE, "ln_backward_dwdb", grid=(math.ceil(C / 128), n, 1), block=(32, BY, 1),
+                      args=(("p", ptr(x)), ("p", ptr(dy)), ("p", ptr(mean)), ("p", ptr(rstd)),
+                            ("p", ptr(scratch)), ("i", int(R)), ("i", int(C)), ("i", int(rpt)))))
+    ops += _reduce.cols(ptr(scratch), dw, n, C, accumulate_dparams)
+    ops += _reduce.cols(ptr(scratch) + 4 * n * C, db, n, C, accumulate_dparams)
+    ops.append(Launch(MODULE, "ln_backward_dx", grid=(math.ceil(R / WARPS), 1, 1), block=(32 * WARPS, 1, 1),
+                      args=(("p", ptr(x)), ("p", ptr(w)), ("p", ptr(dy)), ("p", ptr(mean)), ("p", ptr(rstd)),
+                            ("p", ptr(dx)), ("i", int(R)), ("i", int(C)), ("i", int(bool(accumulate_dx))))))
     return ops

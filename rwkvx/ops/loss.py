@@ -2,7 +2,6 @@
 
 Buffers: logits float32 ``[R, V]`` (any V; float4 when V % 4 == 0 and 16-byte aligned), targets int32
 ``[R]``, loss float64 ``[R]``, dlogits float32 ``[R, V]``, inv_count float64 ``[1]`` (device).
-``dev`` is accepted first (DESIGN.md) and unused.
 
     loss[r]       = logsumexp(logits[r]) - logits[r, targets[r]]         (0 where targets[r] == ignore_index)
     dlogits[r, j] = (softmax(logits[r])_j - [j == targets[r]]) * inv_count   (0 rows where ignored)
@@ -20,13 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reduce as _reduce
+from ._common import Launch, ptr
 
 MODULE = "loss"
 THREADS = 512            # CE_THREADS in loss.cu
 IGNORE_INDEX = -100
-_p = _reduce._p
-_Launch = _reduce._Launch
 
 
 def inv_count(targets, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
@@ -35,13 +32,13 @@ def inv_count(targets, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
     return np.array([1.0 / n if n else 0.0], dtype=np.float64)
 
 
-def cross_entropy(dev, logits, targets, loss, dlogits, inv_count_ptr, R: int, V: int,
+def cross_entropy(logits, targets, loss, dlogits, inv_count_ptr, R: int, V: int,
                   ignore_index: int = IGNORE_INDEX) -> list:
     """cross_entropy_loss: per-row loss [R] float64 and, unless dlogits is None, dlogits [R, V]."""
     if R <= 0 or V <= 0:
         raise ValueError(f"loss.cross_entropy: R={R} and V={V} must be positive")
     if R > 0x7FFFFFFF:
         raise ValueError(f"loss.cross_entropy: R={R} too large")
-    return [_Launch(MODULE, "cross_entropy_loss", grid=(int(R), 1, 1), block=(THREADS, 1, 1),
-                    args=(("p", _p(logits)), ("p", _p(dlogits)), ("p", _p(targets)), ("p", _p(loss)),
-                          ("p", _p(inv_count_ptr)), ("i", int(R)), ("i", int(V)), ("i", int(ignore_index))))]
+    return [Launch(MODULE, "cross_entropy_loss", grid=(int(R), 1, 1), block=(THREADS, 1, 1),
+                   args=(("p", ptr(logits)), ("p", ptr(dlogits)), ("p", ptr(targets)), ("p", ptr(loss)),
+                         ("p", ptr(inv_count_ptr)), ("i", int(R)), ("i", int(V)), ("i", int(ignore_index))))]

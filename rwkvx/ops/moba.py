@@ -1,8 +1,7 @@
 """Launch builders for rwkvx/cu/moba.cu: MoBA sparse attention (SPEC §2.3), fp32, flash-style.
 
 No T x T buffer: memory is O(B*T*C*top_k) (see :func:`scratch_sizes`). Every builder returns
-``list[Launch]`` (plain data, no GPU needed). Pointers are ints or objects with an int ``.ptr``;
-``dev`` is accepted first (DESIGN.md signature) and unused.
+``list[Launch]`` (plain data, no GPU needed). Pointers are ints or objects with an int ``.ptr``.
 
 Shapes (float32 unless noted; ``K1 = top_k - 1``, ``nblk = ceil(T / chunk)``, ``E = emax(T, chunk, top_k)``):
 
@@ -33,8 +32,8 @@ same q, k, v, keep ``o``, ``sel``, ``lse``, ``idx`` and ``qlist``; the others ar
 Usage::
 
     sizes = moba.scratch_sizes(B, T, H, N, chunk, top_k)          # bytes per buffer
-    ops  = moba.forward(dev, q, k, v, o, scratch, B, T, H, N, chunk, top_k)
-    ops += moba.backward(dev, q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k)
+    ops  = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, top_k)
+    ops += moba.backward(q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k)
 
 Determinism: no floating-point atomics; replays are bit-identical (see moba.cu's header).
 Numerics: gate in fp32 (fmaf chain over n), scores, online softmax and all sums in fp32.
@@ -43,6 +42,8 @@ from __future__ import annotations
 
 import math
 import numbers
+
+from ._common import Launch, ptr
 
 MODULE = "moba"
 NTHR = 128          # NTHR in moba.cu (attention kernels)
@@ -53,19 +54,6 @@ SEL_J = 32          # MOBA_SEL_J
 MAX_SMEM = 227 * 1024   # dynamic shared memory per block on sm_90 (opt-in; the runtime raises the limit)
 
 SCRATCH_NAMES = ("sel", "lse", "kmean", "cnt", "idx", "qlist", "part", "lpart", "delta")
-
-
-def _Launch(*a, **kw):
-    from rwkvx.runtime.ops import Launch
-    return Launch(*a, **kw)
-
-
-def _p(x) -> int:
-    if x is None:
-        return 0
-    if hasattr(x, "ptr") and not isinstance(x, int):
-        return int(x.ptr)
-    return int(x)
 
 
 def tiles(N: int) -> dict[str, int]:
@@ -147,11 +135,11 @@ def scratch_bytes(B: int, T: int, H: int, N: int, chunk: int, top_k: int, align:
 def carve(base, B: int, T: int, H: int, N: int, chunk: int, top_k: int, align: int = 256) -> dict[str, int]:
     """Lay the scratch buffers out from device address ``base`` (:func:`scratch_bytes` bytes); returns
     the name -> pointer dict the builders take (0 for empty buffers)."""
-    ptr = _p(base)
+    addr = ptr(base)
     out = {}
     for name, n in scratch_sizes(B, T, H, N, chunk, top_k).items():
-        out[name] = ptr if n else 0
-        ptr += -(-n // align) * align
+        out[name] = addr if n else 0
+        addr += -(-n // align) * align
     return out
 
 
@@ -183,10 +171,10 @@ def _smem_kv(N: int) -> int:
 
 
 def _get(scratch: dict, name: str, needed: bool) -> int:
-    ptr = _p(scratch.get(name)) if scratch else 0
-    if needed and not ptr:
+    addr = ptr(scratch.get(name)) if scratch else 0
+    if needed and not addr:
         raise ValueError(f"moba: scratch[{name!r}] is required here (see scratch_sizes)")
-    return ptr
+    return addr
 
 
 def _check_ptrs(what: str, **ptrs) -> None:
@@ -199,14 +187,14 @@ def _check_ptrs(what: str, **ptrs) -> None:
 
 # ---- builders -------------------------------------------------------------------------------------
 
-def forward(dev, q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> list:
+def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> list:
     """o = MoBA attention(q, k, v); also writes scratch sel, lse, kmean, cnt, idx, qlist, part, lpart.
 
     Launches (K1 = top_k-1 > 0 and T > chunk): moba_kmean, moba_select, moba_scan, moba_fill,
     moba_fwd_past, moba_fwd_own. top_k == 1: moba_fwd_own only; T <= chunk: kmean, select (all -1), own."""
     check_shape(B, T, H, N, chunk, top_k)
     B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
-    q, k, v, o = _p(q), _p(k), _p(v), _p(o)
+    q, k, v, o = ptr(q), ptr(k), ptr(v), ptr(o)
     _check_ptrs("forward", q=q, k=k, v=v, o=o)
     K1 = top_k - 1
     nblk = nblocks(T, chunk)
@@ -221,40 +209,40 @@ def forward(dev, q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chun
         sel = _get(scratch, "sel", True)
         kmean = _get(scratch, "kmean", True)
         cnt = _get(scratch, "cnt", True)
-        ops.append(_Launch(MODULE, "moba_kmean", grid=(nblk, H, B), block=(KM_THREADS, 1, 1),
-                           args=(("p", k), ("p", kmean), ("p", cnt), ("i", T), ("i", H), ("i", chunk),
-                                 ("i", nblk)), defines=defs))
-        ops.append(_Launch(MODULE, "moba_select", grid=(math.ceil(T / SEL_Q), H, B), block=(SEL_Q, 1, 1),
-                           smem=_smem_select(N, K1),
-                           args=(("p", q), ("p", kmean), ("p", sel), ("p", cnt), ("i", T), ("i", H),
-                                 ("i", chunk), ("i", K1), ("i", nblk)), defines=defs))
+        ops.append(Launch(MODULE, "moba_kmean", grid=(nblk, H, B), block=(KM_THREADS, 1, 1),
+                          args=(("p", k), ("p", kmean), ("p", cnt), ("i", T), ("i", H), ("i", chunk),
+                                ("i", nblk)), defines=defs))
+        ops.append(Launch(MODULE, "moba_select", grid=(math.ceil(T / SEL_Q), H, B), block=(SEL_Q, 1, 1),
+                          smem=_smem_select(N, K1),
+                          args=(("p", q), ("p", kmean), ("p", sel), ("p", cnt), ("i", T), ("i", H),
+                                ("i", chunk), ("i", K1), ("i", nblk)), defines=defs))
     part = lpart = 0
     if E > 0:
         idx = _get(scratch, "idx", True)
         qlist = _get(scratch, "qlist", True)
         part = _get(scratch, "part", True)
         lpart = _get(scratch, "lpart", True)
-        ops.append(_Launch(MODULE, "moba_scan", grid=(B * H, 1, 1), block=(32, 1, 1),
-                           args=(("p", cnt), ("p", idx), ("i", nblk)), defines=defs))
-        ops.append(_Launch(MODULE, "moba_fill", grid=(nblk, H, B), block=(FILL_THREADS, 1, 1),
-                           args=(("p", sel), ("p", idx), ("p", qlist), ("i", T), ("i", H), ("i", chunk),
-                                 ("i", K1), ("i", nblk), ("i", E)), defines=defs))
-        ops.append(_Launch(MODULE, "moba_fwd_past", grid=(math.ceil(E / t["MOBA_FQ"]) + nblk, H, B),
-                           block=(NTHR, 1, 1), smem=_smem_fwd(N),
-                           args=(("p", q), ("p", k), ("p", v), ("p", idx), ("p", qlist), ("p", part),
-                                 ("p", lpart), ("i", T), ("i", H), ("i", chunk), ("i", K1), ("i", nblk),
-                                 ("i", E), ("f", scale)), defines=defs))
+        ops.append(Launch(MODULE, "moba_scan", grid=(B * H, 1, 1), block=(32, 1, 1),
+                          args=(("p", cnt), ("p", idx), ("i", nblk)), defines=defs))
+        ops.append(Launch(MODULE, "moba_fill", grid=(nblk, H, B), block=(FILL_THREADS, 1, 1),
+                          args=(("p", sel), ("p", idx), ("p", qlist), ("i", T), ("i", H), ("i", chunk),
+                                ("i", K1), ("i", nblk), ("i", E)), defines=defs))
+        ops.append(Launch(MODULE, "moba_fwd_past", grid=(math.ceil(E / t["MOBA_FQ"]) + nblk, H, B),
+                          block=(NTHR, 1, 1), smem=_smem_fwd(N),
+                          args=(("p", q), ("p", k), ("p", v), ("p", idx), ("p", qlist), ("p", part),
+                                ("p", lpart), ("i", T), ("i", H), ("i", chunk), ("i", K1), ("i", nblk),
+                                ("i", E), ("f", scale)), defines=defs))
     k1_eff = K1 if E > 0 else 0      # no past block anywhere: nothing to merge
     tpc = math.ceil(chunk / t["MOBA_FQ"])
-    ops.append(_Launch(MODULE, "moba_fwd_own", grid=(nblk * tpc, H, B), block=(NTHR, 1, 1),
-                       smem=_smem_fwd(N),
-                       args=(("p", q), ("p", k), ("p", v), ("p", sel if k1_eff else 0), ("p", part),
-                             ("p", lpart), ("p", o), ("p", lse), ("i", T), ("i", H), ("i", chunk),
-                             ("i", k1_eff), ("f", scale)), defines=defs))
+    ops.append(Launch(MODULE, "moba_fwd_own", grid=(nblk * tpc, H, B), block=(NTHR, 1, 1),
+                      smem=_smem_fwd(N),
+                      args=(("p", q), ("p", k), ("p", v), ("p", sel if k1_eff else 0), ("p", part),
+                            ("p", lpart), ("p", o), ("p", lse), ("i", T), ("i", H), ("i", chunk),
+                            ("i", k1_eff), ("f", scale)), defines=defs))
     return ops
 
 
-def backward(dev, q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, N: int, chunk: int,
+def backward(q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, N: int, chunk: int,
              top_k: int) -> list:
     """dq, dk, dv (written) of MoBA attention with the forward's selection held fixed.
 
@@ -263,7 +251,7 @@ def backward(dev, q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: 
     query has a past block), moba_bwd_dq_own, moba_bwd_dkdv."""
     check_shape(B, T, H, N, chunk, top_k)
     B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
-    q, k, v, o, do, dq, dk, dv = (_p(x) for x in (q, k, v, o, do, dq, dk, dv))
+    q, k, v, o, do, dq, dk, dv = (ptr(x) for x in (q, k, v, o, do, dq, dk, dv))
     _check_ptrs("backward", q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv)
     K1 = top_k - 1
     nblk = nblocks(T, chunk)
@@ -273,30 +261,30 @@ def backward(dev, q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: 
     scale = 1.0 / math.sqrt(N)
     lse = _get(scratch, "lse", True)
     delta = _get(scratch, "delta", True)
-    ops = [_Launch(MODULE, "moba_bwd_delta", grid=(math.ceil(B * T * H / 4), 1, 1), block=(128, 1, 1),
-                   args=(("p", o), ("p", do), ("p", delta), ("i", B), ("i", T), ("i", H)), defines=defs)]
+    ops = [Launch(MODULE, "moba_bwd_delta", grid=(math.ceil(B * T * H / 4), 1, 1), block=(128, 1, 1),
+                  args=(("p", o), ("p", do), ("p", delta), ("i", B), ("i", T), ("i", H)), defines=defs)]
     sel = idx = qlist = part = 0
     if E > 0:
         sel = _get(scratch, "sel", True)
         idx = _get(scratch, "idx", True)
         qlist = _get(scratch, "qlist", True)
         part = _get(scratch, "part", True)
-        ops.append(_Launch(MODULE, "moba_bwd_dq_past", grid=(math.ceil(E / t["MOBA_DQ_Q"]) + nblk, H, B),
-                           block=(NTHR, 1, 1), smem=_smem_dq(N),
-                           args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
-                                 ("p", idx), ("p", qlist), ("p", part), ("i", T), ("i", H), ("i", chunk),
-                                 ("i", K1), ("i", nblk), ("i", E), ("f", scale)), defines=defs))
+        ops.append(Launch(MODULE, "moba_bwd_dq_past", grid=(math.ceil(E / t["MOBA_DQ_Q"]) + nblk, H, B),
+                          block=(NTHR, 1, 1), smem=_smem_dq(N),
+                          args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
+                                ("p", idx), ("p", qlist), ("p", part), ("i", T), ("i", H), ("i", chunk),
+                                ("i", K1), ("i", nblk), ("i", E), ("f", scale)), defines=defs))
     k1_eff = K1 if E > 0 else 0
     tpc = math.ceil(chunk / t["MOBA_DQ_Q"])
-    ops.append(_Launch(MODULE, "moba_bwd_dq_own", grid=(nblk * tpc, H, B), block=(NTHR, 1, 1),
-                       smem=_smem_dq(N),
-                       args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
-                             ("p", sel), ("p", part), ("p", dq), ("i", T), ("i", H), ("i", chunk),
-                             ("i", k1_eff), ("f", scale)), defines=defs))
-    ops.append(_Launch(MODULE, "moba_bwd_dkdv", grid=(math.ceil(chunk / t["MOBA_KV_K"]), nblk, B * H),
-                       block=(NTHR, 1, 1), smem=_smem_kv(N),
-                       args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
-                             ("p", idx), ("p", qlist), ("p", dk), ("p", dv), ("i", T), ("i", H),
-                             ("i", chunk), ("i", k1_eff), ("i", nblk), ("i", E), ("f", scale)),
-                       defines=defs))
+    ops.append(Launch(MODULE, "moba_bwd_dq_own", grid=(nblk * tpc, H, B), block=(NTHR, 1, 1),
+                      smem=_smem_dq(N),
+                      args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
+                            ("p", sel), ("p", part), ("p", dq), ("i", T), ("i", H), ("i", chunk),
+                            ("i", k1_eff), ("f", scale)), defines=defs))
+    ops.append(Launch(MODULE, "moba_bwd_dkdv", grid=(math.ceil(chunk / t["MOBA_KV_K"]), nblk, B * H),
+                      block=(NTHR, 1, 1), smem=_smem_kv(N),
+                      args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
+                            ("p", idx), ("p", qlist), ("p", dk), ("p", dv), ("i", T), ("i", H),
+                            ("i", chunk), ("i", k1_eff), ("i", nblk), ("i", E), ("f", scale)),
+                      defines=defs))
     return ops

@@ -1,8 +1,7 @@
 """Launch builders for rwkvx/cu/reduce.cu: deterministic reductions over rows.
 
 Every builder returns ``list[Launch]`` (plain data, no GPU needed). Pointers are ints or objects with an
-int ``.ptr``. ``dev`` is accepted first (DESIGN.md signature) and unused; pass the Device or None.
-All buffers float32 row-major.
+int ``.ptr``. All buffers float32 row-major.
 
 * :func:`cols` — ``reduce_cols``: ``out[c] (= or +=) sum_p part[p, c]``, part ``[P, C]``, out ``[C]``.
   Any C, any alignment. Fixed summation order (thread row y sums p = y, y+16, ...; then the 16 partial
@@ -13,7 +12,7 @@ All buffers float32 row-major.
 * :func:`rows` — both: ``out[c] (= or +=) sum_r a[r, c] * b[r, c]`` through ``scratch`` of
   :func:`scratch_bytes` bytes. Example (a weight-vector gradient such as ``d x_r = sum_r dxr * xx``)::
 
-      ops += reduce.rows(dev, dxr, xx, d_x_r, scratch, R, C)
+      ops += reduce.rows(dxr, xx, d_x_r, scratch, R, C)
 
 ``rows_per_tile`` (rpt) defaults to :func:`default_rows_per_tile` (about TARGET_BLOCKS blocks);
 pass the same value to :func:`scratch_bytes` as to the builder.
@@ -22,23 +21,12 @@ from __future__ import annotations
 
 import math
 
+from ._common import Launch, ptr
+
 MODULE = "reduce"
 TARGET_BLOCKS = 1056          # ~8 blocks of 256 threads per SM on an H200 (132 SMs)
 COLS_BY = 16                  # RD_COLS_BY in reduce.cu
 ROWS_BY = 8                   # RD_ROWS_BY in reduce.cu
-
-
-def _Launch(*a, **kw):
-    from rwkvx.runtime.ops import Launch
-    return Launch(*a, **kw)
-
-
-def _p(x) -> int:
-    if x is None:
-        return 0
-    if hasattr(x, "ptr") and not isinstance(x, int):
-        return int(x.ptr)
-    return int(x)
 
 
 def check_rows(what: str, R: int, C: int, *ptrs) -> None:
@@ -48,7 +36,7 @@ def check_rows(what: str, R: int, C: int, *ptrs) -> None:
     if C % 4:
         raise ValueError(f"{what}: C={C} must be a multiple of 4")
     for i, q in enumerate(ptrs):
-        q = _p(q)
+        q = ptr(q)
         if q % 16:
             raise ValueError(f"{what}: pointer argument {i} (0x{q:x}) is not 16-byte aligned")
 
@@ -76,27 +64,27 @@ def scratch_bytes(R: int, C: int, rows_per_tile: int | None = None) -> int:
     return 4 * C * tiles(R, C, rows_per_tile)[1]
 
 
-def cols(dev, part, out, P: int, C: int, accumulate: bool = False) -> list:
+def cols(part, out, P: int, C: int, accumulate: bool = False) -> list:
     """reduce_cols: out [C] (= or += with accumulate) sum over p of part [P, C]."""
     if P <= 0 or C <= 0:
         raise ValueError(f"reduce.cols: P={P} and C={C} must be positive")
-    return [_Launch(MODULE, "reduce_cols", grid=(math.ceil(C / 32), 1, 1), block=(32, COLS_BY, 1),
-                    args=(("p", _p(part)), ("p", _p(out)), ("i", int(P)), ("i", int(C)),
-                          ("i", int(bool(accumulate)))))]
+    return [Launch(MODULE, "reduce_cols", grid=(math.ceil(C / 32), 1, 1), block=(32, COLS_BY, 1),
+                   args=(("p", ptr(part)), ("p", ptr(out)), ("i", int(P)), ("i", int(C)),
+                         ("i", int(bool(accumulate)))))]
 
 
-def rows_partial(dev, a, b, part, R: int, C: int, rows_per_tile: int | None = None) -> list:
+def rows_partial(a, b, part, R: int, C: int, rows_per_tile: int | None = None) -> list:
     """reduce_rows_partial: part [n_tiles, C] = per-tile column sums of a*b (b None: of a)."""
     check_rows("reduce.rows_partial", R, C, a, b, part)
     rpt, n = tiles(R, C, rows_per_tile)
-    return [_Launch(MODULE, "reduce_rows_partial", grid=(math.ceil(C / 128), n, 1), block=(32, ROWS_BY, 1),
-                    args=(("p", _p(a)), ("p", _p(b)), ("p", _p(part)), ("i", int(R)), ("i", int(C)),
-                          ("i", int(rpt))))]
+    return [Launch(MODULE, "reduce_rows_partial", grid=(math.ceil(C / 128), n, 1), block=(32, ROWS_BY, 1),
+                   args=(("p", ptr(a)), ("p", ptr(b)), ("p", ptr(part)), ("i", int(R)), ("i", int(C)),
+                         ("i", int(rpt))))]
 
 
-def rows(dev, a, b, out, scratch, R: int, C: int, accumulate: bool = False,
+def rows(a, b, out, scratch, R: int, C: int, accumulate: bool = False,
          rows_per_tile: int | None = None) -> list:
     """out [C] (= or +=) sum over rows of a*b (b None: of a); a, b [R, C]; scratch >= scratch_bytes."""
     rpt, n = tiles(R, C, rows_per_tile)
-    return (rows_partial(dev, a, b, scratch, R, C, rpt)
-            + cols(dev, scratch, out, n, C, accumulate))
+    return (rows_partial(a, b, scratch, R, C, rpt)
+            + cols(scratch, out, n, C, accumulate))

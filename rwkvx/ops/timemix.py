@@ -41,23 +41,12 @@ from __future__ import annotations
 
 import math
 
+from ._common import Launch, ptr
+
 MODULE = "timemix"
 HEAD_SIZES = (4, 8, 16, 32, 64, 128)
 TARGET_BLOCKS = 1056            # ~8 blocks per SM on an H200 (132 SMs)
 _MAX_QX = 256
-
-
-def _Launch(*a, **kw):
-    from rwkvx.runtime.ops import Launch
-    return Launch(*a, **kw)
-
-
-def _p(x) -> int:
-    if x is None:
-        return 0
-    if hasattr(x, "ptr") and not isinstance(x, int):
-        return int(x.ptr)
-    return int(x)
 
 
 def _check(R: int, C: int, N: int) -> None:
@@ -115,15 +104,15 @@ def reduce_partials(partials, Pp: int, C: int, outs, accumulate: bool = False) -
     """tm_reduce_partials: outs[j][c] (=|+=) sum_p partials[p, j, c], fixed order.
 
     partials [Pp, len(outs), C]; outs: 1..6 pointers to [C] vectors."""
-    outs = [_p(o) for o in outs]
+    outs = [ptr(o) for o in outs]
     if not 1 <= len(outs) <= 6:
         raise ValueError("reduce_partials: 1..6 outputs")
     nout = len(outs)
     ptrs = outs + [0] * (6 - nout)
     width = nout * C
-    return [_Launch(MODULE, "tm_reduce_partials", grid=(math.ceil(width / 32), 1, 1), block=(32, 8, 1),
-                    args=(("p", _p(partials)), ("i", Pp), ("i", C), ("i", nout),
-                          *(("p", q) for q in ptrs), ("i", int(bool(accumulate)))))]
+    return [Launch(MODULE, "tm_reduce_partials", grid=(math.ceil(width / 32), 1, 1), block=(32, 8, 1),
+                   args=(("p", ptr(partials)), ("i", Pp), ("i", C), ("i", nout),
+                         *(("p", q) for q in ptrs), ("i", int(bool(accumulate)))))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,9 +127,9 @@ def shift_forward(x, mix, outs, R: int, C: int, T: int, rows_per_tile: int | Non
     if R % T:
         raise ValueError(f"R={R} must be a multiple of T={T}")
     L = layout(R, C, 4, rows_per_tile)
-    return [_Launch(MODULE, "tm_shift_fwd", grid=L["grid"], block=L["block"],
-                    args=(("p", _p(x)), *(("p", _p(m)) for m in mix), *(("p", _p(o)) for o in outs),
-                          ("i", R), ("i", C), ("i", T), ("i", L["rpt"])))]
+    return [Launch(MODULE, "tm_shift_fwd", grid=L["grid"], block=L["block"],
+                   args=(("p", ptr(x)), *(("p", ptr(m)) for m in mix), *(("p", ptr(o)) for o in outs),
+                         ("i", R), ("i", C), ("i", T), ("i", L["rpt"])))]
 
 
 def shift_backward(x, mix, douts, dx, dmix, partials, R: int, C: int, T: int,
@@ -157,10 +146,10 @@ def shift_backward(x, mix, douts, dx, dmix, partials, R: int, C: int, T: int,
     if R % T:
         raise ValueError(f"R={R} must be a multiple of T={T}")
     L = layout(R, C, 4, rows_per_tile)
-    ops = [_Launch(MODULE, "tm_shift_bwd", grid=L["grid"], block=L["block"],
-                   args=(("p", _p(x)), *(("p", _p(m)) for m in mix), *(("p", _p(d)) for d in douts),
-                         ("p", _p(dx)), ("p", _p(partials)),
-                         ("i", R), ("i", C), ("i", T), ("i", L["rpt"]), ("i", int(bool(accumulate_dx)))))]
+    ops = [Launch(MODULE, "tm_shift_bwd", grid=L["grid"], block=L["block"],
+                  args=(("p", ptr(x)), *(("p", ptr(m)) for m in mix), *(("p", ptr(d)) for d in douts),
+                        ("p", ptr(dx)), ("p", ptr(partials)),
+                        ("i", R), ("i", C), ("i", T), ("i", L["rpt"]), ("i", int(bool(accumulate_dx)))))]
     return ops + reduce_partials(partials, L["pp"], C, dmix, accumulate_dmix)
 
 
@@ -172,8 +161,8 @@ def _elementwise(name: str, a, b, out, n: int) -> list:
         raise ValueError(f"{name}: n must be positive")
     threads = 256
     blocks = max(1, min(math.ceil(math.ceil(n / 4) / threads), 132 * 16))
-    return [_Launch(MODULE, name, grid=(blocks, 1, 1), block=(threads, 1, 1),
-                    args=(("p", _p(a)), ("p", _p(b)), ("p", _p(out)), ("l", int(n))))]
+    return [Launch(MODULE, name, grid=(blocks, 1, 1), block=(threads, 1, 1),
+                   args=(("p", ptr(a)), ("p", ptr(b)), ("p", ptr(out)), ("l", int(n))))]
 
 
 def tanh_forward(pre, act, n: int) -> list:
@@ -211,14 +200,14 @@ def prep_forward(k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
     Outputs must not overwrite k, v, wl, al, vl, v_first (prep_backward re-reads them)."""
     L = layout(R, C, N, rows_per_tile)
     lay = int(layer > 0)
-    return [_Launch(MODULE, "tm_prep_fwd", grid=L["grid"], block=L["block"], defines=_defs(N),
-                    args=(("p", _p(k)), ("p", _p(v)), ("p", _p(wl)), ("p", _p(al)),
-                          ("p", _p(vl) if lay else 0), ("p", _p(v_first)),
-                          ("p", _p(w0)), ("p", _p(a0)), ("p", _p(v0) if lay else 0),
-                          ("p", _p(k_k)), ("p", _p(k_a)),
-                          ("p", _p(decay)), ("p", _p(kp)), ("p", _p(vp) if lay else 0),
-                          ("p", _p(wa)), ("p", _p(wb)),
-                          ("i", R), ("i", C), ("i", L["rpt"]), ("i", lay)))]
+    return [Launch(MODULE, "tm_prep_fwd", grid=L["grid"], block=L["block"], defines=_defs(N),
+                   args=(("p", ptr(k)), ("p", ptr(v)), ("p", ptr(wl)), ("p", ptr(al)),
+                         ("p", ptr(vl) if lay else 0), ("p", ptr(v_first)),
+                         ("p", ptr(w0)), ("p", ptr(a0)), ("p", ptr(v0) if lay else 0),
+                         ("p", ptr(k_k)), ("p", ptr(k_a)),
+                         ("p", ptr(decay)), ("p", ptr(kp)), ("p", ptr(vp) if lay else 0),
+                         ("p", ptr(wa)), ("p", ptr(wb)),
+                         ("i", R), ("i", C), ("i", L["rpt"]), ("i", lay)))]
 
 
 def prep_backward(k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
@@ -244,20 +233,20 @@ def prep_backward(k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
     dparams = list(dparams)[:np_]
     if len(dparams) != np_:
         raise ValueError(f"prep_backward: {np_} parameter gradients needed for layer {layer}")
-    ops = [_Launch(MODULE, "tm_prep_bwd", grid=L["grid"], block=L["block"], defines=_defs(N),
-                   args=(("p", _p(k)), ("p", _p(v)), ("p", _p(wl)), ("p", _p(al)),
-                         ("p", _p(vl) if lay else 0), ("p", _p(v_first) if lay else 0),
-                         ("p", _p(w0)), ("p", _p(a0)), ("p", _p(v0) if lay else 0),
-                         ("p", _p(k_k)), ("p", _p(k_a)),
-                         ("p", _p(d_decay)), ("p", _p(dkp)), ("p", _p(dvp)), ("p", _p(dwa)), ("p", _p(dwb)),
-                         ("p", _p(dkp2)), ("p", _p(dvp2)),
-                         ("p", _p(dr)), ("p", _p(dr2)), ("p", _p(dr_out) if _p(dr2) else 0),
-                         ("p", _p(dk)), ("p", _p(dv)), ("p", _p(dwl)), ("p", _p(dal)),
-                         ("p", _p(dvl) if lay else 0), ("p", _p(dv_first)), ("p", _p(partials)),
-                         ("i", R), ("i", C), ("i", L["rpt"]), ("i", lay), ("i", int(bool(vf_accumulate)))))]
-    if lay and not _p(dv_first):
+    ops = [Launch(MODULE, "tm_prep_bwd", grid=L["grid"], block=L["block"], defines=_defs(N),
+                  args=(("p", ptr(k)), ("p", ptr(v)), ("p", ptr(wl)), ("p", ptr(al)),
+                        ("p", ptr(vl) if lay else 0), ("p", ptr(v_first) if lay else 0),
+                        ("p", ptr(w0)), ("p", ptr(a0)), ("p", ptr(v0) if lay else 0),
+                        ("p", ptr(k_k)), ("p", ptr(k_a)),
+                        ("p", ptr(d_decay)), ("p", ptr(dkp)), ("p", ptr(dvp)), ("p", ptr(dwa)), ("p", ptr(dwb)),
+                        ("p", ptr(dkp2)), ("p", ptr(dvp2)),
+                        ("p", ptr(dr)), ("p", ptr(dr2)), ("p", ptr(dr_out) if ptr(dr2) else 0),
+                        ("p", ptr(dk)), ("p", ptr(dv)), ("p", ptr(dwl)), ("p", ptr(dal)),
+                        ("p", ptr(dvl) if lay else 0), ("p", ptr(dv_first)), ("p", ptr(partials)),
+                        ("i", R), ("i", C), ("i", L["rpt"]), ("i", lay), ("i", int(bool(vf_accumulate)))))]
+    if lay and not ptr(dv_first):
         raise ValueError("prep_backward: layer > 0 needs dv_first")
-    if _p(dr2) and not _p(dr_out):
+    if ptr(dr2) and not ptr(dr_out):
         raise ValueError("prep_backward: dr2 given without dr_out")
     return ops + reduce_partials(partials, L["pp"], C, dparams, accumulate_dparams)
 
@@ -272,10 +261,10 @@ def gn_forward(y, r, kp, vp, g, ln_w, ln_b, r_k, z, R: int, C: int, N: int,
     sum_head(r*kp*r_k)*vp) * g  -> input of the output GEMM. Nothing else is saved: the backward
     recomputes the per-head mean / rstd / bonus sum from y, r, kp."""
     L = layout(R, C, N, rows_per_tile)
-    return [_Launch(MODULE, "tm_gn_fwd", grid=L["grid"], block=L["block"], defines=_defs(N),
-                    args=(("p", _p(y)), ("p", _p(r)), ("p", _p(kp)), ("p", _p(vp)), ("p", _p(g)),
-                          ("p", _p(ln_w)), ("p", _p(ln_b)), ("p", _p(r_k)), ("p", _p(z)),
-                          ("i", R), ("i", C), ("i", L["rpt"])))]
+    return [Launch(MODULE, "tm_gn_fwd", grid=L["grid"], block=L["block"], defines=_defs(N),
+                   args=(("p", ptr(y)), ("p", ptr(r)), ("p", ptr(kp)), ("p", ptr(vp)), ("p", ptr(g)),
+                         ("p", ptr(ln_w)), ("p", ptr(ln_b)), ("p", ptr(r_k)), ("p", ptr(z)),
+                         ("i", R), ("i", C), ("i", L["rpt"])))]
 
 
 def gn_backward(y, r, kp, vp, g, dz, ln_w, ln_b, r_k, dy, dg, dr2, dkp2, dvp2, partials, dparams,
@@ -288,9 +277,9 @@ def gn_backward(y, r, kp, vp, g, dz, ln_w, ln_b, r_k, dy, dg, dr2, dkp2, dvp2, p
     L = layout(R, C, N, rows_per_tile)
     if len(dparams) != 3:
         raise ValueError("gn_backward: 3 parameter gradients (ln_x.weight, ln_x.bias, r_k)")
-    ops = [_Launch(MODULE, "tm_gn_bwd", grid=L["grid"], block=L["block"], defines=_defs(N),
-                   args=(("p", _p(y)), ("p", _p(r)), ("p", _p(kp)), ("p", _p(vp)), ("p", _p(g)),
-                         ("p", _p(dz)), ("p", _p(ln_w)), ("p", _p(ln_b)), ("p", _p(r_k)),
-                         ("p", _p(dy)), ("p", _p(dg)), ("p", _p(dr2)), ("p", _p(dkp2)), ("p", _p(dvp2)),
-                         ("p", _p(partials)), ("i", R), ("i", C), ("i", L["rpt"])))]
+    ops = [Launch(MODULE, "tm_gn_bwd", grid=L["grid"], block=L["block"], defines=_defs(N),
+                  args=(("p", ptr(y)), ("p", ptr(r)), ("p", ptr(kp)), ("p", ptr(vp)), ("p", ptr(g)),
+                        ("p", ptr(dz)), ("p", ptr(ln_w)), ("p", ptr(ln_b)), ("p", ptr(r_k)),
+                        ("p", ptr(dy)), ("p", ptr(dg)), ("p", ptr(dr2)), ("p", ptr(dkp2)), ("p", ptr(dvp2)),
+                        ("p", ptr(partials)), ("i", R), ("i", C), ("i", L["rpt"])))]
     return ops + reduce_partials(partials, L["pp"], C, dparams, accumulate_dparams)

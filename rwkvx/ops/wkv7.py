@@ -37,25 +37,14 @@ from __future__ import annotations
 
 import math
 
+from ._common import Launch, ptr
+
 MODULE = "wkv7"
 HEAD_SIZES = (4, 8, 16, 32, 64, 128)
 Q = 4                 # WKV_Q in wkv7.cu: lanes per state row (block = N/P * Q threads)
 CHUNK = 16            # checkpoint interval in tokens
 NUM_SMS = 132         # H200
 _BWD_MAXT = 256       # backward __launch_bounds__ (N = 128 needs P_b >= 2)
-
-
-def _Launch(*a, **kw):
-    from rwkvx.runtime.ops import Launch
-    return Launch(*a, **kw)
-
-
-def _p(x) -> int:
-    if x is None:
-        return 0
-    if hasattr(x, "ptr") and not isinstance(x, int):
-        return int(x.ptr)
-    return int(x)
 
 
 def _defs(N: int) -> tuple:
@@ -82,7 +71,7 @@ def _check(B: int, T: int, H: int, N: int) -> None:
 
 def _check_ptrs(what: str, **ptrs) -> None:
     for name, x in ptrs.items():
-        p = _p(x)
+        p = ptr(x)
         if p == 0:
             raise ValueError(f"{what}: {name} is required (NULL pointer)")
         if p % 16:
@@ -152,10 +141,10 @@ def forward(r, w, k, v, a, b, y, ckpt, B: int, T: int, H: int, N: int, split: in
     P = forward_split(B, H, N) if split is None else int(split)
     if P not in _forward_splits(N):
         raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
-    return [_Launch(MODULE, "wkv7_forward", grid=(P, H, B), block=(N * Q // P, 1, 1), smem=0,
-                    args=(("p", _p(r)), ("p", _p(w)), ("p", _p(k)), ("p", _p(v)), ("p", _p(a)),
-                          ("p", _p(b)), ("p", _p(y)), ("p", _p(ckpt)), ("i", T), ("i", H)),
-                    defines=_defs(N))]
+    return [Launch(MODULE, "wkv7_forward", grid=(P, H, B), block=(N * Q // P, 1, 1), smem=0,
+                   args=(("p", ptr(r)), ("p", ptr(w)), ("p", ptr(k)), ("p", ptr(v)), ("p", ptr(a)),
+                         ("p", ptr(b)), ("p", ptr(y)), ("p", ptr(ckpt)), ("i", T), ("i", H)),
+                   defines=_defs(N))]
 
 
 def backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
@@ -173,16 +162,16 @@ def backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B: int, T
     n = B * T * H * N
     if P > 1:
         _check_ptrs("wkv7.backward", partials=partials)
-    args = (("p", _p(r)), ("p", _p(w)), ("p", _p(k)), ("p", _p(v)), ("p", _p(a)), ("p", _p(b)),
-            ("p", _p(dy)), ("p", _p(ckpt)), ("p", _p(slab)),
-            ("p", _p(dr)), ("p", _p(dw)), ("p", _p(dk)), ("p", _p(dv)), ("p", _p(da)), ("p", _p(db)),
-            ("p", _p(partials) if P > 1 else 0), ("i", T), ("i", H), ("l", n))
-    ops = [_Launch(MODULE, "wkv7_backward", grid=(P, H, B), block=(N * Q // P, 1, 1), smem=0,
-                   args=args, defines=_defs(N))]
+    args = (("p", ptr(r)), ("p", ptr(w)), ("p", ptr(k)), ("p", ptr(v)), ("p", ptr(a)), ("p", ptr(b)),
+            ("p", ptr(dy)), ("p", ptr(ckpt)), ("p", ptr(slab)),
+            ("p", ptr(dr)), ("p", ptr(dw)), ("p", ptr(dk)), ("p", ptr(dv)), ("p", ptr(da)), ("p", ptr(db)),
+            ("p", ptr(partials) if P > 1 else 0), ("i", T), ("i", H), ("l", n))
+    ops = [Launch(MODULE, "wkv7_backward", grid=(P, H, B), block=(N * Q // P, 1, 1), smem=0,
+                  args=args, defines=_defs(N))]
     if P > 1:
         grid = max(1, min(math.ceil(n // 4 / 256), NUM_SMS * 8))
-        ops.append(_Launch(MODULE, "wkv7_backward_reduce", grid=(grid, 1, 1), block=(256, 1, 1), smem=0,
-                           args=(("p", _p(partials)), ("p", _p(dr)), ("p", _p(dw)), ("p", _p(dk)),
-                                 ("p", _p(da)), ("p", _p(db)), ("l", n), ("i", P)),
-                           defines=_defs(N)))
+        ops.append(Launch(MODULE, "wkv7_backward_reduce", grid=(grid, 1, 1), block=(256, 1, 1), smem=0,
+                          args=(("p", ptr(partials)), ("p", ptr(dr)), ("p", ptr(dw)), ("p", ptr(dk)),
+                                ("p", ptr(da)), ("p", ptr(db)), ("l", n), ("i", P)),
+                          defines=_defs(N)))
     return ops

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import pytest
 
+from gpu_harness import Gpu
+
 _HERE = Path(__file__).resolve().parent
 _state: dict = {}
 
@@ -39,3 +41,12 @@ def dev():
         pytest.skip(reason)
     from rwkvx.runtime import Device
     return Device.get()
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """A fresh gpu_harness.Gpu per test module (buffers live until the module's tests are done)."""
+    try:
+        return Gpu()
+    except (RuntimeError, ImportError) as e:   # pytest_collection_modifyitems normally skips first
+        pytest.skip(f"no CUDA GPU: {e}")

@@ -15,52 +15,10 @@ import numpy as np
 import pytest
 
 from rwkvx.ops import adamw as aw
+from gpu_harness import rel
 
 TOL = 1e-5          # parameters (and their change), m, v after several steps
 NSTEPS = 7
-
-
-class Gpu:
-    def __init__(self):
-        from rwkvx.runtime import Device
-        self.dev = Device.get()
-        self.keep = []
-
-    def buf(self, arr):
-        arr = np.ascontiguousarray(arr)
-        b = self.dev.alloc(max(arr.nbytes, 256))
-        self.keep.append(b)
-        self.dev.upload(b.ptr, arr)
-        return b.ptr
-
-    def set(self, ptr, arr):
-        self.dev.upload(ptr, np.ascontiguousarray(arr))
-
-    def get(self, ptr, shape, dtype=np.float32):
-        self.dev.synchronize()
-        return np.array(self.dev.download(ptr, shape, dtype))
-
-    def run(self, ops):
-        from rwkvx.runtime import Plan
-        plan = Plan(self.dev, ops, precision="fp32")
-        plan.run()
-        self.dev.synchronize()
-        return plan
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    try:
-        return Gpu()
-    except (RuntimeError, ImportError) as e:   # tests/gpu/conftest.py normally skips first
-        pytest.skip(f"no CUDA GPU: {e}")
-
-
-def rel(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    n = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (n if n > 0 else 1.0))
 
 
 SHAPES = {
@@ -139,7 +97,7 @@ def setup(gpu, align, chunk, seed, lr_max, lr_min, warmup, total, clip, wd):
              table=gpu.buf(table), lrmul=gpu.buf(lrmul),
              st=gpu.buf(aw.state_array(lr_max, lr_min, warmup, total, clip)),
              part=gpu.buf(np.full(n_chunks, np.nan, np.float64)))
-    ops = aw.step(gpu.dev, b["p"], b["g"], b["m"], b["v"], b["table"], b["lrmul"], b["st"], n_chunks,
+    ops = aw.step(b["p"], b["g"], b["m"], b["v"], b["table"], b["lrmul"], b["st"], n_chunks,
                   partials=b["part"], weight_decay=wd, clip=True)
     return params, segs, total_len, b, ops
 

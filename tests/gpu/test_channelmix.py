@@ -11,52 +11,10 @@ import pytest
 
 from rwkvx.ops import channelmix as cm
 from rwkvx.ops import residual as res
+from gpu_harness import rel
 
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4
-
-
-class Gpu:
-    def __init__(self):
-        from rwkvx.runtime import Device
-        self.dev = Device.get()
-        self.keep = []
-
-    def buf(self, arr):
-        arr = np.ascontiguousarray(arr)
-        b = self.dev.alloc(max(arr.nbytes, 256))
-        self.keep.append(b)
-        self.dev.upload(b.ptr, arr)
-        return b.ptr
-
-    def set(self, ptr, arr):
-        self.dev.upload(ptr, np.ascontiguousarray(arr))
-
-    def get(self, ptr, shape, dtype=np.float32):
-        self.dev.synchronize()
-        return np.array(self.dev.download(ptr, shape, dtype))
-
-    def run(self, ops):
-        from rwkvx.runtime import Plan
-        plan = Plan(self.dev, ops, precision="fp32")
-        plan.run()
-        self.dev.synchronize()
-        return plan
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    try:
-        return Gpu()
-    except (RuntimeError, ImportError) as e:   # tests/gpu/conftest.py normally skips first
-        pytest.skip(f"no CUDA GPU: {e}")
-
-
-def rel(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    n = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (n if n > 0 else 1.0))
 
 
 def shift(x, T):
@@ -98,7 +56,7 @@ def test_shift_mix(gpu, B, T, C, rpt):
     mix = rng.uniform(0.0, 1.0, C).astype(np.float32)
     px, pm = gpu.buf(x), gpu.buf(mix)
     po = gpu.buf(np.full((R, C), np.nan, np.float32))
-    plan = gpu.run(cm.shift_mix(gpu.dev, px, pm, po, R, T, C))
+    plan = gpu.run(cm.shift_mix(px, pm, po, R, T, C))
     out = gpu.get(po, (R, C))
     assert rel(out, ref_mix(x, mix, T)) <= FWD_TOL
     gpu.set(po, np.full((R, C), np.nan, np.float32))
@@ -124,7 +82,7 @@ def test_mix_backward(gpu, B, T, C, rpt, accumulate):
     nscr = cm.scratch_bytes(R, C, rpt) // 4
     px, pm, pdxk = gpu.buf(x), gpu.buf(mix), gpu.buf(dxk)
     pdx, pdm, scr = gpu.buf(dx0), gpu.buf(dmix0), gpu.buf(np.full(nscr, np.nan, np.float32))
-    plan = gpu.run(cm.mix_backward(gpu.dev, pdxk, px, pm, pdx, pdm, scr, R, T, C, accumulate_dx=accumulate,
+    plan = gpu.run(cm.mix_backward(pdxk, px, pm, pdx, pdm, scr, R, T, C, accumulate_dx=accumulate,
                                    accumulate_dparam=accumulate, rows_per_tile=rpt))
     dx, dm = gpu.get(pdx, (R, C)), gpu.get(pdm, C)
     assert rel(dx, dxr) <= BWD_TOL
@@ -151,15 +109,15 @@ def test_relu_sq(gpu, n, in_place):
     pk = ph if in_place else gpu.buf(np.full(n, np.nan, np.float32))
     pdh = pdk if in_place else gpu.buf(np.full(n, np.nan, np.float32))
     # backward from h first (before an in-place forward overwrites it), then forward, then from k
-    gpu.run(cm.relu_sq_backward(gpu.dev, pdk, ph, pdh, n, src_is_k=False))
+    gpu.run(cm.relu_sq_backward(pdk, ph, pdh, n, src_is_k=False))
     dh = gpu.get(pdh, n)
     assert rel(dh, dhref) <= BWD_TOL
-    gpu.run(cm.relu_sq(gpu.dev, ph, pk, n))
+    gpu.run(cm.relu_sq(ph, pk, n))
     k = gpu.get(pk, n)
     assert rel(k, kref) <= FWD_TOL
     assert (k >= 0).all()
     gpu.set(pdk, dk)
-    gpu.run(cm.relu_sq_backward(gpu.dev, pdk, pk, pdh, n, src_is_k=True))
+    gpu.run(cm.relu_sq_backward(pdk, pk, pdh, n, src_is_k=True))
     assert rel(gpu.get(pdh, n), dhref) <= BWD_TOL
 
 
@@ -170,7 +128,7 @@ def test_relu_sq_unaligned(gpu):
     h = rng.standard_normal(n + 1).astype(np.float32)
     ph = gpu.buf(h)
     pk = gpu.buf(np.full(n + 3, np.nan, np.float32))
-    gpu.run(cm.relu_sq(gpu.dev, ph + 4, pk + 8, n))
+    gpu.run(cm.relu_sq(ph + 4, pk + 8, n))
     k = gpu.get(pk, n + 3)
     assert rel(k[2:2 + n], np.maximum(h[1:].astype(np.float64), 0) ** 2) <= FWD_TOL
     assert np.isnan(k[:2]).all() and np.isnan(k[2 + n:]).all()
@@ -186,10 +144,10 @@ def test_residual_add(gpu, n, off, mode):
     ref = a[off:].astype(np.float64) + b[off:]
     if mode == "out":
         py = gpu.buf(np.full(n + off, np.nan, np.float32))
-        gpu.run(res.add(gpu.dev, pa + 4 * off, pb + 4 * off, py + 4 * off, n))
+        gpu.run(res.add(pa + 4 * off, pb + 4 * off, py + 4 * off, n))
         y = gpu.get(py, n + off)[off:]
     else:
-        gpu.run(res.add_inplace(gpu.dev, pa + 4 * off, pb + 4 * off, n))
+        gpu.run(res.add_inplace(pa + 4 * off, pb + 4 * off, n))
         y = gpu.get(pa, n + off)[off:]
     assert rel(y, ref) <= FWD_TOL
     assert np.array_equal(y, a[off:] + b[off:])          # one float32 addition: exact match

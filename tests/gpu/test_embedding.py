@@ -10,52 +10,10 @@ import numpy as np
 import pytest
 
 from rwkvx.ops import embedding as emb
+from gpu_harness import rel
 
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4
-
-
-class Gpu:
-    def __init__(self):
-        from rwkvx.runtime import Device
-        self.dev = Device.get()
-        self.keep = []
-
-    def buf(self, arr):
-        arr = np.ascontiguousarray(arr)
-        b = self.dev.alloc(max(arr.nbytes, 256))
-        self.keep.append(b)
-        self.dev.upload(b.ptr, arr)
-        return b.ptr
-
-    def set(self, ptr, arr):
-        self.dev.upload(ptr, np.ascontiguousarray(arr))
-
-    def get(self, ptr, shape, dtype=np.float32):
-        self.dev.synchronize()
-        return np.array(self.dev.download(ptr, shape, dtype))
-
-    def run(self, ops):
-        from rwkvx.runtime import Plan
-        plan = Plan(self.dev, ops, precision="fp32")
-        plan.run()
-        self.dev.synchronize()
-        return plan
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    try:
-        return Gpu()
-    except (RuntimeError, ImportError) as e:   # tests/gpu/conftest.py normally skips first
-        pytest.skip(f"no CUDA GPU: {e}")
-
-
-def rel(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    n = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (n if n > 0 else 1.0))
 
 
 def test_sort_tokens():
@@ -101,8 +59,8 @@ def test_embedding_forward_backward(gpu, B, T, V, C, kind):
     pdemb = gpu.buf(np.full((V, C), np.nan, np.float32))
     pord, pseg, pn = gpu.buf(order), gpu.buf(seg), gpu.buf(nseg)
 
-    ops = emb.forward(gpu.dev, ptok, pemb, px, R, C, V)
-    ops += emb.backward(gpu.dev, pdx, ptok, pord, pseg, pn, pdemb, R, C, V)
+    ops = emb.forward(ptok, pemb, px, R, C, V)
+    ops += emb.backward(pdx, ptok, pord, pseg, pn, pdemb, R, C, V)
     plan = gpu.run(ops)
 
     x = gpu.get(px, (R, C))
@@ -138,7 +96,7 @@ def test_embedding_backward_new_tokens_same_plan(gpu):
     pdx = gpu.buf(np.zeros((R, C), np.float32))
     pdemb = gpu.buf(np.full((V, C), np.nan, np.float32))
     from rwkvx.runtime import Plan
-    plan = Plan(gpu.dev, emb.backward(gpu.dev, pdx, ptok, pord, pseg, pn, pdemb, R, C, V), precision="fp32")
+    plan = Plan(gpu.dev, emb.backward(pdx, ptok, pord, pseg, pn, pdemb, R, C, V), precision="fp32")
     for step in range(3):
         tok = rng.integers(0, V // (step + 1), size=R).astype(np.int32)
         dx = rng.standard_normal((R, C)).astype(np.float32)

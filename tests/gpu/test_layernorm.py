@@ -11,55 +11,13 @@ import numpy as np
 import pytest
 
 from rwkvx.ops import layernorm as ln
+from gpu_harness import rel
 
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4
 EPS = 1e-5
 # (R, C): tiny, rows not a multiple of 8, the model width, a wide row, several row tiles
 SHAPES = [(5, 8), (301, 768), (2053, 768), (67, 4096), (4100, 256)]
-
-
-class Gpu:
-    def __init__(self):
-        from rwkvx.runtime import Device
-        self.dev = Device.get()
-        self.keep = []
-
-    def buf(self, arr):
-        arr = np.ascontiguousarray(arr)
-        b = self.dev.alloc(max(arr.nbytes, 256))
-        self.keep.append(b)
-        self.dev.upload(b.ptr, arr)
-        return b.ptr
-
-    def set(self, ptr, arr):
-        self.dev.upload(ptr, np.ascontiguousarray(arr))
-
-    def get(self, ptr, shape, dtype=np.float32):
-        self.dev.synchronize()
-        return np.array(self.dev.download(ptr, shape, dtype))
-
-    def run(self, ops):
-        from rwkvx.runtime import Plan
-        plan = Plan(self.dev, ops, precision="fp32")
-        plan.run()
-        self.dev.synchronize()
-        return plan
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    try:
-        return Gpu()
-    except (RuntimeError, ImportError) as e:   # tests/gpu/conftest.py normally skips first
-        pytest.skip(f"no CUDA GPU: {e}")
-
-
-def rel(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    n = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (n if n > 0 else 1.0))
 
 
 def ref_forward(x, w, b, eps=EPS):
@@ -109,7 +67,7 @@ def test_forward(gpu, R, C, save_stats):
     nan2, nan1 = np.full((R, C), np.nan, np.float32), np.full(R, np.nan, np.float32)
     px, pw, pb = gpu.buf(x), gpu.buf(w), gpu.buf(b)
     py, pm, pr = gpu.buf(nan2), gpu.buf(nan1), gpu.buf(nan1)
-    ops = ln.forward(gpu.dev, px, pw, pb, py, pm if save_stats else None, pr if save_stats else None, R, C)
+    ops = ln.forward(px, pw, pb, py, pm if save_stats else None, pr if save_stats else None, R, C)
     plan = gpu.run(ops)
     y = gpu.get(py, (R, C))
     yr, mur, rsr = ref_forward(x, w, b)
@@ -130,7 +88,7 @@ def test_forward_in_place(gpu):
     R, C = 333, 768
     x, w, b, _ = inputs(R, C, 7)
     px, pw, pb = gpu.buf(x), gpu.buf(w), gpu.buf(b)
-    gpu.run(ln.forward(gpu.dev, px, pw, pb, px, None, None, R, C))
+    gpu.run(ln.forward(px, pw, pb, px, None, None, R, C))
     assert rel(gpu.get(px, (R, C)), ref_forward(x, w, b)[0]) <= FWD_TOL
 
 
@@ -150,14 +108,14 @@ def test_backward(gpu, R, C, stats_valid, accumulate):
     pdw, pdb = gpu.buf(nanC), gpu.buf(nanC)
     if stats_valid:    # statistics from the GPU forward
         pm, pr = gpu.buf(np.full(R, np.nan, np.float32)), gpu.buf(np.full(R, np.nan, np.float32))
-        gpu.run(ln.forward(gpu.dev, px, pw, gpu.buf(b), gpu.buf(np.zeros((R, C), np.float32)), pm, pr, R, C))
+        gpu.run(ln.forward(px, pw, gpu.buf(b), gpu.buf(np.zeros((R, C), np.float32)), pm, pr, R, C))
         m0, r0 = gpu.get(pm, R), gpu.get(pr, R)
     else:
         m0 = r0 = np.full(R, np.nan, np.float32)
         pm, pr = gpu.buf(m0), gpu.buf(r0)
     nscr = ln.scratch_bytes(R, C) // 4
     scr = gpu.buf(np.full(nscr, np.nan, np.float32))
-    ops = ln.backward(gpu.dev, px, pw, pdy, pdx, pdw, pdb, pm, pr, scr, R, C,
+    ops = ln.backward(px, pw, pdy, pdx, pdw, pdb, pm, pr, scr, R, C,
                       stats_valid=stats_valid, accumulate_dx=accumulate)
     plan = gpu.run(ops)
     dx, dw, db = gpu.get(pdx, (R, C)), gpu.get(pdw, C), gpu.get(pdb, C)
@@ -190,7 +148,7 @@ def test_backward_dx_over_dy_and_accumulate_params(gpu):
     pdw, pdb = gpu.buf(dw0), gpu.buf(db0)
     pm, pr = gpu.buf(np.full(R, np.nan, np.float32)), gpu.buf(np.full(R, np.nan, np.float32))
     scr = gpu.buf(np.full(ln.scratch_bytes(R, C, 64) // 4, np.nan, np.float32))
-    gpu.run(ln.backward(gpu.dev, px, pw, pdy, pdy, pdw, pdb, pm, pr, scr, R, C, stats_valid=False,
+    gpu.run(ln.backward(px, pw, pdy, pdy, pdw, pdb, pm, pr, scr, R, C, stats_valid=False,
                         accumulate_dparams=True, rows_per_tile=64))
     assert rel(gpu.get(pdy, (R, C)), dxr) <= BWD_TOL
     assert rel(gpu.get(pdw, C), dwr + dw0) <= BWD_TOL

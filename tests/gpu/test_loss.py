@@ -10,53 +10,11 @@ import numpy as np
 import pytest
 
 from rwkvx.ops import loss as ce
+from gpu_harness import rel
 
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4
 IGN = -100
-
-
-class Gpu:
-    def __init__(self):
-        from rwkvx.runtime import Device
-        self.dev = Device.get()
-        self.keep = []
-
-    def buf(self, arr):
-        arr = np.ascontiguousarray(arr)
-        b = self.dev.alloc(max(arr.nbytes, 256))
-        self.keep.append(b)
-        self.dev.upload(b.ptr, arr)
-        return b.ptr
-
-    def set(self, ptr, arr):
-        self.dev.upload(ptr, np.ascontiguousarray(arr))
-
-    def get(self, ptr, shape, dtype=np.float32):
-        self.dev.synchronize()
-        return np.array(self.dev.download(ptr, shape, dtype))
-
-    def run(self, ops):
-        from rwkvx.runtime import Plan
-        plan = Plan(self.dev, ops, precision="fp32")
-        plan.run()
-        self.dev.synchronize()
-        return plan
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    try:
-        return Gpu()
-    except (RuntimeError, ImportError) as e:   # tests/gpu/conftest.py normally skips first
-        pytest.skip(f"no CUDA GPU: {e}")
-
-
-def rel(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    n = np.linalg.norm(b)
-    return float(np.linalg.norm(a - b) / (n if n > 0 else 1.0))
 
 
 def reference(logits, targets, ignore_index=IGN):
@@ -100,7 +58,7 @@ def test_cross_entropy(gpu, R, V, n_ign, in_place):
     plog, ptgt, pic = gpu.buf(logits), gpu.buf(targets), gpu.buf(ic)
     ploss = gpu.buf(np.full(R, np.nan, np.float64))
     pd = plog if in_place else gpu.buf(np.full((R, V), np.nan, np.float32))
-    plan = gpu.run(ce.cross_entropy(gpu.dev, plog, ptgt, ploss, pd, pic, R, V, IGN))
+    plan = gpu.run(ce.cross_entropy(plog, ptgt, ploss, pd, pic, R, V, IGN))
     loss = gpu.get(ploss, R, np.float64)
     d = gpu.get(pd, (R, V))
     assert rel(loss, lref) <= FWD_TOL
@@ -131,7 +89,7 @@ def test_loss_only_and_extreme_logits(gpu):
     lref, _, _ = reference(logits, targets)
     plog, ptgt = gpu.buf(logits), gpu.buf(targets)
     ploss = gpu.buf(np.full(R, np.nan, np.float64))
-    gpu.run(ce.cross_entropy(gpu.dev, plog, ptgt, ploss, None, None, R, V, IGN))
+    gpu.run(ce.cross_entropy(plog, ptgt, ploss, None, None, R, V, IGN))
     loss = gpu.get(ploss, R, np.float64)
     assert np.isfinite(loss).all()
     assert rel(loss, lref) <= FWD_TOL
@@ -146,7 +104,7 @@ def test_inv_count_changes_without_new_plan(gpu):
     plog, ptgt, pic = gpu.buf(logits), gpu.buf(t1), gpu.buf(ce.inv_count(t1, IGN))
     ploss, pd = gpu.buf(np.zeros(R)), gpu.buf(np.zeros((R, V), np.float32))
     from rwkvx.runtime import Plan
-    plan = Plan(gpu.dev, ce.cross_entropy(gpu.dev, plog, ptgt, ploss, pd, pic, R, V, IGN), precision="fp32")
+    plan = Plan(gpu.dev, ce.cross_entropy(plog, ptgt, ploss, pd, pic, R, V, IGN), precision="fp32")
     for t in (t1, t2):
         gpu.set(ptgt, t)
         gpu.set(pic, ce.inv_count(t, IGN))

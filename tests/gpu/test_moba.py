@@ -152,9 +152,9 @@ def run_case(dev, B, T, H, N, chunk, top_k, concentrated, seed=0):
             scratch[name] = bf.poisoned(name, (nbytes // 4,), dtype)
         else:
             scratch[name] = 0
-    ops = moba.forward(dev, bf.buf["q"], bf.buf["k"], bf.buf["v"], bf.buf["o"], scratch,
+    ops = moba.forward(bf.buf["q"], bf.buf["k"], bf.buf["v"], bf.buf["o"], scratch,
                        B, T, H, N, chunk, top_k)
-    ops += moba.backward(dev, bf.buf["q"], bf.buf["k"], bf.buf["v"], bf.buf["o"], bf.buf["do"],
+    ops += moba.backward(bf.buf["q"], bf.buf["k"], bf.buf["v"], bf.buf["o"], bf.buf["do"],
                          bf.buf["dq"], bf.buf["dk"], bf.buf["dv"], scratch, B, T, H, N, chunk, top_k)
     plan = _plan(dev, ops)
     outs = ["o", "dq", "dk", "dv", "lse"] + (["sel"] if K1 > 0 else [])
