@@ -1,7 +1,6 @@
 """CPU tests of the MoBA launch builders (rwkvx/ops/moba.py) and an NVRTC compile of rwkvx/cu/moba.cu.
 
 No GPU needed; the compile test is skipped when NVRTC cannot be loaded here."""
-import numpy as np
 import pytest
 
 from rwkvx.ops import moba

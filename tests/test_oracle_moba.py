@@ -129,7 +129,7 @@ def test_tie_breaking_lower_block_wins():
         k[0, j * chunk:(j + 1) * chunk, 0] = base
     km = moba.moba_block_means(k, chunk)
     assert (km[0, 0, :5] == km[0, 0, 0]).all()
-    o, sel = moba.moba_attention_forward(q, k, v := rng.standard_normal((B, T, H, N)), chunk, top_k)
+    o, sel = moba.moba_attention_forward(q, k, rng.standard_normal((B, T, H, N)), chunk, top_k)
     gaps = moba.moba_gate_gaps(q, k, chunk, top_k)
     for t in range(T):
         bt = t // chunk
