@@ -78,6 +78,10 @@ def test_builders_validate():
         moba.scratch_sizes(1, 64, 2, 6, 16, 3)
     with pytest.raises(ValueError):
         moba.scratch_sizes(1, 64, 2, 64, 16, 0)
+    with pytest.raises(ValueError):
+        moba.scratch_sizes(1, 64, 2, 512, 16, 2)      # N > 256
+    with pytest.raises(ValueError):
+        moba.scratch_sizes(1, 64, 2, 64, 0, 2)        # chunk < 1
 
 
 @pytest.mark.parametrize("N", [4, 8, 16, 32, 48, 64, 128, 256])

@@ -11,7 +11,10 @@ from rwkvx import Config
 from rwkvx.model import Model
 from rwkvx.oracle import Oracle
 
-NEAR_TIE = 1e-4
+# A MoBA gate margin below which the GPU may legitimately pick another block: SPEC §4's 1e-4 for fp32
+# gates; with tf32 projections q and k themselves carry ~1e-3 relative error (10-bit mantissa), so
+# gates of magnitude ~1-10 move by ~1e-2 and the margin that separates a real mismatch is 1e-2.
+NEAR_TIE = {"fp32": 1e-4, "tf32": 1e-2}
 
 CASES = {
     "rwkv_only": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3), 2, 40),
@@ -68,8 +71,11 @@ def test_model_matches_oracle(case, precision, random_params, record_property):
         ref_sel = oracle.moba_selection(tokens)
         gaps = oracle.moba_gate_gaps(tokens)
         for j, (g, r, gap) in enumerate(zip(selection, ref_sel, gaps)):
-            clear = gap >= NEAR_TIE
-            assert np.array_equal(g[clear], r[clear]), f"attention block {j}: selection differs"
+            clear = gap >= NEAR_TIE[precision]
+            differs = (g != r).any(axis=-1)
+            assert not (differs & clear).any(), (
+                f"attention block {j}: selection differs at {int((differs & clear).sum())} queries "
+                f"with gate margins >= {NEAR_TIE[precision]} (smallest {gap[differs & clear].min():.3g})")
         forced = selection
     ref_loss, ref_grads = oracle.loss_and_grads(tokens, targets, selection=forced)
     errors = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
