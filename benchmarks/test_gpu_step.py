@@ -68,6 +68,7 @@ def test_step(benchmark, device, name, mode, precision):
         "event_ms_per_step": round(step_ms, 3),
         "tokens_per_s": round(B * T / (step_ms / 1e3)),
         "arena_GiB": round(model.memory_bytes() / 2**30, 2),
+        "arena_KiB_per_token": round(model.layout.bytes_per_token() / 1024, 1),
         "peak_alloc_GiB": round(mem["peak_allocated"] / 2**30, 2),
         "device_used_GiB": round((mem["total"] - mem["free"]) / 2**30, 2),
         "loss": round(model.mean_loss(), 4),
