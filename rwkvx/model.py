@@ -123,6 +123,11 @@ class StepOps:
     loss: list
     backward: list
 
+    @property
+    def step(self) -> list:
+        """The whole step without the optimizer: inputs staged, forward, loss, backward."""
+        return self.stage_tokens + self.stage_targets + self.forward + self.loss + self.backward
+
 
 class StepBuilder:
     """Composes the step from the op builders of :mod:`rwkvx.ops` and cuBLAS GEMMs."""
@@ -438,8 +443,7 @@ class Model:
         self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
         self.ops = self.builder.build()
         self._forward_plan = Plan(self.dev, self.ops.stage_tokens + self.ops.forward, precision=precision)
-        self._step_plan = Plan(self.dev, self.ops.stage_tokens + self.ops.stage_targets + self.ops.forward
-                               + self.ops.loss + self.ops.backward, precision=precision)
+        self._step_plan = Plan(self.dev, self.ops.step, precision=precision)
         self.load_params(params)
 
     # -- parameters ------------------------------------------------------------------------------
@@ -448,13 +452,17 @@ class Model:
         return {n: flat[off:off + size].reshape(self.layout.param_shapes[n]).copy()
                 for n, (off, size) in self.layout.param_offsets.items()}
 
+    def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> None:
+        """Inverse of :meth:`_region`: one name-keyed tensor per parameter, packed and uploaded."""
+        flat = np.zeros(self.layout.sizes[region] // 4, np.float32)
+        for n, (off, size) in self.layout.param_offsets.items():
+            flat[off:off + size] = np.asarray(tensors[n], np.float32).ravel()
+        self.dev.upload(self.builder.buf(region), flat)
+
     def load_params(self, params: ParamDict) -> None:
         """Upload ``params`` (names and shapes of ``param_shapes(cfg)``) to the device."""
         check_params(self.cfg, params)
-        flat = np.zeros(self.layout.sizes["params"] // 4, np.float32)
-        for n, (off, size) in self.layout.param_offsets.items():
-            flat[off:off + size] = np.asarray(params[n], np.float32).ravel()
-        self.dev.upload(self.builder.buf("params"), flat)
+        self._upload_region("params", params)
 
     def params(self) -> ParamDict:
         """The current parameters, downloaded, name-keyed."""
@@ -523,9 +531,7 @@ class Model:
         self.dev.upload(b("adam_m"), zeros)
         self.dev.upload(b("adam_v"), zeros)
         self.schedule, self.weight_decay, self.grad_clip = schedule, weight_decay, grad_clip
-        ops = self.ops
-        self._train_plan = Plan(self.dev, ops.stage_tokens + ops.stage_targets + ops.forward + ops.loss
-                                + ops.backward + self.builder.optimizer(weight_decay, bool(grad_clip)),
+        self._train_plan = Plan(self.dev, self.ops.step + self.builder.optimizer(weight_decay, bool(grad_clip)),
                                 precision=self.precision)
         self._train_graph = None
 
@@ -583,16 +589,15 @@ class Model:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"optimizer state needs an int step count 'optim_step' >= 0, got {step!r}")
         for key, region in (("m", "adam_m"), ("v", "adam_v")):
-            flat = np.zeros(self.layout.sizes[region] // 4, np.float32)
-            for name, (off, size) in self.layout.param_offsets.items():
+            moments = {}
+            for name, shape in self.layout.param_shapes.items():
                 full = f"optim.{key}.{name}"
                 if full not in tensors:
                     raise ValueError(f"optimizer state is missing {full}")
-                value = np.asarray(tensors[full], np.float32)
-                if value.shape != self.layout.param_shapes[name]:
-                    raise ValueError(f"optimizer state {full} has shape {value.shape}")
-                flat[off:off + size] = value.ravel()
-            self.dev.upload(self.builder.buf(region), flat)
+                moments[name] = np.asarray(tensors[full], np.float32)
+                if moments[name].shape != shape:
+                    raise ValueError(f"optimizer state {full} has shape {moments[name].shape}")
+            self._upload_region(region, moments)
         self.dev.upload(self.builder.buf("adam_state"),
                         adamw.state_from_schedule(self.schedule, self.grad_clip, step=step))
 

@@ -41,8 +41,7 @@ def main() -> None:
     timer = EventTimer(model.dev)
     model.run_step()
     total = timer.time_ms(model.run_step, 2)
-    ops = model.ops
-    step_ops = flatten_ops(ops.stage_tokens + ops.stage_targets + ops.forward + ops.loss + ops.backward)
+    step_ops = flatten_ops(model.ops.step)
     per_family: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for op in step_ops:     # in order, so every op sees the buffers its predecessors wrote
         plan = Plan(model.dev, [op], precision=args.precision)

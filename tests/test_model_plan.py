@@ -29,7 +29,7 @@ def build(kwargs, B, T):
 @pytest.mark.parametrize("kwargs, B, T", CONFIGS)
 def test_step_plan_builds_inside_the_arena(kwargs, B, T):
     layout, ops = build(kwargs, B, T)
-    step = flatten_ops(ops.stage_tokens + ops.stage_targets + ops.forward + ops.loss + ops.backward)
+    step = flatten_ops(ops.step)
     end = BASE + layout.total
     pointers = []
     for op in step:
