@@ -1,25 +1,8 @@
-"""CPU tests of the MoBA attention oracle (oracle/_moba.pyx)."""
-import importlib
-
+"""CPU tests of the MoBA attention oracle (oracle/moba.pyx)."""
 import numpy as np
 import pytest
 
-
-def _load():
-    for name in ("rwkvx.oracle._moba", "oracle._moba"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    pytest.skip("the MoBA oracle extension is not built (pip install -e . or "
-                "cythonize -3 -i oracle/_moba.pyx)", allow_module_level=True)
-
-
-moba = _load()
-
-
-def rel(a, b):
-    return np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-300)
+from rwkvx.oracle import moba, rel_err
 
 
 def rand(shape, seed, scale=1.0):
@@ -65,7 +48,7 @@ def test_all_past_blocks_selected_is_causal_attention(B, T, H, N, chunk, top_k):
     for t in range(T):
         want = list(range(bt[t])) + [-1] * (top_k - 1 - bt[t])
         assert (sel[:, :, t] == want).all()
-    assert rel(o, causal_attention(q, k, v)) < 1e-13
+    assert rel_err(o, causal_attention(q, k, v)) < 1e-13
 
 
 def test_sparse_matches_masked_attention_and_gate():
@@ -82,11 +65,11 @@ def test_sparse_matches_masked_attention_and_gate():
                 want = sorted(order[:top_k - 1])
                 want += [-1] * (top_k - 1 - len(want))
                 assert list(sel[b, h, t]) == want, (b, h, t)
-    assert rel(o, causal_attention(q, k, v, mask_from_selection(sel, T, chunk))) < 1e-13
+    assert rel_err(o, causal_attention(q, k, v, mask_from_selection(sel, T, chunk))) < 1e-13
     gates = moba.moba_gates(q, k, chunk)
     past = np.arange(T // chunk)[None, :] < (np.arange(T) // chunk)[:, None]
     assert (np.isneginf(gates) == ~past[None, None]).all()
-    assert rel(gates[:, :, past], g[:, :, past]) < 1e-13
+    assert rel_err(gates[:, :, past], g[:, :, past]) < 1e-13
     assert (moba.moba_select(q, k, chunk, top_k) == sel).all()
 
 
@@ -98,7 +81,7 @@ def test_forced_selection_is_used_and_validated():
     forced[..., 32:, 1] = 2
     o, sel = moba.moba_attention_forward(q, k, v, chunk, top_k, selection=forced)
     assert (sel == forced).all()
-    assert rel(o, causal_attention(q, k, v, mask_from_selection(forced, T, chunk))) < 1e-13
+    assert rel_err(o, causal_attention(q, k, v, mask_from_selection(forced, T, chunk))) < 1e-13
     bad_cases = [
         (forced[..., :1], ValueError),                        # shape
         (forced.astype(np.float32), TypeError),               # dtype
@@ -164,7 +147,7 @@ def test_top_k_one_is_own_block_only():
     assert sel.shape == (B, H, T, 0) and sel.dtype == np.int32
     bt = np.arange(T) // chunk
     mask = (bt[:, None] == bt[None, :]) & np.tril(np.ones((T, T), bool))
-    assert rel(o, causal_attention(q, k, v, mask[None, None])) < 1e-13
+    assert rel_err(o, causal_attention(q, k, v, mask[None, None])) < 1e-13
     dq, dk, dv = moba.moba_attention_backward(q, k, v, rand(q.shape, 16), chunk, 1, sel)
     assert np.isfinite(dq).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
 
@@ -193,7 +176,7 @@ def test_backward_finite_differences(B, T, H, N, chunk, top_k):
             lm = loss_and_grads(q, k, v, w, chunk, top_k, sel)
             x[i] = old
             num[i] = (lp - lm) / (2 * eps)
-        assert rel(dx, num) <= 1e-6
+        assert rel_err(dx, num) <= 1e-6
 
 
 def test_backward_matches_dense_formula():
@@ -209,9 +192,9 @@ def test_backward_matches_dense_formula():
     p /= p.sum(-1, keepdims=True)
     dP = np.einsum("bthn,buhn->bhtu", do, v)
     dS = p * (dP - (p * dP).sum(-1, keepdims=True)) / np.sqrt(N)
-    assert rel(dq, np.einsum("bhtu,buhn->bthn", dS, k)) < 1e-12
-    assert rel(dk, np.einsum("bhtu,bthn->buhn", dS, q)) < 1e-12
-    assert rel(dv, np.einsum("bhtu,bthn->buhn", p, do)) < 1e-12
+    assert rel_err(dq, np.einsum("bhtu,buhn->bthn", dS, k)) < 1e-12
+    assert rel_err(dk, np.einsum("bhtu,bthn->buhn", dS, q)) < 1e-12
+    assert rel_err(dv, np.einsum("bhtu,bthn->buhn", p, do)) < 1e-12
     # sel=None recomputes the same selection
     for a, b in zip(moba.moba_attention_backward(q, k, v, do, chunk, top_k, None), (dq, dk, dv)):
         assert (a == b).all()
@@ -225,12 +208,12 @@ def test_float32_agrees_with_float64():
     q32, k32, v32, do32 = (a.astype(np.float32) for a in (q, k, v, do))
     o32, sel32 = moba.moba_attention_forward(q32, k32, v32, chunk, top_k, selection=sel)
     assert o32.dtype == np.float32 and (sel32 == sel).all()
-    assert rel(o32, o64) < 1e-5
+    assert rel_err(o32, o64) < 1e-5
     g32 = moba.moba_attention_backward(q32, k32, v32, do32, chunk, top_k, sel)
     g64 = moba.moba_attention_backward(q, k, v, do, chunk, top_k, sel)
     for a, b in zip(g32, g64):
         assert a.dtype == np.float32
-        assert rel(a, b) < 1e-5
+        assert rel_err(a, b) < 1e-5
     # the float32 gate is still computed in float64: same selection where gaps are not tiny
     gaps = moba.moba_gate_gaps(q, k, chunk, top_k)
     _, sel_f = moba.moba_attention_forward(q32, k32, v32, chunk, top_k)

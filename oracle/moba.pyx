@@ -1,9 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""CPU reference of MoBA sparse attention (SPEC §2.3 "Attn (MoBA)"), forward and backward.
+# cython: annotation_typing=False
+"""Twin of rwkvx/cu/moba.cu: MoBA sparse attention (SPEC §2.3 "Attn (MoBA)"), forward and backward.
 
-Arrays are [B, T, H, N] (batch, time, head, head channel), float64 or float32. The arithmetic runs in
-the arrays' dtype (float32 inputs: float32 scores, softmax and sums), except the block gate, which is
-always computed in float64.
+Arrays are [B, T, H, N] (batch, time, head, head channel), float64 or float32; everything is computed in
+double and the outputs come back in the inputs' dtype (float32 only when all inputs are float32), except
+the gates, gaps, block means and log-sum-exps, which are float64 always.
 
 Per sequence b, head h, query t (scale s = 1/sqrt(N), blocks of `chunk` tokens from the sequence start,
 block(t) = t // chunk):
@@ -16,33 +17,21 @@ block(t) = t // chunk):
 Selection format (shared with the GPU kernels): int32 [B, H, T, top_k - 1], the selected block indices
 of query t in ascending order, padded at the end with -1.
 """
+from __future__ import annotations
+
 import numpy as np
 
-from cython cimport floating
-from libc.math cimport exp, sqrt, INFINITY
+from libc.math cimport INFINITY, exp, log, sqrt
 
-__all__ = ["moba_attention_forward", "moba_attention_backward", "moba_select", "moba_gate_gaps",
-           "moba_block_means", "moba_gates"]
+from ._common import float64_op
+
+__all__ = ["moba_attention_forward", "moba_attention_backward", "moba_logsumexp", "moba_select",
+           "moba_gate_gaps", "moba_block_means", "moba_gates"]
 
 
 # ----------------------------------------------------------------------------------------------
 # argument checks
 # ----------------------------------------------------------------------------------------------
-
-def _common_dtype(*arrays):
-    """float32 when every array is float32, else float64."""
-    for a in arrays:
-        if a.dtype != np.float32:
-            return np.float64
-    return np.float32
-
-
-def _as_float_array(x, name, dtype):
-    a = np.asarray(x)
-    if a.dtype.kind not in "fiu":
-        raise TypeError(f"{name}: expected a real numeric array, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=dtype)
-
 
 def _check_chunk_topk(chunk, top_k):
     if int(chunk) != chunk or chunk < 1:
@@ -52,17 +41,19 @@ def _check_chunk_topk(chunk, top_k):
     return int(chunk), int(top_k)
 
 
-def _check_qkv(q, k, v=None):
-    arrays = [np.asarray(q), np.asarray(k)] + ([np.asarray(v)] if v is not None else [])
-    names = ["q", "k", "v"]
-    for a, name in zip(arrays, names):
+def _check_qkv(*arrays):
+    """q (, k, v, do): real arrays of one shape [B, T, H, N], returned C-contiguous float64."""
+    out = []
+    for a, name in zip(arrays, ("q", "k", "v", "do")):
+        a = np.asarray(a)
+        if a.dtype.kind not in "fiu":
+            raise TypeError(f"{name}: expected a real numeric array, got dtype {a.dtype}")
         if a.ndim != 4:
             raise ValueError(f"{name}: expected shape [B, T, H, N], got {a.shape}")
-    for a, name in zip(arrays[1:], names[1:]):
-        if a.shape != arrays[0].shape:
-            raise ValueError(f"{name}: shape {a.shape} differs from q's {arrays[0].shape}")
-    dtype = _common_dtype(*arrays)
-    return [_as_float_array(a, name, dtype) for a, name in zip(arrays, names)], dtype
+        if out and a.shape != out[0].shape:
+            raise ValueError(f"{name}: shape {a.shape} differs from q's {out[0].shape}")
+        out.append(np.ascontiguousarray(a, dtype=np.float64))
+    return out
 
 
 def _check_selection(selection, B, H, T, chunk, K1):
@@ -91,11 +82,11 @@ def _check_selection(selection, B, H, T, chunk, K1):
 
 
 # ----------------------------------------------------------------------------------------------
-# gate and selection (float64)
+# gate and selection
 # ----------------------------------------------------------------------------------------------
 
-cdef void _block_means(const floating[:, :, :, ::1] k, double[:, :, :, ::1] km, int chunk) noexcept nogil:
-    """km[b,h,j,:] = mean of k[b, u, h, :] over the positions u of block j (float64)."""
+cdef void _block_means(const double[:, :, :, ::1] k, double[:, :, :, ::1] km, int chunk) noexcept nogil:
+    """km[b,h,j,:] = mean of k[b, u, h, :] over the positions u of block j."""
     cdef Py_ssize_t B = k.shape[0], T = k.shape[1], H = k.shape[2], N = k.shape[3]
     cdef Py_ssize_t nblk = km.shape[2]
     cdef Py_ssize_t b, h, j, u, n, u0, u1
@@ -109,13 +100,13 @@ cdef void _block_means(const floating[:, :, :, ::1] k, double[:, :, :, ::1] km, 
                     km[b, h, j, n] = 0.0
                 for u in range(u0, u1):
                     for n in range(N):
-                        km[b, h, j, n] += <double>k[b, u, h, n]
+                        km[b, h, j, n] += k[b, u, h, n]
                 inv = 1.0 / <double>(u1 - u0)
                 for n in range(N):
                     km[b, h, j, n] *= inv
 
 
-cdef void _select(const floating[:, :, :, ::1] q, const double[:, :, :, ::1] km, int chunk, int K1,
+cdef void _select(const double[:, :, :, ::1] q, const double[:, :, :, ::1] km, int chunk, int K1,
                   int[:, :, :, ::1] sel, double[:, :, ::1] gap, double[::1] topg, int[::1] topj) noexcept nogil:
     """Top-(K1) past blocks by gate for every query (ties: lower j); gap = K1-th minus (K1+1)-th gate.
 
@@ -134,7 +125,7 @@ cdef void _select(const floating[:, :, :, ::1] q, const double[:, :, :, ::1] km,
                 for j in range(bt):
                     g = 0.0
                     for n in range(N):
-                        g += <double>q[b, t, h, n] * km[b, h, j, n]
+                        g += q[b, t, h, n] * km[b, h, j, n]
                     if nf < cap:
                         pos = nf
                         nf += 1
@@ -166,86 +157,67 @@ cdef void _select(const floating[:, :, :, ::1] q, const double[:, :, :, ::1] km,
                     sel[b, h, t, i] = topj[i] if i < s else -1
 
 
-def moba_block_means(k, chunk):
-    """float64 [B, H, nblk, N]: the mean of k over each block of `chunk` positions (the last block may be
-    partial; its mean is over the positions it has)."""
-    (k_, _unused), _ = _check_qkv(k, k)
-    chunk, _ = _check_chunk_topk(chunk, 1)
-    B, T, H, N = k_.shape
-    nblk = (T + chunk - 1) // chunk
-    km = np.zeros((B, H, nblk, N), dtype=np.float64)
-    if k_.dtype == np.float32:
-        _bm_f32(k_, km, chunk)
-    else:
-        _bm_f64(k_, km, chunk)
+def _means(k, int chunk):
+    B, T, H, N = k.shape
+    km = np.zeros((B, H, (T + chunk - 1) // chunk, N))
+    _block_means(k, km, chunk)
     return km
 
 
-cdef void _bm_f32(const float[:, :, :, ::1] k, double[:, :, :, ::1] km, int chunk) noexcept nogil:
-    _block_means(k, km, chunk)
+def moba_block_means(k: np.ndarray, chunk: int) -> np.ndarray:
+    """float64 [B, H, nblk, N]: the mean of k over each block of `chunk` positions (the last block may be
+    partial; its mean is over the positions it has)."""
+    (k,) = _check_qkv(k)
+    chunk, _ = _check_chunk_topk(chunk, 1)
+    return _means(k, chunk)
 
 
-cdef void _bm_f64(const double[:, :, :, ::1] k, double[:, :, :, ::1] km, int chunk) noexcept nogil:
-    _block_means(k, km, chunk)
-
-
-def moba_gates(q, k, chunk):
+def moba_gates(q: np.ndarray, k: np.ndarray, chunk: int) -> np.ndarray:
     """float64 [B, H, T, nblk]: g[b,h,t,j] = q_t . mean(k over block j) for j < block(t), -inf elsewhere
     (plain numpy; for tests and inspection)."""
-    (q_, k_), _ = _check_qkv(q, k)
+    q, k = _check_qkv(q, k)
     chunk, _ = _check_chunk_topk(chunk, 1)
-    B, T, H, N = q_.shape
-    km = moba_block_means(k_, chunk)
-    g = np.einsum("bthn,bhjn->bhtj", q_.astype(np.float64), km)
-    bt = np.arange(T) // chunk
+    km = _means(k, chunk)
+    g = np.einsum("bthn,bhjn->bhtj", q, km)
+    bt = np.arange(q.shape[1]) // chunk
     past = np.arange(km.shape[2])[None, :] < bt[:, None]
     return np.where(past[None, None], g, -np.inf)
 
 
-def _select_and_gap(q_, k_, chunk, top_k):
-    B, T, H, N = q_.shape
-    K1 = top_k - 1
+def _select_and_gap(q, k, int chunk, int top_k):
+    B, T, H, N = q.shape
+    cdef int K1 = top_k - 1
     sel = np.full((B, H, T, K1), -1, dtype=np.int32)
-    gap = np.full((B, H, T), np.inf, dtype=np.float64)
+    gap = np.full((B, H, T), np.inf)
     if K1 == 0 or T == 0:
         return sel, gap
-    km = moba_block_means(k_, chunk)
-    topg = np.zeros(K1 + 1, dtype=np.float64)
-    topj = np.zeros(K1 + 1, dtype=np.int32)
-    cdef double[:, :, :, ::1] km_v = km
+    km = _means(k, chunk)
+    cdef const double[:, :, :, ::1] q_v = q
+    cdef const double[:, :, :, ::1] km_v = km
     cdef int[:, :, :, ::1] sel_v = sel
     cdef double[:, :, ::1] gap_v = gap
-    cdef double[::1] topg_v = topg
-    cdef int[::1] topj_v = topj
-    cdef const float[:, :, :, ::1] q32
-    cdef const double[:, :, :, ::1] q64
-    cdef int c = chunk, k1 = K1
-    if q_.dtype == np.float32:
-        q32 = q_
-        with nogil:
-            _select(q32, km_v, c, k1, sel_v, gap_v, topg_v, topj_v)
-    else:
-        q64 = q_
-        with nogil:
-            _select(q64, km_v, c, k1, sel_v, gap_v, topg_v, topj_v)
+    cdef double[::1] topg = np.zeros(K1 + 1)
+    cdef int[::1] topj = np.zeros(K1 + 1, dtype=np.int32)
+    with nogil:
+        _select(q_v, km_v, chunk, K1, sel_v, gap_v, topg, topj)
     return sel, gap
 
 
-def moba_select(q, k, chunk, top_k):
+def moba_select(q: np.ndarray, k: np.ndarray, chunk: int, top_k: int) -> np.ndarray:
     """The MoBA block selection, int32 [B, H, T, top_k-1] (ascending, -1 padded); gate in float64."""
-    (q_, k_), _ = _check_qkv(q, k)
+    q, k = _check_qkv(q, k)
     chunk, top_k = _check_chunk_topk(chunk, top_k)
-    return _select_and_gap(q_, k_, chunk, top_k)[0]
+    return _select_and_gap(q, k, chunk, top_k)[0]
 
 
-def moba_gate_gaps(q, k, chunk, top_k):
+def moba_gate_gaps(q: np.ndarray, k: np.ndarray, chunk: int, top_k: int) -> np.ndarray:
     """float64 [B, H, T]: per query, the gate of the last selected block minus the largest gate among the
     past blocks left out (>= 0; float64 gates). +inf where nothing is ambiguous (top_k == 1, or at most
     top_k-1 past blocks, so all are selected). A GPU selection computed with fp32 gates may
     legitimately differ from the oracle's where this gap is tiny (e.g. < 1e-4)."""
-    (q_, k_), _ = _check_qkv(q, k)
+    q, k = _check_qkv(q, k)
     chunk, top_k = _check_chunk_topk(chunk, top_k)
-    return _select_and_gap(q_, k_, chunk, top_k)[1]
+    return _select_and_gap(q, k, chunk, top_k)[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,70 +241,67 @@ cdef Py_ssize_t _visible(const int[:, :, :, ::1] sel, Py_ssize_t b, Py_ssize_t h
     return cnt
 
 
-cdef void _forward(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
-                   const floating[:, :, :, ::1] v, const int[:, :, :, ::1] sel, floating[:, :, :, ::1] o,
-                   int chunk, int K1, floating scale, floating[::1] p, int[::1] pos) noexcept nogil:
+cdef double _softmax(const double[:, :, :, ::1] q, const double[:, :, :, ::1] k, Py_ssize_t b,
+                     Py_ssize_t h, Py_ssize_t t, const int[::1] pos, Py_ssize_t nv, double scale,
+                     double[::1] p) noexcept nogil:
+    """p[i] = softmax over the nv visible keys pos[i] of s * q_t . k_u; returns their log-sum-exp."""
+    cdef Py_ssize_t N = q.shape[3], i, n, u
+    cdef double acc, mx = -INFINITY, den = 0
+    for i in range(nv):
+        u = pos[i]
+        acc = 0
+        for n in range(N):
+            acc = acc + q[b, t, h, n] * k[b, u, h, n]
+        p[i] = scale * acc
+        if p[i] > mx:
+            mx = p[i]
+    for i in range(nv):
+        p[i] = exp(p[i] - mx)
+        den = den + p[i]
+    for i in range(nv):
+        p[i] = p[i] / den
+    return mx + log(den)
+
+
+cdef void _forward(const double[:, :, :, ::1] q, const double[:, :, :, ::1] k,
+                   const double[:, :, :, ::1] v, const int[:, :, :, ::1] sel, double[:, :, :, ::1] o,
+                   double[:, :, ::1] lse, int chunk, int K1, double scale, double[::1] p,
+                   int[::1] pos) noexcept nogil:
+    """o (and lse [B, H, T]) of every query."""
     cdef Py_ssize_t B = q.shape[0], T = q.shape[1], H = q.shape[2], N = q.shape[3]
     cdef Py_ssize_t b, h, t, n, i, nv, u
-    cdef floating acc, mx, den, w
     for b in range(B):
         for h in range(H):
             for t in range(T):
                 nv = _visible(sel, b, h, t, chunk, K1, pos)
-                mx = -INFINITY
-                for i in range(nv):
-                    u = pos[i]
-                    acc = 0
-                    for n in range(N):
-                        acc = acc + q[b, t, h, n] * k[b, u, h, n]
-                    p[i] = scale * acc
-                    if p[i] > mx:
-                        mx = p[i]
-                den = 0
-                for i in range(nv):
-                    p[i] = <floating>exp(p[i] - mx)
-                    den = den + p[i]
+                lse[b, h, t] = _softmax(q, k, b, h, t, pos, nv, scale, p)
                 for n in range(N):
                     o[b, t, h, n] = 0
                 for i in range(nv):
                     u = pos[i]
-                    w = p[i] / den
                     for n in range(N):
-                        o[b, t, h, n] = o[b, t, h, n] + w * v[b, u, h, n]
+                        o[b, t, h, n] = o[b, t, h, n] + p[i] * v[b, u, h, n]
 
 
-cdef void _backward(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1] k,
-                    const floating[:, :, :, ::1] v, const floating[:, :, :, ::1] do,
-                    const int[:, :, :, ::1] sel, floating[:, :, :, ::1] dq, floating[:, :, :, ::1] dk,
-                    floating[:, :, :, ::1] dv, int chunk, int K1, floating scale,
-                    floating[::1] p, floating[::1] dp, int[::1] pos) noexcept nogil:
+cdef void _backward(const double[:, :, :, ::1] q, const double[:, :, :, ::1] k,
+                    const double[:, :, :, ::1] v, const double[:, :, :, ::1] do,
+                    const int[:, :, :, ::1] sel, double[:, :, :, ::1] dq, double[:, :, :, ::1] dk,
+                    double[:, :, :, ::1] dv, int chunk, int K1, double scale,
+                    double[::1] p, double[::1] dp, int[::1] pos) noexcept nogil:
     """Exact gradient with the selection fixed. Per query t with probabilities p_u over its visible
     keys: dp_u = do_t . v_u, D = sum_u p_u dp_u, ds_u = p_u (dp_u - D);
     dq_t = s sum_u ds_u k_u ; dk_u += s ds_u q_t ; dv_u += p_u do_t."""
     cdef Py_ssize_t B = q.shape[0], T = q.shape[1], H = q.shape[2], N = q.shape[3]
     cdef Py_ssize_t b, h, t, n, i, nv, u
-    cdef floating acc, mx, den, D, ds
+    cdef double acc, D, ds
     for b in range(B):
         for h in range(H):
             for t in range(T):
                 nv = _visible(sel, b, h, t, chunk, K1, pos)
-                mx = -INFINITY
-                for i in range(nv):
-                    u = pos[i]
-                    acc = 0
-                    for n in range(N):
-                        acc = acc + q[b, t, h, n] * k[b, u, h, n]
-                    p[i] = scale * acc
-                    if p[i] > mx:
-                        mx = p[i]
-                den = 0
-                for i in range(nv):
-                    p[i] = <floating>exp(p[i] - mx)
-                    den = den + p[i]
+                _softmax(q, k, b, h, t, pos, nv, scale, p)
                 D = 0
                 for i in range(nv):
                     u = pos[i]
-                    p[i] = p[i] / den
                     acc = 0
                     for n in range(N):
                         acc = acc + do[b, t, h, n] * v[b, u, h, n]
@@ -347,95 +316,83 @@ cdef void _backward(const floating[:, :, :, ::1] q, const floating[:, :, :, ::1]
                         dv[b, u, h, n] = dv[b, u, h, n] + p[i] * do[b, t, h, n]
 
 
-def _resolve_selection(q_, k_, chunk, top_k, selection):
-    B, T, H, N = q_.shape
+def _resolve_selection(q, k, chunk, top_k, selection):
+    B, T, H, N = q.shape
     if selection is None:
-        return _select_and_gap(q_, k_, chunk, top_k)[0]
+        return _select_and_gap(q, k, chunk, top_k)[0]
     return _check_selection(selection, B, H, T, chunk, top_k - 1)
 
 
-def moba_attention_forward(q, k, v, chunk, top_k, selection=None):
+def _attend(q, k, v, sel, int chunk, int top_k):
+    """(o [B,T,H,N], lse [B,H,T]) for a checked selection."""
+    B, T, H, N = q.shape
+    o = np.zeros_like(q)
+    lse = np.zeros((B, H, T))
+    if q.size == 0:
+        return o, lse
+    cdef double[::1] p = np.zeros(top_k * chunk)
+    cdef int[::1] pos = np.zeros(top_k * chunk, dtype=np.int32)
+    cdef const double[:, :, :, ::1] q_v = q, k_v = k, v_v = v
+    cdef const int[:, :, :, ::1] sel_v = sel
+    cdef double[:, :, :, ::1] o_v = o
+    cdef double[:, :, ::1] lse_v = lse
+    cdef double scale = 1.0 / sqrt(<double>N)
+    with nogil:
+        _forward(q_v, k_v, v_v, sel_v, o_v, lse_v, chunk, top_k - 1, scale, p, pos)
+    return o, lse
+
+
+@float64_op
+def moba_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk: int, top_k: int,
+                           selection: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """MoBA attention forward.
 
-    q, k, v: [B, T, H, N] float64 or float32 (float32 only when all three are float32).
-    Returns (o, sel): o [B, T, H, N] in that dtype; sel int32 [B, H, T, top_k-1] (the selection used:
-    computed from the float64 gate, or `selection` after validation; a forced selection may hold fewer
-    than min(top_k-1, block(t)) blocks)."""
-    (q_, k_, v_), dtype = _check_qkv(q, k, v)
+    q, k, v: [B, T, H, N]. Returns (o, sel): o [B, T, H, N] in the inputs' dtype; sel int32
+    [B, H, T, top_k-1] (the selection used: computed from the float64 gate, or `selection` after
+    validation; a forced selection may hold fewer than min(top_k-1, block(t)) blocks)."""
+    q, k, v = _check_qkv(q, k, v)
     chunk, top_k = _check_chunk_topk(chunk, top_k)
-    B, T, H, N = q_.shape
-    K1 = top_k - 1
-    sel = _resolve_selection(q_, k_, chunk, top_k, selection)
-    o = np.zeros_like(q_)
-    if q_.size == 0:
-        return o, sel
-    p = np.zeros(top_k * chunk, dtype=dtype)
-    pos = np.zeros(top_k * chunk, dtype=np.int32)
-    cdef const int[:, :, :, ::1] sel_v = sel
-    cdef int[::1] pos_v = pos
-    cdef int c = chunk, k1 = K1
-    cdef double sc = 1.0 / sqrt(<double>N)
-    cdef const float[:, :, :, ::1] q32, k32, v32
-    cdef float[:, :, :, ::1] o32
-    cdef float[::1] p32
-    cdef const double[:, :, :, ::1] q64, k64, v64
-    cdef double[:, :, :, ::1] o64
-    cdef double[::1] p64
-    if dtype == np.float32:
-        q32, k32, v32, o32, p32 = q_, k_, v_, o, p
-        with nogil:
-            _forward(q32, k32, v32, sel_v, o32, c, k1, <float>sc, p32, pos_v)
-    else:
-        q64, k64, v64, o64, p64 = q_, k_, v_, o, p
-        with nogil:
-            _forward(q64, k64, v64, sel_v, o64, c, k1, sc, p64, pos_v)
-    return o, sel
+    sel = _resolve_selection(q, k, chunk, top_k, selection)
+    return _attend(q, k, v, sel, chunk, top_k)[0], sel
 
 
-def moba_attention_backward(q, k, v, do, chunk, top_k, sel):
+def moba_logsumexp(q: np.ndarray, k: np.ndarray, chunk: int, selection: np.ndarray) -> np.ndarray:
+    """float64 [B, H, T]: natural-log log-sum-exp of the scaled scores s * q_t . k_u over the keys
+    visible to each query under ``selection`` (int32 [B, H, T, top_k-1]) — what the GPU forward
+    saves for its backward."""
+    q, k = _check_qkv(q, k)
+    sel = np.asarray(selection)
+    if sel.ndim != 4:
+        raise ValueError(f"selection: expected shape [B, H, T, top_k-1], got {sel.shape}")
+    chunk, top_k = _check_chunk_topk(chunk, sel.shape[3] + 1)
+    sel = _resolve_selection(q, k, chunk, top_k, sel)
+    return _attend(q, k, k, sel, chunk, top_k)[1]
+
+
+@float64_op
+def moba_attention_backward(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray,
+                            chunk: int, top_k: int,
+                            sel: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Exact gradient of moba_attention_forward with the selection `sel` held fixed (the selection is
     not differentiable). q, k, v, do: [B, T, H, N]; sel: int32 [B, H, T, top_k-1] (None: recompute it
     from the gate). Returns (dq, dk, dv), [B, T, H, N] each, in the inputs' dtype."""
-    (q_, k_, v_), dtype = _check_qkv(q, k, v)
-    do_a = np.asarray(do)
-    if do_a.shape != q_.shape:
-        raise ValueError(f"do: shape {do_a.shape} differs from q's {q_.shape}")
-    if dtype == np.float32 and do_a.dtype != np.float32:
-        dtype = np.float64
-        q_, k_, v_ = (np.ascontiguousarray(a, dtype=np.float64) for a in (q_, k_, v_))
-    do_ = _as_float_array(do_a, "do", dtype)
+    q, k, v, do = _check_qkv(q, k, v, do)
     chunk, top_k = _check_chunk_topk(chunk, top_k)
-    B, T, H, N = q_.shape
-    K1 = top_k - 1
-    sel_ = _resolve_selection(q_, k_, chunk, top_k, sel)
-    dq = np.zeros_like(q_)
-    dk = np.zeros_like(q_)
-    dv = np.zeros_like(q_)
-    if q_.size == 0:
+    B, T, H, N = q.shape
+    sel = _resolve_selection(q, k, chunk, top_k, sel)
+    dq = np.zeros_like(q)
+    dk = np.zeros_like(q)
+    dv = np.zeros_like(q)
+    if q.size == 0:
         return dq, dk, dv
-    p = np.zeros(top_k * chunk, dtype=dtype)
-    dp = np.zeros(top_k * chunk, dtype=dtype)
-    pos = np.zeros(top_k * chunk, dtype=np.int32)
-    cdef const int[:, :, :, ::1] sel_v = sel_
-    cdef int[::1] pos_v = pos
-    cdef int c = chunk, k1 = K1
-    cdef double sc = 1.0 / sqrt(<double>N)
-    cdef const float[:, :, :, ::1] q32, k32, v32, do32
-    cdef float[:, :, :, ::1] dq32, dk32, dv32
-    cdef float[::1] p32, dp32
-    cdef const double[:, :, :, ::1] q64, k64, v64, do64
-    cdef double[:, :, :, ::1] dq64, dk64, dv64
-    cdef double[::1] p64, dp64
-    if dtype == np.float32:
-        q32, k32, v32, do32 = q_, k_, v_, do_
-        dq32, dk32, dv32, p32, dp32 = dq, dk, dv, p, dp
-        with nogil:
-            _backward(q32, k32, v32, do32, sel_v, dq32, dk32, dv32, c, k1,
-                      <float>sc, p32, dp32, pos_v)
-    else:
-        q64, k64, v64, do64 = q_, k_, v_, do_
-        dq64, dk64, dv64, p64, dp64 = dq, dk, dv, p, dp
-        with nogil:
-            _backward(q64, k64, v64, do64, sel_v, dq64, dk64, dv64, c, k1,
-                      sc, p64, dp64, pos_v)
+    cdef double[::1] p = np.zeros(top_k * chunk)
+    cdef double[::1] dp = np.zeros(top_k * chunk)
+    cdef int[::1] pos = np.zeros(top_k * chunk, dtype=np.int32)
+    cdef const double[:, :, :, ::1] q_v = q, k_v = k, v_v = v, do_v = do
+    cdef const int[:, :, :, ::1] sel_v = sel
+    cdef double[:, :, :, ::1] dq_v = dq, dk_v = dk, dv_v = dv
+    cdef int c = chunk, K1 = top_k - 1
+    cdef double scale = 1.0 / sqrt(<double>N)
+    with nogil:
+        _backward(q_v, k_v, v_v, do_v, sel_v, dq_v, dk_v, dv_v, c, K1, scale, p, dp, pos)
     return dq, dk, dv

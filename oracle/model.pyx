@@ -1,0 +1,369 @@
+# cython: language_level=3, boundscheck=True, wraparound=True, annotation_typing=False
+"""The oracle model: RWKV-X forward and hand-written backward on the CPU (SPEC §2.3).
+
+Readable reference, not a fast path. The model is the op twins of the GPU kernel families (one
+module each: embedding, layernorm, timemix, wkv7, moba, channelmix, loss) chained by GEMMs
+(``_common.matmul``), so each formula is written once and the GPU unit tests check the same
+functions the model runs. Every sub-layer is a ``*_forward`` returning its output and a cache of
+what its backward needs, followed by the matching ``*_backward``.
+
+Activations are rows [R, C] in the oracle's dtype (R = B*T, row r = token r % T of sequence
+r // T). A float32 oracle keeps float32 tensors between ops and each op computes in float64,
+rounding its outputs once (see _common); the cross-entropy is float64 always. Element-wise sums
+of op outputs (residuals, gradient contributions) are plain, exactly rounded, IEEE adds.
+
+Memory follows the seed's scheme: the forward keeps only each block's input (plus v_first); the
+backward recomputes one block's forward from its input, then backpropagates through it. Parameter
+gradients accumulate with ``+=`` into one zeroed dict, so a parameter used twice would still be
+right.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from rwkvx.config import Config
+from rwkvx.params import check_params
+from rwkvx.validate import check_targets, check_tokens
+
+from ._common import LN_EPS, matmul
+from .channelmix import (channel_mix_shift_backward, channel_mix_shift_forward, relu_sq_backward,
+                         relu_sq_forward)
+from .embedding import embedding_backward, embedding_forward
+from .layernorm import layernorm_backward, layernorm_forward
+from .loss import cross_entropy
+from .moba import moba_attention_backward, moba_attention_forward, moba_gate_gaps
+from .timemix import (sigmoid_backward, sigmoid_forward, tanh_backward, tanh_forward,
+                      time_mix_gn_backward, time_mix_gn_forward, time_mix_prep_backward,
+                      time_mix_prep_forward, time_shift_backward, time_shift_forward)
+from .wkv7 import wkv7_backward, wkv7_forward
+
+MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")   # time_shift_forward's order
+QKV = ("receptance", "key", "value")
+
+
+# ---------------------------------------------------------------- GEMMs and gradient bookkeeping
+
+def _linear(x, W):
+    """Lin(x; W) = x @ W^T for W [out, in] (PyTorch layout)."""
+    return matmul(x, W.T)
+
+
+def _linear_backward(x, W, dy):
+    """(dx, dW) of y = x @ W^T: dx = dy @ W, dW = dy^T @ x."""
+    return matmul(dy, W), matmul(dy.T, x)
+
+
+def _lora_backward(x, W, dy):
+    """(dx, dW) of y = x @ W (LoRA layout W [in, out]): dx = dy @ W^T, dW = x^T @ dy."""
+    return matmul(dy, W.T), matmul(x.T, dy)
+
+
+def _accumulate(G, prefix, grads):
+    """G[prefix + name] += grad for each (name, grad), reshaped to the parameter's shape."""
+    for name, grad in grads.items():
+        G[prefix + name] += grad.reshape(G[prefix + name].shape)
+
+
+def _bthn(T, N, x):
+    """[R, C] -> [B, T, H, N] view, the layout of the WKV7 and MoBA twins."""
+    R, C = x.shape
+    return x.reshape(R // T, T, C // N, N)
+
+
+# ---------------------------------------------------------------- LayerNorm
+
+def _layernorm_forward(P, name, x):
+    return layernorm_forward(x, P[name + ".weight"], P[name + ".bias"], LN_EPS)
+
+
+def _layernorm_backward(P, G, name, x, dy):
+    dx, dw, db = layernorm_backward(x, P[name + ".weight"], dy, LN_EPS)
+    _accumulate(G, name, {".weight": dw, ".bias": db})
+    return dx
+
+
+# ---------------------------------------------------------------- ChannelMix
+# k = relu(Lin(x + (shift(x)-x)*x_k; key))^2 ; out = Lin(k; value)
+
+def channel_mix_forward(P: dict, pre: str, x: np.ndarray, T: int) -> tuple[np.ndarray, tuple]:
+    """ChannelMix of block ``pre`` on x = LN2 output [R, C]; returns (out, cache)."""
+    f = pre + "ffn."
+    xk = channel_mix_shift_forward(x, P[f + "x_k"], T)
+    h = _linear(xk, P[f + "key.weight"])
+    k = relu_sq_forward(h)
+    return _linear(k, P[f + "value.weight"]), (x, xk, h, k)
+
+
+def channel_mix_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndarray,
+                         T: int) -> np.ndarray:
+    """Backward of :func:`channel_mix_forward`; returns dx."""
+    f = pre + "ffn."
+    x, xk, h, k = cache
+    dk, dW_value = _linear_backward(k, P[f + "value.weight"], dout)
+    dxk, dW_key = _linear_backward(xk, P[f + "key.weight"], relu_sq_backward(dk, h))
+    dx, dmix = channel_mix_shift_backward(dxk, x, P[f + "x_k"], T)
+    _accumulate(G, f, {"value.weight": dW_value, "key.weight": dW_key, "x_k": dmix})
+    return dx
+
+
+# ---------------------------------------------------------------- TimeMix (RWKV-7 x070)
+
+def time_mix_forward(P: dict, pre: str, layer: int, x: np.ndarray, v_first: np.ndarray | None,
+                     T: int, N: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """TimeMix of RWKV block ``layer`` on x = LN1 output [R, C]: token shift, the r/k/v GEMMs and
+    LoRAs, the prep, WKV7, GroupNorm + bonus + gate, the output GEMM. Returns (out, v_first, cache);
+    block 0 defines v_first (its value before the residual mix), later blocks pass it on."""
+    a = pre + "att."
+    C = x.shape[1]
+    mixes = np.stack([P[a + m].reshape(C) for m in MIXES])
+    xs = time_shift_forward(x, mixes, T)
+    xr, xw, xk, xv, xa, xg = xs
+    r, k, v = (_linear(xi, P[a + n + ".weight"]) for xi, n in zip((xr, xk, xv), QKV))
+    wh = tanh_forward(matmul(xw, P[a + "w1"]))          # decay LoRA hidden layer
+    ah = matmul(xa, P[a + "a1"])                        # in-context rate LoRA
+    gh = sigmoid_forward(matmul(xg, P[a + "g1"]))       # gate LoRA
+    vh = matmul(xv, P[a + "v1"]) if layer > 0 else None  # value-residual LoRA (no v1 in block 0)
+    prep_in = (k, v, matmul(wh, P[a + "w2"]), matmul(ah, P[a + "a2"]),
+               matmul(vh, P[a + "v2"]) if layer > 0 else None, v_first,
+               P[a + "w0"], P[a + "a0"], P[a + "v0"] if layer > 0 else None,
+               P[a + "k_k"], P[a + "k_a"], N, layer)
+    pr = time_mix_prep_forward(*prep_in)
+    wkv_in = [_bthn(T, N, t) for t in (r, pr["decay"], pr["kp"], pr["vp"], pr["wa"], pr["wb"])]
+    y = wkv7_forward(*wkv_in).reshape(x.shape)
+    gn_in = (y, r, pr["kp"], pr["vp"], matmul(gh, P[a + "g2"]), P[a + "ln_x.weight"],
+             P[a + "ln_x.bias"], P[a + "r_k"], N)
+    z = time_mix_gn_forward(*gn_in)
+    cache = dict(x=x, mixes=mixes, xs=xs, wh=wh, ah=ah, gh=gh, vh=vh, prep_in=prep_in,
+                 wkv_in=wkv_in, gn_in=gn_in, z=z)
+    return _linear(z, P[a + "output.weight"]), pr["v_first"], cache
+
+
+def time_mix_backward(P: dict, G: dict, pre: str, layer: int, cache: dict, dout: np.ndarray,
+                      dv_first: np.ndarray, T: int, N: int) -> np.ndarray:
+    """Backward of :func:`time_mix_forward`; returns dx. ``dv_first`` [R, C] is the running
+    gradient of v_first: blocks > 0 add to it (in place), block 0 consumes it into its value."""
+    a = pre + "att."
+    c = cache
+    xr, xw, xk, xv, xa, xg = c["xs"]
+    dz, dW_out = _linear_backward(c["z"], P[a + "output.weight"], dout)
+    gn = time_mix_gn_backward(*c["gn_in"], dz)
+    dr, d_decay, dkp, dvp, dwa, dwb = (d.reshape(dout.shape) for d in
+                                       wkv7_backward(*c["wkv_in"], _bthn(T, N, gn["dy"])))
+    pb = time_mix_prep_backward(*c["prep_in"], d_decay, dkp + gn["dkp"], dvp + gn["dvp"], dwa, dwb,
+                                dv_first if layer == 0 else None)
+    grads = {"output.weight": dW_out, "ln_x.weight": gn["dln_w"], "ln_x.bias": gn["dln_b"],
+             "r_k": gn["dr_k"], "w0": pb["dw0"], "a0": pb["da0"], "k_k": pb["dk_k"],
+             "k_a": pb["dk_a"]}
+
+    dgh, grads["g2"] = _lora_backward(c["gh"], P[a + "g2"], gn["dg"])
+    dxg, grads["g1"] = _lora_backward(xg, P[a + "g1"], sigmoid_backward(c["gh"], dgh))
+    dwh, grads["w2"] = _lora_backward(c["wh"], P[a + "w2"], pb["dwl"])
+    dxw, grads["w1"] = _lora_backward(xw, P[a + "w1"], tanh_backward(c["wh"], dwh))
+    dah, grads["a2"] = _lora_backward(c["ah"], P[a + "a2"], pb["dal"])
+    dxa, grads["a1"] = _lora_backward(xa, P[a + "a1"], dah)
+    dxr, grads["receptance.weight"] = _linear_backward(xr, P[a + "receptance.weight"], dr + gn["dr"])
+    dxk, grads["key.weight"] = _linear_backward(xk, P[a + "key.weight"], pb["dk"])
+    dxv, grads["value.weight"] = _linear_backward(xv, P[a + "value.weight"], pb["dv"])
+    if layer > 0:
+        dv_first += pb["dvf"]
+        grads["v0"] = pb["dv0"]
+        dvh, grads["v2"] = _lora_backward(c["vh"], P[a + "v2"], pb["dvl"])
+        dxv_lora, grads["v1"] = _lora_backward(xv, P[a + "v1"], dvh)
+        dxv = dxv + dxv_lora
+
+    dx, dmixes = time_shift_backward(c["x"], c["mixes"], np.stack([dxr, dxw, dxk, dxv, dxa, dxg]), T)
+    grads.update(zip(MIXES, dmixes))
+    _accumulate(G, a, grads)
+    return dx
+
+
+# ---------------------------------------------------------------- MoBA attention
+
+def attention_forward(P: dict, pre: str, x: np.ndarray, T: int, N: int, chunk: int, top_k: int,
+                      selection: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Attention of block ``pre`` (moba.j.) on x = LN1 output [R, C]; returns (out, sel, cache)."""
+    a = pre + "att."
+    q, k, v = (_linear(x, P[a + n + ".weight"]) for n in QKV)
+    o, sel = moba_attention_forward(_bthn(T, N, q), _bthn(T, N, k), _bthn(T, N, v), chunk, top_k,
+                                    selection=selection)
+    o = o.reshape(x.shape)
+    return _linear(o, P[a + "output.weight"]), sel, (x, q, k, v, o, sel)
+
+
+def attention_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndarray, T: int, N: int,
+                       chunk: int, top_k: int) -> np.ndarray:
+    """Backward of :func:`attention_forward` with its selection held fixed; returns dx."""
+    a = pre + "att."
+    x, q, k, v, o, sel = cache
+    do, dW_out = _linear_backward(o, P[a + "output.weight"], dout)
+    dqkv = moba_attention_backward(_bthn(T, N, q), _bthn(T, N, k), _bthn(T, N, v),
+                                   _bthn(T, N, do), chunk, top_k, sel)
+    grads = {"output.weight": dW_out}
+    dx = np.zeros_like(x)
+    for n, d in zip(QKV, dqkv):
+        dxn, grads[n + ".weight"] = _linear_backward(x, P[a + n + ".weight"], d.reshape(x.shape))
+        dx += dxn
+    _accumulate(G, a, grads)
+    return dx
+
+
+# ---------------------------------------------------------------- the Oracle
+
+class Oracle:
+    """CPU reference of the RWKV-X model: forward, loss and every parameter gradient.
+
+    ``dtype`` float64 (default, the ground truth) or float32: the dtype of the parameters and of
+    every tensor between ops; each op computes in float64 (an ideal fp32 GPU in float32 mode), the
+    cross-entropy is float64 always. Parameters are copied (converted) on construction.
+    """
+
+    def __init__(self, cfg: Config, params: dict, dtype=np.float64) -> None:
+        if not isinstance(cfg, Config):
+            raise TypeError(f"cfg must be an rwkvx.Config, got {type(cfg).__name__}")
+        dtype = np.dtype(dtype)
+        if dtype not in (np.float32, np.float64):
+            raise ValueError(f"Oracle dtype must be float32 or float64, got {dtype}")
+        check_params(cfg, params)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.params = {n: np.array(p, dtype=dtype, order="C", copy=True) for n, p in params.items()}
+
+    # -- plumbing
+
+    def _check_selection(self, selection, B, T):
+        cfg = self.cfg
+        if selection is None:
+            return [None] * cfg.n_attn_layer
+        selection = list(selection)
+        if len(selection) != cfg.n_attn_layer:
+            raise ValueError(f"selection must hold one array per attention block "
+                             f"({cfg.n_attn_layer}), got {len(selection)}")
+        shape = (B, cfg.n_head, T, cfg.moba_top_k - 1)
+        out = []
+        for j, s in enumerate(selection):
+            s = np.asarray(s)
+            if s.dtype.kind not in "iu":
+                raise TypeError(f"selection[{j}] must be an integer array, got {s.dtype}")
+            if s.shape != shape:
+                raise ValueError(f"selection[{j}] has shape {s.shape}, expected {shape}")
+            out.append(np.ascontiguousarray(s, dtype=np.int32))
+        return out
+
+    def _block_forward(self, kind, idx, x, v_first, sel, T, cache=False):
+        """One block on x [R, C]; returns (x_out, v_first, sel, caches or None)."""
+        cfg, P = self.cfg, self.params
+        N = cfg.head_size
+        if kind == "rwkv":
+            pre = f"rwkv.blocks.{idx}."
+            h1 = _layernorm_forward(P, pre + "ln1", x)
+            tm, v_first, tm_cache = time_mix_forward(P, pre, idx, h1, v_first, T, N)
+        else:
+            pre = f"moba.{idx}."
+            h1 = _layernorm_forward(P, pre + "ln1", x)
+            tm, sel, tm_cache = attention_forward(P, pre, h1, T, N, cfg.moba_chunk_size,
+                                                  cfg.moba_top_k, sel)
+        x1 = x + tm
+        h2 = _layernorm_forward(P, pre + "ln2", x1)
+        cm, cm_cache = channel_mix_forward(P, pre, h2, T)
+        caches = (pre, x1, tm_cache, cm_cache) if cache else None
+        return x1 + cm, v_first, sel, caches
+
+    def _block_backward(self, kind, idx, x, v_first, sel, dout, dv_first, G, T):
+        """Recompute block (kind, idx) from its input x, then backpropagate dout; returns dx."""
+        cfg, P = self.cfg, self.params
+        N = cfg.head_size
+        pre, x1, tm_cache, cm_cache = self._block_forward(kind, idx, x, v_first, sel, T,
+                                                          cache=True)[3]
+        dh2 = channel_mix_backward(P, G, pre, cm_cache, dout, T)
+        dx1 = dout + _layernorm_backward(P, G, pre + "ln2", x1, dh2)
+        if kind == "rwkv":
+            dh1 = time_mix_backward(P, G, pre, idx, tm_cache, dx1, dv_first, T, N)
+        else:
+            dh1 = attention_backward(P, G, pre, tm_cache, dx1, T, N, cfg.moba_chunk_size,
+                                     cfg.moba_top_k)
+        return dx1 + _layernorm_backward(P, G, pre + "ln1", x, dh1)
+
+    def _forward(self, tokens, selection):
+        """Forward to the final hidden state [R, C]; keeps what the backward needs."""
+        cfg, P = self.cfg, self.params
+        B, T = tokens.shape
+        sels = self._check_selection(selection, B, T)
+        emb = embedding_forward(tokens, P["rwkv.emb.weight"])
+        x = _layernorm_forward(P, "rwkv.blocks.0.ln0", emb) if cfg.ln0 else emb
+        v_first = None
+        inputs = []                                   # (kind, idx, block input)
+        out_sels = []
+        for kind, idx in cfg.block_order():
+            inputs.append((kind, idx, x))
+            sel = sels[idx] if kind == "attn" else None
+            x, v_first, sel, _ = self._block_forward(kind, idx, x, v_first, sel, T)
+            if kind == "attn":
+                out_sels.append(sel)
+        return dict(emb=emb, inputs=inputs, x=x, v_first=v_first, sels=out_sels, T=T)
+
+    def _head_forward(self, x):
+        P = self.params
+        hn = _layernorm_forward(P, "rwkv.ln_out", x)
+        return _linear(hn, P["rwkv.head.weight"]), hn
+
+    # -- public API
+
+    def forward(self, tokens: np.ndarray, selection: list | None = None) -> np.ndarray:
+        """Logits [B,T,V] (oracle dtype) for int tokens [B,T]; ``selection`` forces the MoBA blocks."""
+        tokens = check_tokens(tokens, self.cfg.vocab_size)
+        logits = self._head_forward(self._forward(tokens, selection)["x"])[0]
+        return logits.reshape(*tokens.shape, -1)
+
+    def moba_selection(self, tokens: np.ndarray) -> list:
+        """The MoBA block selection of every attention block: list of int32 [B,H,T,top_k-1]."""
+        tokens = check_tokens(tokens, self.cfg.vocab_size)
+        return self._forward(tokens, None)["sels"]
+
+    def moba_gate_gaps(self, tokens: np.ndarray) -> list:
+        """Per attention block, float64 [B,H,T]: each query's gate margin between the last selected
+        past block and the best one left out (+inf where nothing is left out). A GPU computing the
+        gates in float32 may break ties differently where the margin is tiny."""
+        cfg = self.cfg
+        tokens = check_tokens(tokens, cfg.vocab_size)
+        T, N = tokens.shape[1], cfg.head_size
+        state = self._forward(tokens, None)
+        gaps = []
+        for kind, idx, x in state["inputs"]:
+            if kind == "attn":
+                _, q, k, _, _, _ = self._block_forward(kind, idx, x, state["v_first"], None, T,
+                                                       cache=True)[3][2]
+                gaps.append(moba_gate_gaps(_bthn(T, N, q), _bthn(T, N, k), cfg.moba_chunk_size,
+                                           cfg.moba_top_k))
+        return gaps
+
+    def loss_and_grads(self, tokens: np.ndarray, targets: np.ndarray, ignore_index: int = -100,
+                       selection: list | None = None) -> tuple[float, dict]:
+        """(loss, grads): mean cross-entropy over targets != ignore_index (float64) and the
+        gradient of every parameter (same names and shapes as the params, oracle dtype).
+        If every target is ignored the loss is 0 and every gradient is 0."""
+        cfg, P = self.cfg, self.params
+        tokens = check_tokens(tokens, cfg.vocab_size)
+        targets = check_targets(targets, tokens.shape, cfg.vocab_size, ignore_index)
+        G = {n: np.zeros_like(p) for n, p in P.items()}
+
+        state = self._forward(tokens, selection)
+        T = state["T"]
+        logits, hn = self._head_forward(state["x"])
+        loss, dlogits, _ = cross_entropy(logits, targets.reshape(-1), int(ignore_index))
+
+        # head and final LayerNorm
+        dhn, dW_head = _linear_backward(hn, P["rwkv.head.weight"], dlogits.astype(self.dtype))
+        _accumulate(G, "rwkv.head.", {"weight": dW_head})
+        dx = _layernorm_backward(P, G, "rwkv.ln_out", state["x"], dhn)
+
+        # blocks in reverse; v_first's gradient collects over RWKV blocks > 0 and reaches block 0
+        dv_first = np.zeros_like(dx)
+        sels = state["sels"]
+        for kind, idx, x_in in reversed(state["inputs"]):
+            sel = sels[idx] if kind == "attn" else None
+            dx = self._block_backward(kind, idx, x_in, state["v_first"], sel, dx, dv_first, G, T)
+
+        if cfg.ln0:
+            dx = _layernorm_backward(P, G, "rwkv.blocks.0.ln0", state["emb"], dx)
+        _accumulate(G, "rwkv.emb.", {"weight": embedding_backward(tokens, dx, cfg.vocab_size)})
+        return float(loss), G
