@@ -7,7 +7,9 @@ the loss curve (PNG) are. Every argument and the data are checked before anythin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import functools
 import io
 import json
 import math
@@ -15,10 +17,18 @@ import signal
 import sys
 import threading
 import time
+import types
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only: each command imports what it uses when it runs
+    from .config import Config
+    from .data import BatchSampler, TokenData
+    from .params import ParamDict
+    from .train import Trainer
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 LOG_NAME = "log.csv"
@@ -30,7 +40,7 @@ LOG_FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "el
 MODEL_FLAGS = {"vocab_size": "vocab_size", "n_embd": "n_embd", "n_layer": "n_rwkv_layer",
                "n_attn_layer": "n_attn_layer", "head_size": "head_size", "ffn_dim": "ffn_dim",
                "chunk": "moba_chunk_size", "top_k": "moba_top_k"}
-# training option -> type, for the values the CLI, the preset and a resumed run agree on
+# training options set by the preset, then a resumed run's options, then the flags
 TRAIN_KEYS = ("batch_size", "seq_len", "lr", "lr_min", "warmup", "weight_decay", "grad_clip",
               "eval_every", "eval_batches", "ckpt_every", "val_fraction")
 
@@ -104,6 +114,7 @@ def _token_count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m rwkvx`` parser: the ``train`` and ``sample`` subcommands."""
     from .train import PRECISIONS
     from .presets import DEFAULT_PRESET, PRESETS
 
@@ -170,19 +181,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", metavar="CKPT", help="continue a run from its checkpoint file or directory")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    sp = sub.add_parser("sample", help="generate text from a checkpoint",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Defaults are written into the help texts: ArgumentDefaultsHelpFormatter would also print
+    # "(default: None)" after the options whose default is worked out from the checkpoint.
+    sp = sub.add_parser("sample", help="generate text from a checkpoint")
     sp.add_argument("--ckpt", required=True, help="checkpoint file (or run directory)")
     sp.add_argument("--prompt", default="",
                     help="text to continue (byte-level models); token ids separated by spaces or "
-                         "commas for other vocabularies")
-    sp.add_argument("--tokens", type=_positive_int, default=200, help="tokens to generate")
-    sp.add_argument("--temperature", type=_nonneg_float, default=0.8, help="0 = greedy")
-    sp.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass, in (0, 1]")
-    sp.add_argument("--seed", type=_nonneg_int, default=0)
+                         "commas for other vocabularies (default: empty, i.e. a newline for "
+                         "byte-level models, else token 0)")
+    sp.add_argument("--tokens", type=_positive_int, default=200,
+                    help="tokens to generate (default: %(default)s)")
+    sp.add_argument("--temperature", type=_nonneg_float, default=0.8,
+                    help="0 = greedy (default: %(default)s)")
+    sp.add_argument("--top-p", type=float, default=0.9,
+                    help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
+    sp.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (default: %(default)s)")
     sp.add_argument("--ctx", type=_positive_int, default=None,
                     help="context window fed to the model (default: the run's --seq-len, else 256)")
-    sp.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
+    sp.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
+                    help="auto: the GPU when usable, else the CPU oracle (default: %(default)s)")
+    sp.add_argument("--precision", choices=PRECISIONS, default=None,
+                    help="GPU GEMM precision (default: the precision the checkpoint was trained "
+                         "with, else fp32; the CPU oracle computes in float32)")
     return parser
 
 
@@ -281,20 +301,45 @@ def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, flag) is not None}
 
 
-def _prepare_train(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything a run needs, validated; raises UsageError. Writes nothing."""
-    from .config import Config
-    from .data import default_corpus_path, eval_batches, load_tokens, split_train_val
-    from .presets import DEFAULT_PRESET, get_preset
-    from .train import resolve_device
+def _resolve_device(device: str, task: str) -> tuple[str, str | None]:
+    """``("cpu"|"gpu", note)`` for ``--device``; an explicit ``gpu`` that cannot be used is a
+    UsageError here, before anything is built or written."""
+    from .train import gpu_unavailable_reason, resolve_device
 
-    kind, note = resolve_device(args.device)
-    if kind == "gpu" and args.device == "gpu":
-        from .train import gpu_unavailable_reason
+    kind, note = resolve_device(device, task)
+    if device == "gpu":
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise UsageError(f"--device gpu: the GPU backend cannot be used: {reason}. "
                              "Use --device cpu or --device auto.")
+    return kind, note
+
+
+@dataclass
+class _Prepared:
+    """A ``train`` invocation's settings, validated: the arguments over a resumed run over the preset."""
+
+    kind: str                       # "cpu" or "gpu"
+    note: str | None                # why --device auto fell back to the CPU
+    resume: Path | None             # the checkpoint being resumed
+    preset: str
+    train: dict[str, Any]           # TRAIN_KEYS, steps, seed, precision, cpu_dtype
+    cfg: Config
+    data: TokenData
+    data_arg: str | None            # --data as given or resumed; None: the embedded corpus
+    token_width: int | None
+    train_tokens: np.ndarray
+    val_batches: list[tuple[np.ndarray, np.ndarray]]
+
+
+def _prepare_train(args: argparse.Namespace) -> _Prepared:
+    """Everything a run needs, validated; raises UsageError. Writes nothing."""
+    from .config import Config
+    from .data import default_corpus_path, eval_batches, load_tokens, split_train_val
+    from .presets import DEFAULT_PRESET, get_preset
+    from .train import CHECKPOINT_KIND
+
+    kind, note = _resolve_device(args.device, "training")
 
     resume_path = _find_checkpoint(args.resume) if args.resume else None
     saved_run: dict[str, Any] = {}
@@ -306,7 +351,7 @@ def _prepare_train(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         meta = extra.get("meta") or {}
-        if meta.get("kind") != "rwkvx-trainer":
+        if meta.get("kind") != CHECKPOINT_KIND:
             raise UsageError(f"{resume_path}: not a training checkpoint (no optimizer state)")
         saved_run = ((meta.get("user") or {}).get("run")) or {}
         overrides = _model_overrides(args)
@@ -346,6 +391,7 @@ def _prepare_train(args: argparse.Namespace) -> dict[str, Any]:
         data = load_tokens(data_path, token_width=token_width)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    hi = data.max_token() if data.format != "text" else None  # scanned once for both checks below
 
     # model
     if ckpt_cfg is not None:
@@ -353,22 +399,18 @@ def _prepare_train(args: argparse.Namespace) -> dict[str, Any]:
     else:
         model = dict(preset["model"])
         model.update(_model_overrides(args))
-        if data.format != "text" and args.vocab_size is None:
-            hi = data.max_token()
-            if hi >= model["vocab_size"]:
-                raise UsageError(f"{data.source}: token id {hi} does not fit the preset's vocab_size "
-                                 f"{model['vocab_size']}; pass --vocab-size (at least {hi + 1})")
+        if hi is not None and args.vocab_size is None and hi >= model["vocab_size"]:
+            raise UsageError(f"{data.source}: token id {hi} does not fit the preset's vocab_size "
+                             f"{model['vocab_size']}; pass --vocab-size (at least {hi + 1})")
         try:
             cfg = Config(**model)
         except (ValueError, TypeError) as exc:
             raise UsageError(str(exc)) from None
     if data.format == "text" and cfg.vocab_size < 256:
         raise UsageError(f"{data.source}: byte-level text needs --vocab-size >= 256, got {cfg.vocab_size}")
-    if data.format != "text":
-        hi = data.max_token()
-        if hi >= cfg.vocab_size:
-            raise UsageError(f"{data.source}: token id {hi} is out of range for vocab_size "
-                             f"{cfg.vocab_size}")
+    if hi is not None and hi >= cfg.vocab_size:
+        raise UsageError(f"{data.source}: token id {hi} is out of range for vocab_size "
+                         f"{cfg.vocab_size}")
     try:
         train_tokens, val_tokens = split_train_val(data.tokens, T, train["val_fraction"])
     except ValueError as exc:
@@ -376,117 +418,174 @@ def _prepare_train(args: argparse.Namespace) -> dict[str, Any]:
     val = eval_batches(val_tokens, B, T, train["eval_batches"]) if val_tokens is not None else []
     if resume_path is None and train["steps"] < 1:
         raise UsageError("--steps must be >= 1")
-    return {"kind": kind, "note": note, "resume": resume_path, "saved_run": saved_run,
-            "preset": preset_name, "train": train, "cfg": cfg, "data": data,
-            "data_arg": data_arg, "token_width": token_width,
-            "train_tokens": train_tokens, "val_batches": val}
+    return _Prepared(kind=kind, note=note, resume=resume_path, preset=preset_name, train=train,
+                     cfg=cfg, data=data, data_arg=data_arg, token_width=token_width,
+                     train_tokens=train_tokens, val_batches=val)
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+@dataclass
+class _Run:
+    """A resolved ``train`` invocation: the trainer at its first step, the batch sampler, the run
+    directory and the run options. Nothing is written yet."""
+
+    prep: _Prepared
+    trainer: Trainer
+    sampler: BatchSampler
+    start: int                      # steps already done (a resumed checkpoint's)
+    out: Path
+    entropy: float | None           # unigram entropy of the training tokens, when computed
+    info: dict[str, Any]            # the run options: run.json and every checkpoint's meta["run"]
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / CHECKPOINT_NAME
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / LOG_NAME
+
+    @property
+    def plot_path(self) -> Path:
+        return self.out / PLOT_NAME
+
+
+def _resolve_run(args: argparse.Namespace) -> _Run:
+    """The run ``train`` ``args`` ask for: a new or resumed Trainer, its data sampler, the run
+    directory (checked) and the run options; raises UsageError. Writes nothing."""
     from .data import BatchSampler, unigram_entropy
     from .params import init_params
     from .train import Trainer
 
-    run = _prepare_train(args)
-    tr, cfg, kind = run["train"], run["cfg"], run["kind"]
-    B, T, steps = tr["batch_size"], tr["seq_len"], tr["steps"]
+    prep = _prepare_train(args)
+    tr, cfg = prep.train, prep.cfg
+    B, T = tr["batch_size"], tr["seq_len"]
     trainer_kwargs = dict(batch_size=B, seq_len=T, lr=tr["lr"], lr_min=tr["lr_min"],
-                          warmup=tr["warmup"], total_steps=steps, weight_decay=tr["weight_decay"],
+                          warmup=tr["warmup"], total_steps=tr["steps"], weight_decay=tr["weight_decay"],
                           grad_clip=tr["grad_clip"], precision=tr["precision"], seed=tr["seed"],
                           cpu_dtype=tr["cpu_dtype"])
     try:
-        if run["resume"] is not None:
-            trainer = Trainer.load(run["resume"], backend=kind, **trainer_kwargs)
+        if prep.resume is not None:
+            trainer = Trainer.load(prep.resume, backend=prep.kind, **trainer_kwargs)
         else:
-            trainer = Trainer(cfg, init_params(cfg, tr["seed"]), backend=kind, **trainer_kwargs)
+            trainer = Trainer(cfg, init_params(cfg, tr["seed"]), backend=prep.kind, **trainer_kwargs)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
-    start = trainer.step_count
-    sampler = BatchSampler(run["train_tokens"], B, T, seed=tr["seed"])
-    if run["resume"] is not None and trainer.meta.get("sampler"):
+    sampler = BatchSampler(prep.train_tokens, B, T, seed=tr["seed"])
+    if prep.resume is not None and trainer.meta.get("sampler"):
         sampler.set_state(trainer.meta["sampler"])
 
     if args.out is not None:
         out = Path(args.out)
-    elif run["resume"] is not None:
-        out = run["resume"].parent
+    elif prep.resume is not None:
+        out = prep.resume.parent
     else:
         out = _default_out()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
-    if run["resume"] is None and (out / CHECKPOINT_NAME).exists():
+    if prep.resume is None and (out / CHECKPOINT_NAME).exists():
         raise UsageError(f"--out {out} already holds a run ({CHECKPOINT_NAME}); use --resume "
                          f"{out} to continue it or choose another --out")
-    ckpt_path, log_path, plot_path = out / CHECKPOINT_NAME, out / LOG_NAME, out / PLOT_NAME
 
     entropy = None
-    if len(run["train_tokens"]) <= 50_000_000:
-        entropy = unigram_entropy(run["train_tokens"], cfg.vocab_size)
+    if len(prep.train_tokens) <= 50_000_000:
+        entropy = unigram_entropy(prep.train_tokens, cfg.vocab_size)
+    info = {"preset": prep.preset, "data": prep.data_arg, "token_width": prep.token_width,
+            "steps": tr["steps"], **{k: tr[k] for k in TRAIN_KEYS}, "seed": tr["seed"],
+            "precision": tr["precision"], "cpu_dtype": tr["cpu_dtype"]}
+    return _Run(prep=prep, trainer=trainer, sampler=sampler, start=trainer.step_count, out=out,
+                entropy=entropy, info=info)
 
-    run_info = {"preset": run["preset"], "data": run["data_arg"], "token_width": run["token_width"],
-                "steps": steps, **{k: tr[k] for k in TRAIN_KEYS}, "seed": tr["seed"],
-                "precision": tr["precision"], "cpu_dtype": tr["cpu_dtype"]}
-    say = print
-    if run["note"]:
-        say(f"note: {run['note']}")
-    say(f"device: {trainer.device}" + (f" ({tr['cpu_dtype']} oracle)" if trainer.device == "cpu"
-                                       else f" ({tr['precision']})"))
-    say(f"model: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} M={cfg.n_attn_layer} "
-        f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
-        f"({sum(p.size for p in trainer.params.values()):,} parameters)")
-    say(f"data: {run['data'].source} [{run['data'].format}], {len(run['data']):,} tokens "
-        f"({len(run['train_tokens']):,} train, {len(run['val_batches']) * B * T:,} validation tokens)"
-        + (f", unigram entropy {entropy:.4f} nats" if entropy is not None else ""))
-    say(f"training: steps {start + 1}..{steps}, B={B} T={T}, lr {tr['lr']:g} -> {tr['lr_min']:g}, "
-        f"warmup {tr['warmup']}, wd {tr['weight_decay']:g}, clip {tr['grad_clip']:g}; out {out}")
-    if start >= steps:
-        say(f"checkpoint is at step {start} >= --steps {steps}: nothing to train "
-            "(pass a larger --steps to continue)")
-        return 0
 
-    out.mkdir(parents=True, exist_ok=True)
-    _write_bytes(out / RUN_NAME, json.dumps({"config": cfg.to_dict(), "run": run_info}, indent=2).encode())
+def _print_run(run: _Run) -> None:
+    """The header: the fallback note, device, model, data and the training plan."""
+    prep, trainer, cfg, tr = run.prep, run.trainer, run.prep.cfg, run.prep.train
+    B, T = tr["batch_size"], tr["seq_len"]
+    if prep.note:
+        print(f"note: {prep.note}")
+    print(f"device: {trainer.device}" + (f" ({tr['cpu_dtype']} oracle)" if trainer.device == "cpu"
+                                         else f" ({tr['precision']})"))
+    print(f"model: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} M={cfg.n_attn_layer} "
+          f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
+          f"({sum(p.size for p in trainer.params.values()):,} parameters)")
+    print(f"data: {prep.data.source} [{prep.data.format}], {len(prep.data):,} tokens "
+          f"({len(prep.train_tokens):,} train, {len(prep.val_batches) * B * T:,} validation tokens)"
+          + (f", unigram entropy {run.entropy:.4f} nats" if run.entropy is not None else ""))
+    print(f"training: steps {run.start + 1}..{tr['steps']}, B={B} T={T}, lr {tr['lr']:g} -> "
+          f"{tr['lr_min']:g}, warmup {tr['warmup']}, wd {tr['weight_decay']:g}, "
+          f"clip {tr['grad_clip']:g}; out {run.out}")
 
-    rows = _read_log(run["resume"].parent / LOG_NAME, start) if run["resume"] is not None else []
-    tokens_seen = int(trainer.meta.get("tokens_seen", start * B * T)) if run["resume"] else 0
-    elapsed0 = float(trainer.meta.get("elapsed_s", 0.0)) if run["resume"] else 0.0
-    title = (f"rwkvx {run['preset']}: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} "
-             f"M={cfg.n_attn_layer}, B={B} T={T}, {trainer.device}")
 
-    def evaluate() -> float | None:
-        if not run["val_batches"]:
-            return None
-        return float(np.mean([trainer.evaluate(x, y) for x, y in run["val_batches"]]))
-
-    def save(step_time: float) -> None:
-        trainer.save(ckpt_path, meta={"run": run_info, "sampler": sampler.state(),
-                                      "tokens_seen": tokens_seen, "elapsed_s": step_time})
-        _write_log(log_path, rows)
-
-    from tqdm import tqdm
-    bar = tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, mininterval=0.5,
-               disable=args.no_progress, file=sys.stderr)
-    t0 = time.perf_counter()
-    train_time, ema, last_val = 0.0, None, None
-    step = start
-    interrupted = False
-    # Ctrl-C stops between steps (never inside an update), then the run is checkpointed as usual;
-    # a second Ctrl-C aborts at once (the last periodic checkpoint stays).
-    stop = {"requested": False}
+@contextlib.contextmanager
+def _ctrl_c_stops(announce: Callable[[str], None]) -> Iterator[types.SimpleNamespace]:
+    """Within the block the first Ctrl-C only sets ``flag.requested`` (and ``announce``s it): the
+    loop reads the flag between steps, so a run never stops inside an update and is checkpointed as
+    usual. A second Ctrl-C raises KeyboardInterrupt at once: the run aborts and the last periodic
+    checkpoint stays. Only the main thread can set signal handlers; elsewhere Ctrl-C keeps its
+    default behaviour."""
+    flag = types.SimpleNamespace(requested=False)
 
     def on_sigint(signum: int, frame: Any) -> None:
-        if stop["requested"]:
+        if flag.requested:
             raise KeyboardInterrupt
-        stop["requested"] = True
-        bar.write("stopping after this step (Ctrl-C again to abort without saving)...")
+        flag.requested = True
+        announce("stopping after this step (Ctrl-C again to abort without saving)...")
 
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, on_sigint) if in_main else None
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@dataclass
+class _Outcome:
+    """How a training loop ended."""
+
+    step: int                       # the trainer's step count at the end
+    interrupted: bool               # stopped by Ctrl-C before the last step
+    ema: float | None               # smoothed training loss (None: no step ran)
+    final_train: float | None       # the log's last training loss
+    final_val: float | None         # the log's last validation loss
+    train_time: float               # seconds inside trainer.step, this run
+    wall_time: float                # seconds of the whole loop and the final writes, this run
+
+
+def _mean_val_loss(trainer: Trainer, batches: list[tuple[np.ndarray, np.ndarray]]) -> float | None:
+    """The mean loss over the validation batches; None without validation data."""
+    if not batches:
+        return None
+    return float(np.mean([trainer.evaluate(x, y) for x, y in batches]))
+
+
+def _train_loop(run: _Run, progress: bool) -> _Outcome:
+    """Train ``run`` to its last step with a progress bar (on stderr, unless ``progress`` is false),
+    validation every ``eval_every`` steps and at the end, and a checkpoint every ``ckpt_every``
+    steps; then write the final checkpoint, the log and the plot. Ctrl-C: see :func:`_ctrl_c_stops`."""
+    from tqdm import tqdm
+
+    prep, trainer, sampler, tr = run.prep, run.trainer, run.sampler, run.prep.train
+    B, T, steps, start = tr["batch_size"], tr["seq_len"], tr["steps"], run.start
+    resumed = prep.resume is not None
+    rows = _read_log(prep.resume.parent / LOG_NAME, start) if resumed else []
+    tokens_seen = int(trainer.meta.get("tokens_seen", start * B * T)) if resumed else 0
+    elapsed0 = float(trainer.meta.get("elapsed_s", 0.0)) if resumed else 0.0
+
+    def save(elapsed: float) -> None:
+        trainer.save(run.ckpt_path, meta={"run": run.info, "sampler": sampler.state(),
+                                          "tokens_seen": tokens_seen, "elapsed_s": elapsed})
+        _write_log(run.log_path, rows)
+
+    train_time, ema, last_val = 0.0, None, None
+    interrupted = False
+    with tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, mininterval=0.5,
+              disable=not progress, file=sys.stderr) as bar, _ctrl_c_stops(bar.write) as stop:
+        t0 = time.perf_counter()
         for step in range(start + 1, steps + 1):
-            if stop["requested"]:
+            if stop.requested:
                 interrupted = True
-                step = trainer.step_count
                 break
             x, y = sampler.next()
             ts = time.perf_counter()
@@ -499,7 +598,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                    "train_loss": _fmt(loss), "grad_norm": _fmt(trainer.last_stats.get("grad_norm")),
                    "tokens_per_s": _fmt(tps, 5)}
             if (tr["eval_every"] and step % tr["eval_every"] == 0) or step == steps:
-                last_val = evaluate()
+                last_val = _mean_val_loss(trainer, prep.val_batches)
                 row["val_loss"] = _fmt(last_val)
             row["elapsed_s"] = _fmt(elapsed0 + time.perf_counter() - t0, 5)
             rows.append(row)
@@ -510,36 +609,59 @@ def cmd_train(args: argparse.Namespace) -> int:
             bar.update(1)
             if tr["ckpt_every"] and step % tr["ckpt_every"] == 0 and step != steps:
                 save(elapsed0 + time.perf_counter() - t0)
-    finally:
-        if in_main:
-            signal.signal(signal.SIGINT, previous)
-        bar.close()
-    total_time = elapsed0 + time.perf_counter() - t0
-    save(total_time)
-    write_plot(plot_path, rows, title, entropy)
-    final_train = next((float(r["train_loss"]) for r in reversed(rows) if r.get("train_loss")), None)
-    final_val = next((float(r["val_loss"]) for r in reversed(rows) if r.get("val_loss")), None)
-    summary = f"step {step}/{steps}"
-    if ema is not None:
-        summary += f": train loss {ema:.4f} (smoothed; last {final_train:.4f})"
-    if final_val is not None:
-        summary += f", validation loss {final_val:.4f}"
-    if entropy is not None:
-        summary += f" [unigram entropy {entropy:.4f}]"
-    this_run = max(train_time, 1e-9)
-    say(("interrupted at " if interrupted else "done: ") + summary)
-    say(f"time: {time.perf_counter() - t0:.1f} s this run, {(step - start) * B * T / this_run:,.0f} "
-        "tokens/s training")
-    say(f"checkpoint: {ckpt_path}")
-    say(f"log:        {log_path}")
-    say(f"plot:       {plot_path}")
-    if interrupted:
-        say(f"resume:     python -m rwkvx train --resume {out}")
-        return 130
-    prompt = "ROMEO:" if run["data_arg"] is None else ""
-    say(f"sample:     python -m rwkvx sample --ckpt {ckpt_path}"
-        + (f" --prompt {prompt!r}" if prompt else ""))
-    return 0
+    save(elapsed0 + time.perf_counter() - t0)
+    cfg = prep.cfg
+    title = (f"rwkvx {prep.preset}: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} "
+             f"M={cfg.n_attn_layer}, B={B} T={T}, {trainer.device}")
+    write_plot(run.plot_path, rows, title, run.entropy)
+    return _Outcome(
+        step=trainer.step_count, interrupted=interrupted, ema=ema,
+        final_train=next((float(r["train_loss"]) for r in reversed(rows) if r.get("train_loss")), None),
+        final_val=next((float(r["val_loss"]) for r in reversed(rows) if r.get("val_loss")), None),
+        train_time=train_time, wall_time=time.perf_counter() - t0)
+
+
+def _print_outcome(run: _Run, outcome: _Outcome) -> None:
+    """The summary: final losses, speed, where the outputs are, and how to resume or sample."""
+    tr = run.prep.train
+    summary = f"step {outcome.step}/{tr['steps']}"
+    if outcome.ema is not None:
+        summary += f": train loss {outcome.ema:.4f} (smoothed; last {outcome.final_train:.4f})"
+    if outcome.final_val is not None:
+        summary += f", validation loss {outcome.final_val:.4f}"
+    if run.entropy is not None:
+        summary += f" [unigram entropy {run.entropy:.4f}]"
+    print(("interrupted at " if outcome.interrupted else "done: ") + summary)
+    trained = (outcome.step - run.start) * tr["batch_size"] * tr["seq_len"]
+    print(f"time: {outcome.wall_time:.1f} s this run, "
+          f"{trained / max(outcome.train_time, 1e-9):,.0f} tokens/s training")
+    print(f"checkpoint: {run.ckpt_path}")
+    print(f"log:        {run.log_path}")
+    print(f"plot:       {run.plot_path}")
+    if outcome.interrupted:
+        print(f"resume:     python -m rwkvx train --resume {run.out}")
+        return
+    prompt = "ROMEO:" if run.prep.data_arg is None else ""
+    print(f"sample:     python -m rwkvx sample --ckpt {run.ckpt_path}"
+          + (f" --prompt {prompt!r}" if prompt else ""))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``python -m rwkvx train``: resolve the run, train it, report. Returns the exit status: 0, or
+    130 when Ctrl-C stopped the run (checkpointed, resumable)."""
+    run = _resolve_run(args)
+    _print_run(run)
+    steps = run.prep.train["steps"]
+    if run.start >= steps:
+        print(f"checkpoint is at step {run.start} >= --steps {steps}: nothing to train "
+              "(pass a larger --steps to continue)")
+        return 0
+    run.out.mkdir(parents=True, exist_ok=True)
+    _write_bytes(run.out / RUN_NAME,
+                 json.dumps({"config": run.prep.cfg.to_dict(), "run": run.info}, indent=2).encode())
+    outcome = _train_loop(run, progress=not args.no_progress)
+    _print_outcome(run, outcome)
+    return 130 if outcome.interrupted else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -563,14 +685,26 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.ra
     return int(chosen[rng.choice(keep, p=q)])
 
 
-def _forward_fn(cfg, params, device: str, ctx: int):
-    """``tokens [1, T <= ctx] -> logits [1, T, V]`` on the chosen device, plus a note."""
-    from .optim import Schedule
-    from .train import GPUBackend, resolve_device
+def _gpu_forward(cfg: Config, params: ParamDict, ctx: int, precision: str
+                 ) -> Callable[[np.ndarray], np.ndarray]:
+    """A forward-only GPU model (no optimizer configured): ``tokens [1, T <= ctx] -> logits [1, T, V]``."""
+    from .model import Model
+    from .train import forward_padded
 
-    kind, note = resolve_device(device)
+    model = Model(cfg, params, batch_size=1, seq_len=ctx, precision=precision)
+    return functools.partial(forward_padded, model)
+
+
+def _forward_fn(cfg: Config, params: ParamDict, device: str, ctx: int, precision: str
+                ) -> tuple[Callable[[np.ndarray], np.ndarray], str | None]:
+    """``tokens [1, T <= ctx] -> logits [1, T, V]`` on the chosen device, plus the fallback note.
+    ``precision`` is the GPU's GEMM precision; the CPU oracle computes in float32."""
+    kind, note = _resolve_device(device, "sampling")
     if kind == "gpu":
-        return GPUBackend(cfg, params, Schedule(), 0.0, None, 1, ctx, "fp32").forward, note
+        try:
+            return _gpu_forward(cfg, params, ctx, precision), note
+        except (ValueError, RuntimeError) as exc:
+            raise UsageError(str(exc)) from None
     try:
         from .oracle import Oracle
     except ImportError as exc:
@@ -580,6 +714,7 @@ def _forward_fn(cfg, params, device: str, ctx: int):
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    """``python -m rwkvx sample``: stream ``--tokens`` tokens after the prompt to stdout; returns 0."""
     from .checkpoint import load_checkpoint
 
     if not 0 < args.top_p <= 1:
@@ -603,9 +738,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise UsageError(f"prompt token id {bad[0]} is out of range [0, {cfg.vocab_size})")
-    run = ((extra.get("meta") or {}).get("user") or {}).get("run") or {}
+    meta = extra.get("meta") or {}
+    run = (meta.get("user") or {}).get("run") or {}
     ctx = args.ctx or int(run.get("seq_len") or 256)
-    forward, note = _forward_fn(cfg, params, args.device, ctx)
+    precision = (args.precision or run.get("precision")
+                 or (meta.get("trainer") or {}).get("precision") or "fp32")
+    forward, note = _forward_fn(cfg, params, args.device, ctx, precision)
     if note:
         print(f"note: {note}", file=sys.stderr)
     rng = np.random.default_rng(args.seed)
@@ -643,6 +781,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``); returns the exit status. Bad arguments or
+    data exit with status 2 and an ``error:`` line, having written nothing."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -117,6 +117,7 @@ def test_bad_arguments_write_nothing(tmp_path, capsys):
         (["train", *TINY, "--vocab-size", "100"], "vocab-size >= 256"),
         (["train", *TINY, "--resume", str(tmp_path / "missing")], "checkpoint not found"),
         (["sample", "--ckpt", str(tmp_path / "missing")], "checkpoint not found"),
+        (["sample", "--ckpt", str(tmp_path / "missing"), "--precision", "fp8"], "invalid choice"),
     ]:
         _fails(capsys, tmp_path, argv, message)
 
@@ -182,3 +183,95 @@ def test_sample_next():
     assert all(sample_next(logits, 1.0, 0.5, rng) == 1 for _ in range(20))    # nucleus = top token
     draws = {sample_next(logits, 5.0, 1.0, rng) for _ in range(300)}
     assert draws == {0, 1, 2, 3}
+
+
+class _FakeGPUModel:
+    """Stands in for rwkvx.model.Model (which needs a GPU): records how it was built and what it
+    was fed. Its logits put all the mass on ``token + 1``, so greedy sampling shows which position's
+    logits were read."""
+
+    built: list = []
+
+    def __init__(self, cfg, params, **kwargs):
+        assert set(kwargs) == {"batch_size", "seq_len", "precision"}, kwargs   # keywords only
+        self.cfg, self.B, self.T = cfg, kwargs["batch_size"], kwargs["seq_len"]
+        self.kwargs, self.fed = kwargs, []
+        _FakeGPUModel.built.append(self)
+
+    def forward(self, tokens):
+        assert tokens.shape == (self.B, self.T)
+        self.fed.append(tokens.copy())
+        logits = np.zeros((*tokens.shape, self.cfg.vocab_size), np.float32)
+        np.put_along_axis(logits, ((tokens + 1) % self.cfg.vocab_size)[..., None], 10.0, axis=-1)
+        return logits
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``--device gpu`` builds a _FakeGPUModel: the GPU counts as usable and ``rwkvx.model`` is a
+    stand-in module (the real one is not even imported), so the CLI's own GPU path runs here."""
+    import types
+
+    import rwkvx.train
+
+    monkeypatch.setattr(rwkvx.train, "gpu_unavailable_reason", lambda: None)
+    monkeypatch.setitem(sys.modules, "rwkvx.model", types.SimpleNamespace(Model=_FakeGPUModel))
+    monkeypatch.setattr(_FakeGPUModel, "built", [])
+    return _FakeGPUModel.built
+
+
+def test_sample_on_gpu_is_forward_only_with_the_run_precision(tmp_path, capsys, fake_gpu):
+    out = tmp_path / "r"
+    assert main(["train", *TINY, "--precision", "tf32", "--steps", "1", "--out", str(out)]) == 0
+    capsys.readouterr()
+    sample = ["sample", "--ckpt", str(out), "--prompt", "ROMEO:", "--tokens", "5",
+              "--temperature", "0", "--device", "gpu"]
+
+    assert main(sample) == 0                            # precision and context from the run
+    assert capsys.readouterr().out == "ROMEO:;<=>?\n"    # the logits of the last real position
+    (model,) = fake_gpu
+    assert model.kwargs == {"batch_size": 1, "seq_len": 32, "precision": "tf32"}
+    first = model.fed[0]
+    assert list(first[0, :6]) == list(b"ROMEO:") and not first[0, 6:].any()   # padded with 0
+    assert len(model.fed) == 5
+
+    assert main([*sample, "--precision", "fp32", "--ctx", "8"]) == 0
+    assert capsys.readouterr().out == "ROMEO:;<=>?\n"    # the window slides at 8 tokens
+    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 8, "precision": "fp32"}
+    assert list(fake_gpu[1].fed[-1][0]) == list(b"MEO:;<=>")
+
+
+def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
+    """A library Trainer's checkpoint records its precision in the trainer settings; a weights-only
+    checkpoint records none: fp32."""
+    from rwkvx import Config, init_params, save_checkpoint
+    from rwkvx.train import Trainer
+
+    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16,
+                 moba_chunk_size=8, moba_top_k=2)
+    Trainer(cfg, init_params(cfg, 0), backend="cpu", precision="tf32").save(tmp_path / "t.safetensors")
+    save_checkpoint(tmp_path / "w.safetensors", cfg, init_params(cfg, 0))
+    for name, precision in (("t", "tf32"), ("w", "fp32")):
+        assert main(["sample", "--ckpt", str(tmp_path / f"{name}.safetensors"), "--tokens", "1",
+                     "--device", "gpu"]) == 0
+        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 256, "precision": precision}
+    capsys.readouterr()
+
+
+@pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU backend is usable here")
+def test_sample_device_gpu_without_gpu_is_a_clear_error(tmp_path, capsys):
+    from rwkvx import Config, init_params, save_checkpoint
+
+    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, n_attn_layer=0, head_size=16)
+    save_checkpoint(tmp_path / "w.safetensors", cfg, init_params(cfg, 0))
+    _fails(capsys, tmp_path, ["sample", "--ckpt", str(tmp_path / "w.safetensors"), "--device", "gpu"],
+           "GPU backend cannot be used")
+
+
+def test_sample_help_documents_precision(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["sample", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "--precision {fp32,tf32}" in text and "trained with, else fp32" in " ".join(text.split())
+    assert "(default: None)" not in text and "(default: 200)" in text

@@ -5,7 +5,8 @@ import pytest
 from rwkvx import Config, init_params, save_checkpoint
 from rwkvx.data import BatchSampler, eval_batches, load_tokens, split_train_val, unigram_entropy
 from rwkvx.optim import AdamW, Schedule
-from rwkvx.train import CPUBackend, Trainer, gpu_unavailable_reason, resolve_device
+from rwkvx.train import (CPUBackend, Trainer, forward_padded, gpu_unavailable_reason, pad_batch,
+                         resolve_device)
 
 # A small RWKV-X: two RWKV blocks and one MoBA block (chunk 16, top-2 of 4 blocks per query).
 CFG = Config(vocab_size=256, n_embd=32, n_rwkv_layer=2, n_attn_layer=1, head_size=16,
@@ -103,6 +104,7 @@ def test_load_overrides_and_errors(tmp_path):
     assert again.schedule.total_steps == 50 and again.schedule.lr_max == 1e-2
     assert again.step_count == 1
     np.testing.assert_array_equal(again.extra_tensors["my.extra"], np.arange(3))
+    assert trainer.extra_tensors == {} and trainer.meta == {}     # set by load, empty before
     with pytest.raises(TypeError, match="unknown"):
         Trainer.load(path, backend="cpu", colour="blue")
     weights_only = tmp_path / "w.safetensors"
@@ -154,7 +156,8 @@ def test_float64_cpu_backend_agrees_with_float32():
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU backend is usable here")
 def test_device_selection_without_gpu():
     kind, note = resolve_device("auto")
-    assert kind == "cpu" and "CPU" in note
+    assert kind == "cpu" and "CPU" in note and "training" in note
+    assert "sampling on the CPU" in resolve_device("auto", "sampling")[1]
     assert _trainer(backend="auto").device == "cpu"
     with pytest.raises(RuntimeError, match="GPU backend cannot be used"):
         _trainer(backend="gpu")
@@ -172,3 +175,29 @@ def test_evaluate_equals_oracle_loss():
     ref, _ = Oracle(CFG, params, dtype=np.float32).loss_and_grads(x, y)
     assert trainer.evaluate(x, y) == pytest.approx(ref, rel=1e-12)
     assert trainer.evaluate(x, np.full_like(y, -100)) == 0.0
+
+
+def test_pad_batch_and_forward_padded():
+    """The GPU model's fixed shape: smaller batches padded at the end (tokens 0, targets ignored)
+    and the logits cut back to the batch's own positions."""
+    x = np.arange(1, 7).reshape(2, 3)
+    tok, tgt = pad_batch(x, 3, 5, targets=x + 10)
+    assert tok.dtype == tgt.dtype == np.int64 and tok.shape == tgt.shape == (3, 5)
+    np.testing.assert_array_equal(tok[:2, :3], x)
+    np.testing.assert_array_equal(tgt[:2, :3], x + 10)
+    assert not tok[2:].any() and not tok[:, 3:].any()
+    assert (tgt[2:] == -100).all() and (tgt[:, 3:] == -100).all()
+    assert (pad_batch(x, 2, 3)[1] == -100).all()
+    with pytest.raises(ValueError, match="larger than the GPU model"):
+        pad_batch(x, 2, 2)
+
+    class Fixed:  # the Model interface forward_padded needs: B, T and a fixed-shape forward
+        B, T = 2, 8
+
+        def forward(self, tokens):
+            assert tokens.shape == (self.B, self.T)
+            return np.repeat(tokens[..., None], 4, axis=-1).astype(np.float32)
+
+    logits = forward_padded(Fixed(), x[:1])
+    assert logits.shape == (1, 3, 4)
+    np.testing.assert_array_equal(logits[..., 0], x[:1])
