@@ -21,49 +21,40 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def device():
-    try:
-        from rwkvx.runtime import Device
-        return Device.get()
-    except Exception as exc:  # noqa: BLE001 - no usable GPU
-        pytest.skip(f"no CUDA GPU: {exc}")
-
-
 RUNS = [(name, mode, "fp32") for name in CONFIGS for mode in ("eager", "graph")] + [
     ("base_B8_T4096", "graph", "tf32"), ("base_B1_T16384", "graph", "tf32")]
 
 
 @pytest.mark.parametrize("name, mode, precision", RUNS)
-def test_step(benchmark, device, name, mode, precision):
+def test_step(benchmark, dev, name, mode, precision):
     from rwkvx.model import Model
     from rwkvx.runtime import EventTimer, Graph
     kwargs, B, T = CONFIGS[name]
     cfg = Config(**kwargs)
     rng = np.random.default_rng(0)
-    device.reset_peak()
+    dev.reset_peak()
     model = Model(cfg, init_params(cfg, 0), B, T, precision=precision)
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     model.stage_batch(tokens, np.roll(tokens, -1, axis=1))
     model.run_step()              # warm-up: modules loaded, cuBLAS heuristics chosen
-    device.synchronize()
+    dev.synchronize()
     if mode == "graph":
-        graph = Graph.capture(device, model.run_step)
+        graph = Graph.capture(dev, model.run_step)
         enqueue = graph.launch
     else:
         enqueue = model.run_step
     enqueue()
-    device.synchronize()
-    timer = EventTimer(device)
+    dev.synchronize()
+    timer = EventTimer(dev)
     repeats = 20 if name.startswith("small") else 3
     step_ms = timer.time_ms(enqueue, repeats)
 
     def one_step():
         enqueue()
-        device.synchronize()
+        dev.synchronize()
 
     benchmark.pedantic(one_step, rounds=3, iterations=1)
-    mem = device.memory_info()
+    mem = dev.memory_info()
     benchmark.extra_info.update({
         "event_ms_per_step": round(step_ms, 3),
         "tokens_per_s": round(B * T / (step_ms / 1e3)),

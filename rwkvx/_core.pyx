@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Plan executor: a step's ops packed once into C arrays and enqueued in a nogil loop.
 
-`Plan(dev, ops, precision)` resolves every kernel (``dev.kernel``), packs launch arguments into one
+`Plan(dev, ops)` resolves every kernel (``dev.kernel``), packs launch arguments into one
 contiguous host buffer with a ``void**`` kernelParams array pointing into it, and GEMM/memset/copy
 parameters into a C struct array. `run()` enqueues everything on ``dev.stream`` through typed C function
 pointers to the driver entry points (cuLaunchKernel, cuMemsetD8Async, cuMemcpy*Async) and to
@@ -28,8 +28,8 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from rwkvx.runtime.ops import (Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH, GEMM_TYPES,
-                               flatten_ops)
+from rwkvx.runtime.device import DRIVER_PROCS
+from rwkvx.runtime.ops import Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH, flatten_ops
 from rwkvx.runtime.errors import driver_error, cublas_error
 
 # cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t transa, cublasOperation_t transb,
@@ -54,9 +54,6 @@ ctypedef int (*copy_dtoh_t)(void* dst, unsigned long long src, size_t n, void* s
 ctypedef int (*ctx_get_t)(void** ctx) noexcept nogil
 ctypedef int (*ctx_set_t)(void* ctx) noexcept nogil
 
-DRIVER_PROCS = ("cuLaunchKernel", "cuMemsetD8Async", "cuMemcpyDtoDAsync", "cuMemcpyHtoDAsync",
-                "cuMemcpyDtoHAsync", "cuCtxGetCurrent", "cuCtxSetCurrent")
-
 cdef enum OpKind:
     OP_LAUNCH = 0
     OP_GEMM = 1
@@ -72,7 +69,7 @@ cdef struct OpRec:
     unsigned int gx, gy, gz, bx, by, bz, smem
     void** params
     # gemm
-    int transa, transb, m, n, k, lda, ldb, ldc, abtype, compute
+    int transa, transb, m, n, k, lda, ldb, ldc, atype, btype, ctype, compute
     float alpha, beta
     uint64_t a, b, c
     # memset / copies
@@ -80,13 +77,8 @@ cdef struct OpRec:
     size_t nbytes
 
 cdef enum:
-    CUDA_R_32F = 0
-    CUBLAS_COMPUTE_32F = 68
-    CUBLAS_COMPUTE_32F_FAST_TF32 = 77
     CUBLAS_GEMM_DEFAULT = -1
     ARG_SLOT = 8          # every kernel argument gets an 8-byte, 8-aligned slot
-
-PRECISIONS = ("fp32", "tf32")
 
 
 cdef class Plan:
@@ -109,7 +101,6 @@ cdef class Plan:
     cdef gemm_ex_t gemm_ex
     cdef readonly object dev
     cdef readonly list ops
-    cdef readonly str precision
     cdef list _names
     cdef list _arg_offsets
     cdef list _missing_procs
@@ -123,15 +114,12 @@ cdef class Plan:
         self.cublas_handle = NULL
         self.gemm_ex = NULL
 
-    def __init__(self, dev, ops, precision="fp32"):
-        if precision not in PRECISIONS:
-            raise ValueError(f"Plan: precision must be one of {PRECISIONS}, got {precision!r}")
+    def __init__(self, dev, ops):
         ops = flatten_ops(ops)
         if len(ops) > 0x7FFFFFFF:
             raise ValueError("Plan: too many ops")
         self.dev = dev
         self.ops = ops
-        self.precision = precision
         self.stream = <void*><uintptr_t>int(dev.stream_handle)
         self.ctx = <void*><uintptr_t>int(getattr(dev, "context_handle", 0) or 0)
         procs = dev.driver_procs
@@ -144,8 +132,6 @@ cdef class Plan:
         self.p_dtoh = <copy_dtoh_t><uintptr_t>int(procs.get("cuMemcpyDtoHAsync", 0) or 0)
         self.p_ctx_get = <ctx_get_t><uintptr_t>int(procs.get("cuCtxGetCurrent", 0) or 0)
         self.p_ctx_set = <ctx_set_t><uintptr_t>int(procs.get("cuCtxSetCurrent", 0) or 0)
-        cdef int compute = CUBLAS_COMPUTE_32F if precision == "fp32" else CUBLAS_COMPUTE_32F_FAST_TF32
-
         if any(isinstance(op, Gemm) for op in ops):
             cub = dev.cublas
             self.cublas_handle = <void*><uintptr_t>int(cub.handle)
@@ -221,8 +207,7 @@ cdef class Plan:
                 r.lda, r.ldb, r.ldc = op.lda, op.ldb, op.ldc
                 r.alpha, r.beta = op.alpha, op.beta
                 r.a, r.b, r.c = op.A, op.B, op.C
-                r.abtype = GEMM_TYPES[op.ab_type]
-                r.compute = compute if op.ab_type == "f32" else CUBLAS_COMPUTE_32F
+                r.atype, r.btype, r.ctype, r.compute = op.precision.codes()
                 self._arg_offsets.append(None)
                 self._names.append(f"cublasGemmEx op #{i}")
             elif isinstance(op, Memset):
@@ -305,9 +290,9 @@ cdef class Plan:
                                         r.smem, self.stream, r.params, NULL)
                 elif r.kind == OP_GEMM:
                     status = self.gemm_ex(self.cublas_handle, r.transa, r.transb, r.m, r.n, r.k,
-                                          &r.alpha, <const void*><uintptr_t>r.a, r.abtype, r.lda,
-                                          <const void*><uintptr_t>r.b, r.abtype, r.ldb,
-                                          &r.beta, <void*><uintptr_t>r.c, CUDA_R_32F, r.ldc,
+                                          &r.alpha, <const void*><uintptr_t>r.a, r.atype, r.lda,
+                                          <const void*><uintptr_t>r.b, r.btype, r.ldb,
+                                          &r.beta, <void*><uintptr_t>r.c, r.ctype, r.ldc,
                                           r.compute, CUBLAS_GEMM_DEFAULT)
                 elif r.nbytes == 0:   # empty memset/copy: nothing to enqueue
                     pass
@@ -330,8 +315,7 @@ cdef class Plan:
         if isinstance(op, Gemm):
             raise cublas_error("cublasGemmEx", status,
                                f"op #{i}: transa={op.transa} transb={op.transb} m={op.m} n={op.n} k={op.k} "
-                               f"lda={op.lda} ldb={op.ldb} ldc={op.ldc} ab_type={op.ab_type} "
-                               f"precision={self.precision}")
+                               f"lda={op.lda} ldb={op.ldb} ldc={op.ldc} {op.precision}")
         if isinstance(op, Launch):
             raise driver_error("cuLaunchKernel", res,
                                f"kernel {op.name} in {op.module} (op #{i}), grid={op.grid}, "

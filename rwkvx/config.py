@@ -6,6 +6,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# Numerical constants of the model (SPEC §2.3), shared by the oracle and the kernels (as NVRTC defines).
+LN_EPS = 1e-5                    # every LayerNorm
+GN_EPS = 64e-5                   # ln_x GroupNorm, for every head size
+L2_EPS = 1e-12                   # l2-normalise: x / max(||x||, 1e-12)
+DECAY_SCALE = math.exp(-0.5)     # decay = exp(-DECAY_SCALE * sigmoid(.)) lies in (0.5452, 1)
+
 # LoRA rank multipliers of RWKV-LM x070: rank = max(32, round(k * sqrt(C) / 32) * 32).
 _LORA_FACTORS = {"dim_w": 2.5, "dim_a": 2.5, "dim_v": 1.7, "dim_g": 5.0}
 

@@ -4,8 +4,9 @@ Reading order: :class:`Layout` (every device buffer, sized from (config, B, T)),
 :class:`StepBuilder` (forward, loss, backward, op by op, the seed's structure: each block's forward
 is recomputed from its saved input during the backward), then :class:`Model` (the public API).
 
-Building the op lists needs no GPU (pointers are base + offset), so plan construction is tested on
-CPU CI; :class:`Model` allocates the arena once and runs the ops through :class:`rwkvx.runtime.Plan`.
+Building the op lists needs no GPU (pointers are base + offset, typed by the element type of their
+buffer), so plan construction is tested on CPU CI; :class:`Model` allocates the arena once and runs
+the ops through :class:`rwkvx.runtime.Plan`.
 """
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from .optim import Schedule
 from .ops import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from .params import ParamDict, check_params, param_shapes
 from .runtime import gemm
-from .runtime.ops import Copy, CopyDtoH, CopyHtoD, Memset
+from .runtime.device import DeviceInfo
+from .runtime.dtypes import ELEM_BYTES, poison_bits
+from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
 
-PRECISIONS = ("fp32", "tf32")
-_ALIGN = 256  # bytes; every buffer starts 256-byte aligned (float4 kernels, cuBLAS)
+PRECISIONS = tuple(gemm.PRECISIONS)
+_ALIGN = 256  # bytes; every buffer starts 256-byte aligned (vector kernels, cuBLAS)
 
 
 def _round_up(n: int, a: int = _ALIGN) -> int:
@@ -30,55 +33,54 @@ def _round_up(n: int, a: int = _ALIGN) -> int:
 
 
 class Layout:
-    """Every device buffer of a (config, B, T) model: name -> (offset, bytes) in one arena.
+    """Every device buffer of a (config, B, T) model: name -> (offset, element type, count) in one arena.
 
-    Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat, same offsets per tensor), the per-step
+    Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat f32, same offsets per tensor), the per-step
     inputs, one saved input per block, and one block's worth of transients shared by all blocks.
+    Activations have element type ``xtype`` (the model's activation type; fp32 and tf32 use "f32").
     """
 
-    def __init__(self, cfg: Config, B: int, T: int):
-        self.cfg, self.B, self.T = cfg, B, T
+    def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, xtype: str = "f32"):
+        self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
         self.offsets: dict[str, int] = {}
-        self.sizes: dict[str, int] = {}
+        self.elems: dict[str, str] = {}
+        self.counts: dict[str, int] = {}
         self.total = 0
         C, F, V, H, N = cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.n_head, cfg.head_size
         R = B * T
+        X = xtype
         shapes = param_shapes(cfg)
         self.param_segments, n_flat = adamw.flat_layout(shapes)
         # name -> (offset, size) in floats; the same offsets in params, grads, adam_m and adam_v
         self.param_offsets = {seg[0]: (seg[1], seg[2]) for seg in self.param_segments}
         self.param_shapes = shapes
         for region in ("params", "grads", "adam_m", "adam_v"):
-            self._add(region, 4 * n_flat)
+            self._add(region, n_flat, "f32")
         self.adam_table, self.adam_lrmul = adamw.build_table(self.param_segments)
         self.adam_chunks = len(self.adam_lrmul)
-        self._add("adam_table", self.adam_table.nbytes)
-        self._add("adam_lrmul", self.adam_lrmul.nbytes)
-        self._add("adam_state", 8 * adamw.STATE_DOUBLES)
-        self._add("adam_partials", adamw.scratch_bytes(self.adam_chunks))
+        self._add("adam_table", self.adam_table.size, "i32")
+        self._add("adam_lrmul", self.adam_lrmul.size, "f32")
+        self._add("adam_state", adamw.STATE_DOUBLES, "f64")
+        self._add("adam_partials", adamw.scratch_elems(self.adam_chunks), "f64")
         # per-step inputs (written from pinned host memory inside the step)
-        for name in ("tokens", "targets", "emb_order"):
-            self._add(name, 4 * R)
-        self._add("emb_seg_start", 4 * (R + 1))
-        self._add("emb_n_seg", 4)
-        self._add("inv_count", 8)
-        self._add("loss_t", 8 * R)
+        for name, count in self.host_inputs(R).items():
+            self._add(name, count, "f64" if name == "inv_count" else "i32")
+        self._add("loss_t", R, "f64")
         # saved activations: each block's input and the final residual stream
-        self._add("emb_out", 4 * R * C)
+        self._add("emb_out", R * C, X)
         for i in range(cfg.n_blocks + 1):
-            self._add(f"block_in.{i}", 4 * R * C)
-        self._add("v_first", 4 * R * C)
-        self._add("dv_first", 4 * R * C)
-        self._add("lnout", 4 * R * C)
-        self._add("lnout_mean", 4 * R)
-        self._add("lnout_rstd", 4 * R)
-        self._add("logits", 4 * R * V)
-        self._add("dx", 4 * R * C)
-        self._add("dlnout", 4 * R * C)
+            self._add(f"block_in.{i}", R * C, X)
+        for name in ("v_first", "dv_first", "lnout"):
+            self._add(name, R * C, X)
+        self._add("lnout_mean", R, "f32")
+        self._add("lnout_rstd", R, "f32")
+        self._add("logits", R * V, X)
+        self._add("dx", R * C, X)
+        self._add("dlnout", R * C, X)
         if cfg.n_attn_layer:
             moba_sizes = moba.scratch_sizes(B, T, H, N, cfg.moba_chunk_size, cfg.moba_top_k)
             for j in range(cfg.n_attn_layer):  # kept per block: the selection is read back after a step
-                self._add(f"moba_sel.{j}", moba_sizes["sel"])
+                self._add(f"moba_sel.{j}", *moba_sizes["sel"])
         # one block's transients, shared by every block (blocks run one after another)
         rc = ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "decay",
               "kp", "vp", "wa", "wb", "y", "z", "x1", "h2", "xk2",
@@ -86,28 +88,38 @@ class Layout:
               "dk", "dv", "dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1",
               "dh2", "dxk2")
         for name in rc:
-            self._add(name, 4 * R * C)
+            self._add(name, R * C, X)
         for name, d in (("hw", cfg.dim_w), ("ha", cfg.dim_a), ("hv", cfg.dim_v), ("hg", cfg.dim_g)):
-            self._add(name, 4 * R * d)
-            self._add("d" + name, 4 * R * d)
-        self._add("kf", 4 * R * F)
-        self._add("dkf", 4 * R * F)
+            self._add(name, R * d, X)
+            self._add("d" + name, R * d, X)
+        self._add("kf", R * F, X)
+        self._add("dkf", R * F, X)
         for name in ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "ln0_mean", "ln0_rstd"):
-            self._add(name, 4 * R)
-        wk = wkv7.scratch_bytes(B, T, H, N)
-        for name, nbytes in wk.items():
-            self._add("wkv_" + name, nbytes)
+            self._add(name, R, "f32")
+        for name, count in wkv7.scratch_elems(B, T, H, N, dev).items():
+            self._add("wkv_" + name, count, "f32")
         if cfg.n_attn_layer:
-            for name, nbytes in moba_sizes.items():
+            for name, (count, elem) in moba_sizes.items():
                 if name != "sel":
-                    self._add("moba_" + name, nbytes)
-        self._add("partials", max(layernorm.scratch_bytes(R, C), channelmix.scratch_bytes(R, C),
-                                  timemix.scratch_bytes(R, C, N)))
+                    self._add("moba_" + name, count, elem)
+        self._add("partials", max(layernorm.scratch_elems(R, C, dev), channelmix.scratch_elems(R, C, dev),
+                                  timemix.scratch_elems(R, C, N, dev)), "f32")
 
-    def _add(self, name: str, nbytes: int) -> None:
+    @staticmethod
+    def host_inputs(R: int) -> dict[str, int]:
+        """Elements of each per-step input staged from pinned host memory (int32; inv_count f64)."""
+        return {"tokens": R, "targets": R, "emb_order": R, "emb_seg_start": R + 1, "emb_n_seg": 1,
+                "inv_count": 1}
+
+    def _add(self, name: str, count: int, elem: str) -> None:
         self.offsets[name] = self.total
-        self.sizes[name] = nbytes
-        self.total += _round_up(max(nbytes, 1))
+        self.elems[name] = elem
+        self.counts[name] = count
+        self.total += _round_up(max(count * ELEM_BYTES[elem], 1))
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of buffer ``name``."""
+        return self.counts[name] * ELEM_BYTES[self.elems[name]]
 
     def bytes_per_token(self) -> float:
         """Arena bytes divided by B*T (the parameter regions included)."""
@@ -130,51 +142,51 @@ class StepOps:
 
 
 class StepBuilder:
-    """Composes the step from the op builders of :mod:`rwkvx.ops` and cuBLAS GEMMs."""
+    """Composes the step from the op builders of :mod:`rwkvx.ops` and cuBLAS GEMMs of ``precision``."""
 
-    def __init__(self, layout: Layout, base: int, host: dict[str, int]):
+    def __init__(self, layout: Layout, base: int, host: dict[str, int], precision: str = "fp32"):
         self.L = layout
         self.cfg = layout.cfg
+        self.dev = layout.dev
         self.B, self.T = layout.B, layout.T
         self.R = self.B * self.T
         self.base = base
         self.host = host  # pinned host pointers: tokens, targets, emb_order, ...
+        self.mm = gemm.PRECISIONS[precision]
 
     # -- addresses ----------------------------------------------------------------------------
-    def buf(self, name: str) -> int:
-        return self.base + self.L.offsets[name]
+    def buf(self, name: str) -> DevPtr | None:
+        """Typed device pointer of buffer ``name``; None for an empty buffer."""
+        if not self.L.counts[name]:
+            return None
+        return DevPtr(self.base + self.L.offsets[name], self.L.elems[name])
 
-    def _param_offset(self, region: str, name: str) -> int:
-        return self.buf(region) + 4 * self.L.param_offsets[name][0]
-
-    def p(self, name: str) -> int:
+    def p(self, name: str) -> DevPtr:
         """Device address of parameter ``name``."""
-        return self._param_offset("params", name)
+        return self.buf("params").offset(self.L.param_offsets[name][0])
 
-    def gp(self, name: str) -> int:
+    def gp(self, name: str) -> DevPtr:
         """Device address of the gradient of parameter ``name``."""
-        return self._param_offset("grads", name)
+        return self.buf("grads").offset(self.L.param_offsets[name][0])
 
     # -- the step -----------------------------------------------------------------------------
     def build(self) -> StepOps:
-        R = self.R
-        stage_tokens = [CopyHtoD(self.buf("tokens"), self.host["tokens"], 4 * R)]
-        stage_targets = [CopyHtoD(self.buf(n), self.host[n], self.L.sizes[n])
-                         for n in ("targets", "emb_order", "emb_seg_start", "emb_n_seg", "inv_count")]
-        return StepOps(stage_tokens, stage_targets, self.forward(), self.loss(), self.backward())
+        stage = {n: CopyHtoD(self.buf(n), self.host[n], self.L.nbytes(n)) for n in self.L.host_inputs(self.R)}
+        stage_tokens = [stage.pop("tokens")]
+        return StepOps(stage_tokens, list(stage.values()), self.forward(), self.loss(), self.backward())
 
     def forward(self) -> list:
-        cfg, R, C, V = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size
+        cfg, R, C, V, dev = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size, self.dev
         ops = []
         x0 = self.buf("block_in.0")
         if cfg.ln0:
             ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"),
-                                     self.buf("emb_out"), R, C, V)
+                                     self.buf("emb_out"), R, C, V, dev)
             ops += layernorm.forward(self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"),
                                      self.p("rwkv.blocks.0.ln0.bias"), x0,
                                      self.buf("ln0_mean"), self.buf("ln0_rstd"), R, C)
         else:
-            ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"), x0, R, C, V)
+            ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"), x0, R, C, V, dev)
         for pos, (kind, idx) in enumerate(cfg.block_order()):
             xin, xout = self.buf(f"block_in.{pos}"), self.buf(f"block_in.{pos + 1}")
             if kind == "rwkv":
@@ -185,27 +197,28 @@ class StepBuilder:
         final = self.buf(f"block_in.{cfg.n_blocks}")
         ops += layernorm.forward(final, self.p("rwkv.ln_out.weight"), self.p("rwkv.ln_out.bias"),
                                  self.buf("lnout"), self.buf("lnout_mean"), self.buf("lnout_rstd"), R, C)
-        ops.append(gemm.linear(self.buf("lnout"), self.p("rwkv.head.weight"), self.buf("logits"), R, C, V))
+        ops.append(gemm.linear(self.buf("lnout"), self.p("rwkv.head.weight"), self.buf("logits"), R, C, V,
+                               precision=self.mm))
         return ops
 
     def loss(self) -> list:
         R, V = self.R, self.cfg.vocab_size
         ops = loss.cross_entropy(self.buf("logits"), self.buf("targets"), self.buf("loss_t"),
-                                 self.buf("logits"), self.buf("inv_count"), R, V, ignore_index=-1)
-        ops.append(CopyDtoH(self.host["loss_t"], self.buf("loss_t"), 8 * R))
+                                 self.buf("logits"), self.buf("inv_count"), R, V)
+        ops.append(CopyDtoH(self.host["loss_t"], self.buf("loss_t"), self.L.nbytes("loss_t")))
         return ops
 
     def backward(self) -> list:
-        cfg, R, C, V = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size
+        cfg, R, C, V, dev, mm = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size, self.dev, self.mm
         dlogits, dx = self.buf("logits"), self.buf("dx")
-        ops = [gemm.linear_dw(self.buf("lnout"), dlogits, self.gp("rwkv.head.weight"), R, C, V),
-               gemm.linear_dx(dlogits, self.p("rwkv.head.weight"), self.buf("dlnout"), R, C, V)]
+        ops = [gemm.linear_dw(self.buf("lnout"), dlogits, self.gp("rwkv.head.weight"), R, C, V, precision=mm),
+               gemm.linear_dx(dlogits, self.p("rwkv.head.weight"), self.buf("dlnout"), R, C, V, precision=mm)]
         final = self.buf(f"block_in.{cfg.n_blocks}")
         ops += layernorm.backward(final, self.p("rwkv.ln_out.weight"), self.buf("dlnout"), dx,
                                   self.gp("rwkv.ln_out.weight"), self.gp("rwkv.ln_out.bias"),
                                   self.buf("lnout_mean"), self.buf("lnout_rstd"), self.buf("partials"),
-                                  R, C)
-        ops.append(Memset(self.buf("dv_first"), 4 * R * C))
+                                  R, C, dev)
+        ops.append(Memset(self.buf("dv_first"), self.L.nbytes("dv_first")))
         for pos, (kind, idx) in reversed(list(enumerate(cfg.block_order()))):
             xin = self.buf(f"block_in.{pos}")
             prefix = self._prefix(kind, idx)
@@ -220,7 +233,7 @@ class StepBuilder:
             ops += layernorm.backward(self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"), dx,
                                       demb_in, self.gp("rwkv.blocks.0.ln0.weight"),
                                       self.gp("rwkv.blocks.0.ln0.bias"), self.buf("ln0_mean"),
-                                      self.buf("ln0_rstd"), self.buf("partials"), R, C)
+                                      self.buf("ln0_rstd"), self.buf("partials"), R, C, dev)
         ops += embedding.backward(demb_in, self.buf("tokens"), self.buf("emb_order"),
                                   self.buf("emb_seg_start"), self.buf("emb_n_seg"),
                                   self.gp("rwkv.emb.weight"), R, C, V)
@@ -238,50 +251,51 @@ class StepBuilder:
         return f"rwkv.blocks.{idx}." if kind == "rwkv" else f"moba.{idx}."
 
     # -- shared block parts ---------------------------------------------------------------------
-    def _residual_out(self, x_res: int, act: int, weight: int, out: int, n_in: int) -> list:
+    def _residual_out(self, x_res, act, weight, out, n_in: int) -> list:
         """out = x_res + act @ weight^T (copy, then a GEMM accumulating with beta = 1)."""
         R, C = self.R, self.cfg.n_embd
-        return [Copy(out, x_res, 4 * R * C), gemm.linear(act, weight, out, R, n_in, C, beta=1.0)]
+        return [Copy(out, x_res, self.L.nbytes("x1")),
+                gemm.linear(act, weight, out, R, n_in, C, beta=1.0, precision=self.mm)]
 
-    def channel_mix_forward(self, prefix: str, xout: int | None) -> list:
+    def channel_mix_forward(self, prefix: str, xout) -> list:
         """h2 = LN2(x1); kf = relu(xk2 @ key^T)^2; xout = x1 + kf @ value^T (skipped when None)."""
-        R, C, F, T = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T
+        R, C, F, T, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev
         b = self.buf
         ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
                                 b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
-        ops += channelmix.shift_mix(b("h2"), self.p(prefix + "ffn.x_k"), b("xk2"), R, T, C)
-        ops.append(gemm.linear(b("xk2"), self.p(prefix + "ffn.key.weight"), b("kf"), R, C, F))
-        ops += channelmix.relu_sq(b("kf"), b("kf"), R * F)
+        ops += channelmix.shift_mix(b("h2"), self.p(prefix + "ffn.x_k"), b("xk2"), R, T, C, dev)
+        ops.append(gemm.linear(b("xk2"), self.p(prefix + "ffn.key.weight"), b("kf"), R, C, F, precision=self.mm))
+        ops += channelmix.relu_sq(b("kf"), b("kf"), R * F, dev)
         if xout is not None:
             ops += self._residual_out(b("x1"), b("kf"), self.p(prefix + "ffn.value.weight"), xout, F)
         return ops
 
     def channel_mix_backward(self, prefix: str) -> list:
         """From dx (= d block output) to dx = d x1 (in place), with the FFN and ln2 gradients."""
-        R, C, F, T = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T
+        R, C, F, T, dev, mm = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev, self.mm
         b, dx = self.buf, self.buf("dx")
-        ops = [gemm.linear_dw(b("kf"), dx, self.gp(prefix + "ffn.value.weight"), R, F, C),
-               gemm.linear_dx(dx, self.p(prefix + "ffn.value.weight"), b("dkf"), R, F, C)]
-        ops += channelmix.relu_sq_backward(b("dkf"), b("kf"), b("dkf"), R * F, src_is_k=True)
-        ops += [gemm.linear_dw(b("xk2"), b("dkf"), self.gp(prefix + "ffn.key.weight"), R, C, F),
-                gemm.linear_dx(b("dkf"), self.p(prefix + "ffn.key.weight"), b("dxk2"), R, C, F)]
+        ops = [gemm.linear_dw(b("kf"), dx, self.gp(prefix + "ffn.value.weight"), R, F, C, precision=mm),
+               gemm.linear_dx(dx, self.p(prefix + "ffn.value.weight"), b("dkf"), R, F, C, precision=mm)]
+        ops += channelmix.relu_sq_backward(b("dkf"), b("kf"), b("dkf"), R * F, dev, src_is_k=True)
+        ops += [gemm.linear_dw(b("xk2"), b("dkf"), self.gp(prefix + "ffn.key.weight"), R, C, F, precision=mm),
+                gemm.linear_dx(b("dkf"), self.p(prefix + "ffn.key.weight"), b("dxk2"), R, C, F, precision=mm)]
         ops += channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), b("dh2"),
-                                       self.gp(prefix + "ffn.x_k"), b("partials"), R, T, C)
+                                       self.gp(prefix + "ffn.x_k"), b("partials"), R, T, C, dev)
         ops += layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), dx,
                                   self.gp(prefix + "ln2.weight"), self.gp(prefix + "ln2.bias"),
-                                  b("ln2_mean"), b("ln2_rstd"), b("partials"), R, C, accumulate_dx=True)
+                                  b("ln2_mean"), b("ln2_rstd"), b("partials"), R, C, dev, accumulate_dx=True)
         return ops
 
-    def _ln1_forward(self, prefix: str, xin: int) -> list:
+    def _ln1_forward(self, prefix: str, xin) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
         return layernorm.forward(xin, self.p(prefix + "ln1.weight"), self.p(prefix + "ln1.bias"),
                                  b("h1"), b("ln1_mean"), b("ln1_rstd"), R, C)
 
-    def _ln1_backward(self, prefix: str, xin: int) -> list:
+    def _ln1_backward(self, prefix: str, xin) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
         return layernorm.backward(xin, self.p(prefix + "ln1.weight"), b("dh1"), b("dx"),
                                   self.gp(prefix + "ln1.weight"), self.gp(prefix + "ln1.bias"),
-                                  b("ln1_mean"), b("ln1_rstd"), b("partials"), R, C, accumulate_dx=True)
+                                  b("ln1_mean"), b("ln1_rstd"), b("partials"), R, C, self.dev, accumulate_dx=True)
 
     # -- RWKV-7 time mix ------------------------------------------------------------------------
     def _lora(self, i: int) -> list[tuple[str, str, str, str, int]]:
@@ -293,83 +307,95 @@ class StepBuilder:
         paths.append(("xg", "hg", "g", "g", cfg.dim_g))
         return paths
 
-    def rwkv_forward(self, i: int, xin: int) -> list:
+    def _prep_inputs(self, i: int) -> dict:
+        """The arguments prep_forward and prep_backward share for RWKV block i."""
+        b, p, att = self.buf, self.p, f"rwkv.blocks.{i}.att."
+        return dict(k=b("k"), v=b("v"), wl=b("wl"), al=b("al"), vl=b("vl"), v_first=b("v_first"),
+                    w0=p(att + "w0"), a0=p(att + "a0"), v0=p(att + "v0") if i else None,
+                    k_k=p(att + "k_k"), k_a=p(att + "k_a"), R=self.R, C=self.cfg.n_embd,
+                    N=self.cfg.head_size, layer=i, dev=self.dev)
+
+    def _gn_inputs(self, i: int) -> dict:
+        """The arguments gn_forward and gn_backward share for RWKV block i."""
+        b, p, att = self.buf, self.p, f"rwkv.blocks.{i}.att."
+        return dict(y=b("y"), r=b("r"), kp=b("kp"), vp=b("vp") if i else b("v"), g=b("g"),
+                    ln_w=p(att + "ln_x.weight"), ln_b=p(att + "ln_x.bias"), r_k=p(att + "r_k"),
+                    R=self.R, C=self.cfg.n_embd, N=self.cfg.head_size, dev=self.dev)
+
+    def rwkv_forward(self, i: int, xin) -> list:
         """x1 = xin + TimeMix(LN1(xin)) (SPEC §2.3), leaving every transient the backward needs."""
-        R, C, T, N, H = self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head
+        R, C, T, N, H, dev, mm = (self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head,
+                                  self.dev, self.mm)
         pre, b, p = f"rwkv.blocks.{i}.", self.buf, self.p
         att = pre + "att."
         ops = self._ln1_forward(pre, xin)
         mixes = tuple(p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
         ops += timemix.shift_forward(b("h1"), mixes, tuple(b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")),
-                                     R, C, T)
+                                     R, C, T, dev)
         for src, dst, name in (("xr", "r", "receptance"), ("xk", "k", "key"), ("xv", "v", "value")):
-            ops.append(gemm.linear(b(src), p(f"{att}{name}.weight"), b(dst), R, C, C))
+            ops.append(gemm.linear(b(src), p(f"{att}{name}.weight"), b(dst), R, C, C, precision=mm))
         for src, hid, out, letter, rank in self._lora(i):
-            ops.append(gemm.matmul(b(src), p(f"{att}{letter}1"), b(hid), R, C, rank))
+            ops.append(gemm.matmul(b(src), p(f"{att}{letter}1"), b(hid), R, C, rank, precision=mm))
             if letter == "w":
-                ops += timemix.tanh_forward(b(hid), b(hid), R * rank)
+                ops += timemix.tanh_forward(b(hid), b(hid), R * rank, dev)
             elif letter == "g":
-                ops += timemix.sigmoid_forward(b(hid), b(hid), R * rank)
-            ops.append(gemm.matmul(b(hid), p(f"{att}{letter}2"), b(out), R, rank, C))
-        ops += timemix.prep_forward(b("k"), b("v"), b("wl"), b("al"), b("vl"), b("v_first"),
-                                    p(att + "w0"), p(att + "a0"), p(att + "v0") if i else 0,
-                                    p(att + "k_k"), p(att + "k_a"),
-                                    b("decay"), b("kp"), b("vp"), b("wa"), b("wb"), R, C, N, i)
-        v_used = b("vp") if i else b("v")
-        ops += wkv7.forward(b("r"), b("decay"), b("kp"), v_used, b("wa"), b("wb"), b("y"), b("wkv_ckpt"),
-                            self.B, T, H, N)
-        ops += timemix.gn_forward(b("y"), b("r"), b("kp"), v_used, b("g"), p(att + "ln_x.weight"),
-                                  p(att + "ln_x.bias"), p(att + "r_k"), b("z"), R, C, N)
+                ops += timemix.sigmoid_forward(b(hid), b(hid), R * rank, dev)
+            ops.append(gemm.matmul(b(hid), p(f"{att}{letter}2"), b(out), R, rank, C, precision=mm))
+        ops += timemix.prep_forward(**self._prep_inputs(i), decay=b("decay"), kp=b("kp"), vp=b("vp"),
+                                    wa=b("wa"), wb=b("wb"))
+        gn = self._gn_inputs(i)
+        ops += wkv7.forward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("y"), b("wkv_ckpt"),
+                            self.B, T, H, N, dev)
+        ops += timemix.gn_forward(**gn, z=b("z"))
         ops += self._residual_out(xin, b("z"), p(att + "output.weight"), b("x1"), C)
         return ops
 
-    def rwkv_backward(self, i: int, xin: int) -> list:
+    def rwkv_backward(self, i: int, xin) -> list:
         """From dx = d x1 to dx = d xin (in place), with every TimeMix and ln1 gradient of block i."""
-        R, C, T, N, H = self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head
+        R, C, T, N, H, dev, mm = (self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head,
+                                  self.dev, self.mm)
         pre, b, p, gp = f"rwkv.blocks.{i}.", self.buf, self.p, self.gp
         att = pre + "att."
         dx = b("dx")
-        v_used = b("vp") if i else b("v")
-        ops = [gemm.linear_dw(b("z"), dx, gp(att + "output.weight"), R, C, C),
-               gemm.linear_dx(dx, p(att + "output.weight"), b("dz"), R, C, C)]
-        ops += timemix.gn_backward(b("y"), b("r"), b("kp"), v_used, b("g"), b("dz"), p(att + "ln_x.weight"),
-                                   p(att + "ln_x.bias"), p(att + "r_k"), b("dy"), b("dg"), b("dr2"),
-                                   b("dkp2"), b("dvp2"), b("partials"),
-                                   (gp(att + "ln_x.weight"), gp(att + "ln_x.bias"), gp(att + "r_k")),
-                                   R, C, N)
-        ops += wkv7.backward(b("r"), b("decay"), b("kp"), v_used, b("wa"), b("wb"), b("dy"), b("wkv_ckpt"),
+        gn = self._gn_inputs(i)
+        ops = [gemm.linear_dw(b("z"), dx, gp(att + "output.weight"), R, C, C, precision=mm),
+               gemm.linear_dx(dx, p(att + "output.weight"), b("dz"), R, C, C, precision=mm)]
+        ops += timemix.gn_backward(**gn, dz=b("dz"), dy=b("dy"), dg=b("dg"), dr2=b("dr2"), dkp2=b("dkp2"),
+                                   dvp2=b("dvp2"), partials=b("partials"),
+                                   dparams=(gp(att + "ln_x.weight"), gp(att + "ln_x.bias"), gp(att + "r_k")))
+        ops += wkv7.backward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("dy"), b("wkv_ckpt"),
                              b("wkv_slab"), b("dr"), b("ddecay"), b("dkp"), b("dvp"), b("dwa"), b("dwb"),
-                             self.B, T, H, N, partials=b("wkv_partials") or None)
+                             self.B, T, H, N, dev, partials=b("wkv_partials"))
         dparams = [gp(att + n) for n in ("w0", "a0", "k_k", "k_a")] + ([gp(att + "v0")] if i else [])
-        ops += timemix.prep_backward(b("k"), b("v"), b("wl"), b("al"), b("vl"), b("v_first"),
-                                     p(att + "w0"), p(att + "a0"), p(att + "v0") if i else 0,
-                                     p(att + "k_k"), p(att + "k_a"),
-                                     b("ddecay"), b("dkp"), b("dvp"), b("dwa"), b("dwb"), b("dkp2"), b("dvp2"),
-                                     b("dr"), b("dr2"), b("dr"), b("dk"), b("dv"), b("dwl"), b("dal"),
-                                     b("dvl"), b("dv_first"), b("partials"), dparams, R, C, N, i)
+        ops += timemix.prep_backward(**self._prep_inputs(i),
+                                     d_decay=b("ddecay"), dkp=b("dkp"), dvp=b("dvp"), dwa=b("dwa"), dwb=b("dwb"),
+                                     dkp2=b("dkp2"), dvp2=b("dvp2"), dr=b("dr"), dr2=b("dr2"), dr_out=b("dr"),
+                                     dk=b("dk"), dv=b("dv"), dwl=b("dwl"), dal=b("dal"), dvl=b("dvl"),
+                                     dv_first=b("dv_first"), partials=b("partials"), dparams=dparams)
         # projections r, k, v: dx* = d(out) @ W, dW = d(out)^T x*
         for src, dsrc, dout, name in (("xr", "dxr", "dr", "receptance"), ("xk", "dxk", "dk", "key"),
                                       ("xv", "dxv", "dv", "value")):
-            ops += [gemm.linear_dw(b(src), b(dout), gp(f"{att}{name}.weight"), R, C, C),
-                    gemm.linear_dx(b(dout), p(f"{att}{name}.weight"), b(dsrc), R, C, C)]
+            ops += [gemm.linear_dw(b(src), b(dout), gp(f"{att}{name}.weight"), R, C, C, precision=mm),
+                    gemm.linear_dx(b(dout), p(f"{att}{name}.weight"), b(dsrc), R, C, C, precision=mm)]
         # LoRA paths: out = act(src @ W1) @ W2
         grads_of = {"wl": "dwl", "al": "dal", "vl": "dvl", "g": "dg"}
         for src, hid, out, letter, rank in self._lora(i):
             dout, dhid = b(grads_of[out]), b("d" + hid)
-            ops += [gemm.matmul_dw(b(hid), dout, gp(f"{att}{letter}2"), R, rank, C),
-                    gemm.matmul_dx(dout, p(f"{att}{letter}2"), dhid, R, rank, C)]
+            ops += [gemm.matmul_dw(b(hid), dout, gp(f"{att}{letter}2"), R, rank, C, precision=mm),
+                    gemm.matmul_dx(dout, p(f"{att}{letter}2"), dhid, R, rank, C, precision=mm)]
             if letter == "w":
-                ops += timemix.tanh_backward(b(hid), dhid, dhid, R * rank)
+                ops += timemix.tanh_backward(b(hid), dhid, dhid, R * rank, dev)
             elif letter == "g":
-                ops += timemix.sigmoid_backward(b(hid), dhid, dhid, R * rank)
-            ops.append(gemm.matmul_dw(b(src), dhid, gp(f"{att}{letter}1"), R, C, rank))
+                ops += timemix.sigmoid_backward(b(hid), dhid, dhid, R * rank, dev)
+            ops.append(gemm.matmul_dw(b(src), dhid, gp(f"{att}{letter}1"), R, C, rank, precision=mm))
             # xv feeds both the value projection and the v LoRA: accumulate its gradient
             beta = 1.0 if letter == "v" else 0.0
-            ops.append(gemm.matmul_dx(dhid, p(f"{att}{letter}1"), b("d" + src), R, C, rank, beta=beta))
+            ops.append(gemm.matmul_dx(dhid, p(f"{att}{letter}1"), b("d" + src), R, C, rank, beta=beta,
+                                      precision=mm))
         dmix = tuple(gp(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
         ops += timemix.shift_backward(b("h1"), tuple(p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")),
                                       tuple(b(n) for n in ("dxr", "dxw", "dxk", "dxv", "dxa", "dxg")),
-                                      b("dh1"), dmix, b("partials"), R, C, T)
+                                      b("dh1"), dmix, b("partials"), R, C, T, dev)
         ops += self._ln1_backward(pre, xin)
         return ops
 
@@ -379,32 +405,32 @@ class StepBuilder:
         scratch = {name: (self.buf(f"moba_sel.{j}") if name == "sel" else self.buf("moba_" + name))
                    for name in moba.SCRATCH_NAMES}
         return dict(scratch=scratch, B=self.B, T=self.T, H=cfg.n_head, N=cfg.head_size,
-                    chunk=cfg.moba_chunk_size, top_k=cfg.moba_top_k)
+                    chunk=cfg.moba_chunk_size, top_k=cfg.moba_top_k, dev=self.dev)
 
-    def attn_forward(self, j: int, xin: int) -> list:
+    def attn_forward(self, j: int, xin) -> list:
         """x1 = xin + Attn_j(LN1(xin)) (SPEC §2.3, MoBA)."""
         R, C, b, p = self.R, self.cfg.n_embd, self.buf, self.p
         pre = f"moba.{j}."
         ops = self._ln1_forward(pre, xin)
         for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
-            ops.append(gemm.linear(b("h1"), p(f"{pre}att.{name}.weight"), b(dst), R, C, C))
+            ops.append(gemm.linear(b("h1"), p(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
         ops += moba.forward(b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
         ops += self._residual_out(xin, b("y"), p(pre + "att.output.weight"), b("x1"), C)
         return ops
 
-    def attn_backward(self, j: int, xin: int) -> list:
+    def attn_backward(self, j: int, xin) -> list:
         """From dx = d x1 to dx = d xin (in place), with the attention and ln1 gradients."""
-        R, C, b, p, gp = self.R, self.cfg.n_embd, self.buf, self.p, self.gp
+        R, C, b, p, gp, mm = self.R, self.cfg.n_embd, self.buf, self.p, self.gp, self.mm
         pre = f"moba.{j}."
         dx = b("dx")
-        ops = [gemm.linear_dw(b("y"), dx, gp(pre + "att.output.weight"), R, C, C),
-               gemm.linear_dx(dx, p(pre + "att.output.weight"), b("dz"), R, C, C)]
+        ops = [gemm.linear_dw(b("y"), dx, gp(pre + "att.output.weight"), R, C, C, precision=mm),
+               gemm.linear_dx(dx, p(pre + "att.output.weight"), b("dz"), R, C, C, precision=mm)]
         ops += moba.backward(b("r"), b("k"), b("v"), b("y"), b("dz"), b("dr"), b("dk"), b("dv"),
                              **self._moba_args(j))
         for n, (dsrc, name) in enumerate((("dr", "receptance"), ("dk", "key"), ("dv", "value"))):
-            ops += [gemm.linear_dw(b("h1"), b(dsrc), gp(f"{pre}att.{name}.weight"), R, C, C),
+            ops += [gemm.linear_dw(b("h1"), b(dsrc), gp(f"{pre}att.{name}.weight"), R, C, C, precision=mm),
                     gemm.linear_dx(b(dsrc), p(f"{pre}att.{name}.weight"), b("dh1"), R, C, C,
-                                   beta=1.0 if n else 0.0)]
+                                   beta=1.0 if n else 0.0, precision=mm)]
         ops += self._ln1_backward(pre, xin)
         return ops
 
@@ -432,29 +458,27 @@ class Model:
         from .runtime import Device, Plan  # raises RuntimeError without a GPU
         self.cfg, self.B, self.T, self.precision = cfg, batch_size, seq_len, precision
         self.dev = Device.get()
-        self.layout = Layout(cfg, batch_size, seq_len)
+        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info)
         self.arena = self.dev.alloc(self.layout.total)
         R = batch_size * seq_len
-        self._pinned = {
-            "tokens": self.dev.alloc_pinned(4 * R), "targets": self.dev.alloc_pinned(4 * R),
-            "emb_order": self.dev.alloc_pinned(4 * R), "emb_seg_start": self.dev.alloc_pinned(4 * (R + 1)),
-            "emb_n_seg": self.dev.alloc_pinned(4), "inv_count": self.dev.alloc_pinned(8),
-            "loss_t": self.dev.alloc_pinned(8 * R)}
-        self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
+        self._pinned = {name: self.dev.alloc_pinned(self.layout.nbytes(name))
+                        for name in [*Layout.host_inputs(R), "loss_t"]}
+        self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()},
+                                   precision)
         self.ops = self.builder.build()
-        self._forward_plan = Plan(self.dev, self.ops.stage_tokens + self.ops.forward, precision=precision)
-        self._step_plan = Plan(self.dev, self.ops.step, precision=precision)
+        self._forward_plan = Plan(self.dev, self.ops.stage_tokens + self.ops.forward)
+        self._step_plan = Plan(self.dev, self.ops.step)
         self.load_params(params)
 
     # -- parameters ------------------------------------------------------------------------------
     def _region(self, region: str) -> dict[str, np.ndarray]:
-        flat = self.dev.download(self.builder.buf(region), (self.layout.sizes[region] // 4,), np.float32)
+        flat = self.dev.download(self.builder.buf(region), (self.layout.counts[region],), np.float32)
         return {n: flat[off:off + size].reshape(self.layout.param_shapes[n]).copy()
                 for n, (off, size) in self.layout.param_offsets.items()}
 
     def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> None:
         """Inverse of :meth:`_region`: one name-keyed tensor per parameter, packed and uploaded."""
-        flat = np.zeros(self.layout.sizes[region] // 4, np.float32)
+        flat = np.zeros(self.layout.counts[region], np.float32)
         for n, (off, size) in self.layout.param_offsets.items():
             flat[off:off + size] = np.asarray(tensors[n], np.float32).ravel()
         self.dev.upload(self.builder.buf(region), flat)
@@ -488,18 +512,19 @@ class Model:
         self.dev.synchronize()
         return self.dev.download(self.builder.buf("logits"), (self.B, self.T, self.cfg.vocab_size))
 
-    def stage_batch(self, tokens, targets, ignore_index: int = -100) -> None:
-        """Validate a batch and write it into the pinned buffers the step reads."""
+    def stage_batch(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> None:
+        """Validate a batch and write it into the pinned buffers the step reads (ignored targets are
+        stored as validate.IGNORE_INDEX, the value the loss kernel was built with)."""
         tokens = self._stage_tokens(tokens)
         targets = validate.check_targets(targets, tokens.shape, self.cfg.vocab_size, ignore_index)
-        flat = np.where(targets == ignore_index, -1, targets).astype(np.int32).ravel()
+        flat = np.where(targets == ignore_index, validate.IGNORE_INDEX, targets).astype(np.int32).ravel()
         order, seg_start, n_seg = embedding.sort_tokens(tokens)
         pin = self._pinned
         pin["targets"].array(np.int32, flat.shape)[:] = flat
         pin["emb_order"].array(np.int32, order.shape)[:] = order
         pin["emb_seg_start"].array(np.int32, seg_start.shape)[:] = seg_start
         pin["emb_n_seg"].array(np.int32, (1,))[:] = n_seg
-        pin["inv_count"].array(np.float64, (1,))[:] = loss.inv_count(flat, -1)
+        pin["inv_count"].array(np.float64, (1,))[:] = loss.inv_count(flat)
 
     def mean_loss(self) -> float:
         """The mean loss of the last step, from the pinned per-token losses, reduced in double."""
@@ -511,7 +536,7 @@ class Model:
         """Enqueue one forward + loss + backward on the staged batch (no synchronisation)."""
         self._step_plan.run()
 
-    def loss_and_grads(self, tokens, targets, ignore_index: int = -100) -> tuple[float, ParamDict]:
+    def loss_and_grads(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> tuple[float, ParamDict]:
         """Mean cross-entropy over targets != ignore_index, and the gradient of every parameter."""
         self.stage_batch(tokens, targets, ignore_index)
         self.run_step()
@@ -527,15 +552,14 @@ class Model:
         self.dev.upload(b("adam_table"), self.layout.adam_table)
         self.dev.upload(b("adam_lrmul"), self.layout.adam_lrmul)
         self.dev.upload(b("adam_state"), adamw.state_from_schedule(schedule, grad_clip))
-        zeros = np.zeros(self.layout.sizes["adam_m"] // 4, np.float32)
+        zeros = np.zeros(self.layout.counts["adam_m"], np.float32)
         self.dev.upload(b("adam_m"), zeros)
         self.dev.upload(b("adam_v"), zeros)
         self.schedule, self.weight_decay, self.grad_clip = schedule, weight_decay, grad_clip
-        self._train_plan = Plan(self.dev, self.ops.step + self.builder.optimizer(weight_decay, bool(grad_clip)),
-                                precision=self.precision)
+        self._train_plan = Plan(self.dev, self.ops.step + self.builder.optimizer(weight_decay, bool(grad_clip)))
         self._train_graph = None
 
-    def train_step(self, tokens, targets, ignore_index: int = -100, graph: bool = True) -> float:
+    def train_step(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX, graph: bool = True) -> float:
         """Forward, loss, backward and AdamW update on one batch; returns the mean loss.
 
         With ``graph`` (default) the step is captured once as a CUDA graph and replayed; otherwise
@@ -556,13 +580,12 @@ class Model:
         self.dev.synchronize()
         return self.mean_loss()
 
-    def evaluate(self, tokens, targets, ignore_index: int = -100) -> float:
+    def evaluate(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> float:
         """Mean loss on one batch: forward and loss only, the parameters untouched."""
         from .runtime import Plan
         if getattr(self, "_eval_plan", None) is None:
             ops = self.ops
-            self._eval_plan = Plan(self.dev, ops.stage_tokens + ops.stage_targets + ops.forward + ops.loss,
-                                   precision=self.precision)
+            self._eval_plan = Plan(self.dev, ops.stage_tokens + ops.stage_targets + ops.forward + ops.loss)
         self.stage_batch(tokens, targets, ignore_index)
         self._eval_plan.run()
         self.dev.synchronize()
@@ -611,11 +634,15 @@ class Model:
 
     def poison(self) -> None:
         """Fill gradients and every activation with NaN (tests: whatever a step leaves unwritten shows)."""
-        start = self.layout.offsets["grads"]
-        end = self.layout.offsets["adam_m"]
-        self.dev.upload(self.arena.ptr + start, np.full((end - start) // 4, np.nan, np.float32))
-        start = self.layout.offsets["tokens"]
-        self.dev.upload(self.arena.ptr + start, np.full((self.layout.total - start) // 4, np.nan, np.float32))
+        L = self.layout
+        names = ["grads"] + list(L.offsets)[list(L.offsets).index("tokens"):]
+        start = L.offsets["tokens"]
+        image = np.zeros(L.total - start, np.uint8)
+        for name in names[1:]:
+            bits = poison_bits(L.elems[name], L.counts[name]).view(np.uint8)
+            image[L.offsets[name] - start:L.offsets[name] - start + bits.size] = bits
+        self.dev.upload(self.arena.ptr + start, image)
+        self.dev.upload(self.builder.buf("grads"), poison_bits("f32", L.counts["grads"]))
 
     def memory_bytes(self) -> int:
         """Bytes of the device arena (weights, gradients, optimizer state, activations, scratch)."""

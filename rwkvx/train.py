@@ -1,10 +1,16 @@
-"""The training loop's core: :class:`Trainer` over a pluggable backend (CPU oracle now, GPU model later).
+"""The training loop's core: :class:`Trainer` over one of two backends with the same interface.
 
 A backend owns the parameters and the optimizer state and does whole steps:
 
-* :class:`CPUBackend` — :class:`rwkvx.oracle.Oracle` forward/backward + numpy :class:`rwkvx.optim.AdamW`.
+* :class:`CPUBackend` — :class:`rwkvx.oracle.Oracle` forward/backward + numpy :class:`rwkvx.optim.AdamW`
+  (float32 or float64 arithmetic): the reference, and the fallback where no GPU is usable.
 * :class:`GPUBackend` — the graph-replayed :class:`rwkvx.model.Model` step with the fused AdamW
-  kernel, behind the same :class:`Backend` interface: the Trainer, checkpoints and the CLI are shared.
+  kernel (fp32 or tf32 GEMMs).
+
+The Trainer, checkpoints and the CLI are shared; :func:`resolve_device` picks the backend for
+``auto``. The GPU :class:`~rwkvx.model.Model` is built for one batch shape: :func:`pad_batch` and
+:func:`forward_padded` fit smaller batches to it (for GPUBackend's ``evaluate``/``forward`` and the
+CLI's forward-only sampling).
 
 Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
 parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
@@ -26,9 +32,10 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config
 from .optim import AdamW, Schedule
 from .params import ParamDict, check_params
-from .validate import check_targets, check_tokens
+from .runtime import gemm
+from .validate import IGNORE_INDEX, check_targets, check_tokens
 
-PRECISIONS = ("fp32", "tf32")  # GPU GEMM precision; bf16 (SPEC §4) is not implemented yet
+PRECISIONS = tuple(gemm.PRECISIONS)  # GPU GEMM precisions; bf16 (SPEC §4) is not implemented yet
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 
@@ -72,7 +79,7 @@ class Backend(abc.ABC):
     def load_optimizer_state(self, state: Mapping[str, Any]) -> None: ...
 
 
-def cross_entropy_mean(logits: np.ndarray, targets: np.ndarray, ignore_index: int = -100) -> float:
+def cross_entropy_mean(logits: np.ndarray, targets: np.ndarray, ignore_index: int = IGNORE_INDEX) -> float:
     """Mean over targets != ignore_index of logsumexp(logits) - logits[target], in float64
     (0.0 when every target is ignored, as the oracle's loss)."""
     z = np.asarray(logits, dtype=np.float64).reshape(-1, logits.shape[-1])
@@ -113,7 +120,7 @@ class CPUBackend(Backend):
     def step_count(self) -> int:  # type: ignore[override]
         return self.opt.step_count
 
-    def _oracle(self):
+    def _oracle(self) -> Any:
         # A fresh Oracle per call sees the parameters exactly as they are now (the optimizer
         # updates them in place); building one costs a dtype conversion of the weights, which is
         # small next to a forward/backward.
@@ -144,13 +151,40 @@ class CPUBackend(Backend):
         self.opt.load_state_dict(state)
 
 
+def pad_batch(tokens: np.ndarray, batch_size: int, seq_len: int, targets: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """``tokens`` ``[B, T]`` (and ``targets``) padded at the end to ``[batch_size, seq_len]`` int64.
+
+    The GPU model is built for one shape; padding a smaller batch changes nothing before the
+    padding because the model is causal. Padded tokens are 0 and padded targets IGNORE_INDEX (ignored
+    by the loss); without ``targets`` every target is IGNORE_INDEX. ValueError when ``B > batch_size`` or
+    ``T > seq_len``.
+    """
+    B, T = tokens.shape
+    if B > batch_size or T > seq_len:
+        raise ValueError(f"batch {tokens.shape} is larger than the GPU model's "
+                         f"(batch_size, seq_len) = {(batch_size, seq_len)}")
+    tok = np.zeros((batch_size, seq_len), np.int64)
+    tok[:B, :T] = tokens
+    tgt = np.full((batch_size, seq_len), IGNORE_INDEX, np.int64)
+    if targets is not None:
+        tgt[:B, :T] = targets
+    return tok, tgt
+
+
+def forward_padded(model: Any, tokens: np.ndarray) -> np.ndarray:
+    """Logits ``[B, T, V]`` of a :class:`rwkvx.model.Model` built for ``(model.B, model.T)`` on
+    ``tokens`` ``[B <= model.B, T <= model.T]`` (see :func:`pad_batch`)."""
+    B, T = tokens.shape
+    return model.forward(pad_batch(tokens, model.B, model.T)[0])[:B, :T]
+
+
 class GPUBackend(Backend):
     """The device-resident :class:`rwkvx.model.Model`; ``train_step`` replays one CUDA graph holding
     forward, loss, backward and the fused AdamW update (step count and learning rate on the device).
 
     Training batches are exactly ``[batch_size, seq_len]``; ``evaluate``/``forward`` take any
-    ``[B, T]`` with B <= batch_size and T <= seq_len: they are padded at the end (tokens 0, targets
-    ignored), which changes nothing before the padding because the model is causal.
+    ``[B, T]`` with B <= batch_size and T <= seq_len, padded by :func:`pad_batch`.
     """
 
     name = "gpu"
@@ -167,20 +201,6 @@ class GPUBackend(Backend):
         self.step_count = 0
         self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
 
-    def _padded(self, tokens: np.ndarray, targets: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
-        B, T = tokens.shape
-        full_b, full_t = self.model.B, self.model.T
-        if B > full_b or T > full_t:
-            raise ValueError(f"batch {tokens.shape} is larger than the GPU model's "
-                             f"(batch_size, seq_len) = {(full_b, full_t)}")
-        tok = np.zeros((full_b, full_t), np.int64)
-        tok[:B, :T] = tokens
-        tgt = np.full((full_b, full_t), -100, np.int64)
-        if targets is not None:
-            tgt[:B, :T] = targets
-        return tok, tgt
-
     def train_step(self, tokens: np.ndarray, targets: np.ndarray) -> float:
         if tokens.shape != (self.model.B, self.model.T):
             raise ValueError(f"training batches must be {(self.model.B, self.model.T)}, got {tokens.shape}")
@@ -193,11 +213,10 @@ class GPUBackend(Backend):
         return loss
 
     def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float:
-        return self.model.evaluate(*self._padded(tokens, targets))
+        return self.model.evaluate(*pad_batch(tokens, self.model.B, self.model.T, targets))
 
     def forward(self, tokens: np.ndarray) -> np.ndarray:
-        B, T = tokens.shape
-        return self.model.forward(self._padded(tokens)[0])[:B, :T]
+        return forward_padded(self.model, tokens)
 
     def get_params(self) -> ParamDict:
         return self.model.params()
@@ -220,8 +239,10 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
-def resolve_device(device: str) -> tuple[str, str | None]:
-    """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a note."""
+def resolve_device(device: str, task: str = "training") -> tuple[str, str | None]:
+    """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a
+    note saying that ``task`` runs there. ``gpu`` is not checked here: building the GPU model fails
+    with the reason (see :func:`gpu_unavailable_reason`)."""
     if device not in BACKENDS:
         raise ValueError(f"device must be one of {', '.join(BACKENDS)}, got {device!r}")
     if device == "cpu":
@@ -231,7 +252,7 @@ def resolve_device(device: str) -> tuple[str, str | None]:
     reason = gpu_unavailable_reason()
     if reason is None:
         return "gpu", None
-    return "cpu", f"no GPU backend ({reason}); training on the CPU with the oracle"
+    return "cpu", f"no GPU backend ({reason}); {task} on the CPU with the oracle"
 
 
 class Trainer:
@@ -273,15 +294,19 @@ class Trainer:
         else:
             self.backend = CPUBackend(cfg, params, self.schedule, self.weight_decay, self.grad_clip,
                                       dtype=self.cpu_dtype)
-        self.meta: dict[str, Any] = {}  # the caller's metadata read back by Trainer.load
+        # what Trainer.load reads back of the caller's save(meta=..., tensors=...)
+        self.meta: dict[str, Any] = {}
+        self.extra_tensors: dict[str, np.ndarray] = {}
 
     # -- properties ---------------------------------------------------------------------------
     @property
     def device(self) -> str:
+        """The backend in use: "cpu" or "gpu"."""
         return self.backend.name
 
     @property
     def step_count(self) -> int:
+        """Optimizer steps done (kept across save/load)."""
         return self.backend.step_count
 
     @property
@@ -291,9 +316,11 @@ class Trainer:
 
     @property
     def last_stats(self) -> dict[str, float]:
+        """``{"lr", "grad_norm", "clip"}`` of the last step (NaN before the first)."""
         return self.backend.last_stats
 
     def lr_at(self, step: int) -> float:
+        """The scheduled learning rate of (1-based) step ``step``."""
         return self.schedule.lr_at(step)
 
     # -- steps --------------------------------------------------------------------------------
@@ -313,6 +340,8 @@ class Trainer:
         return self.backend.evaluate(tokens, targets)
 
     def forward(self, tokens: np.ndarray) -> np.ndarray:
+        """Logits ``[B, T, V]`` for ``tokens`` ``[B, T]``, no update (on the GPU backend B and T are
+        at most ``batch_size`` and ``seq_len``)."""
         return self.backend.forward(check_tokens(tokens, self.cfg.vocab_size))
 
     # -- checkpoints --------------------------------------------------------------------------

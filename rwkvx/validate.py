@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# Targets equal to this are ignored by the loss: the API's default, and the value the GPU model stores
+# on the device for every ignored target whatever ignore_index the caller used.
+IGNORE_INDEX = -100
+
 
 def _as_int_array(value, name: str) -> np.ndarray:
     if not isinstance(value, np.ndarray):
@@ -47,7 +51,7 @@ def check_tokens(tokens, vocab_size: int, name: str = "tokens") -> np.ndarray:
     return np.ascontiguousarray(tokens, dtype=np.int64)
 
 
-def check_targets(targets, tokens_shape, vocab_size: int, ignore_index: int = -100) -> np.ndarray:
+def check_targets(targets, tokens_shape, vocab_size: int, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
     """Validate target ids: same shape as the tokens, each in [0, vocab_size) or == ignore_index.
 
     Returns a C-contiguous int64 array. Raises ``TypeError``/``ValueError`` like :func:`check_tokens`.

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU check: build in place (no internet needed), run the GPU tests, the benchmarks, the default
-# training run and a step profile, then print a short table. Logs go to $OUT (default /tmp/rwkvx-gpu-check).
-# Usage: scripts/gpu_check.sh [pytest -k expression]   (SKIP_BENCH=1 / SKIP_TRAIN=1 / SKIP_PROFILE=1 to skip parts)
+# GPU check: build in place (no internet needed), run the GPU tests, the per-kernel and step benchmarks,
+# the default training run and a step profile, then print a short table. Logs go to $OUT
+# (default /tmp/rwkvx-gpu-check).
+# Usage: scripts/gpu_check.sh [pytest -k expression]
+#   SKIP_TESTS=1 / SKIP_KERNELS=1 / SKIP_STEP=1 / SKIP_TRAIN=1 / SKIP_PROFILE=1 skip parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -12,10 +14,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 KEXPR=(); [ $# -gt 0 ] && KEXPR=(-k "$1")
-python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider "${KEXPR[@]}" --junitxml="$OUT/gpu-tests.xml" \
-    -o junit_family=xunit1 >"$OUT/gpu-tests.log" 2>&1
-grep -E "passed|failed|Error|error" "$OUT/gpu-tests.log" | tail -25
-if [ -z "${SKIP_BENCH:-}" ]; then
+if [ -z "${SKIP_TESTS:-}" ]; then
+  python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider "${KEXPR[@]}" --junitxml="$OUT/gpu-tests.xml" \
+      -o junit_family=xunit1 >"$OUT/gpu-tests.log" 2>&1
+  grep -E "passed|failed|Error|error" "$OUT/gpu-tests.log" | tail -25
+fi
+if [ -z "${SKIP_KERNELS:-}" ]; then
+  python3 -m pytest benchmarks/test_kernels.py -q -p no:cacheprovider "${KEXPR[@]}" \
+      --benchmark-json="$OUT/kernels.json" >"$OUT/kernels.log" 2>&1 || tail -30 "$OUT/kernels.log"
+fi
+if [ -z "${SKIP_STEP:-}" ]; then
   python3 -m pytest benchmarks/test_gpu_step.py -q -p no:cacheprovider "${KEXPR[@]}" \
       --benchmark-json="$OUT/bench.json" >"$OUT/bench.log" 2>&1 || tail -30 "$OUT/bench.log"
 fi

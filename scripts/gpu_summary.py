@@ -1,4 +1,5 @@
-"""Print the short table that ends scripts/gpu_check.sh: test counts per file, benchmark medians."""
+"""Print the short table that ends scripts/gpu_check.sh: test counts per file, the per-kernel table,
+the step benchmarks, the default run and the step profiles."""
 import json
 import sys
 import xml.etree.ElementTree as ET
@@ -18,6 +19,14 @@ def main(out: Path) -> None:
         print(f"\n{'GPU test file':<44}{'pass':>6}{'fail':>6}{'skip':>6}")
         for f, (p, fl, s) in sorted(counts.items()):
             print(f"{f:<44}{p:>6}{fl:>6}{s:>6}")
+    kernels = out / "kernels.json"
+    if kernels.exists():
+        print(f"\n{'kernel (0.22B shapes)':<52}{'ms':>9}{'GB/s':>9}{'TFLOP/s':>9}{'roofline':>10}")
+        for b in json.loads(kernels.read_text())["benchmarks"]:
+            e = b.get("extra_info", {})
+            name = b["name"].removeprefix("test_")
+            print(f"{name:<52}{e.get('ms', 0):>9.3f}{e.get('GB/s', 0):>9.0f}{e.get('TFLOP/s', 0):>9.2f}"
+                  f"{e.get('roofline_%', 0):>8.1f}% {e.get('ceiling', '')}")
     bench = out / "bench.json"
     if bench.exists():
         print(f"\n{'benchmark':<60}{'median ms':>12}  extra")

@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--preset", default="base")
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--seq-len", type=int)
-    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
     args = ap.parse_args()
     preset = get_preset(args.preset, "gpu")
     cfg = Config(**preset["model"])
@@ -44,7 +44,7 @@ def main() -> None:
     step_ops = flatten_ops(model.ops.step)
     per_family: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for op in step_ops:     # in order, so every op sees the buffers its predecessors wrote
-        plan = Plan(model.dev, [op], precision=args.precision)
+        plan = Plan(model.dev, [op])
         ms = timer.time_ms(plan.run, 1)
         fam = per_family[op_family(op)]
         fam[0] += ms

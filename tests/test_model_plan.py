@@ -1,14 +1,13 @@
-"""The GPU step's op list, built on the CPU (no device): every config of the parity suite plans,
-buffers fit the arena, and memory grows linearly in T."""
+"""The GPU step's op list, built on the CPU (no device; plans assume an H200): every config of the
+parity suite plans, buffers fit the arena, pointers are typed, and memory grows linearly in T."""
 import pytest
 
 from rwkvx import Config
 from rwkvx.model import Layout, StepBuilder
+from rwkvx.runtime.device import H200
 from rwkvx.runtime.ops import CopyDtoH, CopyHtoD, Gemm, Launch, flatten_ops
 
 BASE = 1 << 40
-HOST = {name: (1 << 41) + i * (1 << 30) for i, name in enumerate(
-    ("tokens", "targets", "emb_order", "emb_seg_start", "emb_n_seg", "inv_count", "loss_t"))}
 
 CONFIGS = [
     (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3), 2, 40),
@@ -21,14 +20,16 @@ CONFIGS = [
 ]
 
 
-def build(kwargs, B, T):
-    layout = Layout(Config(**kwargs), B, T)
-    return layout, StepBuilder(layout, BASE, HOST).build()
+def build(kwargs, B, T, precision="fp32"):
+    layout = Layout(Config(**kwargs), B, T, H200)
+    host = {name: (1 << 41) + i * (1 << 30) for i, name in enumerate([*Layout.host_inputs(B * T), "loss_t"])}
+    return layout, StepBuilder(layout, BASE, host, precision).build()
 
 
 @pytest.mark.parametrize("kwargs, B, T", CONFIGS)
-def test_step_plan_builds_inside_the_arena(kwargs, B, T):
-    layout, ops = build(kwargs, B, T)
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_step_plan_builds_inside_the_arena(kwargs, B, T, precision):
+    layout, ops = build(kwargs, B, T, precision)
     step = flatten_ops(ops.step)
     end = BASE + layout.total
     pointers = []
@@ -43,10 +44,11 @@ def test_step_plan_builds_inside_the_arena(kwargs, B, T):
     n_blocks = Config(**kwargs).n_blocks
     # each block appears once in the forward and is recomputed once in the backward
     assert sum(isinstance(op, Gemm) for op in flatten_ops(ops.backward)) > n_blocks * 6
+    assert {op.precision.compute for op in step if isinstance(op, Gemm)} == {precision}
 
 
 def test_memory_is_linear_in_tokens():
     kwargs = CONFIGS[3][0]
-    per_token = [Layout(Config(**kwargs), 1, T).total for T in (4096, 8192, 16384)]
+    per_token = [Layout(Config(**kwargs), 1, T, H200).total for T in (4096, 8192, 16384)]
     d1, d2 = per_token[1] - per_token[0], per_token[2] - per_token[1]
     assert d2 == pytest.approx(2 * d1, rel=1e-3)       # no T^2 term

@@ -1,32 +1,28 @@
-"""Every rwkvx/cu/*.cu compiles with NVRTC for sm_90 (no GPU needed), and the CUBIN disk cache works.
-
-Define convention (see docs/DESIGN.md): a kernel file lists the compile-time constants it needs in a
-line ``// rwkvx: defines HEAD_SIZE`` (or ``NAME=v1,v2``); each combination is compiled here.
+"""Every rwkvx/cu/*.cu compiles with NVRTC for sm_90 (no GPU needed) with every define set its
+declaration (rwkvx/ops) launches it with: each variant (head size ...) x each element type (float, bf16).
+Also: the CUBIN disk cache works.
 """
 from pathlib import Path
 
 import pytest
 
+import rwkvx.ops  # noqa: F401  (declares every kernel file)
 from rwkvx.runtime import nvrtc
+from rwkvx.runtime.kernel import KernelFile
 
 OK, WHY = nvrtc.nvrtc_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"NVRTC is not installed/usable: {WHY}")
 
-CU_FILES = sorted(nvrtc.CU_DIR.glob("*.cu"))
 ARCH = "sm_90"
 
 
 def _cases():
     out = []
-    for path in CU_FILES:
-        try:
-            sets = nvrtc.declared_define_sets(path.read_text())
-        except ValueError as e:   # a malformed declaration is reported by the test itself
-            out.append(pytest.param(path, str(e), id=f"{path.stem}-bad-declaration"))
-            continue
-        for defs in sets:
-            label = ",".join(f"{k}={v}" for k, v in defs)
-            out.append(pytest.param(path, defs, id=f"{path.stem}[{label}]"))
+    for module, kf in sorted(KernelFile.registry.items()):
+        for defs in kf.compile_cases():
+            d = dict(defs)
+            label = ",".join(f"{k}={d[k]}" for k in [*sorted(kf.variants), "FLOATX_BF16"])
+            out.append(pytest.param(module, defs, id=f"{module}[{label}]"))
     return out
 
 
@@ -36,12 +32,9 @@ def tmp_cache(tmp_path, monkeypatch):
     return tmp_path / "cache" / "cubin"
 
 
-@pytest.mark.skipif(not CU_FILES, reason="no rwkvx/cu/*.cu files yet")
-@pytest.mark.parametrize("path,defines", _cases())
-def test_cu_file_compiles(path: Path, defines, tmp_cache):
-    if isinstance(defines, str):
-        pytest.fail(f"{path.name}: {defines}")
-    cubin = nvrtc.compile_cubin(path.stem, ARCH, defines)
+@pytest.mark.parametrize("module,defines", _cases())
+def test_cu_file_compiles(module: str, defines, tmp_cache):
+    cubin = nvrtc.compile_cubin(module, ARCH, defines)
     assert cubin[:4] == b"\x7fELF", "NVRTC output for sm_90 should be a CUBIN (ELF)"
 
 

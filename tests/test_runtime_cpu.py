@@ -4,8 +4,9 @@ import struct
 import numpy as np
 import pytest
 
-from rwkvx.runtime import Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
+from rwkvx.runtime import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, GemmPrecision, Launch, Memset, flatten_ops
 from rwkvx.runtime import gemm as G
+from rwkvx.runtime.ops import as_ptr
 
 
 # ---------------------------------------------------------------- op records
@@ -83,8 +84,35 @@ def test_gemm_validation():
         Gemm("N", "N", 3, 4, 5, "1", 8, 3, 16, 5, 0.0, 24, 3)
     with pytest.raises(TypeError):
         Gemm("N", "N", 3.0, 4, 5, 1.0, 8, 3, 16, 5, 0.0, 24, 3)
+    with pytest.raises(TypeError):
+        Gemm("N", "N", 3, 4, 5, 1.0, 8, 3, 16, 5, 0.0, 24, 3, precision="bf16")
+    bf = GemmPrecision("bf16", "bf16", "f32")
+    assert Gemm("N", "N", 3, 4, 5, 1.0, DevPtr(8, "bf16"), 3, DevPtr(16, "bf16"), 5, 0.0, DevPtr(24, "f32"), 3,
+                bf).precision.codes() == (14, 14, 0, 68)
+    with pytest.raises(TypeError):      # an f32 buffer where the precision says bf16
+        Gemm("N", "N", 3, 4, 5, 1.0, DevPtr(8, "f32"), 3, DevPtr(16, "bf16"), 5, 0.0, DevPtr(24, "f32"), 3, bf)
+
+
+@pytest.mark.parametrize("kwargs", [dict(a="f64"), dict(c="f16"), dict(compute="fp16"),
+                                    dict(a="bf16", b="bf16", compute="tf32")])
+def test_gemm_precision_validation(kwargs):
     with pytest.raises(ValueError):
-        Gemm("N", "N", 3, 4, 5, 1.0, 8, 3, 16, 5, 0.0, 24, 3, ab_type="f64")
+        GemmPrecision(**kwargs)
+
+
+def test_gemm_precisions_carry_their_compute_type():
+    assert G.FP32.codes() == (0, 0, 0, 68) and G.TF32.codes() == (0, 0, 0, 77)
+    assert G.linear(1, 2, 3, 10, 4, 6, precision=G.TF32).precision is G.TF32
+    assert set(G.PRECISIONS) == {"fp32", "tf32"}
+
+
+def test_typed_pointers():
+    p = DevPtr(4096, "bf16")
+    assert p.offset(3) == 4102 and p.offset(3).elem == "bf16" and int(p + 2) == 4098
+    assert not isinstance(p + 2, DevPtr)            # arithmetic drops the type: use offset()
+    assert as_ptr(None) == 0 and as_ptr(p) == 4096 and as_ptr(_Buf()) == 4096
+    with pytest.raises(ValueError):
+        DevPtr(8, "f16")
 
 
 def test_memset_copy_validation():
@@ -234,8 +262,8 @@ def test_plan_packs_arguments():
                   defines={"HEAD_SIZE": 64}),
            [Gemm("N", "N", 2, 2, 2, 1.0, 8, 2, 16, 2, 0.0, 24, 2), Memset(8, 4)],
            Launch("m", "k2"), Copy(1, 2, 3), CopyHtoD(1, 2, 3), CopyDtoH(1, 2, 3)]
-    plan = core.Plan(dev, ops, precision="tf32")
-    assert len(plan) == 7 and plan.precision == "tf32"
+    plan = core.Plan(dev, ops)
+    assert len(plan) == 7
     assert dev.calls == [("m", "k1", (("HEAD_SIZE", "64"),)), ("m", "k2", ())]
     assert plan.names[0] == "k1" and plan.names[1] == "cublasGemmEx op #1" and plan.names[3] == "k2"
     packed = plan.packed_args(0)
@@ -254,7 +282,7 @@ def test_plan_packs_arguments():
 
 def test_plan_rejects_bad_input():
     core = _core()
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError):
         core.Plan(_FakeDev(), [], precision="fp16")
     with pytest.raises(TypeError):
         core.Plan(_FakeDev(), [Memset(1, 1), 42])
@@ -349,10 +377,10 @@ def test_plan_run_dispatch_with_fake_driver():
                                  "cuMemcpyDtoHAsync", "cuCtxGetCurrent", "cuCtxSetCurrent")
     dev = Dev()
     ops = [Launch("m", "ka", grid=(3, 2), block=(64,), smem=128, args=(("p", 0x1234), ("f", 2.5))),
-           G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, beta=0.5),
+           G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, beta=0.5, precision=G.TF32),
            Memset(0x40, 16), Memset(0x40, 0), Copy(0x50, 0x60, 8), CopyHtoD(0x70, 0x80, 4), CopyDtoH(0x90, 0xA0, 4),
            Launch("m", "kb")]
-    plan = core.Plan(dev, ops, precision="tf32")
+    plan = core.Plan(dev, ops)
     plan.run()
     S = 0x5150
     assert calls == [
@@ -367,10 +395,12 @@ def test_plan_run_dispatch_with_fake_driver():
     plan.run()                                            # context already current: no second ctx_set
     assert calls[0][0] == "launch" and len(calls) == 7
 
-    fp32 = core.Plan(dev, [ops[1]], precision="fp32")
+    # each GEMM carries its own types: fp32, and bf16 operands with an fp32 output, in one plan
+    mixed = core.Plan(dev, [G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, precision=G.FP32),
+                            G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, precision=G.BF16)])
     calls.clear()
-    fp32.run()
-    assert calls[0][-2] == 68
+    mixed.run()
+    assert [(c[9], c[12], c[16], c[-2]) for c in calls] == [(0, 0, 0, 68), (14, 14, 0, 68)]
 
     # the first failing op stops the loop and is named
     fail_fn["addr"] = 0x1001

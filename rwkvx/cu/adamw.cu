@@ -7,24 +7,15 @@
 //    adamw_clip_finalize(part, n_chunks, st)         <<<1, ADAMW_FIN_THREADS>>>]
 //   adamw_update(p, g, m, v, table, lrmul, st, b1, b2, eps, wd)   <<<n_chunks, ADAMW_THREADS>>>
 //
-// st: float64 [16] device state (indices below). table: int32 [n_chunks, 4] = (offset low 32 bits,
+// st: float64 [STATE_DOUBLES] device state (indices ST_*). table: int32 [n_chunks, 4] = (offset low 32 bits,
 // offset high 32 bits, length, weight-decay flag); lrmul: float32 [n_chunks]. Every chunk lies inside
 // one tensor. part: float64 [n_chunks] scratch.
 
-#define ST_STEP 0
-#define ST_LR_MAX 1
-#define ST_LR_MIN 2
-#define ST_WARMUP 3
-#define ST_TOTAL 4
-#define ST_CLIP 5
-#define ST_LR 6
-#define ST_BC1 7
-#define ST_BC2 8
-#define ST_SCALE 9
-#define ST_NORM 10
-
-#define ADAMW_THREADS 256
-#define ADAMW_FIN_THREADS 1024
+#include "common.cuh"
+#if !defined(ST_STEP) || !defined(ST_NORM) || !defined(ADAMW_THREADS) || !defined(ADAMW_FIN_THREADS) || \
+    !defined(ADAMW_CLIP_EPS)
+#error "adamw.cu: the state indices ST_* and the block sizes come from rwkvx/ops/adamw.py"
+#endif
 
 extern "C" __global__ void adamw_step_begin(double* st, double b1, double b2)
 {
@@ -112,7 +103,7 @@ adamw_clip_finalize(const double* __restrict__ part, int n_parts, double* __rest
         const double max_norm = st[ST_CLIP];
         double scale = 1.0;
         if (max_norm > 0.0) {
-            scale = max_norm / (norm + 1e-6);
+            scale = max_norm / (norm + ADAMW_CLIP_EPS);
             if (scale > 1.0) scale = 1.0;  // NaN/inf norm: scale NaN/0, as torch.nn.utils.clip_grad_norm_
         }
         st[ST_SCALE] = scale;

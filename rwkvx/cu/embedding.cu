@@ -1,6 +1,7 @@
 // embedding.cu — token embedding gather and its deterministic gradient (rwkvx).
 //
-// Buffers: tok int32 [R]; emb, demb float32 [V, C]; x, dx float32 [R, C]. C % 4 == 0, 16-byte aligned.
+// Buffers: tok int32 [R]; emb, demb float32 [V, C] (the fp32 weights and their gradient); x, dx floatX
+// [R, C]. C % 4 == 0, aligned to 4 elements. EMB_BY comes from rwkvx/ops/embedding.py.
 //
 //   embedding_forward(tok, emb, x, R, C, V)
 //       x[r, :] = emb[tok[r], :]. A token outside [0, V) (the host validates, so never expected)
@@ -15,34 +16,30 @@
 //       Sum order: thread row y adds segment entries y, y+EMB_BY, ... in order, then the EMB_BY
 //       partial sums are added in order y = 0..EMB_BY-1 — fixed, so bit-reproducible.
 
-#define EMB_BY 8
+#include "common.cuh"
+#ifndef EMB_BY
+#error "embedding.cu: EMB_BY comes from rwkvx/ops/embedding.py"
+#endif
 
 extern "C" __global__ void __launch_bounds__(256)
-embedding_forward(const int* __restrict__ tok, const float* __restrict__ emb, float* __restrict__ x,
+embedding_forward(const int* __restrict__ tok, const float* __restrict__ emb, floatX* __restrict__ x,
                   int R, int C, int V)
 {
-    const int C4 = C >> 2;
-    const long long n4 = (long long)R * C4;
-    const float4* e4 = reinterpret_cast<const float4*>(emb);
-    float4* x4 = reinterpret_cast<float4*>(x);
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n4;
-         i += (long long)gridDim.x * blockDim.x) {
-        const int r = (int)(i / C4);
-        const int c4 = (int)(i - (long long)r * C4);
+    for_each_quad(R, C, [&](long long i, int r, int c4) {
         const int t = tok[r];
-        float4 v;
+        f4 v;
         if ((unsigned)t < (unsigned)V) {
-            v = e4[(long long)t * C4 + c4];
+            v = load4(emb + (long long)t * C + 4 * c4);
         } else {
             const float nan = __int_as_float(0x7fc00000);
-            v = make_float4(nan, nan, nan, nan);
+            v.v[0] = nan; v.v[1] = nan; v.v[2] = nan; v.v[3] = nan;
         }
-        x4[i] = v;
-    }
+        store4(x + 4 * i, v);
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(32 * EMB_BY)
-embedding_backward(const float* __restrict__ dx, const int* __restrict__ tok,
+embedding_backward(const floatX* __restrict__ dx, const int* __restrict__ tok,
                    const int* __restrict__ order, const int* __restrict__ seg_start,
                    const int* __restrict__ n_seg, float* __restrict__ demb, int C, int V)
 {
@@ -54,11 +51,10 @@ embedding_backward(const float* __restrict__ dx, const int* __restrict__ tok,
     const int i0 = seg_start[s], i1 = seg_start[s + 1];
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c4 < C4) {
-        const float4* d4 = reinterpret_cast<const float4*>(dx) + c4;
 #pragma unroll 4
         for (int i = i0 + threadIdx.y; i < i1; i += EMB_BY) {
-            const float4 u = d4[(long long)order[i] * C4];
-            acc.x += u.x; acc.y += u.y; acc.z += u.z; acc.w += u.w;
+            const f4 u = load4(dx + ((long long)order[i] * C4 + c4) * 4);
+            acc.x += u.v[0]; acc.y += u.v[1]; acc.z += u.v[2]; acc.w += u.v[3];
         }
     }
     sh[threadIdx.y][threadIdx.x] = acc;

@@ -2,8 +2,9 @@
 //
 //   y = (x - mean) * rstd * w + b,   mean = sum(x)/C,  rstd = 1/sqrt(sum((x-mean)^2)/C + eps)
 //
-// Buffers: x, y, dy, dx float32 [R, C] row-major; w, b float32 [C]; mean, rstd float32 [R].
-// Requires C % 4 == 0 and 16-byte aligned row buffers (ops/layernorm.py checks).
+// Buffers: x, y, dy, dx floatX [R, C] row-major; w, b float32 [C]; mean, rstd float32 [R]; part float32.
+// Requires C % 4 == 0 and row buffers aligned to 4 elements (ops/layernorm.py checks). fp32 math.
+// LN_WARPS, LN_BY come from the declaration in rwkvx/ops/layernorm.py.
 //
 // Kernels (one warp per row for the row-wise ones; block = (LN_WARPS*32), grid = ceil(R / LN_WARPS)):
 //   ln_forward(x, w, b, y, mean, rstd, R, C, eps)
@@ -18,8 +19,10 @@
 //       part[n_tiles*C + t*C + c] = sum over rows r of tile t of dy[r,c]          (dbias partials)
 //       followed by reduce_cols (reduce.cu) on each half.
 
-#define LN_WARPS 8
-#define LN_BY 8
+#include "common.cuh"
+#if !defined(LN_WARPS) || !defined(LN_BY)
+#error "layernorm.cu: LN_WARPS and LN_BY come from rwkvx/ops/layernorm.py"
+#endif
 
 static __device__ __forceinline__ float ln_warp_sum(float v)
 {
@@ -29,25 +32,25 @@ static __device__ __forceinline__ float ln_warp_sum(float v)
 }
 
 extern "C" __global__ void __launch_bounds__(LN_WARPS * 32)
-ln_forward(const float* x, const float* __restrict__ w, const float* __restrict__ b,
-           float* y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+ln_forward(const floatX* x, const float* __restrict__ w, const float* __restrict__ b,
+           floatX* y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
            int R, int C, float eps)
 {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     if (r >= R) return;
     const int C4 = C >> 2;
-    const float4* xr = reinterpret_cast<const float4*>(x + (long long)r * C);
+    const floatX* xr = x + (long long)r * C;
     float s = 0.0f;
     for (int i = lane; i < C4; i += 32) {
-        const float4 v = xr[i];
-        s += (v.x + v.y) + (v.z + v.w);
+        const f4 v = load4(xr + 4 * i);
+        s += (v.v[0] + v.v[1]) + (v.v[2] + v.v[3]);
     }
     const float mu = ln_warp_sum(s) / (float)C;
     float q = 0.0f;
     for (int i = lane; i < C4; i += 32) {
-        const float4 v = xr[i];
-        const float a = v.x - mu, bb = v.y - mu, c = v.z - mu, d = v.w - mu;
+        const f4 v = load4(xr + 4 * i);
+        const float a = v.v[0] - mu, bb = v.v[1] - mu, c = v.v[2] - mu, d = v.v[3] - mu;
         q += (a * a + bb * bb) + (c * c + d * d);
     }
     const float rs = 1.0f / sqrtf(ln_warp_sum(q) / (float)C + eps);
@@ -56,24 +59,20 @@ ln_forward(const float* x, const float* __restrict__ w, const float* __restrict_
         if (rstd_out) rstd_out[r] = rs;
     }
     if (y) {
-        const float4* w4 = reinterpret_cast<const float4*>(w);
-        const float4* b4 = reinterpret_cast<const float4*>(b);
-        float4* yr = reinterpret_cast<float4*>(y + (long long)r * C);
+        floatX* yr = y + (long long)r * C;
         for (int i = lane; i < C4; i += 32) {
-            const float4 v = xr[i], ww = w4[i], bv = b4[i];
-            float4 o;
-            o.x = (v.x - mu) * rs * ww.x + bv.x;
-            o.y = (v.y - mu) * rs * ww.y + bv.y;
-            o.z = (v.z - mu) * rs * ww.z + bv.z;
-            o.w = (v.w - mu) * rs * ww.w + bv.w;
-            yr[i] = o;
+            const f4 v = load4(xr + 4 * i), ww = load4(w + 4 * i), bv = load4(b + 4 * i);
+            f4 o;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o.v[e] = (v.v[e] - mu) * rs * ww.v[e] + bv.v[e];
+            store4(yr + 4 * i, o);
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(LN_WARPS * 32)
-ln_backward_dx(const float* __restrict__ x, const float* __restrict__ w, const float* dy,
-               const float* __restrict__ mean, const float* __restrict__ rstd, float* dx,
+ln_backward_dx(const floatX* __restrict__ x, const float* __restrict__ w, const floatX* dy,
+               const float* __restrict__ mean, const float* __restrict__ rstd, floatX* dx,
                int R, int C, int accumulate)
 {
     const int lane = threadIdx.x & 31;
@@ -81,37 +80,36 @@ ln_backward_dx(const float* __restrict__ x, const float* __restrict__ w, const f
     if (r >= R) return;
     const int C4 = C >> 2;
     const float mu = mean[r], rs = rstd[r];
-    const float4* xr = reinterpret_cast<const float4*>(x + (long long)r * C);
-    const float4* dyr = reinterpret_cast<const float4*>(dy + (long long)r * C);
-    const float4* w4 = reinterpret_cast<const float4*>(w);
+    const floatX* xr = x + (long long)r * C;
+    const floatX* dyr = dy + (long long)r * C;
     float sg = 0.0f, sgx = 0.0f;
     for (int i = lane; i < C4; i += 32) {
-        const float4 v = xr[i], d = dyr[i], ww = w4[i];
-        const float g0 = d.x * ww.x, g1 = d.y * ww.y, g2 = d.z * ww.z, g3 = d.w * ww.w;
+        const f4 v = load4(xr + 4 * i), d = load4(dyr + 4 * i), ww = load4(w + 4 * i);
+        const float g0 = d.v[0] * ww.v[0], g1 = d.v[1] * ww.v[1], g2 = d.v[2] * ww.v[2], g3 = d.v[3] * ww.v[3];
         sg += (g0 + g1) + (g2 + g3);
-        sgx += (g0 * ((v.x - mu) * rs) + g1 * ((v.y - mu) * rs)) + (g2 * ((v.z - mu) * rs) + g3 * ((v.w - mu) * rs));
+        sgx += (g0 * ((v.v[0] - mu) * rs) + g1 * ((v.v[1] - mu) * rs))
+             + (g2 * ((v.v[2] - mu) * rs) + g3 * ((v.v[3] - mu) * rs));
     }
     const float invC = 1.0f / (float)C;
     const float mg = ln_warp_sum(sg) * invC;
     const float mgx = ln_warp_sum(sgx) * invC;
-    float4* dxr = reinterpret_cast<float4*>(dx + (long long)r * C);
+    floatX* dxr = dx + (long long)r * C;
     for (int i = lane; i < C4; i += 32) {
-        const float4 v = xr[i], d = dyr[i], ww = w4[i];
-        float4 o;
-        o.x = rs * (d.x * ww.x - mg - ((v.x - mu) * rs) * mgx);
-        o.y = rs * (d.y * ww.y - mg - ((v.y - mu) * rs) * mgx);
-        o.z = rs * (d.z * ww.z - mg - ((v.z - mu) * rs) * mgx);
-        o.w = rs * (d.w * ww.w - mg - ((v.w - mu) * rs) * mgx);
+        const f4 v = load4(xr + 4 * i), d = load4(dyr + 4 * i), ww = load4(w + 4 * i);
+        f4 o;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o.v[e] = rs * (d.v[e] * ww.v[e] - mg - ((v.v[e] - mu) * rs) * mgx);
         if (accumulate) {
-            const float4 p = dxr[i];
-            o.x += p.x; o.y += p.y; o.z += p.z; o.w += p.w;
+            const f4 p = load4(dxr + 4 * i);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o.v[e] += p.v[e];
         }
-        dxr[i] = o;
+        store4(dxr + 4 * i, o);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(32 * LN_BY)
-ln_backward_dwdb(const float* __restrict__ x, const float* __restrict__ dy,
+ln_backward_dwdb(const floatX* __restrict__ x, const floatX* __restrict__ dy,
                  const float* __restrict__ mean, const float* __restrict__ rstd,
                  float* __restrict__ part, int R, int C, int rows_per_tile)
 {
@@ -123,15 +121,13 @@ ln_backward_dwdb(const float* __restrict__ x, const float* __restrict__ dy,
     const int r1 = min(R, r0 + rows_per_tile);
     float4 sw = make_float4(0.f, 0.f, 0.f, 0.f), sb = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c4 < C4) {
-        const float4* x4 = reinterpret_cast<const float4*>(x) + c4;
-        const float4* d4 = reinterpret_cast<const float4*>(dy) + c4;
 #pragma unroll 4
         for (int r = r0 + threadIdx.y; r < r1; r += LN_BY) {
             const float mu = mean[r], rs = rstd[r];
-            const float4 v = x4[(long long)r * C4], d = d4[(long long)r * C4];
-            sw.x += d.x * ((v.x - mu) * rs); sw.y += d.y * ((v.y - mu) * rs);
-            sw.z += d.z * ((v.z - mu) * rs); sw.w += d.w * ((v.w - mu) * rs);
-            sb.x += d.x; sb.y += d.y; sb.z += d.z; sb.w += d.w;
+            const f4 v = load4(x + (long long)r * C + 4 * c4), d = load4(dy + (long long)r * C + 4 * c4);
+            sw.x += d.v[0] * ((v.v[0] - mu) * rs); sw.y += d.v[1] * ((v.v[1] - mu) * rs);
+            sw.z += d.v[2] * ((v.v[2] - mu) * rs); sw.w += d.v[3] * ((v.v[3] - mu) * rs);
+            sb.x += d.v[0]; sb.y += d.v[1]; sb.z += d.v[2]; sb.w += d.v[3];
         }
     }
     shw[threadIdx.y][threadIdx.x] = sw;

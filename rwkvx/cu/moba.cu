@@ -1,8 +1,10 @@
-// moba.cu — MoBA sparse attention (SPEC §2.3 "Attn (MoBA)"), forward and backward, fp32, flash-style.
+// moba.cu — MoBA sparse attention (SPEC §2.3 "Attn (MoBA)"), forward and backward, fp32 math, flash-style.
 //
-// Layout: q, k, v, o, do, dq, dk, dv float32 [B, T, H, N] (= row-major [B*T, C], c = h*N + n), 16-byte
-// aligned. N = HEAD_SIZE (compile-time, a multiple of 4, 4..256); chunk, top_k runtime; K1 = top_k - 1;
-// nblk = ceil(T / chunk); scale = 1/sqrt(N). Per (b, h) "bh" = b*H + h.
+// Layout: q, k, v, o, do, dq, dk, dv floatX [B, T, H, N] (= row-major [B*T, C], c = h*N + n), aligned to
+// 4 elements; tiles are widened to fp32 in shared memory. N = HEAD_SIZE (compile-time, 4..256); chunk,
+// top_k runtime; K1 = top_k - 1; nblk = ceil(T / chunk); scale = 1/sqrt(N). Per (b, h) "bh" = b*H + h.
+// Tile sizes, thread counts, padded row strides and the shared-memory carve-ups (MOBA_SM_*, word
+// offsets) come from the declaration in rwkvx/ops/moba.py.
 //
 // Scratch (see rwkvx/ops/moba.py for sizes; nothing needs zeroing beforehand):
 //   kmean  float [B, H, nblk, N]    mean of k over each block
@@ -31,43 +33,23 @@
 //   * dk, dv: one CTA per (key tile of block j) loops over the own-block query tiles (causal), then the
 //     tiles of qlist for j, accumulating in registers, and writes once.
 
-#ifndef HEAD_SIZE
-#define HEAD_SIZE 64
-#endif
-// Tiles (ops/moba.py passes all of them; these defaults only serve stand-alone compile checks).
-#ifndef MOBA_FQ            // forward: queries per tile
-#define MOBA_FQ 64
-#endif
-#ifndef MOBA_FK            // forward: keys per tile
-#define MOBA_FK 64
-#endif
-#ifndef MOBA_DQ_Q          // backward dq: queries per tile
-#define MOBA_DQ_Q 64
-#endif
-#ifndef MOBA_DQ_K          // backward dq: keys per tile
-#define MOBA_DQ_K 32
-#endif
-#ifndef MOBA_KV_K          // backward dk/dv: keys per tile
-#define MOBA_KV_K 64
-#endif
-#ifndef MOBA_KV_Q          // backward dk/dv: queries per tile
-#define MOBA_KV_Q 32
-#endif
-#ifndef MOBA_SEL_J         // selection: block means staged per step
-#define MOBA_SEL_J 32
+#include "common.cuh"
+#if !defined(HEAD_SIZE) || !defined(MOBA_FQ) || !defined(MOBA_NTHR) || !defined(MOBA_SM_KV_QTOK)
+#error "moba.cu: HEAD_SIZE, the tiles and the shared-memory layouts come from rwkvx/ops/moba.py"
 #endif
 
 #define HS HEAD_SIZE
 #define HS4 (HS / 4)
-#define LDH (HS + 4)               // padded shared-memory row stride of [rows][HS] tiles
+#define LDH MOBA_LDH               // padded shared-memory row stride of [rows][HS] tiles
 #define NC ((HS + 15) / 16)        // output columns per thread (col = tx + 16*c)
 #define TX 16                      // threads along columns
 #define TY 8                       // threads along rows
-#define NTHR 128                   // threads of the attention kernels
-#define SEL_Q 64                   // threads (= queries) per moba_select block
-#define KM_THREADS 256
-#define FILL_THREADS 256
+#define NTHR MOBA_NTHR             // threads of the attention kernels
+#define SEL_Q MOBA_SEL_Q           // threads (= queries) per moba_select block
+#define KM_THREADS MOBA_KM_THREADS
+#define FILL_THREADS MOBA_FILL_THREADS
 
+static_assert(TX * TY == NTHR, "the attention tiles assume TX x TY threads");
 static_assert(HS % 4 == 0 && HS >= 4 && HS <= 256, "HEAD_SIZE must be a multiple of 4 in [4, 256]");
 static_assert(MOBA_FQ % TY == 0 && MOBA_FK % TX == 0, "forward tiles");
 static_assert(MOBA_DQ_Q % TY == 0 && MOBA_DQ_K % TX == 0, "dq tiles");
@@ -101,31 +83,57 @@ static __device__ __forceinline__ bool moba_col_ok(int col)
     return (HS % 16 == 0) || col < HS;
 }
 
-// Rows tok[0..R) of a [T, H, HS] head slice (base = &x[b, 0, h, 0], row stride tstride) into dst
-// [R][LDH]; tok < 0 gives a zero row. Coalesced float4 loads.
-static __device__ __forceinline__ void moba_load_rows(float* __restrict__ dst, const float* __restrict__ base,
+// Rows tok[0..R) of a [T, H, HS] head slice (base = &x[b, 0, h, 0], row stride tstride) into the fp32
+// tile dst [R][LDH]; tok < 0 gives a zero row. Coalesced 4-element loads.
+static __device__ __forceinline__ void moba_load_rows(float* __restrict__ dst, const floatX* __restrict__ base,
                                                       size_t tstride, const int* tok, int R)
 {
     for (int idx = threadIdx.x; idx < R * HS4; idx += blockDim.x) {
         const int r = idx / HS4, c4 = idx - r * HS4;
         const int t = tok[r];
-        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (t >= 0) val = *reinterpret_cast<const float4*>(base + (size_t)t * tstride + c4 * 4);
-        *reinterpret_cast<float4*>(dst + r * LDH + c4 * 4) = val;
+        store4(dst + r * LDH + c4 * 4, t >= 0 ? load4(base + (size_t)t * tstride + c4 * 4) : f4_zero());
     }
 }
 
 // Rows u0 .. u0+nk-1 (contiguous tokens; rows nk..R-1 zero)
-static __device__ __forceinline__ void moba_load_range(float* __restrict__ dst, const float* __restrict__ base,
+static __device__ __forceinline__ void moba_load_range(float* __restrict__ dst, const floatX* __restrict__ base,
                                                        size_t tstride, int u0, int nk, int R)
 {
     for (int idx = threadIdx.x; idx < R * HS4; idx += blockDim.x) {
         const int r = idx / HS4, c4 = idx - r * HS4;
-        float4 val = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (r < nk) val = *reinterpret_cast<const float4*>(base + (size_t)(u0 + r) * tstride + c4 * 4);
-        *reinterpret_cast<float4*>(dst + r * LDH + c4 * 4) = val;
+        store4(dst + r * LDH + c4 * 4, r < nk ? load4(base + (size_t)(u0 + r) * tstride + c4 * 4) : f4_zero());
     }
 }
+
+// The dynamic shared memory of a launch, as 4-byte words (the MOBA_SM_* offsets count words).
+extern __shared__ float4 moba_smem4[];
+static __device__ __forceinline__ float* moba_smem_f(int word) { return reinterpret_cast<float*>(moba_smem4) + word; }
+static __device__ __forceinline__ int* moba_smem_i(int word) { return reinterpret_cast<int*>(moba_smem4) + word; }
+
+// The carve-ups of the attention kernels (layouts: rwkvx/ops/moba.py).
+struct MobaFwdSmem {
+    float *Q, *K, *V, *P;                 // [FQ][LDH] [FK][LDH] [FK][LDH] [FQ][FLDP]
+    int *qtok, *qent;                     // [FQ] [FQ]
+    __device__ MobaFwdSmem()
+        : Q(moba_smem_f(0)), K(moba_smem_f(MOBA_SM_FWD_K)), V(moba_smem_f(MOBA_SM_FWD_V)),
+          P(moba_smem_f(MOBA_SM_FWD_P)), qtok(moba_smem_i(MOBA_SM_FWD_QTOK)), qent(moba_smem_i(MOBA_SM_FWD_QENT)) {}
+};
+struct MobaDqSmem {
+    float *Q, *dO, *K, *V, *dS, *lse, *D; // [DQ_Q][LDH] x2, [DQ_K][LDH] x2, [DQ_Q][DLDP], [DQ_Q] x2
+    int *qtok, *qent;                     // [DQ_Q] [DQ_Q]
+    __device__ MobaDqSmem()
+        : Q(moba_smem_f(0)), dO(moba_smem_f(MOBA_SM_DQ_DO)), K(moba_smem_f(MOBA_SM_DQ_K)),
+          V(moba_smem_f(MOBA_SM_DQ_V)), dS(moba_smem_f(MOBA_SM_DQ_DS)), lse(moba_smem_f(MOBA_SM_DQ_LSE)),
+          D(moba_smem_f(MOBA_SM_DQ_D)), qtok(moba_smem_i(MOBA_SM_DQ_QTOK)), qent(moba_smem_i(MOBA_SM_DQ_QENT)) {}
+};
+struct MobaKvSmem {
+    float *K, *V, *Q, *dO, *P, *dS, *lse, *D;   // [KV_K][LDH] x2, [KV_Q][LDH] x2, [KV_K][KLDP] x2, [KV_Q] x2
+    int *qtok;                                  // [KV_Q]
+    __device__ MobaKvSmem()
+        : K(moba_smem_f(0)), V(moba_smem_f(MOBA_SM_KV_V)), Q(moba_smem_f(MOBA_SM_KV_Q)),
+          dO(moba_smem_f(MOBA_SM_KV_DO)), P(moba_smem_f(MOBA_SM_KV_P)), dS(moba_smem_f(MOBA_SM_KV_DS)),
+          lse(moba_smem_f(MOBA_SM_KV_LSE)), D(moba_smem_f(MOBA_SM_KV_D)), qtok(moba_smem_i(MOBA_SM_KV_QTOK)) {}
+};
 
 // acc[i][c] += A[row_i] . B[col_c] over HS, A rows ty + TY*i, B rows tx + TX*c (both [.][LDH] in smem).
 // Summation in ascending n (fixed order).
@@ -200,12 +208,59 @@ static __device__ __forceinline__ bool moba_find_tile(const int* __restrict__ to
     return true;
 }
 
+// The query tile of a key-block-centric CTA: tile `tile` of the entries t*K1 + s of qlist that selected
+// block j (blockIdx.x indexes the tiles through toff). qent[r] = entry, qtok[r] = t (-1 past the end).
+// False when this CTA has no tile. Ends with __syncthreads().
+template <int TQ>
+static __device__ __forceinline__ bool moba_past_queries(const int* __restrict__ offs, const int* __restrict__ toff,
+                                                         const int* __restrict__ qlist_bh, int nblk, int K1,
+                                                         int* qent, int* qtok, int& j)
+{
+    int tile;
+    if (!moba_find_tile(toff, nblk, blockIdx.x, j, tile)) return false;
+    const int e0 = offs[j] + tile * TQ;
+    const int e1 = min(e0 + TQ, offs[j + 1]);
+    for (int r = threadIdx.x; r < TQ; r += NTHR) {
+        const int p = (e0 + r < e1) ? qlist_bh[e0 + r] : -1;
+        qent[r] = p;
+        qtok[r] = p >= 0 ? p / K1 : -1;
+    }
+    __syncthreads();
+    return true;
+}
+
+// The query tile of an own-block CTA: tile blockIdx.x % tpc of block blockIdx.x / tpc (tpc tiles of TQ
+// queries per block); qtok[r] = q0 + r up to q1. False when the tile starts past T. Ends with
+// __syncthreads().
+template <int TQ>
+static __device__ __forceinline__ bool moba_own_queries(int T, int chunk, int* qtok, int& kstart, int& q1)
+{
+    const int tpc = (chunk + TQ - 1) / TQ;
+    const int cblk = blockIdx.x / tpc, ti = blockIdx.x - cblk * tpc;
+    kstart = cblk * chunk;
+    const int q0 = kstart + ti * TQ;
+    if (q0 >= T) return false;
+    q1 = min(min(q0 + TQ, kstart + chunk), T);
+    for (int r = threadIdx.x; r < TQ; r += NTHR) qtok[r] = (q0 + r < q1) ? q0 + r : -1;
+    __syncthreads();
+    return true;
+}
+
+// Keys and values u0 .. u0+nk-1 of a head slice into the tiles Ks, Vs [TK][LDH] (rows nk.. zero).
+template <int TK>
+static __device__ __forceinline__ void moba_load_kv(float* Ks, float* Vs, const floatX* __restrict__ k,
+                                                    const floatX* __restrict__ v, size_t tstride, int u0, int nk)
+{
+    moba_load_range(Ks, k, tstride, u0, nk, TK);
+    moba_load_range(Vs, v, tstride, u0, nk, TK);
+}
+
 // ------------------------------------------------------------------------------------------------
 // (1) block means of k; also zeroes cnt (the selection counts)
 //     grid (nblk, H, B), block KM_THREADS
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(KM_THREADS)
-moba_kmean(const float* __restrict__ k, float* __restrict__ kmean, int* __restrict__ cnt,
+moba_kmean(const floatX* __restrict__ k, float* __restrict__ kmean, int* __restrict__ cnt,
            int T, int H, int chunk, int nblk)
 {
     constexpr int NP = KM_THREADS / HS;       // partial sums per channel (>= 1)
@@ -216,8 +271,8 @@ moba_kmean(const float* __restrict__ k, float* __restrict__ kmean, int* __restri
     const int part = threadIdx.x / HS, n = threadIdx.x - part * HS;
     float s = 0.f;
     if (part < NP) {
-        const float* base = k + ((size_t)b * T * H + h) * HS + n;
-        for (int u = u0 + part; u < u1; u += NP) s += base[(size_t)u * H * HS];
+        const floatX* base = k + ((size_t)b * T * H + h) * HS + n;
+        for (int u = u0 + part; u < u1; u += NP) s += to_f32(base[(size_t)u * H * HS]);
     }
     red[threadIdx.x] = s;
     __syncthreads();
@@ -235,17 +290,16 @@ moba_kmean(const float* __restrict__ k, float* __restrict__ kmean, int* __restri
 //     g_j = q_t . kmean_j (fp32, fmaf chain over n ascending) for j < t // chunk; the K1 largest,
 //     ties -> lower j. Writes sel (ascending, -1 padded) and adds the selections to cnt (int atomics).
 //     grid (ceil(T/SEL_Q), H, B), block SEL_Q,
-//     dynamic smem 4 * (SEL_Q*(HS+1) + MOBA_SEL_J*HS + 2*SEL_Q*K1) bytes
+//     dynamic smem: qs [SEL_Q][HS+1] and kms [SEL_J][HS] (MOBA_SM_SEL_*), then topg, topj [K1][SEL_Q]
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(SEL_Q)
-moba_select(const float* __restrict__ q, const float* __restrict__ kmean, int* __restrict__ sel,
+moba_select(const floatX* __restrict__ q, const float* __restrict__ kmean, int* __restrict__ sel,
             int* __restrict__ cnt, int T, int H, int chunk, int K1, int nblk)
 {
-    extern __shared__ float4 moba_smem4[];
-    float* qs = reinterpret_cast<float*>(moba_smem4);          // [SEL_Q][HS+1]
-    float* kms = qs + SEL_Q * (HS + 1);                         // [SEL_J][HS]
-    float* topg = kms + MOBA_SEL_J * HS;                        // [K1][SEL_Q]
-    int* topj = reinterpret_cast<int*>(topg + SEL_Q * K1);      // [K1][SEL_Q]
+    float* qs = moba_smem_f(0);                                 // [SEL_Q][HS+1]
+    float* kms = moba_smem_f(MOBA_SM_SEL_KM);                   // [SEL_J][HS]
+    float* topg = moba_smem_f(MOBA_SM_SEL_TOP);                 // [K1][SEL_Q]
+    int* topj = moba_smem_i(MOBA_SM_SEL_TOP + SEL_Q * K1);      // [K1][SEL_Q]
 
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     const int tid = threadIdx.x;
@@ -254,11 +308,11 @@ moba_select(const float* __restrict__ q, const float* __restrict__ kmean, int* _
     const bool valid = t < T;
     const int bt = valid ? t / chunk : 0;
     const size_t tstride = (size_t)H * HS;
-    const float* qbase = q + ((size_t)b * T * H + h) * HS;
+    const floatX* qbase = q + ((size_t)b * T * H + h) * HS;
 
     for (int idx = tid; idx < SEL_Q * HS; idx += SEL_Q) {
         const int r = idx / HS, n = idx - r * HS;
-        qs[r * (HS + 1) + n] = (t0 + r < T) ? qbase[(size_t)(t0 + r) * tstride + n] : 0.f;
+        qs[r * (HS + 1) + n] = (t0 + r < T) ? to_f32(qbase[(size_t)(t0 + r) * tstride + n]) : 0.f;
     }
     const int jmax = (min(t0 + SEL_Q, T) - 1) / chunk;        // candidate blocks of this CTA: j < jmax
     int nf = 0;
@@ -399,11 +453,11 @@ moba_fill(const int* __restrict__ sel, const int* __restrict__ idx, int* __restr
 // ------------------------------------------------------------------------------------------------
 // forward attention core: one key tile [u0, u0+nk) against the query tile in Qs (rows ty + TY*i),
 // online softmax in fp32. causal: key u visible to query t iff u <= t (t = qtok[row]; qtok < 0 rows
-// see nothing). Ks, Vs [FK][LDH], Ps [FQ][FK+4].
+// see nothing). Ks, Vs [FK][LDH], Ps [FQ][FLDP].
 // ------------------------------------------------------------------------------------------------
 #define FRQ (MOBA_FQ / TY)
 #define FCK (MOBA_FK / TX)
-#define FLDP (MOBA_FK + 4)
+#define FLDP MOBA_FLDP
 
 static __device__ __forceinline__ void moba_fwd_tile(const float* __restrict__ Qs, const float* __restrict__ Ks,
                                                      const float* __restrict__ Vs, float* __restrict__ Ps,
@@ -452,43 +506,12 @@ static __device__ __forceinline__ void moba_fwd_tile(const float* __restrict__ Q
     __syncthreads();
 }
 
-#define FWD_SMEM_FLOATS (MOBA_FQ * LDH + 2 * MOBA_FK * LDH + MOBA_FQ * FLDP)
-
-// ------------------------------------------------------------------------------------------------
-// (5) forward over the selected past blocks: CTA = (block j, tile of up to FQ queries that selected j)
-//     writes part[bh, t, s, :] = softmax-weighted v over block j (normalised), lpart = its logsumexp.
-//     grid (ceil(Emax/FQ) + nblk, H, B), block NTHR, dynamic smem 4*(FWD_SMEM_FLOATS + 2*FQ) bytes
-// ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(NTHR)
-moba_fwd_past(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-              const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
-              float* __restrict__ lpart, int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+// The query tile in Qs against keys u .. uend-1 in tiles of FK, from a fresh online-softmax state.
+static __device__ __forceinline__ void moba_fwd_attend(const MobaFwdSmem& sm, const floatX* __restrict__ k,
+                                                       const floatX* __restrict__ v, size_t tstride, int u,
+                                                       int uend, bool causal, float scale, float (&m)[FRQ],
+                                                       float (&l)[FRQ], float (&acc)[FRQ][NC])
 {
-    extern __shared__ float4 moba_smem4[];
-    float* Qs = reinterpret_cast<float*>(moba_smem4);
-    float* Ks = Qs + MOBA_FQ * LDH;
-    float* Vs = Ks + MOBA_FK * LDH;
-    float* Ps = Vs + MOBA_FK * LDH;
-    int* qtok = reinterpret_cast<int*>(Ps + MOBA_FQ * FLDP);
-    int* qent = qtok + MOBA_FQ;
-
-    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
-    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
-    int j, tile;
-    if (!moba_find_tile(offs + (nblk + 1), nblk, blockIdx.x, j, tile)) return;
-    const int e0 = offs[j] + tile * MOBA_FQ;
-    const int e1 = min(e0 + MOBA_FQ, offs[j + 1]);
-    for (int r = threadIdx.x; r < MOBA_FQ; r += NTHR) {
-        const int p = (e0 + r < e1) ? qlist[(size_t)bh * Emax + e0 + r] : -1;
-        qent[r] = p;
-        qtok[r] = p >= 0 ? p / K1 : -1;
-    }
-    __syncthreads();
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_load_rows(Qs, q + hoff, tstride, qtok, MOBA_FQ);
-
-    float m[FRQ], l[FRQ], acc[FRQ][NC];
 #pragma unroll
     for (int i = 0; i < FRQ; ++i) {
         m[i] = -MOBA_INF;
@@ -496,14 +519,39 @@ moba_fwd_past(const float* __restrict__ q, const float* __restrict__ k, const fl
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[i][c] = 0.f;
     }
-    const int kend = (j + 1) * chunk;            // block j is complete (a later block exists)
-    for (int u0 = j * chunk; u0 < kend; u0 += MOBA_FK) {
-        const int nk = min(MOBA_FK, kend - u0);
-        moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_FK);
-        moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_FK);
+    for (int u0 = u; u0 < uend; u0 += MOBA_FK) {
+        const int nk = min(MOBA_FK, uend - u0);
+        moba_load_kv<MOBA_FK>(sm.K, sm.V, k, v, tstride, u0, nk);
         __syncthreads();
-        moba_fwd_tile(Qs, Ks, Vs, Ps, qtok, u0, nk, false, scale, m, l, acc);
+        moba_fwd_tile(sm.Q, sm.K, sm.V, sm.P, sm.qtok, u0, nk, causal, scale, m, l, acc);
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (5) forward over the selected past blocks: CTA = (block j, tile of up to FQ queries that selected j)
+//     writes part[bh, t, s, :] = softmax-weighted v over block j (normalised), lpart = its logsumexp.
+//     grid (ceil(Emax/FQ) + nblk, H, B), block NTHR, dynamic smem MobaFwdSmem
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_fwd_past(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+              const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
+              float* __restrict__ lpart, int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+{
+    const MobaFwdSmem sm;
+    int *qtok = sm.qtok, *qent = sm.qent;
+
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    int j;
+    if (!moba_past_queries<MOBA_FQ>(offs, offs + (nblk + 1), qlist + (size_t)bh * Emax, nblk, K1, qent, qtok, j))
+        return;
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    moba_load_rows(sm.Q, q + hoff, tstride, qtok, MOBA_FQ);
+
+    float m[FRQ], l[FRQ], acc[FRQ][NC];
+    // block j is complete (a later block exists): all of it, no mask
+    moba_fwd_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale, m, l, acc);
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
 #pragma unroll
     for (int i = 0; i < FRQ; ++i) {
@@ -523,48 +571,25 @@ moba_fwd_past(const float* __restrict__ q, const float* __restrict__ k, const fl
 // ------------------------------------------------------------------------------------------------
 // (6) forward over the own block (causal) + merge of the past partials; writes o and lse.
 //     CTA = (query tile of up to FQ queries inside one block). tiles per block tpc = ceil(chunk/FQ).
-//     grid (nblk*tpc, H, B), block NTHR, dynamic smem 4*(FWD_SMEM_FLOATS + 2*FQ) bytes
+//     grid (nblk*tpc, H, B), block NTHR, dynamic smem MobaFwdSmem
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(NTHR)
-moba_fwd_own(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+moba_fwd_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
              const int* __restrict__ sel, const float* __restrict__ part, const float* __restrict__ lpart,
-             float* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
+             floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
 {
-    extern __shared__ float4 moba_smem4[];
-    float* Qs = reinterpret_cast<float*>(moba_smem4);
-    float* Ks = Qs + MOBA_FQ * LDH;
-    float* Vs = Ks + MOBA_FK * LDH;
-    float* Ps = Vs + MOBA_FK * LDH;
-    int* qtok = reinterpret_cast<int*>(Ps + MOBA_FQ * FLDP);
+    const MobaFwdSmem sm;
+    int* qtok = sm.qtok;
 
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
-    const int tpc = (chunk + MOBA_FQ - 1) / MOBA_FQ;
-    const int cblk = blockIdx.x / tpc, ti = blockIdx.x - cblk * tpc;
-    const int kstart = cblk * chunk;
-    const int q0 = kstart + ti * MOBA_FQ;
-    if (q0 >= T) return;
-    const int q1 = min(min(q0 + MOBA_FQ, kstart + chunk), T);
-    for (int r = threadIdx.x; r < MOBA_FQ; r += NTHR) qtok[r] = (q0 + r < q1) ? q0 + r : -1;
-    __syncthreads();
+    int kstart, q1;
+    if (!moba_own_queries<MOBA_FQ>(T, chunk, qtok, kstart, q1)) return;
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_load_rows(Qs, q + hoff, tstride, qtok, MOBA_FQ);
+    moba_load_rows(sm.Q, q + hoff, tstride, qtok, MOBA_FQ);
 
     float m[FRQ], l[FRQ], acc[FRQ][NC];
-#pragma unroll
-    for (int i = 0; i < FRQ; ++i) {
-        m[i] = -MOBA_INF;
-        l[i] = 0.f;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) acc[i][c] = 0.f;
-    }
-    for (int u0 = kstart; u0 < q1; u0 += MOBA_FK) {
-        const int nk = min(MOBA_FK, q1 - u0);
-        moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_FK);
-        moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_FK);
-        __syncthreads();
-        moba_fwd_tile(Qs, Ks, Vs, Ps, qtok, u0, nk, true, scale, m, l, acc);
-    }
+    moba_fwd_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale, m, l, acc);
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
 #pragma unroll
     for (int i = 0; i < FRQ; ++i) {
@@ -587,11 +612,11 @@ moba_fwd_own(const float* __restrict__ q, const float* __restrict__ k, const flo
                 acc[i][c] = fmaf(acc[i][c], alpha, beta * pv);
             }
         }
-        float* orow = o + hoff + (size_t)t * tstride;
+        floatX* orow = o + hoff + (size_t)t * tstride;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const int col = tx + TX * c;
-            if (moba_col_ok(col)) orow[col] = acc[i][c] / li;
+            if (moba_col_ok(col)) orow[col] = from_f32(acc[i][c] / li);
         }
         if (tx == 0) lse[(size_t)bh * T + t] = mi + logf(li);
     }
@@ -602,16 +627,16 @@ moba_fwd_own(const float* __restrict__ q, const float* __restrict__ k, const flo
 //     grid ceil(B*T*H / 4), block 128
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(128)
-moba_bwd_delta(const float* __restrict__ o, const float* __restrict__ dout, float* __restrict__ delta,
+moba_bwd_delta(const floatX* __restrict__ o, const floatX* __restrict__ dout, float* __restrict__ delta,
                int B, int T, int H)
 {
     const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= (long long)B * T * H) return;
-    const float* orow = o + row * HS;
-    const float* drow = dout + row * HS;
+    const floatX* orow = o + row * HS;
+    const floatX* drow = dout + row * HS;
     float s = 0.f;
-    for (int n = lane; n < HS; n += 32) s = fmaf(orow[n], drow[n], s);
+    for (int n = lane; n < HS; n += 32) s = fmaf(to_f32(orow[n]), to_f32(drow[n]), s);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
     if (lane == 0) {
@@ -625,11 +650,11 @@ moba_bwd_delta(const float* __restrict__ o, const float* __restrict__ dout, floa
 // ------------------------------------------------------------------------------------------------
 // backward dq core: one key tile [u0, u0+nk) against the query tile (Qs, dOs rows ty + TY*i)
 //   P = exp(scale*q.k - lse), dP = do.v, dS = P*(dP - D); acc += dS @ K
-// Ks, Vs [DQ_K][LDH]; dSs [DQ_Q][DQ_K+4]
+// Ks, Vs [DQ_K][LDH]; dSs [DQ_Q][DLDP]
 // ------------------------------------------------------------------------------------------------
 #define DRQ (MOBA_DQ_Q / TY)
 #define DCK (MOBA_DQ_K / TX)
-#define DLDP (MOBA_DQ_K + 4)
+#define DLDP MOBA_DLDP
 
 static __device__ __forceinline__ void moba_dq_tile(const float* __restrict__ Qs, const float* __restrict__ dOs,
                                                     const float* __restrict__ Ks, const float* __restrict__ Vs,
@@ -664,12 +689,10 @@ static __device__ __forceinline__ void moba_dq_tile(const float* __restrict__ Qs
     __syncthreads();
 }
 
-#define DQ_SMEM_FLOATS (2 * MOBA_DQ_Q * LDH + 2 * MOBA_DQ_K * LDH + MOBA_DQ_Q * DLDP + 2 * MOBA_DQ_Q)
-
 // query-tile preparation shared by the dq kernels: Q, dO rows, lse and delta of the tokens in qtok
 static __device__ __forceinline__ void moba_dq_load_queries(float* Qs, float* dOs, float* lse_s, float* D_s,
-                                                            const int* qtok, const float* __restrict__ q,
-                                                            const float* __restrict__ dout,
+                                                            const int* qtok, const floatX* __restrict__ q,
+                                                            const floatX* __restrict__ dout,
                                                             const float* __restrict__ lse,
                                                             const float* __restrict__ delta,
                                                             size_t hoff, size_t tstride, size_t bhT, int R)
@@ -683,57 +706,49 @@ static __device__ __forceinline__ void moba_dq_load_queries(float* Qs, float* dO
     }
 }
 
-// ------------------------------------------------------------------------------------------------
-// (8) dq over the selected past blocks: CTA = (block j, tile of up to DQ_Q queries that selected j);
-//     part[bh, t, s, :] = scale * sum_{u in block j} dS[t,u] k_u
-//     grid (ceil(Emax/DQ_Q) + nblk, H, B), block NTHR, dynamic smem 4*(DQ_SMEM_FLOATS + 2*DQ_Q) bytes
-// ------------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(NTHR)
-moba_bwd_dq_past(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                 const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                 const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
-                 int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+// dq of the query tile (Q, dO, lse, D in sm) from keys u .. uend-1 in tiles of DQ_K, into a zeroed acc.
+static __device__ __forceinline__ void moba_dq_attend(const MobaDqSmem& sm, const floatX* __restrict__ k,
+                                                      const floatX* __restrict__ v, size_t tstride, int u, int uend,
+                                                      bool causal, float scale, float (&acc)[DRQ][NC])
 {
-    extern __shared__ float4 moba_smem4[];
-    float* Qs = reinterpret_cast<float*>(moba_smem4);
-    float* dOs = Qs + MOBA_DQ_Q * LDH;
-    float* Ks = dOs + MOBA_DQ_Q * LDH;
-    float* Vs = Ks + MOBA_DQ_K * LDH;
-    float* dSs = Vs + MOBA_DQ_K * LDH;
-    float* lse_s = dSs + MOBA_DQ_Q * DLDP;
-    float* D_s = lse_s + MOBA_DQ_Q;
-    int* qtok = reinterpret_cast<int*>(D_s + MOBA_DQ_Q);
-    int* qent = qtok + MOBA_DQ_Q;
-
-    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
-    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
-    int j, tile;
-    if (!moba_find_tile(offs + 2 * (nblk + 1), nblk, blockIdx.x, j, tile)) return;
-    const int e0 = offs[j] + tile * MOBA_DQ_Q;
-    const int e1 = min(e0 + MOBA_DQ_Q, offs[j + 1]);
-    for (int r = threadIdx.x; r < MOBA_DQ_Q; r += NTHR) {
-        const int p = (e0 + r < e1) ? qlist[(size_t)bh * Emax + e0 + r] : -1;
-        qent[r] = p;
-        qtok[r] = p >= 0 ? p / K1 : -1;
-    }
-    __syncthreads();
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_dq_load_queries(Qs, dOs, lse_s, D_s, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,
-                         MOBA_DQ_Q);
-    float acc[DRQ][NC];
 #pragma unroll
     for (int i = 0; i < DRQ; ++i)
 #pragma unroll
         for (int c = 0; c < NC; ++c) acc[i][c] = 0.f;
-    const int kend = (j + 1) * chunk;
-    for (int u0 = j * chunk; u0 < kend; u0 += MOBA_DQ_K) {
-        const int nk = min(MOBA_DQ_K, kend - u0);
-        moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_DQ_K);
-        moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_DQ_K);
+    for (int u0 = u; u0 < uend; u0 += MOBA_DQ_K) {
+        const int nk = min(MOBA_DQ_K, uend - u0);
+        moba_load_kv<MOBA_DQ_K>(sm.K, sm.V, k, v, tstride, u0, nk);
         __syncthreads();
-        moba_dq_tile(Qs, dOs, Ks, Vs, dSs, qtok, lse_s, D_s, u0, nk, false, scale, acc);
+        moba_dq_tile(sm.Q, sm.dO, sm.K, sm.V, sm.dS, sm.qtok, sm.lse, sm.D, u0, nk, causal, scale, acc);
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// (8) dq over the selected past blocks: CTA = (block j, tile of up to DQ_Q queries that selected j);
+//     part[bh, t, s, :] = scale * sum_{u in block j} dS[t,u] k_u
+//     grid (ceil(Emax/DQ_Q) + nblk, H, B), block NTHR, dynamic smem MobaDqSmem
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_bwd_dq_past(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+                 const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                 const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
+                 int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+{
+    const MobaDqSmem sm;
+    int *qtok = sm.qtok, *qent = sm.qent;
+
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    int j;
+    if (!moba_past_queries<MOBA_DQ_Q>(offs, offs + 2 * (nblk + 1), qlist + (size_t)bh * Emax, nblk, K1, qent, qtok,
+                                      j))
+        return;
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    moba_dq_load_queries(sm.Q, sm.dO, sm.lse, sm.D, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,
+                         MOBA_DQ_Q);
+    float acc[DRQ][NC];
+    moba_dq_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale, acc);
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
 #pragma unroll
     for (int i = 0; i < DRQ; ++i) {
@@ -750,49 +765,26 @@ moba_bwd_dq_past(const float* __restrict__ q, const float* __restrict__ k, const
 
 // ------------------------------------------------------------------------------------------------
 // (9) dq over the own block (causal), plus the past partials in slot order; writes dq.
-//     grid (nblk*ceil(chunk/DQ_Q), H, B), block NTHR, dynamic smem 4*(DQ_SMEM_FLOATS + 2*DQ_Q) bytes
+//     grid (nblk*ceil(chunk/DQ_Q), H, B), block NTHR, dynamic smem MobaDqSmem
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(NTHR)
-moba_bwd_dq_own(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-                const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
-                const int* __restrict__ sel, const float* __restrict__ part, float* __restrict__ dq,
+moba_bwd_dq_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+                const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                const int* __restrict__ sel, const float* __restrict__ part, floatX* __restrict__ dq,
                 int T, int H, int chunk, int K1, float scale)
 {
-    extern __shared__ float4 moba_smem4[];
-    float* Qs = reinterpret_cast<float*>(moba_smem4);
-    float* dOs = Qs + MOBA_DQ_Q * LDH;
-    float* Ks = dOs + MOBA_DQ_Q * LDH;
-    float* Vs = Ks + MOBA_DQ_K * LDH;
-    float* dSs = Vs + MOBA_DQ_K * LDH;
-    float* lse_s = dSs + MOBA_DQ_Q * DLDP;
-    float* D_s = lse_s + MOBA_DQ_Q;
-    int* qtok = reinterpret_cast<int*>(D_s + MOBA_DQ_Q);
+    const MobaDqSmem sm;
+    int* qtok = sm.qtok;
 
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
-    const int tpc = (chunk + MOBA_DQ_Q - 1) / MOBA_DQ_Q;
-    const int cblk = blockIdx.x / tpc, ti = blockIdx.x - cblk * tpc;
-    const int kstart = cblk * chunk;
-    const int q0 = kstart + ti * MOBA_DQ_Q;
-    if (q0 >= T) return;
-    const int q1 = min(min(q0 + MOBA_DQ_Q, kstart + chunk), T);
-    for (int r = threadIdx.x; r < MOBA_DQ_Q; r += NTHR) qtok[r] = (q0 + r < q1) ? q0 + r : -1;
-    __syncthreads();
+    int kstart, q1;
+    if (!moba_own_queries<MOBA_DQ_Q>(T, chunk, qtok, kstart, q1)) return;
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_dq_load_queries(Qs, dOs, lse_s, D_s, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,
+    moba_dq_load_queries(sm.Q, sm.dO, sm.lse, sm.D, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,
                          MOBA_DQ_Q);
     float acc[DRQ][NC];
-#pragma unroll
-    for (int i = 0; i < DRQ; ++i)
-#pragma unroll
-        for (int c = 0; c < NC; ++c) acc[i][c] = 0.f;
-    for (int u0 = kstart; u0 < q1; u0 += MOBA_DQ_K) {
-        const int nk = min(MOBA_DQ_K, q1 - u0);
-        moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_DQ_K);
-        moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_DQ_K);
-        __syncthreads();
-        moba_dq_tile(Qs, dOs, Ks, Vs, dSs, qtok, lse_s, D_s, u0, nk, true, scale, acc);
-    }
+    moba_dq_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale, acc);
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
 #pragma unroll
     for (int i = 0; i < DRQ; ++i) {
@@ -811,11 +803,11 @@ moba_bwd_dq_own(const float* __restrict__ q, const float* __restrict__ k, const 
                 if (moba_col_ok(col)) r[c] += pr[col];
             }
         }
-        float* drow = dq + hoff + (size_t)t * tstride;
+        floatX* drow = dq + hoff + (size_t)t * tstride;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const int col = tx + TX * c;
-            if (moba_col_ok(col)) drow[col] = r[c];
+            if (moba_col_ok(col)) drow[col] = from_f32(r[c]);
         }
     }
 }
@@ -824,19 +816,18 @@ moba_bwd_dq_own(const float* __restrict__ q, const float* __restrict__ k, const 
 // (10) dk, dv: CTA = (key tile kt of block j); loops over the own-block queries t >= u (causal) in
 //      tiles of KV_Q, then over qlist[offs[j] .. offs[j+1]) in tiles of KV_Q; accumulates
 //      dv[u] += P[t,u] do_t and dk[u] += scale * dS[t,u] q_t in registers; writes once.
-//      grid (ceil(chunk/KV_K), nblk, B*H), block NTHR, dynamic smem 4*KV_SMEM_FLOATS bytes
+//      grid (ceil(chunk/KV_K), nblk, B*H), block NTHR, dynamic smem MobaKvSmem
 // ------------------------------------------------------------------------------------------------
 #define KRK (MOBA_KV_K / TY)
 #define KCQ (MOBA_KV_Q / TX)
-#define KLDP (MOBA_KV_Q + 4)
-#define KV_SMEM_FLOATS (2 * MOBA_KV_K * LDH + 2 * MOBA_KV_Q * LDH + 2 * MOBA_KV_K * KLDP + 3 * MOBA_KV_Q)
+#define KLDP MOBA_KLDP
 
 static __device__ __forceinline__ void moba_kv_tile(const float* __restrict__ Ks, const float* __restrict__ Vs,
                                                     float* __restrict__ Qs, float* __restrict__ dOs,
                                                     float* __restrict__ Ps, float* __restrict__ dSs,
                                                     float* __restrict__ lse_s, float* __restrict__ D_s,
                                                     const int* __restrict__ qtok,
-                                                    const float* __restrict__ q, const float* __restrict__ dout,
+                                                    const floatX* __restrict__ q, const floatX* __restrict__ dout,
                                                     const float* __restrict__ lse, const float* __restrict__ delta,
                                                     size_t hoff, size_t tstride, size_t bhT,
                                                     int u0, int nk, bool causal, float scale,
@@ -874,22 +865,15 @@ static __device__ __forceinline__ void moba_kv_tile(const float* __restrict__ Ks
 }
 
 extern "C" __global__ void __launch_bounds__(NTHR)
-moba_bwd_dkdv(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-              const float* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+moba_bwd_dkdv(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+              const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
               const int* __restrict__ idx, const int* __restrict__ qlist,
-              float* __restrict__ dk, float* __restrict__ dv,
+              floatX* __restrict__ dk, floatX* __restrict__ dv,
               int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
 {
-    extern __shared__ float4 moba_smem4[];
-    float* Ks = reinterpret_cast<float*>(moba_smem4);
-    float* Vs = Ks + MOBA_KV_K * LDH;
-    float* Qs = Vs + MOBA_KV_K * LDH;
-    float* dOs = Qs + MOBA_KV_Q * LDH;
-    float* Ps = dOs + MOBA_KV_Q * LDH;
-    float* dSs = Ps + MOBA_KV_K * KLDP;
-    float* lse_s = dSs + MOBA_KV_K * KLDP;
-    float* D_s = lse_s + MOBA_KV_Q;
-    int* qtok = reinterpret_cast<int*>(D_s + MOBA_KV_Q);
+    const MobaKvSmem sm;
+    float *Ks = sm.K, *Vs = sm.V, *Qs = sm.Q, *dOs = sm.dO, *Ps = sm.P, *dSs = sm.dS, *lse_s = sm.lse, *D_s = sm.D;
+    int* qtok = sm.qtok;
 
     const int j = blockIdx.y;
     const int bh = blockIdx.z, b = bh / H, h = bh - b * H;
@@ -900,8 +884,7 @@ moba_bwd_dkdv(const float* __restrict__ q, const float* __restrict__ k, const fl
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     const size_t bhT = (size_t)bh * T;
-    moba_load_range(Ks, k + hoff, tstride, u0, nk, MOBA_KV_K);
-    moba_load_range(Vs, v + hoff, tstride, u0, nk, MOBA_KV_K);
+    moba_load_kv<MOBA_KV_K>(Ks, Vs, k + hoff, v + hoff, tstride, u0, nk);
 
     float dka[KRK][NC], dva[KRK][NC];
 #pragma unroll
@@ -940,8 +923,8 @@ write_out:
         for (int c = 0; c < NC; ++c) {
             const int col = tx + TX * c;
             if (moba_col_ok(col)) {
-                dk[off + col] = dka[i][c] * scale;
-                dv[off + col] = dva[i][c];
+                dk[off + col] = from_f32(dka[i][c] * scale);
+                dv[off + col] = from_f32(dva[i][c]);
             }
         }
     }

@@ -5,7 +5,8 @@
 //     sa_t = S_{t-1} a_t
 //     S_t  = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T
 //     y_t  = S_t r_t
-// All tensors are float32 [B,T,H,N] (= row-major [B*T, C], c = h*N + n).
+// r, w, k, v, a, b, y and their gradients are floatX [B,T,H,N] (= row-major [B*T, C], c = h*N + n);
+// the state, its checkpoints and every accumulation are fp32.
 //
 // Thread mapping (Q = WKV_Q lanes per row, M = N/Q elements per lane, lanes of a row adjacent in a warp):
 //   "row role":    thread (ri, rq) owns S[row, rq*M .. rq*M+M-1] (row = i0 + ri) -- row reductions
@@ -14,8 +15,8 @@
 //                  (dr, dk, db, dw, da) over the block's rows, shuffle-xor over CQ = Q/P lanes.
 // Row split P = gridDim.x: block p owns rows i0 = p*N/P .. i0 + N/P - 1 (blockDim.x = (N/P)*Q).
 //   Forward: rows are independent, any P dividing N works.
-//   Backward: P <= Q; the column reductions then cover only the block's rows -> per-split partials
-//   (split 0 into dr/dw/dk/da/db, splits 1..P-1 into scratch), added in order by wkv7_backward_reduce.
+//   Backward: P <= Q; the column reductions then cover only the block's rows -> per-split fp32
+//   partials in scratch, added in split order by wkv7_backward_reduce into dr/dw/dk/da/db.
 //
 // Inputs are staged through shared memory in stages of LS tokens with cp.async double buffering.
 // Forward writes the state at the start of every 16-token chunk c >= 1 (S_{16c-1}) into
@@ -34,23 +35,21 @@
 //   da_t      = S_{t-1}^T dsa                  (sa_t = S_{t-1} a_t)
 //   G_{t-1}   = G_t diag(w_t) + dsa a_t^T      (+ dy_{t-1} r_{t-1}^T at the next step)
 
-#ifndef HEAD_SIZE
-#error "HEAD_SIZE must be defined (-DHEAD_SIZE=N)"
-#endif
-#ifndef WKV_Q
-#define WKV_Q 4            // lanes per row; must match rwkvx/ops/wkv7.py
+#include "common.cuh"
+#if !defined(HEAD_SIZE) || !defined(WKV_Q) || !defined(WKV_CHUNK) || !defined(WKV_BWD_MAXT)
+#error "wkv7.cu: HEAD_SIZE, WKV_Q, WKV_CHUNK and WKV_BWD_MAXT come from rwkvx/ops/wkv7.py"
 #endif
 
 namespace wkv7 {
 
 constexpr int HN = HEAD_SIZE;
-constexpr int Q = WKV_Q;
+constexpr int Q = WKV_Q;                                    // lanes per state row
 constexpr int M = HN / Q;                                   // elements per lane and role
-constexpr int CHUNK = 16;                                   // checkpoint interval (tokens)
+constexpr int CHUNK = WKV_CHUNK;                            // checkpoint interval (tokens)
 constexpr int LS = HN >= 128 ? 4 : (HN >= 64 ? 8 : 16);     // tokens per staged block (divides CHUNK)
 constexpr int VW = (M % 4 == 0) ? 4 : ((M % 2 == 0) ? 2 : 1);   // vector width for M-runs
 constexpr int FWD_MAXT = HN * Q;                            // forward block size with P = 1
-constexpr int BWD_MAXT = (HN * Q < 256) ? HN * Q : 256;     // backward: N = 128 needs P >= 2
+constexpr int BWD_MAXT = (HN * Q < WKV_BWD_MAXT) ? HN * Q : WKV_BWD_MAXT;   // N = 128 needs P >= 2
 constexpr bool PREFETCH_COL = M <= 16;                     // registers: N = 128 loads per step
 constexpr int BWD_MINB = HN >= 128 ? 1 : 2;                 // 2 blocks/SM (<= 128 regs) for N <= 64
 
@@ -66,9 +65,15 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
     return r;
 }
-__device__ __forceinline__ void cp_async16(void* dst_smem, const void* src_gmem) {
+// copy 4 elements (16 bytes of float, 8 of bf16) global -> shared, asynchronously
+__device__ __forceinline__ void cp_async4(floatX* dst_smem, const floatX* src_gmem) {
+#if FLOATX_BF16
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_addr(dst_smem)), "l"(src_gmem)
+                 : "memory");
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst_smem)), "l"(src_gmem)
                  : "memory");
+#endif
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int K>
@@ -83,6 +88,13 @@ __device__ __forceinline__ void ldv(const float* p, float* o) {
     if constexpr (VW == 4) { float4 t = *reinterpret_cast<const float4*>(p); o[0] = t.x; o[1] = t.y; o[2] = t.z; o[3] = t.w; }
     else if constexpr (VW == 2) { float2 t = *reinterpret_cast<const float2*>(p); o[0] = t.x; o[1] = t.y; }
     else { o[0] = p[0]; }
+}
+__device__ __forceinline__ void ldv(const __nv_bfloat16* p, float* o) {
+    if constexpr (VW == 4) {
+        const f4 t = load4(p); o[0] = t.v[0]; o[1] = t.v[1]; o[2] = t.v[2]; o[3] = t.v[3];
+    } else if constexpr (VW == 2) {
+        const float2 t = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p)); o[0] = t.x; o[1] = t.y;
+    } else { o[0] = __bfloat162float(p[0]); }
 }
 __device__ __forceinline__ void stv(float* p, const float* o) {
     if constexpr (VW == 4) { *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]); }
@@ -108,7 +120,7 @@ __device__ __forceinline__ float vw_sum(const float* acc) {
 // Partial row dot sum_m S[m] * vec[j0 + m] over this lane's M columns, with VW independent accumulator
 // chains (shorter dependency chain); fixed summation order. Shared by the forward and the backward's
 // recompute so both produce the same states bit for bit.
-__device__ __forceinline__ float row_dot(const float* S, const float* vec) {
+__device__ __forceinline__ float row_dot(const float* S, const floatX* vec) {
     float acc[VW];
 #pragma unroll
     for (int u = 0; u < VW; ++u) acc[u] = 0.f;
@@ -128,13 +140,40 @@ __device__ __forceinline__ float state_update(float s, float wj, float sa, float
 
 // Stage `cnt` tokens (from token tstart) of one [B,T,H,N] tensor into dst [LS][HN] with cp.async.
 // src points at X + h*HN; token t of sequence bb lives at src + ((bb*T + t)*H)*HN.
-__device__ __forceinline__ void stage_vec(float* dst, const float* src, long long tokbase, int tstart, int cnt,
+__device__ __forceinline__ void stage_vec(floatX* dst, const floatX* src, long long tokbase, int tstart, int cnt,
                                           int H, int tid, int nt) {
     constexpr int R4 = HN / 4;
     for (int e = tid; e < cnt * R4; e += nt) {
         const int sl = e / R4, n4 = e - sl * R4;
-        cp_async16(dst + sl * HN + n4 * 4, src + (tokbase + tstart + sl) * (long long)H * HN + n4 * 4);
+        cp_async4(dst + sl * HN + n4 * 4, src + (tokbase + tstart + sl) * (long long)H * HN + n4 * 4);
     }
+}
+
+// The staged inputs of one forward / backward stage: NV tensors x LS tokens x HN, double-buffered.
+template <int NV>
+struct Staging { floatX v[2][NV][LS][HN]; };
+
+// body(g) for the stages g = 0..G-1 of a walk while the inputs of stage g+1 are being copied in:
+// issue(g) starts stage g's copies into buffer g & 1 (double buffering, one commit group per stage).
+template <class Issue, class Body>
+__device__ __forceinline__ void staged_walk(int G, Issue issue, Body body) {
+    issue(0);
+    cp_commit();
+    for (int g = 0; g < G; ++g) {
+        if (g + 1 < G) { issue(g + 1); cp_commit(); cp_wait<1>(); }
+        else { cp_wait<0>(); }
+        __syncthreads();
+        body(g);
+        __syncthreads();
+    }
+}
+
+// Issue the cp.async copies of the `NV` tensors `src` for tokens ts .. ts+cnt-1 into buffer `buf`.
+template <int NV>
+__device__ __forceinline__ void stage_all(floatX (*buf)[LS][HN], const floatX* const (&src)[NV], long long hoff,
+                                          long long tokbase, int ts, int cnt, int H, int tid, int nt) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) stage_vec(&buf[i][0][0], src[i] + hoff, tokbase, ts, cnt, H, tid, nt);
 }
 
 }  // namespace wkv7
@@ -145,12 +184,13 @@ using namespace wkv7;
 // Forward.  grid (P, H, B), block (N/P * Q).  y [B,T,H,N]; ckpt [B,H,ceil(T/16),N,N].
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(FWD_MAXT)
-wkv7_forward(const float* __restrict__ r, const float* __restrict__ w, const float* __restrict__ k,
-             const float* __restrict__ v, const float* __restrict__ a, const float* __restrict__ b,
-             float* __restrict__ y, float* __restrict__ ckpt, int T, int H)
+wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+             const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
+             floatX* __restrict__ y, float* __restrict__ ckpt, int T, int H)
 {
     constexpr int NV = 6;                                        // r w k v a b
-    __shared__ __align__(16) float buf[2][NV][LS][HN];
+    __shared__ __align__(16) Staging<NV> stg;
+    const floatX* const src[NV] = {r, w, k, v, a, b};
 
     const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
     const int NR = HN / P, nt = NR * Q, tid = threadIdx.x;
@@ -166,23 +206,12 @@ wkv7_forward(const float* __restrict__ r, const float* __restrict__ w, const flo
 
     const int G = (T + LS - 1) / LS;
     auto issue = [&](int g) {
-        const int ts = g * LS, cnt = min(LS, T - ts);
-        float* d = &buf[g & 1][0][0][0];
-        stage_vec(d + 0 * LS * HN, r + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 1 * LS * HN, w + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 2 * LS * HN, k + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 3 * LS * HN, v + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 4 * LS * HN, a + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 5 * LS * HN, b + hoff, tokbase, ts, cnt, H, tid, nt);
+        const int ts = g * LS;
+        stage_all<NV>(stg.v[g & 1], src, hoff, tokbase, ts, min(LS, T - ts), H, tid, nt);
     };
 
-    issue(0);
-    cp_commit();
-    for (int g = 0; g < G; ++g) {
-        if (g + 1 < G) { issue(g + 1); cp_commit(); cp_wait<1>(); }
-        else { cp_wait<0>(); }
-        __syncthreads();
-        const float(*sb)[LS][HN] = buf[g & 1];
+    staged_walk(G, issue, [&](int g) {
+        const floatX(*sb)[LS][HN] = stg.v[g & 1];
         const int ts = g * LS, cnt = min(LS, T - ts);
         for (int sl = 0; sl < cnt; ++sl) {
             const int t = ts + sl;
@@ -193,7 +222,7 @@ wkv7_forward(const float* __restrict__ r, const float* __restrict__ w, const flo
             }
             // sa_row = sum_j S[row,j] a_j
             const float sa = group_sum(row_dot(S, &sb[4][sl][j0]), Q);
-            const float vi = sb[3][sl][row];
+            const float vi = to_f32(sb[3][sl][row]);
             // S = S diag(w) + sa b^T + v k^T ; y_row = sum_j S[row,j] r_j
             float ya[VW];
 #pragma unroll
@@ -213,17 +242,16 @@ wkv7_forward(const float* __restrict__ r, const float* __restrict__ w, const flo
                 }
             }
             const float yy = group_sum(vw_sum(ya), Q);
-            if (rq == 0) y[(tokbase + t) * (long long)H * HN + hoff + row] = yy;
+            if (rq == 0) y[(tokbase + t) * (long long)H * HN + hoff + row] = from_f32(yy);
         }
-        __syncthreads();
-    }
+    });
 }
 
 // =============================================================================================
 // Backward.  grid (P, H, B) with P in {1,2,4} (P <= Q), block (N/P * Q) <= BWD_MAXT.
-//   dv [B,T,H,N] (complete).  dr, dw, dk, da, db [B,T,H,N]: split p = 0 writes its partial sums there;
-//   split p >= 1 writes them to part [5][P-1][n] (dr dw dk da db; n = B*T*H*N), and
-//   wkv7_backward_reduce then adds them in order p = 1..P-1 (P = 1: part unused, may be NULL).
+//   dv [B,T,H,N] (complete).  dr, dw, dk, da, db [B,T,H,N]: written directly when P = 1; with P > 1
+//   split p writes its fp32 partial sums to part [5][P][n] (dr dw dk da db; n = B*T*H*N) and
+//   wkv7_backward_reduce adds them in order p = 0..P-1 (P = 1: part unused, may be NULL).
 //   slab: [B,H,P][16][N/P][N] floats scratch (= B*H*16*N*N floats for any P).
 // =============================================================================================
 namespace wkv7 {
@@ -243,17 +271,18 @@ __device__ __forceinline__ BStage bwd_stage(int g, int nC, int Klast) {
 }  // namespace wkv7
 
 extern "C" __global__ void __launch_bounds__(BWD_MAXT, BWD_MINB)
-wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const float* __restrict__ k,
-              const float* __restrict__ v, const float* __restrict__ a, const float* __restrict__ b,
-              const float* __restrict__ dy, const float* __restrict__ ckpt,
+wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+              const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
+              const floatX* __restrict__ dy, const float* __restrict__ ckpt,
               float* slab,   // written and re-read by this block: no __restrict__/nc loads
-              float* __restrict__ dr, float* __restrict__ dw, float* __restrict__ dk,
-              float* __restrict__ dv, float* __restrict__ da, float* __restrict__ db,
+              floatX* __restrict__ dr, floatX* __restrict__ dw, floatX* __restrict__ dk,
+              floatX* __restrict__ dv, floatX* __restrict__ da, floatX* __restrict__ db,
               float* __restrict__ part, int T, int H, long long n)
 {
     constexpr int NV = 7;                                        // r w k v a b dy
     constexpr int K = CHUNK / LS;
-    __shared__ __align__(16) float buf[2][NV][LS][HN];
+    __shared__ __align__(16) Staging<NV> stg;
+    const floatX* const src[NV] = {r, w, k, v, a, b, dy};
     __shared__ __align__(16) float sa_sm[CHUNK][HN];             // sa_t of the chunk, local rows
     __shared__ __align__(16) float dsa_sm[2][HN];                // dsa of the step (by parity), local rows
 
@@ -273,13 +302,9 @@ wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const fl
     const long long HC = (long long)H * HN;
     const float* ckb = ckpt + ((long long)(bb * H + h) * nC) * HN * HN + (long long)row * HN + j0;
     float* slb = slab + ((long long)(bb * H + h) * P + p) * CHUNK * NR * HN;
-    // destinations of this split's column sums
-    float *odr = dr, *odw = dw, *odk = dk, *oda = da, *odb = db;
-    if (p > 0) {
-        const long long xs = (long long)(P - 1) * n;            // stride between the 5 tensors
-        float* base = part + (long long)(p - 1) * n;
-        odr = base; odw = base + xs; odk = base + 2 * xs; oda = base + 3 * xs; odb = base + 4 * xs;
-    }
+    // this split's fp32 partial sums (P > 1): part[q][p] for q = dr dw dk da db
+    float* const pbase = part + (long long)p * n;
+    const long long xs = (long long)P * n;                      // stride between the 5 tensors
 
     float S[M];      // recompute state, row `row`, columns j0..j0+M-1
     float dSr[M];    // G[row, j0 + m]
@@ -289,24 +314,12 @@ wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const fl
 
     auto issue = [&](int g) {
         const BStage st = bwd_stage(g, nC, Klast);
-        const int ts = st.c * CHUNK + st.kk * LS, cnt = min(LS, T - ts);
-        float* d = &buf[g & 1][0][0][0];
-        stage_vec(d + 0 * LS * HN, r + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 1 * LS * HN, w + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 2 * LS * HN, k + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 3 * LS * HN, v + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 4 * LS * HN, a + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 5 * LS * HN, b + hoff, tokbase, ts, cnt, H, tid, nt);
-        stage_vec(d + 6 * LS * HN, dy + hoff, tokbase, ts, cnt, H, tid, nt);
+        const int ts = st.c * CHUNK + st.kk * LS;
+        stage_all<NV>(stg.v[g & 1], src, hoff, tokbase, ts, min(LS, T - ts), H, tid, nt);
     };
 
-    issue(0);
-    cp_commit();
-    for (int g = 0; g < G; ++g) {
-        if (g + 1 < G) { issue(g + 1); cp_commit(); cp_wait<1>(); }
-        else { cp_wait<0>(); }
-        __syncthreads();
-        const float(*sb)[LS][HN] = buf[g & 1];
+    staged_walk(G, issue, [&](int g) {
+        const floatX(*sb)[LS][HN] = stg.v[g & 1];
         const BStage st = bwd_stage(g, nC, Klast);
         const int c0 = st.c * CHUNK;                           // first token of the chunk
         const int L = min(CHUNK, T - c0);                      // tokens in the chunk
@@ -334,7 +347,7 @@ wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const fl
                 const float sa = group_sum(row_dot(S, &sb[4][sl][j0]), Q);
                 if (rq == 0) sa_sm[s][ri] = sa;
                 if (s + 1 < L) {                                // S_t is needed by the next step only
-                    const float vi = sb[3][sl][row];
+                    const float vi = to_f32(sb[3][sl][row]);
 #pragma unroll
                     for (int m = 0; m < M; m += VW) {
                         float wv[VW], bv[VW], kv[VW];
@@ -368,7 +381,7 @@ wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const fl
                 }
                 // ---- row role: G[row,:] ; dv_row, dsa_row ; G <- G diag(w) + dsa a^T
                 {
-                    const float dyi = sb[6][sl][row];
+                    const float dyi = to_f32(sb[6][sl][row]);
                     float dva[VW], dsaa[VW];
 #pragma unroll
                     for (int u = 0; u < VW; ++u) { dva[u] = 0.f; dsaa[u] = 0.f; }
@@ -399,14 +412,14 @@ wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const fl
                     }
                     if (rq == 0) {
                         dsa_sm[s & 1][ri] = dsap;
-                        dv[gout + row] = dvp;
+                        dv[gout + row] = from_f32(dvp);
                     }
                 }
                 __syncthreads();   // dsa of this step visible to the column role
                 // ---- column role: G[:,cj] over the block's rows
                 {
-                    const float rj = sb[0][sl][cj], wj = sb[1][sl][cj], kj = sb[2][sl][cj];
-                    const float aj = sb[4][sl][cj], bj = sb[5][sl][cj];
+                    const float rj = to_f32(sb[0][sl][cj]), wj = to_f32(sb[1][sl][cj]), kj = to_f32(sb[2][sl][cj]);
+                    const float aj = to_f32(sb[4][sl][cj]), bj = to_f32(sb[5][sl][cj]);
                     float pr = 0.f, pw = 0.f, pk = 0.f, pa = 0.f, pb = 0.f;
 #pragma unroll
                     for (int m = 0; m < M; m += VW) {
@@ -435,7 +448,13 @@ wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const fl
                     pb = group_sum(pb, CQ);
                     if (cq == 0) {
                         const long long o = gout + cj;
-                        odr[o] = pr; odw[o] = pw; odk[o] = pk; oda[o] = pa; odb[o] = pb;
+                        if (P == 1) {
+                            dr[o] = from_f32(pr); dw[o] = from_f32(pw); dk[o] = from_f32(pk);
+                            da[o] = from_f32(pa); db[o] = from_f32(pb);
+                        } else {
+                            pbase[o] = pr; pbase[xs + o] = pw; pbase[2 * xs + o] = pk;
+                            pbase[3 * xs + o] = pa; pbase[4 * xs + o] = pb;
+                        }
                     }
                 }
                 // no second barrier: the next step writes dsa_sm[(s-1)&1]; slab / sa_sm are read-only here
@@ -450,31 +469,30 @@ wkv7_backward(const float* __restrict__ r, const float* __restrict__ w, const fl
                 }
             }
         }
-        __syncthreads();
-    }
+    });
 }
 
-// Add the splits p = 1..P-1 (part [5][P-1][n]: dr, dw, dk, da, db) into the outputs, which hold split 0:
-// out = ((out + part_1) + part_2) + ...  -- a fixed order. n % 4 == 0 (n = B*T*H*N); grid-stride, float4.
+// Add the splits' partials (part [5][P][n]: dr, dw, dk, da, db) into the outputs:
+// out = ((part_0 + part_1) + part_2) + ...  -- a fixed order. n % 4 == 0 (n = B*T*H*N); grid-stride.
 namespace wkv7 {
-__device__ __forceinline__ void add_parts(float* out, const float* src, long long e, long long n4, int P) {
-    float4* o = reinterpret_cast<float4*>(out) + e;
+__device__ __forceinline__ void add_parts(floatX* out, const float* src, long long e, long long n4, int P) {
     const float4* s = reinterpret_cast<const float4*>(src) + e;
-    float4 acc = *o;
-    for (int q = 0; q < P - 1; ++q) {
+    float4 acc = s[0];
+    for (int q = 1; q < P; ++q) {
         const float4 u = s[(long long)q * n4];
         acc.x += u.x; acc.y += u.y; acc.z += u.z; acc.w += u.w;
     }
-    *o = acc;
+    f4 o; o.v[0] = acc.x; o.v[1] = acc.y; o.v[2] = acc.z; o.v[3] = acc.w;
+    store4(out + 4 * e, o);
 }
 }  // namespace wkv7
 
 extern "C" __global__ void __launch_bounds__(256)
-wkv7_backward_reduce(const float* __restrict__ part, float* __restrict__ dr, float* __restrict__ dw,
-                     float* __restrict__ dk, float* __restrict__ da, float* __restrict__ db,
+wkv7_backward_reduce(const float* __restrict__ part, floatX* __restrict__ dr, floatX* __restrict__ dw,
+                     floatX* __restrict__ dk, floatX* __restrict__ da, floatX* __restrict__ db,
                      long long n, int P)
 {
-    const long long n4 = n / 4, xs = (long long)(P - 1) * n;
+    const long long n4 = n / 4, xs = (long long)P * n;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n4;
          e += (long long)gridDim.x * blockDim.x) {
         add_parts(dr, part + 0 * xs, e, n4, P);

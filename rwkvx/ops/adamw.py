@@ -42,7 +42,7 @@ length, weight-decay flag) and ``lrmul`` float32 ``[n_chunks]``; upload both onc
 
 Per step (:func:`step`): ``adamw_step_begin`` (1 thread: t += 1, lr, bc1, bc2, clip = 1), with
 ``clip=True`` ``adamw_sumsq_partial`` (float64 sum of squares per chunk into ``partials``, float64
-``[n_chunks]``, :func:`scratch_bytes`) and ``adamw_clip_finalize`` (one block, fixed order), then
+``[n_chunks]``, :func:`scratch_elems`) and ``adamw_clip_finalize`` (one block, fixed order), then
 ``adamw_update``. Run it after every gradient is final (all gradient buffers written for this step).
 """
 from __future__ import annotations
@@ -52,29 +52,28 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ._common import Launch, ptr
+from rwkvx.optim import BETAS, CLIP_EPS, EPS, lr_multiplier, uses_weight_decay
+from rwkvx.runtime.kernel import DOUBLE, F32_IN, F32_OUT, F64_IN, F64_OUT, I32_IN, INT, KernelFile
 
-MODULE = "adamw"
-THREADS = 256            # ADAMW_THREADS
-FIN_THREADS = 1024       # ADAMW_FIN_THREADS
+THREADS = 256            # threads of the per-chunk kernels
+FIN_THREADS = 1024       # threads of the norm's final reduction
 CHUNK = 8192
-BETAS = (0.9, 0.99)
-EPS = 1e-18
 
 STATE_DOUBLES = 16
 ST_STEP, ST_LR_MAX, ST_LR_MIN, ST_WARMUP, ST_TOTAL, ST_CLIP = 0, 1, 2, 3, 4, 5
 ST_LR, ST_BC1, ST_BC2, ST_SCALE, ST_NORM = 6, 7, 8, 9, 10
+_STATE_INDICES = dict(ST_STEP=ST_STEP, ST_LR_MAX=ST_LR_MAX, ST_LR_MIN=ST_LR_MIN, ST_WARMUP=ST_WARMUP,
+                      ST_TOTAL=ST_TOTAL, ST_CLIP=ST_CLIP, ST_LR=ST_LR, ST_BC1=ST_BC1, ST_BC2=ST_BC2,
+                      ST_SCALE=ST_SCALE, ST_NORM=ST_NORM)
 
+CU = KernelFile("adamw", constants={**_STATE_INDICES, "ADAMW_THREADS": THREADS, "ADAMW_FIN_THREADS": FIN_THREADS,
+                                    "ADAMW_CLIP_EPS": CLIP_EPS})
+ADAMW_STEP_BEGIN = CU.kernel("adamw_step_begin", st=F64_OUT, b1=DOUBLE, b2=DOUBLE)
+ADAMW_SUMSQ_PARTIAL = CU.kernel("adamw_sumsq_partial", g=F32_IN, table=I32_IN, part=F64_OUT, n_chunks=INT)
+ADAMW_CLIP_FINALIZE = CU.kernel("adamw_clip_finalize", part=F64_IN, n_parts=INT, st=F64_OUT)
+ADAMW_UPDATE = CU.kernel("adamw_update", p=F32_OUT, g=F32_IN, m=F32_OUT, v=F32_OUT, table=I32_IN,
+                         lrmul=F32_IN, st=F64_IN, b1=DOUBLE, b2=DOUBLE, eps=DOUBLE, wd=DOUBLE, n_chunks=INT)
 
-
-def uses_weight_decay(name: str, shape) -> bool:
-    """2-D ``*.weight`` tensors (as rwkvx.optim.uses_weight_decay)."""
-    return name.endswith(".weight") and len(tuple(shape)) == 2
-
-
-def lr_multiplier(name: str) -> float:
-    """2 for ``*.att.w0``, else 1 (as rwkvx.optim.lr_multiplier)."""
-    return 2.0 if name.endswith("att.w0") else 1.0
 
 
 def flat_layout(shapes: Mapping[str, Sequence[int]], align: int = 4):
@@ -134,9 +133,9 @@ def state_from_schedule(schedule, grad_clip: float | None = None, step: int = 0)
                        grad_clip, step)
 
 
-def scratch_bytes(n_chunks: int) -> int:
-    """Bytes of the clipping partials (float64 [n_chunks])."""
-    return 8 * int(n_chunks)
+def scratch_elems(n_chunks: int) -> int:
+    """f64 elements of the clipping partials (one per chunk)."""
+    return int(n_chunks)
 
 
 def step(params, grads, m, v, table, lrmul, state, n_chunks: int, partials=None,
@@ -147,18 +146,15 @@ def step(params, grads, m, v, table, lrmul, state, n_chunks: int, partials=None,
     if n_chunks <= 0:
         raise ValueError("adamw.step: n_chunks must be positive")
     b1, b2 = float(betas[0]), float(betas[1])
-    ops = [Launch(MODULE, "adamw_step_begin", grid=(1, 1, 1), block=(1, 1, 1),
-                  args=(("p", ptr(state)), ("d", b1), ("d", b2)))]
+    ops = [ADAMW_STEP_BEGIN.launch((1, 1, 1), (1, 1, 1), st=state, b1=b1, b2=b2)]
     if clip:
-        if not ptr(partials):
-            raise ValueError("adamw.step: clip=True needs partials (scratch_bytes(n_chunks))")
-        ops.append(Launch(MODULE, "adamw_sumsq_partial", grid=(int(n_chunks), 1, 1), block=(THREADS, 1, 1),
-                          args=(("p", ptr(grads)), ("p", ptr(table)), ("p", ptr(partials)), ("i", int(n_chunks)))))
-        ops.append(Launch(MODULE, "adamw_clip_finalize", grid=(1, 1, 1), block=(FIN_THREADS, 1, 1),
-                          args=(("p", ptr(partials)), ("i", int(n_chunks)), ("p", ptr(state)))))
-    ops.append(Launch(MODULE, "adamw_update", grid=(int(n_chunks), 1, 1), block=(THREADS, 1, 1),
-                      args=(("p", ptr(params)), ("p", ptr(grads)), ("p", ptr(m)), ("p", ptr(v)),
-                            ("p", ptr(table)), ("p", ptr(lrmul)), ("p", ptr(state)),
-                            ("d", b1), ("d", b2), ("d", float(eps)), ("d", float(weight_decay)),
-                            ("i", int(n_chunks)))))
+        if partials is None:
+            raise ValueError("adamw.step: clip=True needs partials (scratch_elems(n_chunks))")
+        ops.append(ADAMW_SUMSQ_PARTIAL.launch((n_chunks, 1, 1), (THREADS, 1, 1), g=grads, table=table,
+                                              part=partials, n_chunks=n_chunks))
+        ops.append(ADAMW_CLIP_FINALIZE.launch((1, 1, 1), (FIN_THREADS, 1, 1), part=partials, n_parts=n_chunks,
+                                              st=state))
+    ops.append(ADAMW_UPDATE.launch((n_chunks, 1, 1), (THREADS, 1, 1), p=params, g=grads, m=m, v=v, table=table,
+                                   lrmul=lrmul, st=state, b1=b1, b2=b2, eps=float(eps),
+                                   wd=float(weight_decay), n_chunks=n_chunks))
     return ops

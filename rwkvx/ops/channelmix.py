@@ -5,82 +5,92 @@
     k  = relu(h)^2                         relu_sq (in place on h allowed)
     out = k @ value^T                      (cuBLAS, by the model)
 
-Buffers float32 row-major: x, xk, dxk, dx ``[R, C]`` (R = B*T; C % 4 == 0; 16-byte aligned);
-x_k, dx_k ``[C]``; h, k, dk, dh ``[R, F]`` (any n = R*F).
+Buffers row-major: x, xk, dxk, dx floatX ``[R, C]`` (R = B*T; C % 4 == 0; aligned to 4 elements);
+x_k, dx_k f32 ``[C]``; h, k, dk, dh floatX ``[R, F]`` (any n = R*F).
+Twins: ``rwkvx.oracle.channel_mix_shift_forward`` / ``channel_mix_shift_backward``, ``relu_sq_forward`` /
+``relu_sq_backward``.
 
 Backward, after the model's GEMMs (dk = dout @ value, d value = dout^T k)::
 
-    ops += channelmix.relu_sq_backward(dk, h, dh, R*F)                 # or src=k, src_is_k=True
+    ops += channelmix.relu_sq_backward(dk, h, dh, R*F, dev)          # or src=k, src_is_k=True
     [d key = dh^T xk ; dxk = dh @ key]
-    ops += channelmix.mix_backward(dxk, x, x_k, dx, dx_k, scratch, R, T, C, accumulate_dx=...)
+    ops += channelmix.mix_backward(dxk, x, x_k, dx, dx_k, scratch, R, T, C, dev, accumulate_dx=...)
 
 ``relu_sq_backward``: dh = dk * 2 * relu(h). With ``src_is_k=True`` the source is k = relu(h)^2 (when h
 was overwritten in place) and relu(h) = sqrt(k) (exact to 1 ulp). dh may alias dk.
 ``mix_backward``: dx (= or += with ``accumulate_dx``) and dx_k (= or += with ``accumulate_dparam``);
 dx must not alias dxk or x. dx_k goes through per-row-tile partials in ``scratch``
-(:func:`scratch_bytes`, same rows_per_tile) and reduce_cols: deterministic.
+(:func:`scratch_elems`, same rows_per_tile) and reduce_partials: deterministic.
 """
 from __future__ import annotations
 
 import math
 
-from ._common import Launch, ptr
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, LONG, X_IN, X_OUT, KernelFile
+
 from . import reduce as _reduce
+from ._common import DeviceInfo, check_rows, grid_stride_blocks, xtype_of
 
-MODULE = "channelmix"
-BY = 8                      # CM_BY in channelmix.cu
+BY = 8                      # row streams per block of cm_mix_backward
+REDUCE_BY = 16              # reduce_partials rows (its summation order)
+
+CU = KernelFile("channelmix", constants={"CM_BY": BY})
+CM_SHIFT_MIX = CU.kernel("cm_shift_mix", x=X_IN, mix=F32_IN, xk=X_OUT, R=INT, T=INT, C=INT)
+CM_RELU_SQ_FORWARD = CU.kernel("cm_relu_sq_forward", h=X_IN, k=X_OUT, n=LONG)
+CM_RELU_SQ_BACKWARD = CU.kernel("cm_relu_sq_backward", dk=X_IN, src=X_IN, dh=X_OUT, n=LONG, src_is_k=INT)
+CM_MIX_BACKWARD = CU.kernel("cm_mix_backward", dxk=X_IN, x=X_IN, mix=F32_IN, dx=X_OUT, part=F32_OUT,
+                            R=INT, T=INT, C=INT, rows_per_tile=INT, accumulate=INT)
 
 
-def _grid1d(n4: int) -> int:
-    return max(1, min(math.ceil(n4 / 256), 132 * 16))
+def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
+    """fp32 elements of mix_backward's partials scratch: n_tiles * C."""
+    return _reduce.scratch_elems(R, C, dev, rows_per_tile)
 
 
-def scratch_bytes(R: int, C: int, rows_per_tile: int | None = None) -> int:
-    """Bytes of mix_backward's partials scratch: n_tiles * C float32."""
-    return _reduce.scratch_bytes(R, C, rows_per_tile)
-
-
-def shift_mix(x, x_k, xk, R: int, T: int, C: int) -> list:
-    """cm_shift_mix: xk [R, C] = x + (shift(x) - x) * x_k. xk must not alias x."""
-    _reduce.check_rows("channelmix.shift_mix", R, C, x, x_k, xk)
+def _check_seq(what: str, R: int, T: int) -> None:
     if T <= 0 or R % T:
-        raise ValueError(f"channelmix.shift_mix: R={R} must be a positive multiple of T={T}")
-    if ptr(xk) == ptr(x):
+        raise ValueError(f"{what}: R={R} must be a positive multiple of T={T}")
+
+
+def shift_mix(x, x_k, xk, R: int, T: int, C: int, dev: DeviceInfo) -> list:
+    """cm_shift_mix: xk [R, C] = x + (shift(x) - x) * x_k. xk must not alias x."""
+    check_rows("channelmix.shift_mix", R, C, x, x_k, xk)
+    _check_seq("channelmix.shift_mix", R, T)
+    if int(xk) == int(x):
         raise ValueError("channelmix.shift_mix: xk must not alias x")
-    return [Launch(MODULE, "cm_shift_mix", grid=(_grid1d(R * C // 4), 1, 1), block=(256, 1, 1),
-                   args=(("p", ptr(x)), ("p", ptr(x_k)), ("p", ptr(xk)),
-                         ("i", int(R)), ("i", int(T)), ("i", int(C))))]
+    return [CM_SHIFT_MIX.launch((grid_stride_blocks(R * C // 4, dev), 1, 1), (256, 1, 1),
+                                xtype=xtype_of("channelmix.shift_mix", x, xk), x=x, mix=x_k, xk=xk,
+                                R=R, T=T, C=C)]
 
 
-def relu_sq(h, k, n: int) -> list:
-    """cm_relu_sq_forward: k = relu(h)^2 over n floats; k may be h (in place)."""
+def relu_sq(h, k, n: int, dev: DeviceInfo) -> list:
+    """cm_relu_sq_forward: k = relu(h)^2 over n elements; k may be h (in place)."""
     if n <= 0:
         raise ValueError("channelmix.relu_sq: n must be positive")
-    return [Launch(MODULE, "cm_relu_sq_forward", grid=(_grid1d(math.ceil(n / 4)), 1, 1), block=(256, 1, 1),
-                   args=(("p", ptr(h)), ("p", ptr(k)), ("l", int(n))))]
+    return [CM_RELU_SQ_FORWARD.launch((grid_stride_blocks(math.ceil(n / 4), dev), 1, 1), (256, 1, 1),
+                                      xtype=xtype_of("channelmix.relu_sq", h, k), h=h, k=k, n=n)]
 
 
-def relu_sq_backward(dk, src, dh, n: int, src_is_k: bool = False) -> list:
+def relu_sq_backward(dk, src, dh, n: int, dev: DeviceInfo, src_is_k: bool = False) -> list:
     """cm_relu_sq_backward: dh = dk * 2 * relu(h); src = h (or k = relu(h)^2 with src_is_k). dh may be dk."""
     if n <= 0:
         raise ValueError("channelmix.relu_sq_backward: n must be positive")
-    return [Launch(MODULE, "cm_relu_sq_backward", grid=(_grid1d(math.ceil(n / 4)), 1, 1), block=(256, 1, 1),
-                   args=(("p", ptr(dk)), ("p", ptr(src)), ("p", ptr(dh)), ("l", int(n)),
-                         ("i", int(bool(src_is_k)))))]
+    return [CM_RELU_SQ_BACKWARD.launch((grid_stride_blocks(math.ceil(n / 4), dev), 1, 1), (256, 1, 1),
+                                       xtype=xtype_of("channelmix.relu_sq_backward", dk, src, dh),
+                                       dk=dk, src=src, dh=dh, n=n, src_is_k=int(bool(src_is_k)))]
 
 
-def mix_backward(dxk, x, x_k, dx, dx_k, scratch, R: int, T: int, C: int,
+def mix_backward(dxk, x, x_k, dx, dx_k, scratch, R: int, T: int, C: int, dev: DeviceInfo,
                  accumulate_dx: bool = False, accumulate_dparam: bool = False,
                  rows_per_tile: int | None = None) -> list:
-    """cm_mix_backward + reduce_cols: dx [R, C] and dx_k [C] from dxk [R, C] (see the module docstring)."""
-    _reduce.check_rows("channelmix.mix_backward", R, C, dxk, x, x_k, dx, dx_k, scratch)
-    if T <= 0 or R % T:
-        raise ValueError(f"channelmix.mix_backward: R={R} must be a positive multiple of T={T}")
-    if ptr(dx) in (ptr(dxk), ptr(x)):
+    """cm_mix_backward + reduce_partials: dx [R, C] and dx_k [C] from dxk [R, C] (see the module docstring)."""
+    check_rows("channelmix.mix_backward", R, C, dxk, x, x_k, dx, dx_k, scratch)
+    _check_seq("channelmix.mix_backward", R, T)
+    if int(dx) in (int(dxk), int(x)):
         raise ValueError("channelmix.mix_backward: dx must not alias dxk or x")
-    rpt, n = _reduce.tiles(R, C, rows_per_tile)
-    ops = [Launch(MODULE, "cm_mix_backward", grid=(math.ceil(C / 128), n, 1), block=(32, BY, 1),
-                  args=(("p", ptr(dxk)), ("p", ptr(x)), ("p", ptr(x_k)), ("p", ptr(dx)), ("p", ptr(scratch)),
-                        ("i", int(R)), ("i", int(T)), ("i", int(C)), ("i", int(rpt)),
-                        ("i", int(bool(accumulate_dx)))))]
-    return ops + _reduce.cols(scratch, dx_k, n, C, accumulate_dparam)
+    rpt, n = _reduce.tiles(R, C, dev, rows_per_tile)
+    ops = [CM_MIX_BACKWARD.launch((math.ceil(C / 128), n, 1), (32, BY, 1),
+                                  xtype=xtype_of("channelmix.mix_backward", dxk, x, dx), dxk=dxk, x=x,
+                                  mix=x_k, dx=dx, part=scratch, R=R, T=T, C=C, rows_per_tile=rpt,
+                                  accumulate=int(bool(accumulate_dx)))]
+    return ops + _reduce.partials(scratch, n, C, [dx_k], REDUCE_BY, accumulate_dparam)

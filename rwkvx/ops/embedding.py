@@ -1,11 +1,12 @@
 """Launch builders for rwkvx/cu/embedding.cu, and the host-side token sort for the deterministic gradient.
 
-Buffers: tokens int32 ``[R]`` (validated on the host: 0 <= token < V); emb, demb float32 ``[V, C]``;
-x, dx float32 ``[R, C]``; C % 4 == 0, 16-byte aligned.
+Buffers: tokens int32 ``[R]`` (validated on the host: 0 <= token < V); emb, demb f32 ``[V, C]`` (the
+weights and their gradient); x, dx floatX ``[R, C]``; C % 4 == 0, aligned to 4 elements.
+Twin: ``rwkvx.oracle.embedding_forward`` / ``embedding_backward``.
 
 Forward: ``x[r] = emb[tokens[r]]``::
 
-    ops += embedding.forward(tokens, emb, x, R, C, V)
+    ops += embedding.forward(tokens, emb, x, R, C, V, dev)
 
 Backward (deterministic, no atomics): each step the host computes, with the tokens,
 ``order, seg_start, n_seg = sort_tokens(tokens)`` and uploads them (int32 ``[R]``, ``[R+1]``, ``[1]``)
@@ -17,7 +18,7 @@ graph). Then::
 One block column per segment s < n_seg (grid fixed at max_segments = min(R, V); the rest exit) sums
 ``dx[order[i]]`` over the segment's entries in a fixed order and **writes** ``demb[token]``.
 Rows of demb whose token does not occur are not touched: ``demb`` must be zeroed first. With
-``zero_first=True`` (default) the returned list starts with ``Memset(demb, V*C*4)``; pass
+``zero_first=True`` (default) the returned list starts with a Memset of demb; pass
 ``zero_first=False`` when the model zeroes demb itself.
 """
 from __future__ import annotations
@@ -26,11 +27,18 @@ import math
 
 import numpy as np
 
-from ._common import Launch, Memset, ptr
-from . import reduce as _reduce
+from rwkvx.runtime.dtypes import ELEM_BYTES
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, I32_IN, INT, X_IN, X_OUT, KernelFile
+from rwkvx.runtime.ops import Memset
 
-MODULE = "embedding"
-BY = 8                   # EMB_BY in embedding.cu
+from ._common import DeviceInfo, check_rows, grid_stride_blocks
+
+BY = 8                   # segment entries summed in parallel per block (its summation order)
+
+CU = KernelFile("embedding", constants={"EMB_BY": BY})
+EMBEDDING_FORWARD = CU.kernel("embedding_forward", tok=I32_IN, emb=F32_IN, x=X_OUT, R=INT, C=INT, V=INT)
+EMBEDDING_BACKWARD = CU.kernel("embedding_backward", dx=X_IN, tok=I32_IN, order=I32_IN, seg_start=I32_IN,
+                               n_seg=I32_IN, demb=F32_OUT, C=INT, V=INT)
 
 
 def sort_tokens(tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -53,23 +61,20 @@ def sort_tokens(tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return order, seg_start, np.array([starts.size], dtype=np.int32)
 
 
-def forward(tokens, emb, x, R: int, C: int, V: int) -> list:
+def forward(tokens, emb, x, R: int, C: int, V: int, dev: DeviceInfo) -> list:
     """embedding_forward: x [R, C] = emb [V, C] rows at tokens [R]."""
-    _reduce.check_rows("embedding.forward", R, C, emb, x)
-    n4 = R * (C // 4)
-    blocks = max(1, min(math.ceil(n4 / 256), 132 * 16))
-    return [Launch(MODULE, "embedding_forward", grid=(blocks, 1, 1), block=(256, 1, 1),
-                   args=(("p", ptr(tokens)), ("p", ptr(emb)), ("p", ptr(x)),
-                         ("i", int(R)), ("i", int(C)), ("i", int(V))))]
+    check_rows("embedding.forward", R, C, emb, x)
+    blocks = grid_stride_blocks(R * (C // 4), dev)
+    return [EMBEDDING_FORWARD.launch((blocks, 1, 1), (256, 1, 1), xtype=x.elem, tok=tokens, emb=emb, x=x,
+                                     R=R, C=C, V=V)]
 
 
 def backward(dx, tokens, order, seg_start, n_seg, demb, R: int, C: int, V: int,
              zero_first: bool = True) -> list:
     """embedding_backward: demb [V, C] from dx [R, C] (see the module docstring)."""
-    _reduce.check_rows("embedding.backward", R, C, dx, demb)
-    max_seg = min(R, V)
-    ops = [Memset(ptr(demb), V * C * 4)] if zero_first else []
-    ops.append(Launch(MODULE, "embedding_backward", grid=(max_seg, math.ceil(C / 128), 1), block=(32, BY, 1),
-                      args=(("p", ptr(dx)), ("p", ptr(tokens)), ("p", ptr(order)), ("p", ptr(seg_start)),
-                            ("p", ptr(n_seg)), ("p", ptr(demb)), ("i", int(C)), ("i", int(V)))))
+    check_rows("embedding.backward", R, C, dx, demb)
+    ops = [Memset(demb, V * C * ELEM_BYTES[demb.elem])] if zero_first else []
+    ops.append(EMBEDDING_BACKWARD.launch((min(R, V), math.ceil(C / 128), 1), (32, BY, 1), xtype=dx.elem,
+                                         dx=dx, tok=tokens, order=order, seg_start=seg_start, n_seg=n_seg,
+                                         demb=demb, C=C, V=V))
     return ops

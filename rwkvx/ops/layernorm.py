@@ -2,9 +2,9 @@
 
     y = (x - mean) * rstd * w + b,  mean = sum_c x / C,  rstd = 1 / sqrt(sum_c (x - mean)^2 / C + eps)
 
-Buffers (float32, row-major, 16-byte aligned, C % 4 == 0): x, y, dy, dx ``[R, C]``; w, b, dw, db ``[C]``;
-mean, rstd ``[R]`` (saved statistics).
-Rows up to a few million (tiles <= 65535), C up to 4096 (any multiple of 4 works).
+Buffers (row-major, aligned to 4 elements, C % 4 == 0): x, y, dy, dx ``floatX [R, C]``; w, b, dw, db
+``f32 [C]``; mean, rstd ``f32 [R]`` (saved statistics). Rows up to a few million (tiles <= 65535).
+Twin: ``rwkvx.oracle.layernorm_forward`` / ``layernorm_backward``.
 
 Forward::
 
@@ -14,7 +14,7 @@ Forward::
 
 Backward (one call: statistics if needed, dweight/dbias partials, their reduction, dx)::
 
-    ops += layernorm.backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R, C,
+    ops += layernorm.backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R, C, dev,
                               stats_valid=True, accumulate_dx=False, accumulate_dparams=False)
 
 * ``mean``/``rstd`` are required: with ``stats_valid=True`` they hold the forward's statistics of this
@@ -23,62 +23,69 @@ Backward (one call: statistics if needed, dweight/dbias partials, their reductio
   usual case for ln1/ln2 in a residual stream). With ``accumulate_dx=False``, ``dx`` may alias ``dy``
   (the dx kernel runs last, after the dweight/dbias partials have read dy). ``dx`` must not alias ``x``.
 * ``dw``/``db`` are written (or added to with ``accumulate_dparams``), deterministically:
-  ``ln_backward_dwdb`` writes per-row-tile partials ``[2, n_tiles, C]`` into ``scratch``
-  (:func:`scratch_bytes` bytes, same ``rows_per_tile``), then ``reduce_cols`` (reduce.cu) sums each half
+  ``ln_backward_dwdb`` writes per-row-tile partials ``f32 [2, n_tiles, C]`` into ``scratch``
+  (:func:`scratch_elems` elements, same ``rows_per_tile``), then ``reduce_partials`` sums each half
   in a fixed order.
 """
 from __future__ import annotations
 
 import math
 
-from ._common import Launch, ptr
+from rwkvx.config import LN_EPS
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, INT, X_IN, X_OUT, KernelFile
+
 from . import reduce as _reduce
+from ._common import DeviceInfo, check_rows, xtype_of
 
-MODULE = "layernorm"
-WARPS = 8            # LN_WARPS in layernorm.cu (rows per block of the row kernels)
-BY = 8               # LN_BY
-EPS = 1e-5
+WARPS = 8            # rows (one warp each) per block of the row kernels
+BY = 8               # row streams per block of ln_backward_dwdb
+REDUCE_BY = 16       # reduce_partials rows (its summation order)
+
+CU = KernelFile("layernorm", constants={"LN_WARPS": WARPS, "LN_BY": BY})
+LN_FORWARD = CU.kernel("ln_forward", x=X_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(), mean_out=F32_OUT.opt(),
+                       rstd_out=F32_OUT.opt(), R=INT, C=INT, eps=FLOAT)
+LN_BACKWARD_DX = CU.kernel("ln_backward_dx", x=X_IN, w=F32_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN,
+                           dx=X_OUT, R=INT, C=INT, accumulate=INT)
+LN_BACKWARD_DWDB = CU.kernel("ln_backward_dwdb", x=X_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN, part=F32_OUT,
+                             R=INT, C=INT, rows_per_tile=INT)
 
 
+def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
+    """fp32 elements of the backward's partials scratch: 2 * n_tiles * C."""
+    return 2 * _reduce.scratch_elems(R, C, dev, rows_per_tile)
 
-def scratch_bytes(R: int, C: int, rows_per_tile: int | None = None) -> int:
-    """Bytes of the backward's partials scratch: 2 * n_tiles * C float32."""
-    return 2 * _reduce.scratch_bytes(R, C, rows_per_tile)
 
-
-def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = EPS) -> list:
+def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS) -> list:
     """ln_forward: y [R,C] = LN(x [R,C]; w, b [C]); mean, rstd [R] saved when not None.
     ``y=None`` computes only the statistics (used by :func:`backward` with stats_valid=False)."""
-    _reduce.check_rows("layernorm.forward", R, C, x, w, b, y)
-    return [Launch(MODULE, "ln_forward", grid=(math.ceil(R / WARPS), 1, 1), block=(32 * WARPS, 1, 1),
-                   args=(("p", ptr(x)), ("p", ptr(w)), ("p", ptr(b)), ("p", ptr(y)),
-                         ("p", ptr(mean)), ("p", ptr(rstd)), ("i", int(R)), ("i", int(C)),
-                         ("f", float(eps))))]
+    check_rows("layernorm.forward", R, C, x, w, b, y)
+    return [LN_FORWARD.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=x.elem,
+                              x=x, w=w, b=b, y=y, mean_out=mean, rstd_out=rstd, R=R, C=C, eps=eps)]
 
 
-def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, eps: float = EPS,
-             stats_valid: bool = True, accumulate_dx: bool = False, accumulate_dparams: bool = False,
-             rows_per_tile: int | None = None) -> list:
+def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: DeviceInfo,
+             eps: float = LN_EPS, stats_valid: bool = True, accumulate_dx: bool = False,
+             accumulate_dparams: bool = False, rows_per_tile: int | None = None) -> list:
     """LayerNorm backward; see the module docstring. Returns 4 launches (5 with stats_valid=False)."""
-    _reduce.check_rows("layernorm.backward", R, C, x, w, dy, dx, dw, db, scratch)
-    if not ptr(mean) or not ptr(rstd):
+    check_rows("layernorm.backward", R, C, x, w, dy, dx, dw, db, scratch)
+    xtype = xtype_of("layernorm.backward", x, dy, dx)
+    if mean is None or rstd is None:
         raise ValueError("layernorm.backward: mean and rstd buffers [R] are required")
-    if not ptr(scratch):
-        raise ValueError("layernorm.backward: scratch is required (scratch_bytes(R, C))")
-    if ptr(dx) == ptr(x):
+    if scratch is None:
+        raise ValueError("layernorm.backward: scratch is required (scratch_elems(R, C, dev))")
+    if int(dx) == int(x):
         raise ValueError("layernorm.backward: dx must not alias x")
-    if accumulate_dx and ptr(dx) == ptr(dy):
+    if accumulate_dx and int(dx) == int(dy):
         raise ValueError("layernorm.backward: dx may alias dy only without accumulate_dx")
-    rpt, n = _reduce.tiles(R, C, rows_per_tile)
+    rpt, n = _reduce.tiles(R, C, dev, rows_per_tile)
     ops = []
     if not stats_valid:
         ops += forward(x, w, w, None, mean, rstd, R, C, eps)
-    ops.append(Launch(MODULE, "ln_backward_dwdb", grid=(math.ceil(C / 128), n, 1), block=(32, BY, 1),
-                      args=(("p", ptr(x)), ("p", ptr(dy)), ("p", ptr(mean)), ("p", ptr(rstd)),
-                            ("p", ptr(scratch)), ("i", int(R)), ("i", int(C)), ("i", int(rpt)))))
-    ops += _reduce.cols(ptr(scratch), dw, n, C, accumulate_dparams)
-    ops += _reduce.cols(ptr(scratch) + 4 * n * C, db, n, C, accumulate_dparams)
-    ops.append(Launch(MODULE, "ln_backward_dx", grid=(math.ceil(R / WARPS), 1, 1), block=(32 * WARPS, 1, 1),
-                      args=(("p", ptr(x)), ("p", ptr(w)), ("p", ptr(dy)), ("p", ptr(mean)), ("p", ptr(rstd)),
-                            ("p", ptr(dx)), ("i", int(R)), ("i", int(C)), ("i", int(bool(accumulate_dx))))))
+    ops.append(LN_BACKWARD_DWDB.launch((math.ceil(C / 128), n, 1), (32, BY, 1), xtype=xtype, x=x, dy=dy,
+                                       mean=mean, rstd=rstd, part=scratch, R=R, C=C, rows_per_tile=rpt))
+    ops += _reduce.partials(scratch, n, C, [dw], REDUCE_BY, accumulate_dparams)
+    ops += _reduce.partials(scratch.offset(n * C), n, C, [db], REDUCE_BY, accumulate_dparams)
+    ops.append(LN_BACKWARD_DX.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=xtype, x=x, w=w,
+                                     dy=dy, mean=mean, rstd=rstd, dx=dx, R=R, C=C,
+                                     accumulate=int(bool(accumulate_dx))))
     return ops

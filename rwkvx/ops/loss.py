@@ -1,7 +1,8 @@
 """Launch builder for rwkvx/cu/loss.cu: fused log-softmax cross-entropy (forward and backward).
 
-Buffers: logits float32 ``[R, V]`` (any V; float4 when V % 4 == 0 and 16-byte aligned), targets int32
-``[R]``, loss float64 ``[R]``, dlogits float32 ``[R, V]``, inv_count float64 ``[1]`` (device).
+Buffers: logits floatX ``[R, V]`` (any V; vector loads when V % 4 == 0 and aligned), targets int32
+``[R]``, loss f64 ``[R]``, dlogits floatX ``[R, V]``, inv_count f64 ``[1]`` (device).
+Twin: ``rwkvx.oracle.cross_entropy_rows``.
 
     loss[r]       = logsumexp(logits[r]) - logits[r, targets[r]]         (0 where targets[r] == ignore_index)
     dlogits[r, j] = (softmax(logits[r])_j - [j == targets[r]]) * inv_count   (0 rows where ignored)
@@ -12,18 +13,21 @@ Buffers: logits float32 ``[R, V]`` (any V; float4 when V % 4 == 0 and 16-byte al
 
 ``dlogits`` may be ``logits`` (in place, saves the [R, V] buffer) or None (loss only, no gradient; then
 ``inv_count`` may be None too).
-One block of 512 threads per row; per-thread (max, sum of exp) pairs (sum accumulated in float64) merged
-in a fixed tree, so results are bit-reproducible.
+One block of THREADS threads per row; per-thread (max, sum of exp) pairs (sum accumulated in float64)
+merged in a fixed tree, so results are bit-reproducible.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._common import Launch, ptr
+from rwkvx.runtime.kernel import F64_IN, F64_OUT, I32_IN, INT, X_IN, X_OUT, KernelFile
+from rwkvx.validate import IGNORE_INDEX
 
-MODULE = "loss"
-THREADS = 512            # CE_THREADS in loss.cu
-IGNORE_INDEX = -100
+THREADS = 512
+
+CU = KernelFile("loss", constants={"CE_THREADS": THREADS})
+CROSS_ENTROPY_LOSS = CU.kernel("cross_entropy_loss", logits=X_IN, dlogits=X_OUT.opt(), targets=I32_IN,
+                               loss=F64_OUT, inv_count=F64_IN.opt(), R=INT, V=INT, ignore_index=INT)
 
 
 def inv_count(targets, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
@@ -39,6 +43,8 @@ def cross_entropy(logits, targets, loss, dlogits, inv_count_ptr, R: int, V: int,
         raise ValueError(f"loss.cross_entropy: R={R} and V={V} must be positive")
     if R > 0x7FFFFFFF:
         raise ValueError(f"loss.cross_entropy: R={R} too large")
-    return [Launch(MODULE, "cross_entropy_loss", grid=(int(R), 1, 1), block=(THREADS, 1, 1),
-                   args=(("p", ptr(logits)), ("p", ptr(dlogits)), ("p", ptr(targets)), ("p", ptr(loss)),
-                         ("p", ptr(inv_count_ptr)), ("i", int(R)), ("i", int(V)), ("i", int(ignore_index))))]
+    if dlogits is not None and inv_count_ptr is None:
+        raise ValueError("loss.cross_entropy: dlogits needs inv_count")
+    return [CROSS_ENTROPY_LOSS.launch((R, 1, 1), (THREADS, 1, 1), xtype=logits.elem, logits=logits,
+                                      dlogits=dlogits, targets=targets, loss=loss, inv_count=inv_count_ptr,
+                                      R=R, V=V, ignore_index=ignore_index)]

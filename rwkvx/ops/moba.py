@@ -1,9 +1,12 @@
-"""Launch builders for rwkvx/cu/moba.cu: MoBA sparse attention (SPEC §2.3), fp32, flash-style.
+"""Launch builders for rwkvx/cu/moba.cu: MoBA sparse attention (SPEC §2.3), fp32 math, flash-style.
 
 No T x T buffer: memory is O(B*T*C*top_k) (see :func:`scratch_sizes`). Every builder returns
-``list[Launch]`` (plain data, no GPU needed). Pointers are ints or objects with an int ``.ptr``.
+``list[Launch]`` (plain data, no GPU needed). Buffers are typed device pointers (DevPtr).
+Twins: ``rwkvx.oracle.moba_attention_forward`` / ``moba_attention_backward`` (and ``moba_select``,
+``moba_block_means``, ``moba_logsumexp`` for the intermediate buffers).
 
-Shapes (float32 unless noted; ``K1 = top_k - 1``, ``nblk = ceil(T / chunk)``, ``E = emax(T, chunk, top_k)``):
+Shapes (q, k, v, o, do, dq, dk, dv floatX; the rest f32 unless noted; ``K1 = top_k - 1``,
+``nblk = ceil(T / chunk)``, ``E = emax(T, chunk, top_k)``):
 
 =========  =========================  ======================================================================
 name       shape                      contents
@@ -24,16 +27,16 @@ delta      [B, H, T]                  backward: sum_n do * o per query
 =========  =========================  ======================================================================
 
 ``scratch`` arguments are dicts name -> pointer with the keys of :func:`scratch_sizes` (zero-size
-buffers may be 0 / absent). Nothing needs zeroing. Between :func:`forward` and :func:`backward` on the
+buffers may be None / absent). Nothing needs zeroing. Between :func:`forward` and :func:`backward` on the
 same q, k, v, keep ``o``, ``sel``, ``lse``, ``idx`` and ``qlist``; the others are transient
 (``part`` is overwritten by the backward; ``kmean``/``cnt``/``lpart`` are only used inside the forward,
 ``delta`` only inside the backward).
 
 Usage::
 
-    sizes = moba.scratch_sizes(B, T, H, N, chunk, top_k)          # bytes per buffer
-    ops  = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, top_k)
-    ops += moba.backward(q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k)
+    sizes = moba.scratch_sizes(B, T, H, N, chunk, top_k)          # name -> (elements, element type)
+    ops  = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, top_k, dev)
+    ops += moba.backward(q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k, dev)
 
 Determinism: no floating-point atomics; replays are bit-identical (see moba.cu's header).
 Numerics: gate in fp32 (fmaf chain over n), scores, online softmax and all sums in fp32.
@@ -42,55 +45,125 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
-from ._common import Launch, ptr
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, I32_IN, I32_OUT, INT, X_IN, X_OUT, KernelFile
 
-MODULE = "moba"
-NTHR = 128          # NTHR in moba.cu (attention kernels)
-SEL_Q = 64          # SEL_Q (moba_select block)
-KM_THREADS = 256    # KM_THREADS
-FILL_THREADS = 256  # FILL_THREADS
-SEL_J = 32          # MOBA_SEL_J
-MAX_SMEM = 227 * 1024   # dynamic shared memory per block on sm_90 (opt-in; the runtime raises the limit)
+from . import _common
+from ._common import DeviceInfo
+
+HEAD_SIZES = (4, 8, 16, 32, 64, 128, 256)
+NTHR = 128          # threads of the attention kernels (16 x 8 per tile)
+SEL_Q = 64          # threads (= queries) per moba_select block
+SEL_J = 32          # block means staged per selection step
+KM_THREADS = 256    # moba_kmean threads
+FILL_THREADS = 256  # moba_fill threads
 
 SCRATCH_NAMES = ("sel", "lse", "kmean", "cnt", "idx", "qlist", "part", "lpart", "delta")
 
 
 def tiles(N: int) -> dict[str, int]:
-    """Tile sizes for head size N (passed to moba.cu as defines)."""
+    """Tile sizes for head size N."""
     if N <= 64:
-        t = dict(MOBA_FQ=64, MOBA_FK=64, MOBA_DQ_Q=64, MOBA_DQ_K=32, MOBA_KV_K=64, MOBA_KV_Q=32)
-    elif N <= 128:
-        t = dict(MOBA_FQ=64, MOBA_FK=32, MOBA_DQ_Q=32, MOBA_DQ_K=32, MOBA_KV_K=32, MOBA_KV_Q=32)
-    else:
-        t = dict(MOBA_FQ=32, MOBA_FK=16, MOBA_DQ_Q=16, MOBA_DQ_K=16, MOBA_KV_K=16, MOBA_KV_Q=16)
-    t["MOBA_SEL_J"] = SEL_J
-    return t
+        return dict(MOBA_FQ=64, MOBA_FK=64, MOBA_DQ_Q=64, MOBA_DQ_K=32, MOBA_KV_K=64, MOBA_KV_Q=32)
+    if N <= 128:
+        return dict(MOBA_FQ=64, MOBA_FK=32, MOBA_DQ_Q=32, MOBA_DQ_K=32, MOBA_KV_K=32, MOBA_KV_Q=32)
+    return dict(MOBA_FQ=32, MOBA_FK=16, MOBA_DQ_Q=16, MOBA_DQ_K=16, MOBA_KV_K=16, MOBA_KV_Q=16)
 
 
-def defines(N: int) -> tuple:
-    """The define set of every moba launch for head size N (one compiled module per N)."""
-    return (("HEAD_SIZE", int(N)),) + tuple(sorted(tiles(N).items()))
+def _layout(prefix: str, parts) -> tuple[dict[str, int], int]:
+    """Word offsets (defines prefix_NAME) of consecutive shared-memory arrays, and the total words."""
+    offsets, word = {}, 0
+    for name, words in parts:
+        offsets[f"{prefix}_{name}"] = word
+        word += words
+    return offsets, word
 
 
-def check_shape(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> None:
-    """ValueError unless the sizes are supported (N a multiple of 4 in [4, 256], all >= 1, ...)."""
+def smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int]]:
+    """The shared-memory carve-up of each kernel group for head size N: name -> (offsets, words).
+
+    The offsets reach moba.cu as defines; the launches ask for 4 * words bytes (select: plus its
+    K1-sized top lists, see :func:`select_smem_bytes`)."""
+    t = tiles(N)
+    ldh = N + 4                                  # padded row stride: no bank conflicts on columns
+    fq, fk, dqq, dqk, kvk, kvq = (t[k] for k in ("MOBA_FQ", "MOBA_FK", "MOBA_DQ_Q", "MOBA_DQ_K",
+                                                   "MOBA_KV_K", "MOBA_KV_Q"))
+    return {
+        "sel": _layout("MOBA_SM_SEL", [("QS", SEL_Q * (N + 1)), ("KM", SEL_J * N), ("TOP", 0)]),
+        "fwd": _layout("MOBA_SM_FWD", [("Q", fq * ldh), ("K", fk * ldh), ("V", fk * ldh), ("P", fq * (fk + 4)),
+                                       ("QTOK", fq), ("QENT", fq)]),
+        "dq": _layout("MOBA_SM_DQ", [("Q", dqq * ldh), ("DO", dqq * ldh), ("K", dqk * ldh), ("V", dqk * ldh),
+                                     ("DS", dqq * (dqk + 4)), ("LSE", dqq), ("D", dqq), ("QTOK", dqq),
+                                     ("QENT", dqq)]),
+        "kv": _layout("MOBA_SM_KV", [("K", kvk * ldh), ("V", kvk * ldh), ("Q", kvq * ldh), ("DO", kvq * ldh),
+                                     ("P", kvk * (kvq + 4)), ("DS", kvk * (kvq + 4)), ("LSE", kvq), ("D", kvq),
+                                     ("QTOK", kvq)]),
+    }
+
+
+def _derived(variant: dict) -> dict:
+    N = int(variant["HEAD_SIZE"])
+    t = tiles(N)
+    out = dict(t, MOBA_LDH=N + 4, MOBA_FLDP=t["MOBA_FK"] + 4, MOBA_DLDP=t["MOBA_DQ_K"] + 4,
+               MOBA_KLDP=t["MOBA_KV_Q"] + 4)
+    for offsets, _ in smem_layouts(N).values():
+        out.update(offsets)
+    return out
+
+
+CU = KernelFile("moba", constants={"MOBA_NTHR": NTHR, "MOBA_SEL_Q": SEL_Q, "MOBA_SEL_J": SEL_J,
+                                   "MOBA_KM_THREADS": KM_THREADS, "MOBA_FILL_THREADS": FILL_THREADS},
+                variants={"HEAD_SIZE": HEAD_SIZES}, derived=_derived)
+_SIZES = dict(T=INT, H=INT, chunk=INT)
+MOBA_KMEAN = CU.kernel("moba_kmean", k=X_IN, kmean=F32_OUT, cnt=I32_OUT, T=INT, H=INT, chunk=INT, nblk=INT)
+MOBA_SELECT = CU.kernel("moba_select", q=X_IN, kmean=F32_IN, sel=I32_OUT, cnt=I32_OUT, **_SIZES, K1=INT,
+                        nblk=INT)
+MOBA_SCAN = CU.kernel("moba_scan", cnt=I32_IN, idx=I32_OUT, nblk=INT)
+MOBA_FILL = CU.kernel("moba_fill", sel=I32_IN, idx=I32_IN, qlist=I32_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT)
+_QKV = dict(q=X_IN, k=X_IN, v=X_IN)
+MOBA_FWD_PAST = CU.kernel("moba_fwd_past", **_QKV, idx=I32_IN, qlist=I32_IN, part=F32_OUT, lpart=F32_OUT,
+                          **_SIZES, K1=INT, nblk=INT, Emax=INT, scale=FLOAT)
+MOBA_FWD_OWN = CU.kernel("moba_fwd_own", **_QKV, sel=I32_IN.opt(), part=F32_IN.opt(), lpart=F32_IN.opt(),
+                         o=X_OUT, lse=F32_OUT, **_SIZES, K1=INT, scale=FLOAT)
+MOBA_BWD_DELTA = CU.kernel("moba_bwd_delta", o=X_IN, dout=X_IN, delta=F32_OUT, B=INT, T=INT, H=INT)
+_BWD_IN = dict(**_QKV, dout=X_IN, lse=F32_IN, delta=F32_IN)
+MOBA_BWD_DQ_PAST = CU.kernel("moba_bwd_dq_past", **_BWD_IN, idx=I32_IN, qlist=I32_IN, part=F32_OUT,
+                             **_SIZES, K1=INT, nblk=INT, Emax=INT, scale=FLOAT)
+MOBA_BWD_DQ_OWN = CU.kernel("moba_bwd_dq_own", **_BWD_IN, sel=I32_IN.opt(), part=F32_IN.opt(), dq=X_OUT,
+                            **_SIZES, K1=INT, scale=FLOAT)
+MOBA_BWD_DKDV = CU.kernel("moba_bwd_dkdv", **_BWD_IN, idx=I32_IN.opt(), qlist=I32_IN.opt(), dk=X_OUT,
+                          dv=X_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT, scale=FLOAT)
+
+
+def select_smem_bytes(N: int, K1: int) -> int:
+    """Dynamic shared memory of moba_select: the fixed arrays and two K1 x SEL_Q top lists."""
+    return 4 * (smem_layouts(N)["sel"][1] + 2 * SEL_Q * max(K1, 0))
+
+
+def _smem_bytes(N: int, group: str) -> int:
+    return 4 * smem_layouts(N)[group][1]
+
+
+def check_shape(B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo) -> None:
+    """ValueError unless the sizes are supported (N one of HEAD_SIZES, all >= 1, ...)."""
     for name, val, lo in (("B", B, 1), ("T", T, 1), ("H", H, 1), ("N", N, 4), ("chunk", chunk, 1),
                           ("top_k", top_k, 1)):
         if not isinstance(val, numbers.Integral) or isinstance(val, bool) or val < lo:
             raise ValueError(f"moba: {name} must be an int >= {lo}, got {val!r}")
-    if N % 4 or N > 256:
-        raise ValueError(f"moba: head size N must be a multiple of 4 in [4, 256], got {N}")
+    if N not in HEAD_SIZES:
+        raise ValueError(f"moba: head size N must be one of {HEAD_SIZES}, got {N}")
     if B * H > 65535 or nblocks(T, chunk) > 65535:
         raise ValueError(f"moba: B*H ({B * H}) and ceil(T/chunk) ({nblocks(T, chunk)}) must be <= 65535")
     if T * top_k >= 2 ** 31 or B * H * T * max(top_k - 1, 1) * N >= 2 ** 40:
         raise ValueError("moba: sizes too large")
-    if _smem_select(N, top_k - 1) > MAX_SMEM:
+    if select_smem_bytes(N, top_k - 1) > dev.smem_per_block:
         raise ValueError(f"moba: top_k={top_k} too large for head size {N} (selection list does not "
-                         f"fit in shared memory)")
+                         f"fit in the device's {dev.smem_per_block} bytes of shared memory per block)")
 
 
 def nblocks(T: int, chunk: int) -> int:
+    """Key blocks of a sequence of T tokens."""
     return (T + chunk - 1) // chunk
 
 
@@ -103,11 +176,10 @@ def emax(T: int, chunk: int, top_k: int) -> int:
     return total
 
 
-def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dict[str, int]:
-    """Bytes of each scratch buffer (0 where unused). Total, with K1 = top_k-1, nblk = ceil(T/chunk),
-    E <= T*K1:  4 * (B*H*T*(K1*N + 2*K1 + 2) + B*H*nblk*(N + 1) + 3*B*H*(nblk+1) + B*H*E)
-    i.e. about 4*B*T*C*K1 bytes (the partials) plus O(B*H*T*K1)."""
-    check_shape(B, T, H, N, chunk, top_k)
+def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dict[str, tuple[int, str]]:
+    """(elements, element type) of each scratch buffer (0 where unused). Total, with K1 = top_k-1,
+    nblk = ceil(T/chunk), E <= T*K1:  4 * (B*H*T*(K1*N + 2*K1 + 2) + B*H*nblk*(N + 1) + 3*B*H*(nblk+1)
+    + B*H*E) bytes, i.e. about 4*B*T*C*K1 bytes (the partials) plus O(B*H*T*K1)."""
     B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
     K1 = top_k - 1
     nblk = nblocks(T, chunk)
@@ -115,176 +187,131 @@ def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dic
     has_sel = K1 > 0
     E = emax(T, chunk, top_k)
     return {
-        "sel": 4 * BH * T * K1,
-        "lse": 4 * BH * T,
-        "kmean": 4 * BH * nblk * N if has_sel else 0,
-        "cnt": 4 * BH * nblk if has_sel else 0,
-        "idx": 4 * BH * 3 * (nblk + 1) if E else 0,
-        "qlist": 4 * BH * E,
-        "part": 4 * BH * T * K1 * N if E else 0,
-        "lpart": 4 * BH * T * K1 if E else 0,
-        "delta": 4 * BH * T,
+        "sel": (BH * T * K1, "i32"),
+        "lse": (BH * T, "f32"),
+        "kmean": (BH * nblk * N if has_sel else 0, "f32"),
+        "cnt": (BH * nblk if has_sel else 0, "i32"),
+        "idx": (BH * 3 * (nblk + 1) if E else 0, "i32"),
+        "qlist": (BH * E, "i32"),
+        "part": (BH * T * K1 * N if E else 0, "f32"),
+        "lpart": (BH * T * K1 if E else 0, "f32"),
+        "delta": (BH * T, "f32"),
     }
 
 
-def scratch_bytes(B: int, T: int, H: int, N: int, chunk: int, top_k: int, align: int = 256) -> int:
-    """Total bytes of :func:`carve`'s layout (each buffer aligned to ``align``)."""
-    return sum(-(-n // align) * align for n in scratch_sizes(B, T, H, N, chunk, top_k).values())
+def carve(base: int, B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dict:
+    """The scratch buffers laid out from device address ``base``: the dict the builders take."""
+    return _common.carve(base, scratch_sizes(B, T, H, N, chunk, top_k))
 
 
-def carve(base, B: int, T: int, H: int, N: int, chunk: int, top_k: int, align: int = 256) -> dict[str, int]:
-    """Lay the scratch buffers out from device address ``base`` (:func:`scratch_bytes` bytes); returns
-    the name -> pointer dict the builders take (0 for empty buffers)."""
-    addr = ptr(base)
-    out = {}
-    for name, n in scratch_sizes(B, T, H, N, chunk, top_k).items():
-        out[name] = addr if n else 0
-        addr += -(-n // align) * align
-    return out
+def scratch_bytes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> int:
+    """Bytes of :func:`carve`'s layout."""
+    return _common.carved_bytes(scratch_sizes(B, T, H, N, chunk, top_k))
 
 
-# ---- shared memory (bytes), mirrors moba.cu -----------------------------------------------------
-
-def _smem_select(N: int, K1: int) -> int:
-    return 4 * (SEL_Q * (N + 1) + SEL_J * N + 2 * SEL_Q * max(K1, 0))
-
-
-def _smem_fwd(N: int) -> int:
-    t = tiles(N)
-    ldh = N + 4
-    fq, fk = t["MOBA_FQ"], t["MOBA_FK"]
-    return 4 * (fq * ldh + 2 * fk * ldh + fq * (fk + 4) + 2 * fq)
-
-
-def _smem_dq(N: int) -> int:
-    t = tiles(N)
-    ldh = N + 4
-    qq, kk = t["MOBA_DQ_Q"], t["MOBA_DQ_K"]
-    return 4 * (2 * qq * ldh + 2 * kk * ldh + qq * (kk + 4) + 2 * qq + 2 * qq)
-
-
-def _smem_kv(N: int) -> int:
-    t = tiles(N)
-    ldh = N + 4
-    kk, qq = t["MOBA_KV_K"], t["MOBA_KV_Q"]
-    return 4 * (2 * kk * ldh + 2 * qq * ldh + 2 * kk * (qq + 4) + 3 * qq)
-
-
-def _get(scratch: dict, name: str, needed: bool) -> int:
-    addr = ptr(scratch.get(name)) if scratch else 0
-    if needed and not addr:
+def _get(scratch: dict, name: str):
+    buf = scratch.get(name) if scratch else None
+    if buf is None:
         raise ValueError(f"moba: scratch[{name!r}] is required here (see scratch_sizes)")
-    return addr
+    return buf
 
 
 def _check_ptrs(what: str, **ptrs) -> None:
     for name, p in ptrs.items():
-        if not p:
+        if p is None:
             raise ValueError(f"moba.{what}: {name} is required")
-        if p % 16:
-            raise ValueError(f"moba.{what}: {name} must be 16-byte aligned (got 0x{p:x})")
+        if int(p) % 16:
+            raise ValueError(f"moba.{what}: {name} must be 16-byte aligned (got 0x{int(p):x})")
+
+
+class _Problem(NamedTuple):
+    """What the forward and backward builders derive from the sizes and buffers."""
+    xtype: str
+    K1: int
+    nblk: int
+    E: int
+    tiles: dict
+    variant: dict
+    scale: float
+
+
+def _problem(what: str, B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo,
+             **buffers) -> _Problem:
+    check_shape(B, T, H, N, chunk, top_k, dev)
+    _check_ptrs(what, **buffers)
+    return _Problem(_common.xtype_of(f"moba.{what}", *buffers.values()), top_k - 1, nblocks(T, chunk),
+                    emax(T, chunk, top_k), tiles(N), {"HEAD_SIZE": N}, 1.0 / math.sqrt(N))
 
 
 # ---- builders -------------------------------------------------------------------------------------
 
-def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> list:
+def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: int, top_k: int,
+            dev: DeviceInfo) -> list:
     """o = MoBA attention(q, k, v); also writes scratch sel, lse, kmean, cnt, idx, qlist, part, lpart.
 
     Launches (K1 = top_k-1 > 0 and T > chunk): moba_kmean, moba_select, moba_scan, moba_fill,
     moba_fwd_past, moba_fwd_own. top_k == 1: moba_fwd_own only; T <= chunk: kmean, select (all -1), own."""
-    check_shape(B, T, H, N, chunk, top_k)
-    B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
-    q, k, v, o = ptr(q), ptr(k), ptr(v), ptr(o)
-    _check_ptrs("forward", q=q, k=k, v=v, o=o)
-    K1 = top_k - 1
-    nblk = nblocks(T, chunk)
-    E = emax(T, chunk, top_k)
-    t = tiles(N)
-    defs = defines(N)
-    scale = 1.0 / math.sqrt(N)
-    lse = _get(scratch, "lse", True)
+    xtype, K1, nblk, E, t, var, scale = _problem("forward", B, T, H, N, chunk, top_k, dev, q=q, k=k, v=v, o=o)
+    lse = _get(scratch, "lse")
     ops = []
-    sel = 0
+    sel = cnt = None
     if K1 > 0:
-        sel = _get(scratch, "sel", True)
-        kmean = _get(scratch, "kmean", True)
-        cnt = _get(scratch, "cnt", True)
-        ops.append(Launch(MODULE, "moba_kmean", grid=(nblk, H, B), block=(KM_THREADS, 1, 1),
-                          args=(("p", k), ("p", kmean), ("p", cnt), ("i", T), ("i", H), ("i", chunk),
-                                ("i", nblk)), defines=defs))
-        ops.append(Launch(MODULE, "moba_select", grid=(math.ceil(T / SEL_Q), H, B), block=(SEL_Q, 1, 1),
-                          smem=_smem_select(N, K1),
-                          args=(("p", q), ("p", kmean), ("p", sel), ("p", cnt), ("i", T), ("i", H),
-                                ("i", chunk), ("i", K1), ("i", nblk)), defines=defs))
-    part = lpart = 0
+        sel, kmean, cnt = _get(scratch, "sel"), _get(scratch, "kmean"), _get(scratch, "cnt")
+        ops.append(MOBA_KMEAN.launch((nblk, H, B), (KM_THREADS, 1, 1), xtype=xtype, variant=var,
+                                     k=k, kmean=kmean, cnt=cnt, T=T, H=H, chunk=chunk, nblk=nblk))
+        ops.append(MOBA_SELECT.launch((math.ceil(T / SEL_Q), H, B), (SEL_Q, 1, 1), xtype=xtype, variant=var,
+                                      smem=select_smem_bytes(N, K1), q=q, kmean=kmean, sel=sel, cnt=cnt,
+                                      T=T, H=H, chunk=chunk, K1=K1, nblk=nblk))
+    part = lpart = None
     if E > 0:
-        idx = _get(scratch, "idx", True)
-        qlist = _get(scratch, "qlist", True)
-        part = _get(scratch, "part", True)
-        lpart = _get(scratch, "lpart", True)
-        ops.append(Launch(MODULE, "moba_scan", grid=(B * H, 1, 1), block=(32, 1, 1),
-                          args=(("p", cnt), ("p", idx), ("i", nblk)), defines=defs))
-        ops.append(Launch(MODULE, "moba_fill", grid=(nblk, H, B), block=(FILL_THREADS, 1, 1),
-                          args=(("p", sel), ("p", idx), ("p", qlist), ("i", T), ("i", H), ("i", chunk),
-                                ("i", K1), ("i", nblk), ("i", E)), defines=defs))
-        ops.append(Launch(MODULE, "moba_fwd_past", grid=(math.ceil(E / t["MOBA_FQ"]) + nblk, H, B),
-                          block=(NTHR, 1, 1), smem=_smem_fwd(N),
-                          args=(("p", q), ("p", k), ("p", v), ("p", idx), ("p", qlist), ("p", part),
-                                ("p", lpart), ("i", T), ("i", H), ("i", chunk), ("i", K1), ("i", nblk),
-                                ("i", E), ("f", scale)), defines=defs))
+        idx, qlist = _get(scratch, "idx"), _get(scratch, "qlist")
+        part, lpart = _get(scratch, "part"), _get(scratch, "lpart")
+        ops.append(MOBA_SCAN.launch((B * H, 1, 1), (32, 1, 1), xtype=xtype, variant=var,
+                                    cnt=cnt, idx=idx, nblk=nblk))
+        ops.append(MOBA_FILL.launch((nblk, H, B), (FILL_THREADS, 1, 1), xtype=xtype, variant=var,
+                                    sel=sel, idx=idx, qlist=qlist, T=T, H=H, chunk=chunk, K1=K1, nblk=nblk,
+                                    Emax=E))
+        ops.append(MOBA_FWD_PAST.launch((math.ceil(E / t["MOBA_FQ"]) + nblk, H, B), (NTHR, 1, 1), xtype=xtype,
+                                        variant=var, smem=_smem_bytes(N, "fwd"), q=q, k=k, v=v, idx=idx,
+                                        qlist=qlist, part=part, lpart=lpart, T=T, H=H, chunk=chunk, K1=K1,
+                                        nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0      # no past block anywhere: nothing to merge
     tpc = math.ceil(chunk / t["MOBA_FQ"])
-    ops.append(Launch(MODULE, "moba_fwd_own", grid=(nblk * tpc, H, B), block=(NTHR, 1, 1),
-                      smem=_smem_fwd(N),
-                      args=(("p", q), ("p", k), ("p", v), ("p", sel if k1_eff else 0), ("p", part),
-                            ("p", lpart), ("p", o), ("p", lse), ("i", T), ("i", H), ("i", chunk),
-                            ("i", k1_eff), ("f", scale)), defines=defs))
+    ops.append(MOBA_FWD_OWN.launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
+                                   smem=_smem_bytes(N, "fwd"), q=q, k=k, v=v, sel=sel if k1_eff else None,
+                                   part=part, lpart=lpart, o=o, lse=lse, T=T, H=H, chunk=chunk, K1=k1_eff,
+                                   scale=scale))
     return ops
 
 
 def backward(q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, N: int, chunk: int,
-             top_k: int) -> list:
+             top_k: int, dev: DeviceInfo) -> list:
     """dq, dk, dv (written) of MoBA attention with the forward's selection held fixed.
 
     Needs the scratch of the :func:`forward` that produced ``o`` on the same q, k, v (sel, lse, idx,
     qlist); uses ``delta`` and ``part`` as scratch. Launches: moba_bwd_delta, moba_bwd_dq_past (when some
     query has a past block), moba_bwd_dq_own, moba_bwd_dkdv."""
-    check_shape(B, T, H, N, chunk, top_k)
-    B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
-    q, k, v, o, do, dq, dk, dv = (ptr(x) for x in (q, k, v, o, do, dq, dk, dv))
-    _check_ptrs("backward", q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv)
-    K1 = top_k - 1
-    nblk = nblocks(T, chunk)
-    E = emax(T, chunk, top_k)
-    t = tiles(N)
-    defs = defines(N)
-    scale = 1.0 / math.sqrt(N)
-    lse = _get(scratch, "lse", True)
-    delta = _get(scratch, "delta", True)
-    ops = [Launch(MODULE, "moba_bwd_delta", grid=(math.ceil(B * T * H / 4), 1, 1), block=(128, 1, 1),
-                  args=(("p", o), ("p", do), ("p", delta), ("i", B), ("i", T), ("i", H)), defines=defs)]
-    sel = idx = qlist = part = 0
+    xtype, K1, nblk, E, t, var, scale = _problem("backward", B, T, H, N, chunk, top_k, dev, q=q, k=k, v=v, o=o,
+                                                 do=do, dq=dq, dk=dk, dv=dv)
+    lse, delta = _get(scratch, "lse"), _get(scratch, "delta")
+    common = dict(q=q, k=k, v=v, dout=do, lse=lse, delta=delta)
+    ops = [MOBA_BWD_DELTA.launch((math.ceil(B * T * H / 4), 1, 1), (128, 1, 1), xtype=xtype, variant=var,
+                                 o=o, dout=do, delta=delta, B=B, T=T, H=H)]
+    sel = idx = qlist = part = None
     if E > 0:
-        sel = _get(scratch, "sel", True)
-        idx = _get(scratch, "idx", True)
-        qlist = _get(scratch, "qlist", True)
-        part = _get(scratch, "part", True)
-        ops.append(Launch(MODULE, "moba_bwd_dq_past", grid=(math.ceil(E / t["MOBA_DQ_Q"]) + nblk, H, B),
-                          block=(NTHR, 1, 1), smem=_smem_dq(N),
-                          args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
-                                ("p", idx), ("p", qlist), ("p", part), ("i", T), ("i", H), ("i", chunk),
-                                ("i", K1), ("i", nblk), ("i", E), ("f", scale)), defines=defs))
+        sel, idx = _get(scratch, "sel"), _get(scratch, "idx")
+        qlist, part = _get(scratch, "qlist"), _get(scratch, "part")
+        ops.append(MOBA_BWD_DQ_PAST.launch((math.ceil(E / t["MOBA_DQ_Q"]) + nblk, H, B), (NTHR, 1, 1),
+                                           xtype=xtype, variant=var, smem=_smem_bytes(N, "dq"), **common,
+                                           idx=idx, qlist=qlist, part=part, T=T, H=H, chunk=chunk, K1=K1,
+                                           nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0
     tpc = math.ceil(chunk / t["MOBA_DQ_Q"])
-    ops.append(Launch(MODULE, "moba_bwd_dq_own", grid=(nblk * tpc, H, B), block=(NTHR, 1, 1),
-                      smem=_smem_dq(N),
-                      args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
-                            ("p", sel), ("p", part), ("p", dq), ("i", T), ("i", H), ("i", chunk),
-                            ("i", k1_eff), ("f", scale)), defines=defs))
-    ops.append(Launch(MODULE, "moba_bwd_dkdv", grid=(math.ceil(chunk / t["MOBA_KV_K"]), nblk, B * H),
-                      block=(NTHR, 1, 1), smem=_smem_kv(N),
-                      args=(("p", q), ("p", k), ("p", v), ("p", do), ("p", lse), ("p", delta),
-                            ("p", idx), ("p", qlist), ("p", dk), ("p", dv), ("i", T), ("i", H),
-                            ("i", chunk), ("i", k1_eff), ("i", nblk), ("i", E), ("f", scale)),
-                      defines=defs))
+    ops.append(MOBA_BWD_DQ_OWN.launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
+                                      smem=_smem_bytes(N, "dq"), **common, sel=sel, part=part, dq=dq,
+                                      T=T, H=H, chunk=chunk, K1=k1_eff, scale=scale))
+    ops.append(MOBA_BWD_DKDV.launch((math.ceil(chunk / t["MOBA_KV_K"]), nblk, B * H), (NTHR, 1, 1),
+                                    xtype=xtype, variant=var, smem=_smem_bytes(N, "kv"), **common,
+                                    idx=idx, qlist=qlist, dk=dk, dv=dv, T=T, H=H, chunk=chunk, K1=k1_eff,
+                                    nblk=nblk, Emax=E, scale=scale))
     return ops

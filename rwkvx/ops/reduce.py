@@ -1,56 +1,40 @@
-"""Launch builders for rwkvx/cu/reduce.cu: deterministic reductions over rows.
+"""Launch builder for rwkvx/cu/reduce.cu: the fixed-order reduction of per-tile partial sums.
 
-Every builder returns ``list[Launch]`` (plain data, no GPU needed). Pointers are ints or objects with an
-int ``.ptr``. All buffers float32 row-major.
+The backward kernels of layernorm, channelmix and timemix write partial sums of their parameter
+gradients per row tile; :func:`partials` adds them into the gradients. Row tiles of those kernels:
+:func:`tiles` (about :data:`BLOCKS_PER_SM` blocks per multiprocessor).
 
-* :func:`cols` — ``reduce_cols``: ``out[c] (= or +=) sum_p part[p, c]``, part ``[P, C]``, out ``[C]``.
-  Any C, any alignment. Fixed summation order (thread row y sums p = y, y+16, ...; then the 16 partial
-  sums in order), so the result depends only on the data, P and C.
-* :func:`rows_partial` — ``reduce_rows_partial``: ``part[t, c] = sum over rows r of tile t of
-  a[r, c] * b[r, c]`` (``b=None``: of ``a[r, c]``), a, b ``[R, C]``, part ``[n_tiles, C]``;
-  tile t = rows ``[t*rpt, min(R, (t+1)*rpt))``. Needs C % 4 == 0 and 16-byte aligned a, b, part.
-* :func:`rows` — both: ``out[c] (= or +=) sum_r a[r, c] * b[r, c]`` through ``scratch`` of
-  :func:`scratch_bytes` bytes. Example (a weight-vector gradient such as ``d x_r = sum_r dxr * xx``)::
+    ops += reduce.partials(part, P, C, outs, by)      # outs[j][c] (= or +=) sum_p part[p, j, c]
 
-      ops += reduce.rows(dxr, xx, d_x_r, scratch, R, C)
-
-``rows_per_tile`` (rpt) defaults to :func:`default_rows_per_tile` (about TARGET_BLOCKS blocks);
-pass the same value to :func:`scratch_bytes` as to the builder.
+Twin: ``rwkvx.oracle.column_sums``.
 """
 from __future__ import annotations
 
 import math
 
-from ._common import Launch, ptr
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, KernelFile
 
-MODULE = "reduce"
-TARGET_BLOCKS = 1056          # ~8 blocks of 256 threads per SM on an H200 (132 SMs)
-COLS_BY = 16                  # RD_COLS_BY in reduce.cu
-ROWS_BY = 8                   # RD_ROWS_BY in reduce.cu
+from ._common import DeviceInfo
 
+MAX_BY = 16              # rows of threads per block, at most (the shared-memory tile)
+BLOCKS_PER_SM = 8        # target blocks per SM of the row-tiled backward kernels (8 x 256 threads)
 
-def check_rows(what: str, R: int, C: int, *ptrs) -> None:
-    """Validate a row-wise [R, C] float4 kernel: R, C > 0, C % 4 == 0, non-null pointers 16-byte aligned."""
-    if R <= 0 or C <= 0:
-        raise ValueError(f"{what}: rows={R} and C={C} must be positive")
-    if C % 4:
-        raise ValueError(f"{what}: C={C} must be a multiple of 4")
-    for i, q in enumerate(ptrs):
-        q = ptr(q)
-        if q % 16:
-            raise ValueError(f"{what}: pointer argument {i} (0x{q:x}) is not 16-byte aligned")
+CU = KernelFile("reduce", constants={"RD_MAX_BY": MAX_BY})
+REDUCE_PARTIALS = CU.kernel("reduce_partials", part=F32_IN, P=INT, C=INT, nout=INT,
+                            o0=F32_OUT, o1=F32_OUT.opt(), o2=F32_OUT.opt(), o3=F32_OUT.opt(),
+                            o4=F32_OUT.opt(), o5=F32_OUT.opt(), accumulate=INT)
 
 
-def default_rows_per_tile(R: int, C: int) -> int:
-    """Rows per tile giving about TARGET_BLOCKS blocks of (128 columns x rpt rows); a multiple of 8."""
+def default_rows_per_tile(R: int, C: int, dev: DeviceInfo) -> int:
+    """Rows per tile giving about BLOCKS_PER_SM blocks of (128 columns x rpt rows) per SM; a multiple of 8."""
     gx = math.ceil(C / 128)
-    rpt = max(8, math.ceil(R * gx / TARGET_BLOCKS))
+    rpt = max(8, math.ceil(R * gx / (BLOCKS_PER_SM * dev.sm_count)))
     return 8 * math.ceil(rpt / 8)
 
 
-def tiles(R: int, C: int, rows_per_tile: int | None = None) -> tuple[int, int]:
+def tiles(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> tuple[int, int]:
     """(rows_per_tile, n_tiles) for a row-tiled kernel over [R, C]."""
-    rpt = default_rows_per_tile(R, C) if rows_per_tile is None else int(rows_per_tile)
+    rpt = default_rows_per_tile(R, C, dev) if rows_per_tile is None else int(rows_per_tile)
     if rpt <= 0:
         raise ValueError(f"rows_per_tile must be positive, got {rows_per_tile}")
     n = math.ceil(R / rpt)
@@ -59,32 +43,22 @@ def tiles(R: int, C: int, rows_per_tile: int | None = None) -> tuple[int, int]:
     return rpt, n
 
 
-def scratch_bytes(R: int, C: int, rows_per_tile: int | None = None) -> int:
-    """Bytes of the partials scratch [n_tiles, C] float32 used by :func:`rows`."""
-    return 4 * C * tiles(R, C, rows_per_tile)[1]
+def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
+    """fp32 elements of one [n_tiles, C] partials array."""
+    return C * tiles(R, C, dev, rows_per_tile)[1]
 
 
-def cols(part, out, P: int, C: int, accumulate: bool = False) -> list:
-    """reduce_cols: out [C] (= or += with accumulate) sum over p of part [P, C]."""
+def partials(part, P: int, C: int, outs, by: int, accumulate: bool = False) -> list:
+    """reduce_partials: outs[j] [C] (= or += with accumulate) sum over p of part [P, len(outs), C].
+
+    ``by`` (rows of threads, <= MAX_BY) is part of the summation order: a family keeps its value."""
+    outs = list(outs)
+    if not 1 <= len(outs) <= 6:
+        raise ValueError("reduce.partials: 1..6 outputs")
     if P <= 0 or C <= 0:
-        raise ValueError(f"reduce.cols: P={P} and C={C} must be positive")
-    return [Launch(MODULE, "reduce_cols", grid=(math.ceil(C / 32), 1, 1), block=(32, COLS_BY, 1),
-                   args=(("p", ptr(part)), ("p", ptr(out)), ("i", int(P)), ("i", int(C)),
-                         ("i", int(bool(accumulate)))))]
-
-
-def rows_partial(a, b, part, R: int, C: int, rows_per_tile: int | None = None) -> list:
-    """reduce_rows_partial: part [n_tiles, C] = per-tile column sums of a*b (b None: of a)."""
-    check_rows("reduce.rows_partial", R, C, a, b, part)
-    rpt, n = tiles(R, C, rows_per_tile)
-    return [Launch(MODULE, "reduce_rows_partial", grid=(math.ceil(C / 128), n, 1), block=(32, ROWS_BY, 1),
-                   args=(("p", ptr(a)), ("p", ptr(b)), ("p", ptr(part)), ("i", int(R)), ("i", int(C)),
-                         ("i", int(rpt))))]
-
-
-def rows(a, b, out, scratch, R: int, C: int, accumulate: bool = False,
-         rows_per_tile: int | None = None) -> list:
-    """out [C] (= or +=) sum over rows of a*b (b None: of a); a, b [R, C]; scratch >= scratch_bytes."""
-    rpt, n = tiles(R, C, rows_per_tile)
-    return (rows_partial(a, b, scratch, R, C, rpt)
-            + cols(scratch, out, n, C, accumulate))
+        raise ValueError(f"reduce.partials: P={P} and C={C} must be positive")
+    if not 1 <= by <= MAX_BY:
+        raise ValueError(f"reduce.partials: by={by} must be in [1, {MAX_BY}]")
+    named = {f"o{j}": (outs[j] if j < len(outs) else None) for j in range(6)}
+    return [REDUCE_PARTIALS.launch((math.ceil(len(outs) * C / 32), 1, 1), (32, by, 1), part=part, P=P, C=C,
+                                   nout=len(outs), accumulate=int(bool(accumulate)), **named)]

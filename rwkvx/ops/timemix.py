@@ -2,10 +2,13 @@
 
 Every builder returns ``list[Launch]`` (plain data; no GPU needed to build). Pointers are ints or
 objects with an int ``.ptr``; ``0`` / ``None`` means "absent" where a pointer is optional.
-All activations are float32 row-major ``[R, C]`` (R = B*T, row r = token r % T of sequence r // T,
-channel c = h*N + n), 16-byte aligned; parameter vectors are ``[C]`` float32.
+All activations are floatX row-major ``[R, C]`` (R = B*T, row r = token r % T of sequence r // T,
+channel c = h*N + n), aligned to 4 elements; parameter vectors ``[C]`` and the partials are f32.
+Twins: ``rwkvx.oracle.time_shift_forward`` / ``time_shift_backward``, ``tanh_*``, ``sigmoid_*``,
+``time_mix_prep_forward`` / ``time_mix_prep_backward``, ``time_mix_gn_forward`` / ``time_mix_gn_backward``.
 
-Composition of one TimeMix block (RWKV index i; the integrator's GEMMs in brackets)::
+The builders with many buffers (prep, gn) take keyword arguments only: a swapped pair cannot pass
+silently. Composition of one TimeMix block (RWKV index i; the integrator's GEMMs in brackets)::
 
     forward (also the backward's recompute of the block):
       shift_forward(x=LN1(x)) -> xr, xw, xk, xv, xa, xg
@@ -34,19 +37,51 @@ Composition of one TimeMix block (RWKV index i; the integrator's GEMMs in bracke
 
 Parameter gradients (d x_*, d w0 ..., d ln_x.*, d r_k) are computed deterministically: each backward
 kernel writes per-(row-tile, row-stream) partial sums into ``partials`` (scratch), then
-``tm_reduce_partials`` sums them in a fixed order. One scratch of ``scratch_bytes(R, C, N)`` bytes
-serves all three backward kernels (they run one after another on the stream).
+``reduce_partials`` (reduce.cu) sums them in a fixed order. One scratch of ``scratch_elems(R, C, N, dev)``
+fp32 elements serves all three backward kernels (they run one after another on the stream).
 """
 from __future__ import annotations
 
 import math
 
-from ._common import Launch, ptr
+from rwkvx.config import DECAY_SCALE, GN_EPS, L2_EPS
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, LONG, X_IN, X_OUT, KernelFile
 
-MODULE = "timemix"
+from . import reduce as _reduce
+from ._common import DeviceInfo, grid_stride_blocks, xtype_of
+
 HEAD_SIZES = (4, 8, 16, 32, 64, 128)
-TARGET_BLOCKS = 1056            # ~8 blocks per SM on an H200 (132 SMs)
+REDUCE_BY = 8                   # reduce_partials rows (its summation order)
+SHIFT_N = 4                     # the shift and LoRA kernels ignore the head size: one build serves all
 _MAX_QX = 256
+
+CU = KernelFile("timemix", constants={"TM_DECAY_SCALE": DECAY_SCALE, "TM_GN_EPS": GN_EPS, "TM_L2_EPS": L2_EPS},
+                variants={"HEAD_SIZE": HEAD_SIZES})
+_MIX = {f"m{j}": F32_IN for j in range(6)}
+TM_SHIFT_FWD = CU.kernel("tm_shift_fwd", x=X_IN, **_MIX, **{f"o{j}": X_OUT for j in range(6)},
+                         R=INT, C=INT, T=INT, rpt=INT)
+TM_SHIFT_BWD = CU.kernel("tm_shift_bwd", x=X_IN, **_MIX, **{f"d{j}": X_IN for j in range(6)},
+                         dx=X_OUT, partials=F32_OUT, R=INT, C=INT, T=INT, rpt=INT, acc=INT)
+_ELEMENTWISE = dict(a=X_IN, b=X_IN.opt(), out=X_OUT, n=LONG)
+TM_TANH_FWD = CU.kernel("tm_tanh_fwd", **_ELEMENTWISE)
+TM_TANH_BWD = CU.kernel("tm_tanh_bwd", **_ELEMENTWISE)
+TM_SIGMOID_FWD = CU.kernel("tm_sigmoid_fwd", **_ELEMENTWISE)
+TM_SIGMOID_BWD = CU.kernel("tm_sigmoid_bwd", **_ELEMENTWISE)
+_PREP_IN = dict(k=X_IN, v=X_IN, wl=X_IN, al=X_IN, vl=X_IN.opt())
+_PREP_PARAMS = dict(w0=F32_IN, a0=F32_IN, v0=F32_IN.opt(), k_k=F32_IN, k_a=F32_IN)
+TM_PREP_FWD = CU.kernel("tm_prep_fwd", **_PREP_IN, vf=X_OUT, **_PREP_PARAMS,
+                        decay=X_OUT, kp=X_OUT, vp=X_OUT.opt(), wa=X_OUT, wb=X_OUT, R=INT, C=INT, rpt=INT,
+                        layer=INT)
+TM_PREP_BWD = CU.kernel("tm_prep_bwd", **_PREP_IN, vf=X_IN.opt(), **_PREP_PARAMS,
+                        dd=X_IN, dkp=X_IN, dvp=X_IN, dwa=X_IN, dwb=X_IN, dkp2=X_IN.opt(), dvp2=X_IN.opt(),
+                        dr=X_IN.opt(), dr2=X_IN.opt(), dr_out=X_OUT.opt(),
+                        dk=X_OUT, dv=X_OUT, dwl=X_OUT, dal=X_OUT, dvl=X_OUT.opt(), dvf=X_OUT.opt(),
+                        partials=F32_OUT, R=INT, C=INT, rpt=INT, layer=INT, vf_acc=INT)
+_GN_IN = dict(y=X_IN, r=X_IN, kp=X_IN, vp=X_IN, g=X_IN)
+_GN_PARAMS = dict(lnw=F32_IN, lnb=F32_IN, rk=F32_IN)
+TM_GN_FWD = CU.kernel("tm_gn_fwd", **_GN_IN, **_GN_PARAMS, z=X_OUT, R=INT, C=INT, rpt=INT)
+TM_GN_BWD = CU.kernel("tm_gn_bwd", **_GN_IN, dz=X_IN, **_GN_PARAMS, dy=X_OUT, dg=X_OUT, dr2=X_OUT,
+                      dkp2=X_OUT, dvp2=X_OUT, partials=F32_OUT, R=INT, C=INT, rpt=INT)
 
 
 def _check(R: int, C: int, N: int) -> None:
@@ -58,12 +93,12 @@ def _check(R: int, C: int, N: int) -> None:
         raise ValueError(f"rows R={R} must be positive")
 
 
-def layout(R: int, C: int, N: int = 4, rows_per_tile: int | None = None) -> dict:
+def layout(R: int, C: int, dev: DeviceInfo, N: int = 4, rows_per_tile: int | None = None) -> dict:
     """Thread layout of the row kernels (see the header of timemix.cu).
 
     Returns dict(qx, ry, rpt, tiles, grid, block, pp): block = (qx, ry); grid = (C/4/qx, tiles);
     ``pp`` = tiles*ry partial rows written by a backward kernel. ``rows_per_tile`` defaults to a value
-    that gives about TARGET_BLOCKS blocks.
+    that gives about reduce.BLOCKS_PER_SM blocks per multiprocessor.
     """
     _check(R, C, N)
     q4 = C // 4
@@ -75,7 +110,7 @@ def layout(R: int, C: int, N: int = 4, rows_per_tile: int | None = None) -> dict
     ry = max(1, _MAX_QX // qx)
     gx = q4 // qx
     if rows_per_tile is None:
-        rpt = max(1, math.ceil(R * gx / TARGET_BLOCKS))
+        rpt = max(1, math.ceil(R * gx / (_reduce.BLOCKS_PER_SM * dev.sm_count)))
         rpt = ry * math.ceil(rpt / ry)
     else:
         rpt = int(rows_per_tile)
@@ -88,37 +123,22 @@ def layout(R: int, C: int, N: int = 4, rows_per_tile: int | None = None) -> dict
                 pp=tiles * ry)
 
 
-def _defs(N: int) -> tuple:
-    return (("HEAD_SIZE", int(N)),)
-
-
-def scratch_bytes(R: int, C: int, N: int = 64, rows_per_tile: int | None = None) -> int:
-    """Bytes of the ``partials`` scratch needed by shift_backward, prep_backward and gn_backward
+def scratch_elems(R: int, C: int, N: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
+    """fp32 elements of the ``partials`` scratch needed by shift_backward, prep_backward and gn_backward
     (the maximum of the three; pass the same ``rows_per_tile`` as to the builders)."""
-    ls = layout(R, C, 4, rows_per_tile)
-    lh = layout(R, C, N, rows_per_tile)
-    return 4 * C * max(6 * ls["pp"], 5 * lh["pp"], 3 * lh["pp"])
+    ls = layout(R, C, dev, SHIFT_N, rows_per_tile)
+    lh = layout(R, C, dev, N, rows_per_tile)
+    return C * max(6 * ls["pp"], 5 * lh["pp"], 3 * lh["pp"])
 
 
-def reduce_partials(partials, Pp: int, C: int, outs, accumulate: bool = False) -> list:
-    """tm_reduce_partials: outs[j][c] (=|+=) sum_p partials[p, j, c], fixed order.
-
-    partials [Pp, len(outs), C]; outs: 1..6 pointers to [C] vectors."""
-    outs = [ptr(o) for o in outs]
-    if not 1 <= len(outs) <= 6:
-        raise ValueError("reduce_partials: 1..6 outputs")
-    nout = len(outs)
-    ptrs = outs + [0] * (6 - nout)
-    width = nout * C
-    return [Launch(MODULE, "tm_reduce_partials", grid=(math.ceil(width / 32), 1, 1), block=(32, 8, 1),
-                   args=(("p", ptr(partials)), ("i", Pp), ("i", C), ("i", nout),
-                         *(("p", q) for q in ptrs), ("i", int(bool(accumulate)))))]
+def _row_launch(kernel, L: dict, N: int, xtype: str, **args):
+    return kernel.launch(L["grid"], L["block"], xtype=xtype, variant={"HEAD_SIZE": N}, **args)
 
 
 # ------------------------------------------------------------------------------------------------
 # 1. token shift + mix
 # ------------------------------------------------------------------------------------------------
-def shift_forward(x, mix, outs, R: int, C: int, T: int, rows_per_tile: int | None = None) -> list:
+def shift_forward(x, mix, outs, R: int, C: int, T: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> list:
     """tm_shift_fwd. x [R,C] (LN1 output; R = B*T); mix = (x_r, x_w, x_k, x_v, x_a, x_g) each [C];
     outs = (xr, xw, xk, xv, xa, xg) each [R,C], must not alias x.
     o_j = x + (shift(x) - x) * mix_j with shift zero at t = 0 of every sequence."""
@@ -126,160 +146,150 @@ def shift_forward(x, mix, outs, R: int, C: int, T: int, rows_per_tile: int | Non
         raise ValueError("shift_forward: 6 mix vectors and 6 outputs")
     if R % T:
         raise ValueError(f"R={R} must be a multiple of T={T}")
-    L = layout(R, C, 4, rows_per_tile)
-    return [Launch(MODULE, "tm_shift_fwd", grid=L["grid"], block=L["block"],
-                   args=(("p", ptr(x)), *(("p", ptr(m)) for m in mix), *(("p", ptr(o)) for o in outs),
-                         ("i", R), ("i", C), ("i", T), ("i", L["rpt"])))]
+    L = layout(R, C, dev, SHIFT_N, rows_per_tile)
+    return [_row_launch(TM_SHIFT_FWD, L, SHIFT_N, xtype_of("timemix.shift_forward", x, *outs), x=x,
+                        **{f"m{j}": m for j, m in enumerate(mix)}, **{f"o{j}": o for j, o in enumerate(outs)},
+                        R=R, C=C, T=T, rpt=L["rpt"])]
 
 
-def shift_backward(x, mix, douts, dx, dmix, partials, R: int, C: int, T: int,
+def shift_backward(x, mix, douts, dx, dmix, partials, R: int, C: int, T: int, dev: DeviceInfo,
                    accumulate_dx: bool = False, accumulate_dmix: bool = False,
                    rows_per_tile: int | None = None) -> list:
-    """tm_shift_bwd + tm_reduce_partials.
+    """tm_shift_bwd + reduce_partials.
 
     x [R,C], mix 6 x [C] as in shift_forward; douts = (dxr, dxw, dxk, dxv, dxa, dxg) each [R,C];
     dx [R,C]: written (or += with accumulate_dx); must not alias x or any douts.
     dmix = (d x_r, ..., d x_g) each [C]: written (or += with accumulate_dmix).
-    partials: scratch of at least scratch_bytes(R, C, ...) bytes."""
+    partials: scratch of at least scratch_elems(R, C, N, dev) fp32 elements."""
     if len(mix) != 6 or len(douts) != 6 or len(dmix) != 6:
         raise ValueError("shift_backward: 6 mix vectors, 6 output grads, 6 mix grads")
     if R % T:
         raise ValueError(f"R={R} must be a multiple of T={T}")
-    L = layout(R, C, 4, rows_per_tile)
-    ops = [Launch(MODULE, "tm_shift_bwd", grid=L["grid"], block=L["block"],
-                  args=(("p", ptr(x)), *(("p", ptr(m)) for m in mix), *(("p", ptr(d)) for d in douts),
-                        ("p", ptr(dx)), ("p", ptr(partials)),
-                        ("i", R), ("i", C), ("i", T), ("i", L["rpt"]), ("i", int(bool(accumulate_dx)))))]
-    return ops + reduce_partials(partials, L["pp"], C, dmix, accumulate_dmix)
+    L = layout(R, C, dev, SHIFT_N, rows_per_tile)
+    ops = [_row_launch(TM_SHIFT_BWD, L, SHIFT_N, xtype_of("timemix.shift_backward", x, dx, *douts), x=x,
+                       **{f"m{j}": m for j, m in enumerate(mix)}, **{f"d{j}": d for j, d in enumerate(douts)},
+                       dx=dx, partials=partials, R=R, C=C, T=T, rpt=L["rpt"], acc=int(bool(accumulate_dx)))]
+    return ops + _reduce.partials(partials, L["pp"], C, dmix, REDUCE_BY, accumulate_dmix)
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. LoRA activations (n floats; in place allowed)
+# 2. LoRA activations (n elements; in place allowed)
 # ------------------------------------------------------------------------------------------------
-def _elementwise(name: str, a, b, out, n: int) -> list:
+def _elementwise(kernel, a, b, out, n: int, dev: DeviceInfo) -> list:
     if n <= 0:
-        raise ValueError(f"{name}: n must be positive")
-    threads = 256
-    blocks = max(1, min(math.ceil(math.ceil(n / 4) / threads), 132 * 16))
-    return [Launch(MODULE, name, grid=(blocks, 1, 1), block=(threads, 1, 1),
-                   args=(("p", ptr(a)), ("p", ptr(b)), ("p", ptr(out)), ("l", int(n))))]
+        raise ValueError(f"{kernel.name}: n must be positive")
+    blocks = grid_stride_blocks(math.ceil(n / 4), dev)
+    return [kernel.launch((blocks, 1, 1), (256, 1, 1), xtype=xtype_of(kernel.name, a, out),
+                          variant={"HEAD_SIZE": SHIFT_N}, a=a, b=b, out=out, n=n)]
 
 
-def tanh_forward(pre, act, n: int) -> list:
-    """act = tanh(pre); n = R*Dw floats. Keep ``act`` (the backward and the w2 GEMM need it)."""
-    return _elementwise("tm_tanh_fwd", pre, 0, act, n)
+def tanh_forward(pre, act, n: int, dev: DeviceInfo) -> list:
+    """act = tanh(pre); n = R*Dw elements. Keep ``act`` (the backward and the w2 GEMM need it)."""
+    return _elementwise(TM_TANH_FWD, pre, None, act, n, dev)
 
 
-def tanh_backward(act, dact, dpre, n: int) -> list:
+def tanh_backward(act, dact, dpre, n: int, dev: DeviceInfo) -> list:
     """dpre = dact * (1 - act^2) (act = tanh output; dpre may alias dact)."""
-    return _elementwise("tm_tanh_bwd", act, dact, dpre, n)
+    return _elementwise(TM_TANH_BWD, act, dact, dpre, n, dev)
 
 
-def sigmoid_forward(pre, act, n: int) -> list:
-    """act = sigmoid(pre); n = R*Dg floats. Keep ``act``."""
-    return _elementwise("tm_sigmoid_fwd", pre, 0, act, n)
+def sigmoid_forward(pre, act, n: int, dev: DeviceInfo) -> list:
+    """act = sigmoid(pre); n = R*Dg elements. Keep ``act``."""
+    return _elementwise(TM_SIGMOID_FWD, pre, None, act, n, dev)
 
 
-def sigmoid_backward(act, dact, dpre, n: int) -> list:
+def sigmoid_backward(act, dact, dpre, n: int, dev: DeviceInfo) -> list:
     """dpre = dact * act * (1 - act) (act = sigmoid output; dpre may alias dact)."""
-    return _elementwise("tm_sigmoid_bwd", act, dact, dpre, n)
+    return _elementwise(TM_SIGMOID_BWD, act, dact, dpre, n, dev)
 
 
 # ------------------------------------------------------------------------------------------------
 # 3. prep
 # ------------------------------------------------------------------------------------------------
-def prep_forward(k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
-                 decay, kp, vp, wa, wb, R: int, C: int, N: int, layer: int,
+def prep_forward(*, k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
+                 decay, kp, vp, wa, wb, R: int, C: int, N: int, layer: int, dev: DeviceInfo,
                  rows_per_tile: int | None = None) -> list:
     """tm_prep_fwd. Inputs [R,C]: k, v (GEMM outputs), wl = tanh(xw@w1)@w2, al = xa@a1@a2,
-    vl = xv@v1@v2 (layer > 0, else 0), v_first (layer > 0: read; layer 0: written := v).
-    Params [C]: w0, a0, v0 (layer > 0, else 0), k_k, k_a.
+    vl = xv@v1@v2 (layer > 0, else None), v_first (layer > 0: read; layer 0: written := v).
+    Params [C]: w0, a0, v0 (layer > 0, else None), k_k, k_a.
     Outputs [R,C]: decay = exp(-e^-0.5 sigmoid(w0+wl)); kp = k*(1+(a-1)*k_a);
-    vp = v + (v_first - v)*sigmoid(v0+vl) (layer > 0 only; layer 0 uses v itself, vp may be 0);
+    vp = v + (v_first - v)*sigmoid(v0+vl) (layer > 0 only; layer 0 uses v itself, vp may be None);
     wa = -kk, wb = kk*a with kk = l2normalize_head(k*k_k), a = sigmoid(a0+al).
     Outputs must not overwrite k, v, wl, al, vl, v_first (prep_backward re-reads them)."""
-    L = layout(R, C, N, rows_per_tile)
-    lay = int(layer > 0)
-    return [Launch(MODULE, "tm_prep_fwd", grid=L["grid"], block=L["block"], defines=_defs(N),
-                   args=(("p", ptr(k)), ("p", ptr(v)), ("p", ptr(wl)), ("p", ptr(al)),
-                         ("p", ptr(vl) if lay else 0), ("p", ptr(v_first)),
-                         ("p", ptr(w0)), ("p", ptr(a0)), ("p", ptr(v0) if lay else 0),
-                         ("p", ptr(k_k)), ("p", ptr(k_a)),
-                         ("p", ptr(decay)), ("p", ptr(kp)), ("p", ptr(vp) if lay else 0),
-                         ("p", ptr(wa)), ("p", ptr(wb)),
-                         ("i", R), ("i", C), ("i", L["rpt"]), ("i", lay)))]
+    L = layout(R, C, dev, N, rows_per_tile)
+    lay = layer > 0
+    return [_row_launch(TM_PREP_FWD, L, N, xtype_of("timemix.prep_forward", k, v, decay, kp, wa, wb),
+                        k=k, v=v, wl=wl, al=al, vl=vl if lay else None, vf=v_first,
+                        w0=w0, a0=a0, v0=v0 if lay else None, k_k=k_k, k_a=k_a,
+                        decay=decay, kp=kp, vp=vp if lay else None, wa=wa, wb=wb,
+                        R=R, C=C, rpt=L["rpt"], layer=int(lay))]
 
 
-def prep_backward(k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
+def prep_backward(*, k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
                   d_decay, dkp, dvp, dwa, dwb, dkp2, dvp2, dr, dr2, dr_out,
                   dk, dv, dwl, dal, dvl, dv_first, partials, dparams,
-                  R: int, C: int, N: int, layer: int, vf_accumulate: bool = True,
+                  R: int, C: int, N: int, layer: int, dev: DeviceInfo, vf_accumulate: bool = True,
                   accumulate_dparams: bool = False, rows_per_tile: int | None = None) -> list:
-    """tm_prep_bwd + tm_reduce_partials.
+    """tm_prep_bwd + reduce_partials.
 
     Saved/recomputed inputs as in prep_forward (k, v, wl, al, vl, v_first; v, vl, v_first, v0 only
     used for layer > 0). Gradient inputs [R,C] from the WKV backward: d_decay, dkp, dvp, dwa, dwb;
-    optional extra grads from gn_backward's bonus term: dkp2, dvp2 (0 = none) and dr2 with
-    dr_out = dr + dr2 (skipped when dr2 is 0; dr_out may alias dr).
+    optional extra grads from gn_backward's bonus term: dkp2, dvp2 (None = none) and dr2 with
+    dr_out = dr + dr2 (skipped when dr2 is None; dr_out may alias dr).
     Outputs [R,C] (may alias the gradient inputs): dk, dv (of the key/value GEMM outputs), dwl,
     dal, dvl (layer > 0).
     dv_first [R,C]: layer > 0: dv_first = (vf_accumulate ? dv_first : 0) + dv'*sigmoid(v0+vl);
-    layer 0: dv += dv_first (read only; pass 0 when no later block exists).
+    layer 0: dv += dv_first (read only; pass None when no later block exists).
     dparams = (d w0, d a0, d k_k, d k_a, d v0) [C] each (d v0 only for layer > 0): written
     (+= with accumulate_dparams)."""
-    L = layout(R, C, N, rows_per_tile)
-    lay = int(layer > 0)
+    L = layout(R, C, dev, N, rows_per_tile)
+    lay = layer > 0
     np_ = 5 if lay else 4
     dparams = list(dparams)[:np_]
     if len(dparams) != np_:
         raise ValueError(f"prep_backward: {np_} parameter gradients needed for layer {layer}")
-    ops = [Launch(MODULE, "tm_prep_bwd", grid=L["grid"], block=L["block"], defines=_defs(N),
-                  args=(("p", ptr(k)), ("p", ptr(v)), ("p", ptr(wl)), ("p", ptr(al)),
-                        ("p", ptr(vl) if lay else 0), ("p", ptr(v_first) if lay else 0),
-                        ("p", ptr(w0)), ("p", ptr(a0)), ("p", ptr(v0) if lay else 0),
-                        ("p", ptr(k_k)), ("p", ptr(k_a)),
-                        ("p", ptr(d_decay)), ("p", ptr(dkp)), ("p", ptr(dvp)), ("p", ptr(dwa)), ("p", ptr(dwb)),
-                        ("p", ptr(dkp2)), ("p", ptr(dvp2)),
-                        ("p", ptr(dr)), ("p", ptr(dr2)), ("p", ptr(dr_out) if ptr(dr2) else 0),
-                        ("p", ptr(dk)), ("p", ptr(dv)), ("p", ptr(dwl)), ("p", ptr(dal)),
-                        ("p", ptr(dvl) if lay else 0), ("p", ptr(dv_first)), ("p", ptr(partials)),
-                        ("i", R), ("i", C), ("i", L["rpt"]), ("i", lay), ("i", int(bool(vf_accumulate)))))]
-    if lay and not ptr(dv_first):
+    if lay and dv_first is None:
         raise ValueError("prep_backward: layer > 0 needs dv_first")
-    if ptr(dr2) and not ptr(dr_out):
+    if dr2 is not None and dr_out is None:
         raise ValueError("prep_backward: dr2 given without dr_out")
-    return ops + reduce_partials(partials, L["pp"], C, dparams, accumulate_dparams)
+    ops = [_row_launch(TM_PREP_BWD, L, N, xtype_of("timemix.prep_backward", k, v, dk, dv, dwl, dal),
+                       k=k, v=v, wl=wl, al=al, vl=vl if lay else None, vf=v_first if lay else None,
+                       w0=w0, a0=a0, v0=v0 if lay else None, k_k=k_k, k_a=k_a,
+                       dd=d_decay, dkp=dkp, dvp=dvp, dwa=dwa, dwb=dwb, dkp2=dkp2, dvp2=dvp2,
+                       dr=dr, dr2=dr2, dr_out=dr_out if dr2 is not None else None,
+                       dk=dk, dv=dv, dwl=dwl, dal=dal, dvl=dvl if lay else None, dvf=dv_first,
+                       partials=partials, R=R, C=C, rpt=L["rpt"], layer=int(lay),
+                       vf_acc=int(bool(vf_accumulate)))]
+    return ops + _reduce.partials(partials, L["pp"], C, dparams, REDUCE_BY, accumulate_dparams)
 
 
 # ------------------------------------------------------------------------------------------------
 # 4. GroupNorm + bonus + gate
 # ------------------------------------------------------------------------------------------------
-def gn_forward(y, r, kp, vp, g, ln_w, ln_b, r_k, z, R: int, C: int, N: int,
+def gn_forward(*, y, r, kp, vp, g, ln_w, ln_b, r_k, z, R: int, C: int, N: int, dev: DeviceInfo,
                rows_per_tile: int | None = None) -> list:
     """tm_gn_fwd. y (WKV output), r, kp (k'), vp (v'; for block 0 the v buffer), g (gate GEMM
     output), all [R,C]; ln_w, ln_b, r_k [C]. z [R,C] = (GroupNorm(y)*ln_w + ln_b +
     sum_head(r*kp*r_k)*vp) * g  -> input of the output GEMM. Nothing else is saved: the backward
     recomputes the per-head mean / rstd / bonus sum from y, r, kp."""
-    L = layout(R, C, N, rows_per_tile)
-    return [Launch(MODULE, "tm_gn_fwd", grid=L["grid"], block=L["block"], defines=_defs(N),
-                   args=(("p", ptr(y)), ("p", ptr(r)), ("p", ptr(kp)), ("p", ptr(vp)), ("p", ptr(g)),
-                         ("p", ptr(ln_w)), ("p", ptr(ln_b)), ("p", ptr(r_k)), ("p", ptr(z)),
-                         ("i", R), ("i", C), ("i", L["rpt"])))]
+    L = layout(R, C, dev, N, rows_per_tile)
+    return [_row_launch(TM_GN_FWD, L, N, xtype_of("timemix.gn_forward", y, r, kp, vp, g, z),
+                        y=y, r=r, kp=kp, vp=vp, g=g, lnw=ln_w, lnb=ln_b, rk=r_k, z=z,
+                        R=R, C=C, rpt=L["rpt"])]
 
 
-def gn_backward(y, r, kp, vp, g, dz, ln_w, ln_b, r_k, dy, dg, dr2, dkp2, dvp2, partials, dparams,
-                R: int, C: int, N: int, accumulate_dparams: bool = False,
+def gn_backward(*, y, r, kp, vp, g, dz, ln_w, ln_b, r_k, dy, dg, dr2, dkp2, dvp2, partials, dparams,
+                R: int, C: int, N: int, dev: DeviceInfo, accumulate_dparams: bool = False,
                 rows_per_tile: int | None = None) -> list:
-    """tm_gn_bwd + tm_reduce_partials. Inputs as gn_forward plus dz [R,C] (after g, before ln_w).
+    """tm_gn_bwd + reduce_partials. Inputs as gn_forward plus dz [R,C] (after g, before ln_w).
     Outputs [R,C] (may alias inputs element-wise): dy (to WKV backward), dg (to the g2 GEMM),
     dr2, dkp2, dvp2 (bonus-term grads of r, k', v' -> prep_backward).
     dparams = (d ln_x.weight, d ln_x.bias, d r_k) [C] each: written (+= with accumulate_dparams)."""
-    L = layout(R, C, N, rows_per_tile)
+    L = layout(R, C, dev, N, rows_per_tile)
     if len(dparams) != 3:
         raise ValueError("gn_backward: 3 parameter gradients (ln_x.weight, ln_x.bias, r_k)")
-    ops = [Launch(MODULE, "tm_gn_bwd", grid=L["grid"], block=L["block"], defines=_defs(N),
-                  args=(("p", ptr(y)), ("p", ptr(r)), ("p", ptr(kp)), ("p", ptr(vp)), ("p", ptr(g)),
-                        ("p", ptr(dz)), ("p", ptr(ln_w)), ("p", ptr(ln_b)), ("p", ptr(r_k)),
-                        ("p", ptr(dy)), ("p", ptr(dg)), ("p", ptr(dr2)), ("p", ptr(dkp2)), ("p", ptr(dvp2)),
-                        ("p", ptr(partials)), ("i", R), ("i", C), ("i", L["rpt"])))]
-    return ops + reduce_partials(partials, L["pp"], C, dparams, accumulate_dparams)
+    ops = [_row_launch(TM_GN_BWD, L, N, xtype_of("timemix.gn_backward", y, r, dz, dy, dg),
+                       y=y, r=r, kp=kp, vp=vp, g=g, dz=dz, lnw=ln_w, lnb=ln_b, rk=r_k,
+                       dy=dy, dg=dg, dr2=dr2, dkp2=dkp2, dvp2=dvp2, partials=partials,
+                       R=R, C=C, rpt=L["rpt"])]
+    return ops + _reduce.partials(partials, L["pp"], C, dparams, REDUCE_BY, accumulate_dparams)

@@ -8,22 +8,22 @@ S = 0 before t = 0::
 (the model passes a = -kk, b = kk * a_rate; w is the decay in (0, 1)). Twin of
 ``rwkvx.oracle.wkv7_forward`` / ``wkv7_backward``.
 
-Buffers (float32, 16-byte aligned; outputs must not alias inputs):
+Buffers (16-byte aligned; outputs must not alias inputs):
 
-* r, w, k, v, a, b, dy, y, dr, dw, dk, dv, da, db: ``[B, T, H, N]`` (= row-major ``[B*T, C]``, c = h*N + n).
-* ``ckpt`` ``[B, H, nC, N, N]``, nC = ceil(T/16): written by :func:`forward`, read by :func:`backward`
+* r, w, k, v, a, b, dy, y, dr, dw, dk, dv, da, db: floatX ``[B, T, H, N]`` (= row-major ``[B*T, C]``,
+  c = h*N + n).
+* ``ckpt`` f32 ``[B, H, nC, N, N]``, nC = ceil(T/16): written by :func:`forward`, read by :func:`backward`
   (slot c holds the state at the start of chunk c, S_{16c-1}; slot 0 is never written nor read).
   It is the only thing the forward saves for the backward, and must come from a forward over the
   same r, w, k, v, a, b.
-* ``slab`` ``[B, H, 16, N, N]``: backward scratch (states of the chunk being processed; L2-resident).
-* ``partials`` ``[5, P-1, B, T, H, N]``: backward scratch for the row-split column reductions, only
-  when the backward split P > 1 (see :func:`backward_split`); ``None`` otherwise. Split 0 writes
-  its partial sums into dr, dw, dk, da, db directly; splits 1..P-1 into ``partials``.
+* ``slab`` f32 ``[B, H, 16, N, N]``: backward scratch (states of the chunk being processed; L2-resident).
+* ``partials`` f32 ``[5, P, B, T, H, N]``: backward scratch for the row-split column reductions, only
+  when the backward split P > 1 (see :func:`backward_split`); ``None`` otherwise.
 
-Sizes: :func:`scratch_bytes`. Use::
+Sizes: :func:`scratch_elems`. Use::
 
-    ops += wkv7.forward(r, w, k, v, a, b, y, ckpt, B, T, H, N)
-    ops += wkv7.backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B, T, H, N,
+    ops += wkv7.forward(r, w, k, v, a, b, y, ckpt, B, T, H, N, dev)
+    ops += wkv7.backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B, T, H, N, dev,
                          partials=partials)
 
 All gradients are *written* (not accumulated). Deterministic (no atomics): with P > 1 the per-split
@@ -31,27 +31,35 @@ partial sums are added in a fixed order (split 0, then 1, ..., P-1) by ``wkv7_ba
 
 Splits: the forward splits the N state rows of each (b, h) over ``P_f`` blocks (rows are independent);
 the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become per-split partials).
-Defaults fill an H200 (132 SMs) for small B*H; both can be forced with ``split=``.
+Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``.
 """
 from __future__ import annotations
 
 import math
 
-from ._common import Launch, ptr
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, LONG, X_IN, X_OUT, KernelFile
 
-MODULE = "wkv7"
+from ._common import DeviceInfo
+
 HEAD_SIZES = (4, 8, 16, 32, 64, 128)
-Q = 4                 # WKV_Q in wkv7.cu: lanes per state row (block = N/P * Q threads)
+Q = 4                 # lanes per state row (block = N/P * Q threads)
 CHUNK = 16            # checkpoint interval in tokens
-NUM_SMS = 132         # H200
-_BWD_MAXT = 256       # backward __launch_bounds__ (N = 128 needs P_b >= 2)
+BWD_MAXT = 256        # backward threads per block at most (N = 128 needs P_b >= 2)
+REDUCE_BLOCKS_PER_SM = 8
 
-
-def _defs(N: int) -> tuple:
-    return (("HEAD_SIZE", int(N)),)
+CU = KernelFile("wkv7", constants={"WKV_Q": Q, "WKV_CHUNK": CHUNK, "WKV_BWD_MAXT": BWD_MAXT},
+                variants={"HEAD_SIZE": HEAD_SIZES})
+_RWKVAB = dict(r=X_IN, w=X_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN)
+WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, ckpt=F32_OUT, T=INT, H=INT)
+WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, ckpt=F32_IN, slab=F32_OUT,
+                          dr=X_OUT, dw=X_OUT, dk=X_OUT, dv=X_OUT, da=X_OUT, db=X_OUT,
+                          part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
+WKV7_BACKWARD_REDUCE = CU.kernel("wkv7_backward_reduce", part=F32_IN, dr=X_OUT, dw=X_OUT, dk=X_OUT,
+                                 da=X_OUT, db=X_OUT, n=LONG, P=INT)
 
 
 def n_chunks(T: int) -> int:
+    """Checkpointed chunks of a sequence of T tokens."""
     return (int(T) + CHUNK - 1) // CHUNK
 
 
@@ -70,12 +78,11 @@ def _check(B: int, T: int, H: int, N: int) -> None:
 
 
 def _check_ptrs(what: str, **ptrs) -> None:
-    for name, x in ptrs.items():
-        p = ptr(x)
-        if p == 0:
+    for name, p in ptrs.items():
+        if p is None:
             raise ValueError(f"{what}: {name} is required (NULL pointer)")
-        if p % 16:
-            raise ValueError(f"{what}: {name} must be 16-byte aligned (got {p:#x})")
+        if int(p) % 16:
+            raise ValueError(f"{what}: {name} must be 16-byte aligned (got {int(p):#x})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,90 +95,86 @@ def _forward_splits(N: int) -> list[int]:
 
 def _backward_splits(N: int) -> list[int]:
     pmax = max(1, min(Q, N // 8))
-    return [p for p in (1, 2, 4) if p <= pmax and N * Q // p <= _BWD_MAXT]
+    return [p for p in (1, 2, 4) if p <= pmax and N * Q // p <= BWD_MAXT]
 
 
-def forward_split(B: int, H: int, N: int) -> int:
+def forward_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
     """Default forward row split: the P minimising the busiest SM's threads, ceil(B*H*P/SMs) * N*Q/P
     (ties: the smaller P, i.e. less redundant input staging)."""
     best, best_load = 1, None
     for p in _forward_splits(N):
-        load = math.ceil(B * H * p / NUM_SMS) * (N * Q // p)
+        load = math.ceil(B * H * p / dev.sm_count) * (N * Q // p)
         if best_load is None or load < best_load:
             best, best_load = p, load
     return best
 
 
-def backward_split(B: int, H: int, N: int) -> int:
+def backward_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
     """Default backward row split: the largest allowed P with B*H*P <= SMs (at least the smallest
     allowed P; N = 128 needs P >= 2). P > 1 costs a reduction pass over 5*(P+1) [B,T,H,N] tensors, so
     it is used only where B*H alone leaves more than half of the SMs idle."""
     ok = _backward_splits(N)
     best = ok[0]
     for p in ok:
-        if B * H * p <= NUM_SMS:
+        if B * H * p <= dev.sm_count:
             best = p
     return best
 
 
-def scratch_bytes(B: int, T: int, H: int, N: int, split: int | None = None) -> dict[str, int]:
-    """Scratch sizes in bytes (float32)::
+def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None) -> dict[str, int]:
+    """fp32 scratch sizes in elements::
 
         ckpt     [B, H, ceil(T/16), N, N]   forward -> backward (saved state checkpoints)
         slab     [B, H, 16, N, N]           backward scratch
-        partials [5, P-1, B, T, H, N]       backward scratch, 0 when the backward split P == 1
+        partials [5, P, B, T, H, N]         backward scratch, 0 when the backward split P == 1
 
     ``split`` is the backward split (default :func:`backward_split`)."""
     _check(B, T, H, N)
-    P = backward_split(B, H, N) if split is None else int(split)
+    P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7: backward split {P} not allowed for N={N} (one of {_backward_splits(N)})")
-    return {"ckpt": 4 * B * H * n_chunks(T) * N * N,
-            "slab": 4 * B * H * CHUNK * N * N,
-            "partials": 4 * 5 * (P - 1) * B * T * H * N}
+    return {"ckpt": B * H * n_chunks(T) * N * N,
+            "slab": B * H * CHUNK * N * N,
+            "partials": 5 * P * B * T * H * N if P > 1 else 0}
 
 
 # ------------------------------------------------------------------------------------------------
 # launches
 # ------------------------------------------------------------------------------------------------
-def forward(r, w, k, v, a, b, y, ckpt, B: int, T: int, H: int, N: int, split: int | None = None) -> list:
+def forward(r, w, k, v, a, b, y, ckpt, B: int, T: int, H: int, N: int, dev: DeviceInfo,
+            split: int | None = None) -> list:
     """wkv7_forward: y = WKV(r, w, k, v, a, b) and the state checkpoints ``ckpt`` (see module doc)."""
     _check(B, T, H, N)
     _check_ptrs("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y, ckpt=ckpt)
-    P = forward_split(B, H, N) if split is None else int(split)
+    P = forward_split(B, H, N, dev) if split is None else int(split)
     if P not in _forward_splits(N):
         raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
-    return [Launch(MODULE, "wkv7_forward", grid=(P, H, B), block=(N * Q // P, 1, 1), smem=0,
-                   args=(("p", ptr(r)), ("p", ptr(w)), ("p", ptr(k)), ("p", ptr(v)), ("p", ptr(a)),
-                         ("p", ptr(b)), ("p", ptr(y)), ("p", ptr(ckpt)), ("i", T), ("i", H)),
-                   defines=_defs(N))]
+    return [WKV7_FORWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant={"HEAD_SIZE": N},
+                                r=r, w=w, k=k, v=v, a=a, b=b, y=y, ckpt=ckpt, T=T, H=H)]
 
 
 def backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
-             partials=None, split: int | None = None) -> list:
+             dev: DeviceInfo, partials=None, split: int | None = None) -> list:
     """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
 
     ``ckpt`` from :func:`forward` on the same inputs; ``slab`` and (P > 1) ``partials`` are scratch of
-    :func:`scratch_bytes` with the same ``split``."""
+    :func:`scratch_elems` with the same ``split``."""
     _check(B, T, H, N)
     _check_ptrs("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, ckpt=ckpt, slab=slab,
                 dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
-    P = backward_split(B, H, N) if split is None else int(split)
+    P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7.backward: split {P} not allowed for N={N} (one of {_backward_splits(N)})")
     n = B * T * H * N
     if P > 1:
         _check_ptrs("wkv7.backward", partials=partials)
-    args = (("p", ptr(r)), ("p", ptr(w)), ("p", ptr(k)), ("p", ptr(v)), ("p", ptr(a)), ("p", ptr(b)),
-            ("p", ptr(dy)), ("p", ptr(ckpt)), ("p", ptr(slab)),
-            ("p", ptr(dr)), ("p", ptr(dw)), ("p", ptr(dk)), ("p", ptr(dv)), ("p", ptr(da)), ("p", ptr(db)),
-            ("p", ptr(partials) if P > 1 else 0), ("i", T), ("i", H), ("l", n))
-    ops = [Launch(MODULE, "wkv7_backward", grid=(P, H, B), block=(N * Q // P, 1, 1), smem=0,
-                  args=args, defines=_defs(N))]
+    grads = dict(dr=dr, dw=dw, dk=dk, da=da, db=db)
+    variant = {"HEAD_SIZE": N}
+    ops = [WKV7_BACKWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant=variant,
+                                r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, ckpt=ckpt, slab=slab, dv=dv, **grads,
+                                part=partials if P > 1 else None, T=T, H=H, n=n)]
     if P > 1:
-        grid = max(1, min(math.ceil(n // 4 / 256), NUM_SMS * 8))
-        ops.append(Launch(MODULE, "wkv7_backward_reduce", grid=(grid, 1, 1), block=(256, 1, 1), smem=0,
-                          args=(("p", ptr(partials)), ("p", ptr(dr)), ("p", ptr(dw)), ("p", ptr(dk)),
-                                ("p", ptr(da)), ("p", ptr(db)), ("l", n), ("i", P)),
-                          defines=_defs(N)))
+        grid = max(1, min(math.ceil(n // 4 / 256), REDUCE_BLOCKS_PER_SM * dev.sm_count))
+        ops.append(WKV7_BACKWARD_REDUCE.launch((grid, 1, 1), (256, 1, 1), xtype=r.elem, variant=variant,
+                                               part=partials, **grads, n=n, P=P))
     return ops

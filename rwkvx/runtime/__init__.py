@@ -3,7 +3,7 @@
 ```python
 from rwkvx.runtime import Device, Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH, Plan, Graph
 dev = Device.get()
-plan = Plan(dev, ops, precision="fp32")    # or "tf32"
+plan = Plan(dev, ops)                      # each Gemm carries its own precision
 plan.run(); dev.synchronize()
 graph = Graph.capture(dev, plan.run); graph.launch()
 ```
@@ -12,16 +12,17 @@ Importing this package needs neither a GPU nor the compiled extension: the op re
 helpers (``gemm``) and ``compile_cubin`` work on a CPU; ``Plan`` / ``sum_float64`` come from the compiled
 ``rwkvx._core`` on first access; ``Device.get()`` raises RuntimeError without a GPU.
 """
-from .device import Device, DeviceBuffer, PinnedBuffer
+from .device import Device, DeviceBuffer, DeviceInfo, PinnedBuffer
 from .errors import CudaError, NvrtcCompileError
 from .graph import Graph
 from .nvrtc import cache_dir, compile_cubin, compile_source
 from .timing import EventTimer
-from .ops import ARG_KINDS, Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
+from .ops import (ARG_KINDS, Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, GemmPrecision, Launch, Memset,
+                  flatten_ops)
 from . import gemm
 
-__all__ = ["Device", "DeviceBuffer", "PinnedBuffer", "CudaError", "NvrtcCompileError", "Graph",
-           "Launch", "Gemm", "Memset", "Copy", "CopyHtoD", "CopyDtoH", "Plan", "sum_float64",
+__all__ = ["Device", "DeviceBuffer", "DeviceInfo", "PinnedBuffer", "CudaError", "NvrtcCompileError",
+           "Graph", "Launch", "Gemm", "GemmPrecision", "DevPtr", "Memset", "Copy", "CopyHtoD", "CopyDtoH", "Plan", "sum_float64",
            "EventTimer", "compile_cubin", "compile_source", "cache_dir", "flatten_ops", "ARG_KINDS", "gemm"]
 
 

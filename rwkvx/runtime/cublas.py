@@ -13,9 +13,9 @@ dependency libcublasLt) is located and loaded by ``cuda.pathfinder.load_nvidia_d
 
 The handle is bound to the device's non-blocking stream, then given a preallocated workspace (32 MiB;
 the order matters: setting the stream resets the workspace), so GEMMs never allocate and are safe under
-CUDA-graph capture. Math mode is CUBLAS_DEFAULT_MATH; precision is chosen per GEMM by the compute type:
-CUBLAS_COMPUTE_32F (68) for "fp32" (strict, no TF32) and CUBLAS_COMPUTE_32F_FAST_TF32 (77) for "tf32".
-Every status is checked.
+CUDA-graph capture. Math mode is CUBLAS_DEFAULT_MATH; each GEMM carries its own operand, output and
+compute types (:class:`rwkvx.runtime.ops.GemmPrecision`, mapped to cuBLAS's enums by CUDA_TYPES and
+COMPUTE_TYPES below). Every status is checked.
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from .errors import check_cublas
 
 WORKSPACE_BYTES = 32 << 20
 CUBLAS_DEFAULT_MATH = 0
-CUBLAS_COMPUTE_32F = 68
-CUBLAS_COMPUTE_32F_FAST_TF32 = 77
+# cudaDataType_t of GEMM operands/outputs and cublasComputeType_t, by rwkvx's names (ops.GemmPrecision)
+CUDA_TYPES = {"f32": 0, "bf16": 14}                 # CUDA_R_32F, CUDA_R_16BF
+COMPUTE_TYPES = {"fp32": 68, "tf32": 77}            # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32
 
 _lib = None
 

@@ -7,11 +7,12 @@ graph is being captured.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import CudaError, check
-from .ops import normalize_defines
+from .ops import DevPtr, normalize_defines
 
 NO_GPU_HELP = ("no CUDA GPU is available ({reason}). rwkvx's GPU runtime needs an NVIDIA GPU, its driver "
                "and the cu13 extra (pip install 'rwkvx[cu13]'); on a CPU use the reference implementation "
@@ -19,7 +20,7 @@ NO_GPU_HELP = ("no CUDA GPU is available ({reason}). rwkvx's GPU runtime needs a
 
 # Driver entry points rwkvx._core calls through C function pointers, with the exported (versioned) symbol
 # names of CUDA 13.0's cuda.h for the dlsym fallback.
-_PROC_SYMBOLS = {
+PROC_SYMBOLS = {
     "cuLaunchKernel": "cuLaunchKernel",
     "cuMemsetD8Async": "cuMemsetD8Async",
     "cuMemcpyDtoDAsync": "cuMemcpyDtoDAsync_v2",
@@ -28,8 +29,27 @@ _PROC_SYMBOLS = {
     "cuCtxGetCurrent": "cuCtxGetCurrent",
     "cuCtxSetCurrent": "cuCtxSetCurrent",
 }
+DRIVER_PROCS = tuple(PROC_SYMBOLS)
 _PROC_ABI_VERSION = 13000          # function-pointer ABI the Cython typedefs follow
 _DEFAULT_SMEM_LIMIT = 48 * 1024
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The properties of a GPU that launch builders size their grids and shared memory from.
+
+    :attr:`Device.info` reads them off the device; CPU tests of plans construct one explicitly for
+    the device they assume."""
+    name: str
+    arch: str                  # "sm_90"
+    sm_count: int              # multiprocessors
+    smem_per_block: int        # bytes of shared memory a block may opt in to
+    l2_bytes: int
+
+
+# The GPU rwkvx is tuned and measured on (as its driver reports it), for building plans without a
+# device: CPU tests of op lists, memory estimates.
+H200 = DeviceInfo("NVIDIA H200", "sm_90", sm_count=132, smem_per_block=232448, l2_bytes=62914560)
 
 
 def _driver():
@@ -37,8 +57,8 @@ def _driver():
     return driver
 
 
-class DeviceBuffer:
-    """``nbytes`` of device memory at ``ptr`` (int). Freed by :meth:`close` or when garbage-collected."""
+class _Allocation:
+    """``nbytes`` at address ``ptr`` (int) owned by a Device; freed by :meth:`close` or when garbage-collected."""
 
     __slots__ = ("ptr", "nbytes", "_dev", "__weakref__")
 
@@ -50,11 +70,8 @@ class DeviceBuffer:
     def __int__(self) -> int:
         return self.ptr
 
-    def __index__(self) -> int:
-        return self.ptr
-
     def __repr__(self) -> str:
-        return f"DeviceBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"
+        return f"{type(self).__name__}(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"
 
     def __enter__(self):
         return self
@@ -62,17 +79,37 @@ class DeviceBuffer:
     def __exit__(self, *exc):
         self.close()
 
+    def _release(self, dev: "Device") -> None:
+        raise NotImplementedError
+
     def close(self) -> None:
-        ptr, self.ptr = self.ptr, 0
+        """Free the memory (idempotent)."""
         dev, self._dev = self._dev, None
-        if ptr and dev is not None:
-            dev._free(ptr, self.nbytes)
+        if self.ptr and dev is not None:
+            self._release(dev)
+        self.ptr = 0
 
     def __del__(self):
         try:
             self.close()
         except Exception:  # noqa: BLE001 - never raise from a finalizer (e.g. at interpreter exit)
             pass
+
+
+class DeviceBuffer(_Allocation):
+    """Device memory (cuMemAlloc)."""
+
+    __slots__ = ()
+
+    def __index__(self) -> int:
+        return self.ptr
+
+    def typed(self, elem: str) -> DevPtr:
+        """The buffer's start as a pointer to ``elem`` elements (what kernel launches take)."""
+        return DevPtr(self.ptr, elem)
+
+    def _release(self, dev: "Device") -> None:
+        dev._free(self.ptr, self.nbytes)
 
 
 class _HostView:
@@ -84,21 +121,10 @@ class _HostView:
                                     "typestr": dtype.str, "version": 3}
 
 
-class PinnedBuffer:
+class PinnedBuffer(_Allocation):
     """Page-locked host memory (cuMemHostAlloc) for async copies; :meth:`array` gives numpy views."""
 
-    __slots__ = ("ptr", "nbytes", "_dev", "__weakref__")
-
-    def __init__(self, dev: "Device", ptr: int, nbytes: int):
-        self.ptr = int(ptr)
-        self.nbytes = int(nbytes)
-        self._dev = dev
-
-    def __int__(self) -> int:
-        return self.ptr
-
-    def __repr__(self) -> str:
-        return f"PinnedBuffer(ptr=0x{self.ptr:x}, nbytes={self.nbytes})"
+    __slots__ = ()
 
     def array(self, dtype=np.uint8, shape=None) -> np.ndarray:
         """A writable numpy view of the buffer (``shape`` defaults to all of it, 1-D); the view keeps
@@ -116,17 +142,8 @@ class PinnedBuffer:
             raise ValueError(f"view of {need} bytes does not fit the {self.nbytes}-byte pinned buffer")
         return np.asarray(_HostView(self, shape, dtype))
 
-    def close(self) -> None:
-        ptr, self.ptr = self.ptr, 0
-        dev, self._dev = self._dev, None
-        if ptr and dev is not None:
-            dev._free_host(ptr, self.nbytes)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
+    def _release(self, dev: "Device") -> None:
+        dev._free_host(self.ptr, self.nbytes)
 
 
 class Device:
@@ -183,8 +200,11 @@ class Device:
             attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self.cu_device), "cuDeviceGetAttribute"))
         self.sm_count = int(check(driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.cu_device), "cuDeviceGetAttribute"))
+        l2 = int(check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, self.cu_device),
+                       "cuDeviceGetAttribute"))
         name = check(driver.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName")
         self.name = bytes(name).split(b"\0", 1)[0].decode(errors="replace")
+        self.info = DeviceInfo(self.name, self.arch, self.sm_count, self.smem_optin, l2)
         self.driver_version = int(check(driver.cuDriverGetVersion(), "cuDriverGetVersion"))
         self.stream = check(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING.value),
                             "cuStreamCreate")
@@ -214,7 +234,7 @@ class Device:
         version = min(_PROC_ABI_VERSION, self.driver_version)
         flag = driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_LEGACY_STREAM
         problems = []
-        for name in _PROC_SYMBOLS:
+        for name in PROC_SYMBOLS:
             addr = 0
             try:
                 res = driver.cuGetProcAddress(name.encode(), version, int(flag))
@@ -229,7 +249,7 @@ class Device:
             import ctypes
             try:
                 lib = ctypes.CDLL("libcuda.so.1")
-                for name, symbol in _PROC_SYMBOLS.items():
+                for name, symbol in PROC_SYMBOLS.items():
                     if not procs[name]:
                         procs[name] = int(ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value or 0)
             except (OSError, AttributeError) as e:
@@ -239,10 +259,6 @@ class Device:
             raise CudaError(f"driver entry points not found: {missing} ({'; '.join(problems)})",
                             "cuGetProcAddress")
         return procs
-
-    def make_current(self) -> None:
-        """Make the primary context current on the calling thread."""
-        check(self._driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     # ---- memory -------------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> DeviceBuffer:

@@ -15,13 +15,20 @@ matmul_dx      dx = dy @ W^T       dy [R,out]  [in,out]    dx [R,in]
 matmul_dw      dW = x^T @ dy       x  [R,in]   (dy [R,out]) dW [in,out]
 =============  ==================  ==========  ==========  ===========
 
-Every helper computes ``out = alpha * product + beta * out``. ``ld_*`` keywords override the
-leading dimension (row stride, in elements) of a row-major operand, e.g. to read or write a column slice
-of a wider buffer; the default is the dense row length.
+Every helper computes ``out = alpha * product + beta * out`` with the element and compute types of its
+``precision`` (:class:`~rwkvx.runtime.ops.GemmPrecision`; the presets below), given per GEMM so that one
+plan can mix them. ``ld_*`` keywords override the leading dimension (row stride, in elements) of a
+row-major operand, e.g. to read or write a column slice of a wider buffer; the default is the dense row
+length.
 """
 from __future__ import annotations
 
-from .ops import Gemm
+from .ops import Gemm, GemmPrecision
+
+FP32 = GemmPrecision()                                   # strict fp32 (the parity mode)
+TF32 = GemmPrecision(compute="tf32")                     # fp32 operands on TF32 tensor cores
+BF16 = GemmPrecision("bf16", "bf16", "f32", "fp32")      # bf16 operands, fp32 accumulation and output
+PRECISIONS = {"fp32": FP32, "tf32": TF32}                # the model precisions and their GEMMs
 
 
 def _ld(v, default):
@@ -29,48 +36,48 @@ def _ld(v, default):
 
 
 def linear(x, W, y, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_w=None, ld_y=None,
-           ab_type="f32") -> Gemm:
+           precision: GemmPrecision = FP32) -> Gemm:
     """y [rows,n_out] = alpha * x [rows,n_in] @ W[n_out,n_in]^T + beta * y."""
     # y^T (n_out x rows) = W (col-major view W^T [n_in,n_out], transposed) @ x^T (view [n_in,rows])
     return Gemm("T", "N", n_out, rows, n_in, alpha, W, _ld(ld_w, n_in), x, _ld(ld_x, n_in),
-                beta, y, _ld(ld_y, n_out), ab_type)
+                beta, y, _ld(ld_y, n_out), precision)
 
 
 def linear_dx(dy, W, dx, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_dy=None, ld_w=None, ld_dx=None,
-              ab_type="f32") -> Gemm:
+              precision: GemmPrecision = FP32) -> Gemm:
     """dx [rows,n_in] = alpha * dy [rows,n_out] @ W [n_out,n_in] + beta * dx."""
     # dx^T (n_in x rows) = W^T (view [n_in,n_out]) @ dy^T (view [n_out,rows])
     return Gemm("N", "N", n_in, rows, n_out, alpha, W, _ld(ld_w, n_in), dy, _ld(ld_dy, n_out),
-                beta, dx, _ld(ld_dx, n_in), ab_type)
+                beta, dx, _ld(ld_dx, n_in), precision)
 
 
 def linear_dw(x, dy, dW, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_dy=None, ld_dw=None,
-              ab_type="f32") -> Gemm:
+              precision: GemmPrecision = FP32) -> Gemm:
     """dW [n_out,n_in] = alpha * dy^T [n_out,rows] @ x [rows,n_in] + beta * dW."""
     # dW^T (n_in x n_out) = x^T (view [n_in,rows]) @ dy (view of dy^T [n_out,rows], transposed)
     return Gemm("N", "T", n_in, n_out, rows, alpha, x, _ld(ld_x, n_in), dy, _ld(ld_dy, n_out),
-                beta, dW, _ld(ld_dw, n_in), ab_type)
+                beta, dW, _ld(ld_dw, n_in), precision)
 
 
 def matmul(x, W, y, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_w=None, ld_y=None,
-           ab_type="f32") -> Gemm:
+           precision: GemmPrecision = FP32) -> Gemm:
     """y [rows,n_out] = alpha * x [rows,n_in] @ W [n_in,n_out] + beta * y."""
     # y^T (n_out x rows) = W^T (view [n_out,n_in]) @ x^T (view [n_in,rows])
     return Gemm("N", "N", n_out, rows, n_in, alpha, W, _ld(ld_w, n_out), x, _ld(ld_x, n_in),
-                beta, y, _ld(ld_y, n_out), ab_type)
+                beta, y, _ld(ld_y, n_out), precision)
 
 
 def matmul_dx(dy, W, dx, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_dy=None, ld_w=None, ld_dx=None,
-              ab_type="f32") -> Gemm:
+              precision: GemmPrecision = FP32) -> Gemm:
     """dx [rows,n_in] = alpha * dy [rows,n_out] @ W[n_in,n_out]^T + beta * dx."""
     # dx^T (n_in x rows) = W (view W^T [n_out,n_in], transposed) @ dy^T (view [n_out,rows])
     return Gemm("T", "N", n_in, rows, n_out, alpha, W, _ld(ld_w, n_out), dy, _ld(ld_dy, n_out),
-                beta, dx, _ld(ld_dx, n_in), ab_type)
+                beta, dx, _ld(ld_dx, n_in), precision)
 
 
 def matmul_dw(x, dy, dW, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_dy=None, ld_dw=None,
-              ab_type="f32") -> Gemm:
+              precision: GemmPrecision = FP32) -> Gemm:
     """dW [n_in,n_out] = alpha * x^T [n_in,rows] @ dy [rows,n_out] + beta * dW."""
     # dW^T (n_out x n_in) = dy^T (view [n_out,rows]) @ x (view of x^T [n_in,rows], transposed)
     return Gemm("N", "T", n_out, n_in, rows, alpha, dy, _ld(ld_dy, n_out), x, _ld(ld_x, n_in),
-                beta, dW, _ld(ld_dw, n_out), ab_type)
+                beta, dW, _ld(ld_dw, n_out), precision)

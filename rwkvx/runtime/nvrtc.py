@@ -9,7 +9,8 @@ Works without a GPU (CI compiles every kernel file for sm_90). All NVRTC options
   NVRTC's default (on), which is deterministic;
 * include paths: the CUDA runtime headers (``cuda_bf16.h`` ...) and, when present, CCCL, both located
   through ``cuda.pathfinder``, then rwkvx/cu itself for local ``#include "x.cuh"`` files;
-* ``-DNAME=value`` for each entry of ``defines`` (sorted, so the order given does not matter).
+* ``-DNAME=value`` for each entry of ``defines`` (sorted, so the order given does not matter): a
+  file's constants, its element type and its variant, from its declaration (:mod:`rwkvx.runtime.kernel`).
 
 Cache: directory ``$RWKVX_CACHE_DIR``, else ``$XDG_CACHE_HOME/rwkvx``, else ``~/.cache/rwkvx``
 (subfolder ``cubin``). Key: sha256 of the source, every local file it ``#include``s from rwkvx/cu
@@ -27,6 +28,7 @@ import warnings
 from pathlib import Path
 
 from .errors import CudaError, NvrtcCompileError, check_nvrtc
+from .ops import normalize_defines
 
 CU_DIR = Path(__file__).resolve().parent.parent / "cu"
 BASE_OPTIONS = ("-std=c++17", "-default-device")
@@ -102,18 +104,13 @@ def _system_include_dirs() -> list[str]:
     return list(dirs)
 
 
-def _define_pairs(defines) -> tuple[tuple[str, str], ...]:
-    from .ops import normalize_defines
-    return normalize_defines(defines)
-
-
 def build_options(arch: str = "sm_90", defines=()) -> list[str]:
     """The complete NVRTC option list (the one place options are set)."""
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
     opts = [f"--gpu-architecture={arch}", *BASE_OPTIONS]
     opts += [f"--include-path={d}" for d in include_dirs()]
-    opts += [f"-D{name}={value}" for name, value in _define_pairs(defines)]
+    opts += [f"-D{name}={value}" for name, value in normalize_defines(defines)]
     return opts
 
 
@@ -162,7 +159,7 @@ def cache_key(name: str, src: str, options: list[str], arch: str,
     return h.hexdigest()
 
 
-def _compile(name: str, src: str, options: list[str], origin: str) -> bytes:
+def _compile(name: str, src: str, options: list[str], origin: str) -> tuple[bytes, str]:
     nvrtc = _nvrtc()
     prog = check_nvrtc(nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], []),
                        "nvrtcCreateProgram", origin)
@@ -191,7 +188,7 @@ def _compile(name: str, src: str, options: list[str], origin: str) -> bytes:
         nvrtc.nvrtcDestroyProgram(prog)
     with _lock:
         _stats["compiles"] += 1
-    return bytes(cubin)
+    return bytes(cubin), log.decode("utf-8", "replace")
 
 
 def _read_cache(path: Path) -> bytes | None:
@@ -239,40 +236,10 @@ def compile_source(name: str, src: str, arch: str = "sm_90", defines=(), *, orig
             with _lock:
                 _stats["cache_hits"] += 1
             return data
-    data = _compile(name, src, options, origin)
+    data, _ = _compile(name, src, options, origin)
     if path is not None:
         _write_cache(path, data)
     return data
-
-
-_DEFINES_LINE = re.compile(r"^\s*//\s*rwkvx:\s*defines\s+(.+?)\s*$", re.MULTILINE)
-TEST_DEFINE_VALUES = {"HEAD_SIZE": ("64", "32")}
-
-
-def declared_define_sets(src: str) -> list[tuple[tuple[str, str], ...]]:
-    """The define combinations a kernel file asks to be compiled with in tests (CI).
-
-    Convention: a line ``// rwkvx: defines NAME[=v1,v2,...] ...``; a bare NAME takes its values from
-    TEST_DEFINE_VALUES (HEAD_SIZE: 64 and 32). Combinations are the cartesian product over the names.
-    A file without such a line is compiled once with HEAD_SIZE=64 (harmless when unused).
-    """
-    import itertools
-    specs: dict[str, tuple[str, ...]] = {}
-    for line in _DEFINES_LINE.findall(src):
-        for tok in line.split():
-            name, _, vals = tok.partition("=")
-            if not name.isidentifier():
-                raise ValueError(f"bad '// rwkvx: defines' entry {tok!r}")
-            if vals:
-                specs[name] = tuple(v for v in vals.split(",") if v)
-            elif name in TEST_DEFINE_VALUES:
-                specs[name] = TEST_DEFINE_VALUES[name]
-            else:
-                raise ValueError(f"'// rwkvx: defines {name}' needs values (NAME=v1,v2) for tests")
-    if not specs:
-        return [(("HEAD_SIZE", "64"),)]
-    names = sorted(specs)
-    return [tuple(zip(names, combo)) for combo in itertools.product(*(specs[n] for n in names))]
 
 
 def module_path(module: str) -> Path:
@@ -289,3 +256,28 @@ def compile_cubin(module: str, arch: str = "sm_90", defines=(), *, use_cache: bo
     except OSError as e:
         raise FileNotFoundError(f"kernel module {module!r}: cannot read {path}: {e}") from e
     return compile_source(path.name, src, arch, defines, origin=str(path), use_cache=use_cache)
+
+
+_PTXAS_LINE = re.compile(r"Function properties for (\w+)|Compiling entry function '(\w+)'|"
+                         r"Used (\d+) registers|(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                         r"(\d+) bytes spill loads")
+
+
+def resource_usage(module: str, arch: str = "sm_90", defines=()) -> dict[str, dict[str, int]]:
+    """Per kernel of rwkvx/cu/<module>.cu: registers, stack frame and spill bytes from ptxas's report
+    (compiled uncached with the same options plus ``--ptxas-options=-v``)."""
+    path = module_path(module)
+    _, log = _compile(path.name, path.read_text(), build_options(arch, defines) + ["--ptxas-options=-v"],
+                      str(path))
+    usage: dict[str, dict[str, int]] = {}
+    current = None
+    for m in _PTXAS_LINE.finditer(log):
+        if m.group(2):
+            current = usage.setdefault(m.group(2), {})
+        elif m.group(1):
+            current = usage.setdefault(m.group(1), {})
+        elif m.group(3) and current is not None:
+            current["registers"] = int(m.group(3))
+        elif m.group(4) and current is not None:
+            current.update(stack=int(m.group(4)), spill_stores=int(m.group(5)), spill_loads=int(m.group(6)))
+    return usage

@@ -2,12 +2,18 @@
 
 Building them needs no GPU, so step plans are constructed and checked on CPU CI. Pointers may be given
 as ints or as any object with an integer ``ptr`` attribute (a DeviceBuffer / PinnedBuffer); they are
-stored as ints. Validation errors: wrong *type or kind* -> TypeError, wrong *value* -> ValueError.
+stored as ints. Kernel launches are normally built through their declarations
+(:mod:`rwkvx.runtime.kernel`), which take :class:`DevPtr` (an address with its element type); GEMMs
+check the element types of typed pointers against their :class:`GemmPrecision`.
+Validation errors: wrong *type or kind* -> TypeError, wrong *value* -> ValueError.
 """
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+
+from .cublas import COMPUTE_TYPES, CUDA_TYPES
+from .dtypes import ELEM_BYTES, check_elem
 
 ARG_KINDS = ("p", "i", "l", "f", "d")   # device pointer u64, int32, int64, float32, float64
 
@@ -20,8 +26,28 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def as_ptr(v, what: str) -> int:
-    """A device/host address as int (accepts ints and objects with an int ``ptr``)."""
+class DevPtr(int):
+    """A device address into a buffer of element type ``elem`` ("f32", "bf16", "f64", "i32").
+
+    Arithmetic gives plain ints (untyped): move within the buffer with :meth:`offset`."""
+
+    def __new__(cls, addr: int, elem: str):
+        obj = super().__new__(cls, addr)
+        obj.elem = check_elem(elem, "DevPtr.elem")
+        return obj
+
+    def offset(self, n: int) -> "DevPtr":
+        """The address ``n`` elements further on, same element type."""
+        return DevPtr(int(self) + int(n) * ELEM_BYTES[self.elem], self.elem)
+
+    def __repr__(self) -> str:
+        return f"DevPtr(0x{int(self):x}, {self.elem!r})"
+
+
+def as_ptr(v, what: str = "pointer") -> int:
+    """A device/host address as int: ints, DevPtrs, objects with an int ``ptr``; ``None`` is NULL (0)."""
+    if v is None:
+        return 0
     if not _is_int(v) and hasattr(v, "ptr"):
         v = v.ptr
     if not _is_int(v):
@@ -53,7 +79,8 @@ def _as_dim3(v, what: str) -> tuple[int, int, int]:
     return tuple(out + [1] * (3 - len(out)))  # type: ignore[return-value]
 
 
-def _normalize_defines(defines) -> tuple[tuple[str, str], ...]:
+def normalize_defines(defines) -> tuple[tuple[str, str], ...]:
+    """Defines as a sorted tuple of (name, str(value)); accepts a dict or (name, value) pairs."""
     if defines is None:
         return ()
     items = defines.items() if isinstance(defines, dict) else defines
@@ -73,11 +100,6 @@ def _normalize_defines(defines) -> tuple[tuple[str, str], ...]:
             raise TypeError(f"defines: value of {name} must be str/int/float, got {type(value).__name__}")
         out.append((name, str(value)))
     return tuple(sorted(out))
-
-
-def normalize_defines(defines) -> tuple[tuple[str, str], ...]:
-    """Defines as a sorted tuple of (name, str(value)); accepts a dict or (name, value) pairs."""
-    return _normalize_defines(defines)
 
 
 def _normalize_args(args) -> tuple[tuple[str, int | float], ...]:
@@ -131,11 +153,36 @@ class Launch:
             set_(self, "args", _normalize_args(self.args))
         except (TypeError, ValueError) as e:
             raise type(e)(f"Launch {self.name}: {e}") from None
-        set_(self, "defines", _normalize_defines(self.defines))
+        set_(self, "defines", normalize_defines(self.defines))
 
 
-# cudaDataType_t values used for GEMM operands
-GEMM_TYPES = {"f32": 0, "bf16": 14, "f16": 2}
+GEMM_ELEMS = ("f32", "bf16")        # operand / output element types of a GEMM
+
+
+@dataclass(frozen=True)
+class GemmPrecision:
+    """Operand (``a``, ``b``), output (``c``) element types and compute type of one GEMM.
+
+    ``compute`` "fp32": strict fp32 accumulation (CUBLAS_COMPUTE_32F; with bf16 operands, bf16
+    products accumulated in fp32); "tf32": fp32 operands through TF32 tensor cores (FAST_TF32)."""
+    a: str = "f32"
+    b: str = "f32"
+    c: str = "f32"
+    compute: str = "fp32"
+
+    def __post_init__(self):
+        for f in ("a", "b", "c"):
+            if getattr(self, f) not in GEMM_ELEMS:
+                raise ValueError(f"GemmPrecision.{f}: expected one of {GEMM_ELEMS}, got {getattr(self, f)!r}")
+        if self.compute not in COMPUTE_TYPES:
+            raise ValueError(f"GemmPrecision.compute: expected one of {sorted(COMPUTE_TYPES)}, "
+                             f"got {self.compute!r}")
+        if self.compute == "tf32" and (self.a, self.b) != ("f32", "f32"):
+            raise ValueError("GemmPrecision: tf32 compute needs f32 operands")
+
+    def codes(self) -> tuple[int, int, int, int]:
+        """(A type, B type, C type, compute type) as cuBLAS / CUDA enum values."""
+        return CUDA_TYPES[self.a], CUDA_TYPES[self.b], CUDA_TYPES[self.c], COMPUTE_TYPES[self.compute]
 
 
 def _as_trans(v, what: str) -> bool:
@@ -153,7 +200,8 @@ class Gemm:
     """C = alpha * op(A) @ op(B) + beta * C in column-major cuBLAS conventions (cublasGemmEx).
 
     op(A) is m x k, op(B) is k x n, C is m x n; trans* = True/'T' means the stored matrix is transposed.
-    ``ab_type``: operand type of A and B ("f32", or "bf16"/"f16" with fp32 accumulation); C is fp32.
+    ``precision``: the element types of A, B, C and the compute type; typed pointers (:class:`DevPtr`)
+    must match them.
     """
     transa: bool
     transb: bool
@@ -168,7 +216,7 @@ class Gemm:
     beta: float
     C: int
     ldc: int
-    ab_type: str = field(default="f32")
+    precision: GemmPrecision = field(default=GemmPrecision())
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -183,10 +231,14 @@ class Gemm:
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise TypeError(f"Gemm.{f}: expected a float, got {type(v).__name__}")
             set_(self, f, float(v))
+        if not isinstance(self.precision, GemmPrecision):
+            raise TypeError(f"Gemm.precision: expected a GemmPrecision, got {type(self.precision).__name__}")
         for f in ("A", "B", "C"):
-            set_(self, f, as_ptr(getattr(self, f), f"Gemm.{f}"))
-        if self.ab_type not in GEMM_TYPES:
-            raise ValueError(f"Gemm.ab_type: expected one of {sorted(GEMM_TYPES)}, got {self.ab_type!r}")
+            v = getattr(self, f)
+            want = getattr(self.precision, f.lower())
+            if isinstance(v, DevPtr) and v.elem != want:
+                raise TypeError(f"Gemm.{f}: a {v.elem} buffer where the precision says {want}")
+            set_(self, f, as_ptr(v, f"Gemm.{f}"))
         a_rows = self.k if self.transa else self.m
         b_rows = self.n if self.transb else self.k
         for ld, rows, f in ((self.lda, a_rows, "lda"), (self.ldb, b_rows, "ldb"), (self.ldc, self.m, "ldc")):

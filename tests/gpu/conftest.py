@@ -1,9 +1,11 @@
-"""Skip every test under tests/gpu, with a visible reason, when no CUDA GPU is usable (never fail)."""
+"""Skip every test under tests/gpu, with a visible reason, when no CUDA GPU is usable (never fail);
+the fixtures of the kernel tests: the device, the activation element type, a KernelCase."""
 from pathlib import Path
 
 import pytest
 
-from gpu_harness import Gpu
+from harness import KernelCase
+from rwkvx.runtime.dtypes import XTYPES
 
 _HERE = Path(__file__).resolve().parent
 _state: dict = {}
@@ -43,10 +45,13 @@ def dev():
     return Device.get()
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    """A fresh gpu_harness.Gpu per test module (buffers live until the module's tests are done)."""
-    try:
-        return Gpu()
-    except (RuntimeError, ImportError) as e:   # pytest_collection_modifyitems normally skips first
-        pytest.skip(f"no CUDA GPU: {e}")
+@pytest.fixture(params=XTYPES)
+def xtype(request):
+    """The activation element type a kernel test runs with: every kernel is tested in each."""
+    return request.param
+
+
+@pytest.fixture
+def case(dev, xtype):
+    """A fresh KernelCase (its buffers are freed with it)."""
+    return KernelCase(dev, xtype)

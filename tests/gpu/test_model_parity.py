@@ -9,7 +9,7 @@ import pytest
 
 from rwkvx import Config
 from rwkvx.model import Model
-from rwkvx.oracle import Oracle
+from rwkvx.oracle import Oracle, rel_err
 
 # A MoBA gate margin below which the GPU may legitimately pick another block: SPEC §4's 1e-4 for fp32
 # gates; with tf32 projections q and k themselves carry ~1e-3 relative error (10-bit mantissa), so
@@ -37,12 +37,6 @@ CASES = {
 }
 
 
-def rel(a, b):
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 TOLERANCES = {"fp32": (1e-5, 1e-4), "tf32": (5e-3, 5e-3)}
 
 
@@ -53,10 +47,10 @@ _TF32_MISS = pytest.mark.xfail(reason="tf32 gradients exceed SPEC's 5e-3 on some
                                strict=False)
 
 
-@pytest.mark.parametrize("case, precision", [(c, "fp32") for c in CASES]
+@pytest.mark.parametrize("name, precision", [(c, "fp32") for c in CASES]
                          + [pytest.param(c, "tf32", marks=_TF32_MISS) for c in ("sparse_hybrid", "C256_N64")])
-def test_model_matches_oracle(case, precision, random_params, record_property):
-    kwargs, B, T = CASES[case]
+def test_model_matches_oracle(name, precision, random_params, record_property):
+    kwargs, B, T = CASES[name]
     loss_tol, tol = TOLERANCES[precision]
     cfg = Config(**kwargs)
     rng = np.random.default_rng()
@@ -64,7 +58,7 @@ def test_model_matches_oracle(case, precision, random_params, record_property):
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed).items()}
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     targets = rng.integers(0, cfg.vocab_size, (B, T))
-    if case in ("batch_3", "odd_T", "rwkv_only"):
+    if name in ("batch_3", "odd_T", "rwkv_only"):
         targets[rng.random((B, T)) < 0.2] = -100     # ignore_index
     model = Model(cfg, params, B, T, precision=precision)
     oracle = Oracle(cfg, params, dtype=np.float64)
@@ -88,15 +82,15 @@ def test_model_matches_oracle(case, precision, random_params, record_property):
     errors = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
     for name, ref in ref_grads.items():
         assert np.isfinite(grads[name]).all(), f"{name}: non-finite gradient (unwritten?)"
-        errors[name] = rel(grads[name], ref)
+        errors[name] = rel_err(grads[name], ref)
 
     model.poison()
     logits = model.forward(tokens)
-    errors["logits"] = rel(logits, oracle.forward(tokens, selection=forced))
+    errors["logits"] = rel_err(logits, oracle.forward(tokens, selection=forced))
 
     worst = max((e, n) for n, e in errors.items() if n != "loss")
     record_property("errors", {"loss": errors["loss"], "worst": worst})
-    print(f"\n{case} {precision}: loss rel err {errors['loss']:.2e}, worst {worst[1]} {worst[0]:.2e}")
+    print(f"\n{name} {precision}: loss rel err {errors['loss']:.2e}, worst {worst[1]} {worst[0]:.2e}")
     assert errors["loss"] <= loss_tol, errors["loss"]
     bad = {n: e for n, e in errors.items() if n != "loss" and e > tol}
     assert not bad, bad

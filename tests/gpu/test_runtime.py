@@ -9,8 +9,10 @@ import zlib
 import numpy as np
 import pytest
 
+from rwkvx.oracle import rel_err
 from rwkvx.runtime import (Copy, CopyDtoH, CopyHtoD, CudaError, Graph, Launch, Memset,
                            gemm as G)
+from rwkvx.runtime.dtypes import round_to, to_storage
 
 MOD = "rwkvx_test_runtime"
 SRC = r'''
@@ -50,20 +52,14 @@ def d(dev):
     return dev
 
 
-def plan_of(dev, ops, precision="fp32"):
+def plan_of(dev, ops):
     from rwkvx.runtime import Plan
-    return Plan(dev, ops, precision=precision)
+    return Plan(dev, ops)
 
 
 def axpy(y, x, a, n):
     return Launch(MOD, "rt_axpy", grid=((n + 127) // 128,), block=(128,), args=(("p", y), ("p", x), ("f", a),
                                                                                  ("i", n)))
-
-
-def rel_err(got, ref):
-    got = np.asarray(got, np.float64)
-    ref = np.asarray(ref, np.float64)
-    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
 # ------------------------------------------------------------------------------------------ device
@@ -195,8 +191,8 @@ def test_pinned_htod_dtoh(d):
 SHAPES = [(300, 256, 384), (1, 7, 5), (129, 64, 33)]
 
 
-def _gemm_case(d, helper, rows, n_in, n_out, beta, rng):
-    """Returns (op, output buffer, output shape, float64 reference)."""
+def _gemm_case(d, helper, rows, n_in, n_out, beta, rng, precision=G.FP32):
+    """Returns (op, output buffer, output shape, float64 reference on the operands as stored)."""
     f32 = np.float32
     if helper == "linear":
         a, w, o = rng.normal(size=(rows, n_in)), rng.normal(size=(n_out, n_in)), rng.normal(size=(rows, n_out))
@@ -222,23 +218,26 @@ def _gemm_case(d, helper, rows, n_in, n_out, beta, rng):
         a, w, o = rng.normal(size=(rows, n_in)), rng.normal(size=(rows, n_out)), rng.normal(size=(n_in, n_out))
         ref_fn = lambda a, w, o: a.T @ w + beta * o                     # noqa: E731
         fn = G.matmul_dw
-    a, w, o = a.astype(f32), w.astype(f32), o.astype(f32)
+    o = o.astype(f32)
     if beta == 0.0:
         o[:] = np.nan                  # beta = 0 must not read the output
-    ref = ref_fn(a.astype(np.float64), w.astype(np.float64), np.nan_to_num(o.astype(np.float64)))
-    ba, bw, bo = d.to_device(a), d.to_device(w), d.to_device(o)
-    op = fn(ba.ptr, bw.ptr, bo.ptr, rows, n_in, n_out, beta)
+    assert precision.a == precision.b        # both operands share the element type here
+    ea = ew = precision.a
+    ref = ref_fn(round_to(ea, a), round_to(ew, w), np.nan_to_num(o.astype(np.float64)))
+    ba, bw, bo = d.to_device(to_storage(ea, a)), d.to_device(to_storage(ew, w)), d.to_device(o)
+    op = fn(ba.typed(ea), bw.typed(ew), bo.typed("f32"), rows, n_in, n_out, beta, precision=precision)
     return op, (ba, bw, bo), o.shape, ref
 
 
 @pytest.mark.parametrize("helper", ["linear", "linear_dx", "linear_dw", "matmul", "matmul_dx", "matmul_dw"])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("precision,tol", [("fp32", 1e-6), ("tf32", 5e-3)])
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-6), ("tf32", 5e-3), ("bf16", 1e-5)])
 def test_gemm_vs_numpy(d, helper, shape, precision, tol):
+    """fp32, tf32 and bf16 operands with fp32 accumulation (bf16: against float64 on the rounded operands)."""
     rng = np.random.default_rng(zlib.crc32(f"{helper}{shape}".encode()))
     beta = 0.5 if helper in ("linear_dx", "matmul_dw") else 0.0
-    op, bufs, out_shape, ref = _gemm_case(d, helper, *shape, beta, rng)
-    plan_of(d, [op], precision).run()
+    op, bufs, out_shape, ref = _gemm_case(d, helper, *shape, beta, rng, {**G.PRECISIONS, "bf16": G.BF16}[precision])
+    plan_of(d, [op]).run()
     d.synchronize()
     got = d.download(bufs[2], out_shape, np.float32)
     assert np.isfinite(got).all()
@@ -251,8 +250,8 @@ def test_fp32_is_not_tf32(d):
     rng = np.random.default_rng(5)
     errs = {}
     for precision in ("fp32", "tf32"):
-        op, bufs, shape, ref = _gemm_case(d, "linear", 256, 512, 256, 0.0, rng)
-        plan_of(d, [op], precision).run()
+        op, bufs, shape, ref = _gemm_case(d, "linear", 256, 512, 256, 0.0, rng, G.PRECISIONS[precision])
+        plan_of(d, [op]).run()
         d.synchronize()
         errs[precision] = rel_err(d.download(bufs[2], shape), ref)
     assert errs["fp32"] < 1e-6 and errs["tf32"] > 10 * errs["fp32"], errs
@@ -267,7 +266,7 @@ def _step_ops(d, rng, n=4096, rows=64, n_in=128, n_out=96):
     w = d.to_device(rng.normal(size=(n_out, n_in)).astype(np.float32))
     out = d.alloc(4 * rows * n_out)
     ops = [Copy(y, init, 4 * n), Memset(out, 4 * rows * n_out), axpy(y, x, 0.25, n), axpy(y, x, -1.5, n),
-           G.linear(a, w, out, rows, n_in, n_out, beta=1.0)]
+           G.linear(a.typed("f32"), w.typed("f32"), out.typed("f32"), rows, n_in, n_out, beta=1.0)]
     return ops, (x, y, init, a, w, out), (y, n, out, rows * n_out)
 
 
