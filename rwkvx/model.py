@@ -629,7 +629,9 @@ class Model:
         cfg = self.cfg
         shape = (self.B, cfg.n_head, self.T, cfg.moba_top_k - 1)
         n = int(np.prod(shape))
-        return [self.dev.download(self.builder.buf(f"moba_sel.{j}"), (max(n, 1),), np.int32)[:n].reshape(shape)
+        if n == 0:                          # top_k == 1: nothing is selected, no buffer exists
+            return [np.zeros(shape, np.int32) for _ in range(cfg.n_attn_layer)]
+        return [self.dev.download(self.builder.buf(f"moba_sel.{j}"), shape, np.int32)
                 for j in range(cfg.n_attn_layer)]
 
     def poison(self) -> None:
