@@ -53,48 +53,26 @@ class UsageError(Exception):
 # argument parsing
 # ---------------------------------------------------------------------------------------------
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _number(kind: type, low: float, low_open: bool = False, high: float | None = None,
+            what: str = "a number"):
+    """An argparse type: ``kind`` (int or float), finite, >= low (> low when low_open), < high."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or (
+                high is not None and value >= high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _nonneg_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("expected a number > 0, got 0")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _nonneg_float(text)
-    if value >= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text}")
-    return value
+_positive_int = _number(int, 1, what="a positive integer")
+_nonneg_int = _number(int, 0, what="an integer >= 0")
+_nonneg_float = _number(float, 0.0, what="a finite number >= 0")
+_positive_float = _number(float, 0.0, low_open=True, what="a number > 0")
+_fraction = _number(float, 0.0, high=1.0, what="a fraction in [0, 1)")
 
 
 def _token_count(text: str) -> int:

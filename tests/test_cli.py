@@ -104,7 +104,7 @@ def _fails(capsys, tmp_path, argv, message):
 def test_bad_arguments_write_nothing(tmp_path, capsys):
     for argv, message in [
         (["train", "--steps", "0"], "positive integer"),
-        (["train", "--lr", "-1"], "number >= 0"),
+        (["train", "--lr", "-1"], "number > 0, got -1"),
         (["train", "--steps", "5", "--tokens", "1000"], "not allowed with"),
         (["train", "--device", "tpu"], "invalid choice"),
         (["train", "--precision", "fp8"], "invalid choice"),

@@ -11,7 +11,7 @@ from rwkvx.runtime.device import DeviceInfo
 from rwkvx.runtime.dtypes import ELEM_BYTES
 from rwkvx.runtime.ops import DevPtr
 
-__all__ = ["DevPtr", "DeviceInfo", "carve", "carved_bytes", "check_rows", "grid_stride_blocks", "xtype_of"]
+__all__ = ["DevPtr", "DeviceInfo", "carve", "carved_bytes", "check_buffers", "check_rows", "grid_stride_blocks", "xtype_of"]
 
 GRID_STRIDE_BLOCKS_PER_SM = 16     # grid-stride element-wise kernels: enough blocks in flight, no more
 
@@ -26,6 +26,15 @@ def check_rows(what: str, R: int, C: int, *ptrs) -> None:
         if isinstance(p, DevPtr) and int(p) % (4 * ELEM_BYTES[p.elem]):
             raise ValueError(f"{what}: pointer argument {i} (0x{int(p):x}) is not aligned to 4 {p.elem} "
                              "elements")
+
+
+def check_buffers(what: str, **ptrs) -> None:
+    """Every named buffer is given (not None) and 16-byte aligned (the kernels' vector accesses)."""
+    for name, p in ptrs.items():
+        if p is None:
+            raise ValueError(f"{what}: {name} is required (NULL pointer)")
+        if int(p) % 16:
+            raise ValueError(f"{what}: {name} must be 16-byte aligned (got 0x{int(p):x})")
 
 
 def grid_stride_blocks(n: int, dev: DeviceInfo, threads: int = 256) -> int:

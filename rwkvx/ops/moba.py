@@ -50,7 +50,7 @@ from typing import NamedTuple
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, I32_IN, I32_OUT, INT, X_IN, X_OUT, KernelFile
 
 from . import _common
-from ._common import DeviceInfo
+from ._common import DeviceInfo, check_buffers
 
 HEAD_SIZES = (4, 8, 16, 32, 64, 128, 256)
 NTHR = 128          # threads of the attention kernels (16 x 8 per tile)
@@ -216,14 +216,6 @@ def _get(scratch: dict, name: str):
     return buf
 
 
-def _check_ptrs(what: str, **ptrs) -> None:
-    for name, p in ptrs.items():
-        if p is None:
-            raise ValueError(f"moba.{what}: {name} is required")
-        if int(p) % 16:
-            raise ValueError(f"moba.{what}: {name} must be 16-byte aligned (got 0x{int(p):x})")
-
-
 class _Problem(NamedTuple):
     """What the forward and backward builders derive from the sizes and buffers."""
     xtype: str
@@ -238,7 +230,7 @@ class _Problem(NamedTuple):
 def _problem(what: str, B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo,
              **buffers) -> _Problem:
     check_shape(B, T, H, N, chunk, top_k, dev)
-    _check_ptrs(what, **buffers)
+    check_buffers(f"moba.{what}", **buffers)
     return _Problem(_common.xtype_of(f"moba.{what}", *buffers.values()), top_k - 1, nblocks(T, chunk),
                     emax(T, chunk, top_k), tiles(N), {"HEAD_SIZE": N}, 1.0 / math.sqrt(N))
 

@@ -39,7 +39,7 @@ import math
 
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, LONG, X_IN, X_OUT, KernelFile
 
-from ._common import DeviceInfo
+from ._common import DeviceInfo, check_buffers
 
 HEAD_SIZES = (4, 8, 16, 32, 64, 128)
 Q = 4                 # lanes per state row (block = N/P * Q threads)
@@ -75,14 +75,6 @@ def _check(B: int, T: int, H: int, N: int) -> None:
         raise ValueError(f"wkv7: B={B} and H={H} must be <= 65535 (grid dimensions)")
     if B * T * H * N >= 2 ** 40:
         raise ValueError("wkv7: tensor too large")
-
-
-def _check_ptrs(what: str, **ptrs) -> None:
-    for name, p in ptrs.items():
-        if p is None:
-            raise ValueError(f"{what}: {name} is required (NULL pointer)")
-        if int(p) % 16:
-            raise ValueError(f"{what}: {name} must be 16-byte aligned (got {int(p):#x})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,7 +137,7 @@ def forward(r, w, k, v, a, b, y, ckpt, B: int, T: int, H: int, N: int, dev: Devi
             split: int | None = None) -> list:
     """wkv7_forward: y = WKV(r, w, k, v, a, b) and the state checkpoints ``ckpt`` (see module doc)."""
     _check(B, T, H, N)
-    _check_ptrs("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y, ckpt=ckpt)
+    check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y, ckpt=ckpt)
     P = forward_split(B, H, N, dev) if split is None else int(split)
     if P not in _forward_splits(N):
         raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
@@ -160,14 +152,14 @@ def backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B: int, T
     ``ckpt`` from :func:`forward` on the same inputs; ``slab`` and (P > 1) ``partials`` are scratch of
     :func:`scratch_elems` with the same ``split``."""
     _check(B, T, H, N)
-    _check_ptrs("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, ckpt=ckpt, slab=slab,
+    check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, ckpt=ckpt, slab=slab,
                 dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7.backward: split {P} not allowed for N={N} (one of {_backward_splits(N)})")
     n = B * T * H * N
     if P > 1:
-        _check_ptrs("wkv7.backward", partials=partials)
+        check_buffers("wkv7.backward", partials=partials)
     grads = dict(dr=dr, dw=dw, dk=dk, da=da, db=db)
     variant = {"HEAD_SIZE": N}
     ops = [WKV7_BACKWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant=variant,
