@@ -36,7 +36,10 @@
 
 #define TM_N HEAD_SIZE
 #define TM_G (HEAD_SIZE / 4)           // lanes per head (4 channels per lane)
+// the defines are double literals: every use is in fp32, so round them to float once here
 #define TM_EXP_M05 ((float)TM_DECAY_SCALE)
+#define TM_GN_EPS_F ((float)TM_GN_EPS)
+#define TM_L2_EPS_F ((float)TM_L2_EPS)
 
 static_assert(TM_N == 4 || TM_N == 8 || TM_N == 16 || TM_N == 32 || TM_N == 64 || TM_N == 128,
               "HEAD_SIZE must be one of 4, 8, 16, 32, 64, 128");
@@ -243,7 +246,7 @@ extern "C" __global__ void tm_prep_fwd(const floatX* k, const floatX* v, const f
         for (int e = 0; e < 4; ++e) { kr[e] = K.v[e] * pkk.v[e]; ss += kr[e] * kr[e]; }
         ss = tm_head_sum(ss, gm);
         if (!ok) continue;
-        const float inv = 1.0f / fmaxf(sqrtf(ss), TM_L2_EPS);
+        const float inv = 1.0f / fmaxf(sqrtf(ss), TM_L2_EPS_F);
         const f4 WL = load4(wl + off), AL = load4(al + off), V = load4(v + off);
         f4 D, KP, A_, B_, VP;
 #pragma unroll
@@ -329,8 +332,8 @@ extern "C" __global__ void tm_prep_bwd(const floatX* k, const floatX* v, const f
         }
         ss = tm_head_sum(ss, gm);
         const float nrm = sqrtf(ss);
-        const bool big = nrm > TM_L2_EPS;
-        const float inv = 1.0f / fmaxf(nrm, TM_L2_EPS);
+        const bool big = nrm > TM_L2_EPS_F;
+        const float inv = 1.0f / fmaxf(nrm, TM_L2_EPS_F);
         float kk[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) { kk[e] = kr[e] * inv; sdot += dkk[e] * kk[e]; }
@@ -446,7 +449,7 @@ extern "C" __global__ void tm_gn_fwd(const floatX* y, const floatX* r, const flo
         if (ok) { Y = load4(y + off); Rr = load4(r + off); KP = load4(kp + off); }
         const tm_gn_row st = tm_gn_stats(Y, Rr, KP, RK, gm);
         if (!ok) continue;
-        const float rstd = 1.0f / sqrtf(st.var + TM_GN_EPS);
+        const float rstd = 1.0f / sqrtf(st.var + TM_GN_EPS_F);
         const f4 VP = load4(vp + off), G = load4(g + off);
         f4 Z;
 #pragma unroll
@@ -484,7 +487,7 @@ extern "C" __global__ void tm_gn_bwd(const floatX* y, const floatX* r, const flo
         }
         const tm_gn_row st = tm_gn_stats(Y, Rr, KP, RK, gm);
         const float sb = st.bonus;
-        const float rstd = 1.0f / sqrtf(st.var + TM_GN_EPS);
+        const float rstd = 1.0f / sqrtf(st.var + TM_GN_EPS_F);
         float xh[4], du[4], dxh[4], m1 = 0.f, m2 = 0.f, sds = 0.f;
         f4 DG;
 #pragma unroll
