@@ -264,17 +264,16 @@ def test_wkv7(benchmark, dev, xtype, shape, direction):
     b = Buffers(dev, xtype)
     inp, n = _wkv_inputs(b, Bw, Tw, Hw)
     sizes = wkv7.scratch_elems(Bw, Tw, Hw, N, dev.info)
-    ckpt = b(sizes["ckpt"], "f32")
-    fwd = wkv7.forward(*inp, b(n), ckpt, Bw, Tw, Hw, N, dev.info)
-    ckpt_bytes = 4 * sizes["ckpt"]
+    sa, ckpt = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32")
+    fwd = wkv7.forward(*inp, b(n), Bw, Tw, Hw, N, dev.info, sa=sa, ckpt=ckpt)
+    saved_bytes = 4 * (sizes["sa"] + sizes["ckpt"])
     if direction == "forward":
-        record(benchmark, dev, fwd, nbytes=7 * n * _x(xtype) + ckpt_bytes, flops=_wkv_flops(n))
+        record(benchmark, dev, fwd, nbytes=7 * n * _x(xtype) + saved_bytes, flops=_wkv_flops(n))
         return
     Plan(dev, fwd).run()                          # real checkpoints of these inputs
     part = b(sizes["partials"], "f32") if sizes["partials"] else None
-    ops = wkv7.backward(*inp, b(n), ckpt, b(sizes["slab"], "f32"), *[b(n) for _ in range(6)], Bw, Tw, Hw, N,
-                        dev.info, partials=part)
-    record(benchmark, dev, ops, nbytes=13 * n * _x(xtype) + ckpt_bytes, flops=2 * _wkv_flops(n))
+    ops = wkv7.backward(*inp, b(n), sa, ckpt, *[b(n) for _ in range(6)], Bw, Tw, Hw, N, dev.info, partials=part)
+    record(benchmark, dev, ops, nbytes=13 * n * _x(xtype) + saved_bytes, flops=2 * _wkv_flops(n))
 
 
 # ------------------------------------------------------------------------------------------------ MoBA

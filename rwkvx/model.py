@@ -223,7 +223,10 @@ class StepBuilder:
             xin = self.buf(f"block_in.{pos}")
             prefix = self._prefix(kind, idx)
             # recompute the block's forward from its saved input, then go back through it
-            ops += self.rwkv_forward(idx, xin) if kind == "rwkv" else self.attn_forward(idx, xin)
+            if kind == "rwkv":
+                ops += self.rwkv_forward(idx, xin, for_backward=True)
+            else:
+                ops += self.attn_forward(idx, xin)
             ops += self.channel_mix_forward(prefix, None)
             ops += self.channel_mix_backward(prefix)
             ops += self.rwkv_backward(idx, xin) if kind == "rwkv" else self.attn_backward(idx, xin)
@@ -322,8 +325,9 @@ class StepBuilder:
                     ln_w=p(att + "ln_x.weight"), ln_b=p(att + "ln_x.bias"), r_k=p(att + "r_k"),
                     R=self.R, C=self.cfg.n_embd, N=self.cfg.head_size, dev=self.dev)
 
-    def rwkv_forward(self, i: int, xin) -> list:
-        """x1 = xin + TimeMix(LN1(xin)) (SPEC §2.3), leaving every transient the backward needs."""
+    def rwkv_forward(self, i: int, xin, for_backward: bool = False) -> list:
+        """x1 = xin + TimeMix(LN1(xin)) (SPEC §2.3), leaving every transient the backward needs; only
+        ``for_backward`` (the recompute right before block i's backward) saves the WKV state for it."""
         R, C, T, N, H, dev, mm = (self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head,
                                   self.dev, self.mm)
         pre, b, p = f"rwkv.blocks.{i}.", self.buf, self.p
@@ -344,8 +348,9 @@ class StepBuilder:
         ops += timemix.prep_forward(**self._prep_inputs(i), decay=b("decay"), kp=b("kp"), vp=b("vp"),
                                     wa=b("wa"), wb=b("wb"))
         gn = self._gn_inputs(i)
-        ops += wkv7.forward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("y"), b("wkv_ckpt"),
-                            self.B, T, H, N, dev)
+        saved = dict(sa=b("wkv_sa"), ckpt=b("wkv_ckpt")) if for_backward else {}
+        ops += wkv7.forward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("y"),
+                            self.B, T, H, N, dev, **saved)
         ops += timemix.gn_forward(**gn, z=b("z"))
         ops += self._residual_out(xin, b("z"), p(att + "output.weight"), b("x1"), C)
         return ops
@@ -363,8 +368,8 @@ class StepBuilder:
         ops += timemix.gn_backward(**gn, dz=b("dz"), dy=b("dy"), dg=b("dg"), dr2=b("dr2"), dkp2=b("dkp2"),
                                    dvp2=b("dvp2"), partials=b("partials"),
                                    dparams=(gp(att + "ln_x.weight"), gp(att + "ln_x.bias"), gp(att + "r_k")))
-        ops += wkv7.backward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("dy"), b("wkv_ckpt"),
-                             b("wkv_slab"), b("dr"), b("ddecay"), b("dkp"), b("dvp"), b("dwa"), b("dwb"),
+        ops += wkv7.backward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("dy"), b("wkv_sa"),
+                             b("wkv_ckpt"), b("dr"), b("ddecay"), b("dkp"), b("dvp"), b("dwa"), b("dwb"),
                              self.B, T, H, N, dev, partials=b("wkv_partials"))
         dparams = [gp(att + n) for n in ("w0", "a0", "k_k", "k_a")] + ([gp(att + "v0")] if i else [])
         ops += timemix.prep_backward(**self._prep_inputs(i),

@@ -11,7 +11,7 @@
 // Thread mapping (Q = WKV_Q lanes per row, M = N/Q elements per lane, lanes of a row adjacent in a warp):
 //   "row role":    thread (ri, rq) owns S[row, rq*M .. rq*M+M-1] (row = i0 + ri) -- row reductions
 //                  (sa, y, dv, dsa) are M-term partial sums + shuffle-xor over the Q lanes.
-//   "column role"  (backward only): thread (cj, cq) owns dS[i0 + cq*M .. +M-1, cj] -- column reductions
+//   "column role"  (backward only): thread (cj, cq) owns S and dS[i0 + cq*M .. +M-1, cj] -- column reductions
 //                  (dr, dk, db, dw, da) over the block's rows, shuffle-xor over CQ = Q/P lanes.
 // Row split P = gridDim.x: block p owns rows i0 = p*N/P .. i0 + N/P - 1 (blockDim.x = (N/P)*Q).
 //   Forward: rows are independent, any P dividing N works.
@@ -19,16 +19,19 @@
 //   partials in scratch, added in split order by wkv7_backward_reduce into dr/dw/dk/da/db.
 //
 // Inputs are staged through shared memory in stages of LS tokens with cp.async double buffering.
-// Forward writes the state at the start of every 16-token chunk c >= 1 (S_{16c-1}) into
-// ckpt [B,H,nC,N,N] (nC = ceil(T/16); slot c = 0 is never written nor read).
-// Backward walks the chunks in reverse: recompute the chunk's states S_{t-1} (row layout) from the
-// checkpoint into the per-block slab [16, N/P, N] (global, L2-resident) and sa_t into shared memory,
-// then step backward through the chunk reading columns S_{t-1}[:, j] from the slab.
+// For the backward, the forward saves sa_t for every token (fp32 [B,T,H,N]) and the state after the
+// last token of every chunk of CHUNK tokens (ckpt [B,H,nC,N,N], nC = ceil(T/CHUNK)).
+// Backward walks the tokens in reverse and steps the state back instead of recomputing it:
+//     S_{t-1} = (S_t - sa_t b_t^T - v_t k_t^T) diag(1/w_t)
+// per column of S, from the exact checkpoint at each chunk's end; at each chunk's first token S_{t-1}
+// is the previous checkpoint itself. So at most CHUNK-1 steps are taken back from an exact state:
+// each multiplies the rounding error by at most 1/w <= 1/exp(-e^-0.5) = 1.83 (the model's decay clamp),
+// which is why CHUNK is 8 (at 16, w near its lower end costs ~2e-4 relative error in dw, da, dr).
 // Deterministic: no atomics, fixed reduction orders. All accumulation in fp32.
 //
 // Gradients, with G_t = dL/dS_t (carried in registers twice: row copy and column copy):
 //   G_t      += dy_t r_t^T                     (y_t = S_t r_t)
-//   dr_t      = S_t^T dy_t                     (S_t[:,j] = S_{t-1}[:,j] w_j + sa b_j + v k_j, rebuilt)
+//   dr_t      = S_t^T dy_t
 //   dv_t      = G_t k_t            dk_t = G_t^T v_t
 //   dsa       = G_t b_t            db_t = G_t^T sa_t
 //   dw_t[j]   = sum_i G_t[i,j] S_{t-1}[i,j]
@@ -46,17 +49,15 @@ constexpr int HN = HEAD_SIZE;
 constexpr int Q = WKV_Q;                                    // lanes per state row
 constexpr int M = HN / Q;                                   // elements per lane and role
 constexpr int CHUNK = WKV_CHUNK;                            // checkpoint interval (tokens)
-constexpr int LS = HN >= 128 ? 4 : (HN >= 64 ? 8 : 16);     // tokens per staged block (divides CHUNK)
+constexpr int LS = HN >= 128 ? 4 : (HN >= 64 ? 8 : 16);     // tokens per staged block
 constexpr int VW = (M % 4 == 0) ? 4 : ((M % 2 == 0) ? 2 : 1);   // vector width for M-runs
 constexpr int FWD_MAXT = HN * Q;                            // forward block size with P = 1
 constexpr int BWD_MAXT = (HN * Q < WKV_BWD_MAXT) ? HN * Q : WKV_BWD_MAXT;   // N = 128 needs P >= 2
-constexpr bool PREFETCH_COL = M <= 16;                     // registers: N = 128 loads per step
 constexpr int BWD_MINB = HN >= 128 ? 1 : 2;                 // 2 blocks/SM (<= 128 regs) for N <= 64
 
 static_assert(HN == 4 || HN == 8 || HN == 16 || HN == 32 || HN == 64 || HN == 128,
               "HEAD_SIZE must be one of 4, 8, 16, 32, 64, 128");
 static_assert(Q == 4, "WKV_Q must be 4 (shuffle masks assume quads)");
-static_assert(CHUNK % LS == 0, "LS must divide CHUNK");
 
 // ---- small helpers ---------------------------------------------------------------------------
 
@@ -66,22 +67,17 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return r;
 }
 // copy 4 elements (16 bytes of float, 8 of bf16) global -> shared, asynchronously
-__device__ __forceinline__ void cp_async4(floatX* dst_smem, const floatX* src_gmem) {
-#if FLOATX_BF16
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_addr(dst_smem)), "l"(src_gmem)
-                 : "memory");
-#else
+__device__ __forceinline__ void cp_async4(float* dst_smem, const float* src_gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst_smem)), "l"(src_gmem)
                  : "memory");
-#endif
+}
+__device__ __forceinline__ void cp_async4(__nv_bfloat16* dst_smem, const __nv_bfloat16* src_gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_addr(dst_smem)), "l"(src_gmem)
+                 : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int K>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(K) : "memory"); }
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
 
 // load / store VW consecutive floats (16/8/4-byte aligned by construction)
 __device__ __forceinline__ void ldv(const float* p, float* o) {
@@ -118,8 +114,7 @@ __device__ __forceinline__ float vw_sum(const float* acc) {
     else return acc[0];
 }
 // Partial row dot sum_m S[m] * vec[j0 + m] over this lane's M columns, with VW independent accumulator
-// chains (shorter dependency chain); fixed summation order. Shared by the forward and the backward's
-// recompute so both produce the same states bit for bit.
+// chains (shorter dependency chain); fixed summation order.
 __device__ __forceinline__ float row_dot(const float* S, const floatX* vec) {
     float acc[VW];
 #pragma unroll
@@ -133,14 +128,15 @@ __device__ __forceinline__ float row_dot(const float* S, const floatX* vec) {
     }
     return vw_sum(acc);
 }
-// S[row, j] <- S[row, j] w_j + sa b_j + v_row k_j  (same expression in forward and recompute)
+// S[row, j] <- S[row, j] w_j + sa b_j + v_row k_j  (the backward undoes exactly this expression)
 __device__ __forceinline__ float state_update(float s, float wj, float sa, float bj, float vi, float kj) {
     return fmaf(s, wj, fmaf(sa, bj, vi * kj));
 }
 
 // Stage `cnt` tokens (from token tstart) of one [B,T,H,N] tensor into dst [LS][HN] with cp.async.
 // src points at X + h*HN; token t of sequence bb lives at src + ((bb*T + t)*H)*HN.
-__device__ __forceinline__ void stage_vec(floatX* dst, const floatX* src, long long tokbase, int tstart, int cnt,
+template <class E>
+__device__ __forceinline__ void stage_vec(E* dst, const E* src, long long tokbase, int tstart, int cnt,
                                           int H, int tid, int nt) {
     constexpr int R4 = HN / 4;
     for (int e = tid; e < cnt * R4; e += nt) {
@@ -181,12 +177,13 @@ __device__ __forceinline__ void stage_all(floatX (*buf)[LS][HN], const floatX* c
 using namespace wkv7;
 
 // =============================================================================================
-// Forward.  grid (P, H, B), block (N/P * Q).  y [B,T,H,N]; ckpt [B,H,ceil(T/16),N,N].
+// Forward.  grid (P, H, B), block (N/P * Q).  y [B,T,H,N]; for the backward (both or neither NULL):
+// sa [B,T,H,N] fp32 and ckpt [B,H,nC,N,N] (slot c = the state after chunk c's last token).
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(FWD_MAXT)
 wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
              const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
-             floatX* __restrict__ y, float* __restrict__ ckpt, int T, int H)
+             floatX* __restrict__ y, float* __restrict__ sa_out, float* __restrict__ ckpt, int T, int H)
 {
     constexpr int NV = 6;                                        // r w k v a b
     __shared__ __align__(16) Staging<NV> stg;
@@ -198,7 +195,8 @@ wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const f
     const int nC = (T + CHUNK - 1) / CHUNK;
     const long long tokbase = (long long)bb * T;
     const long long hoff = (long long)h * HN;
-    float* ck = ckpt + ((long long)(bb * H + h) * nC) * HN * HN + (long long)row * HN + j0;
+    const bool save = ckpt != nullptr;
+    float* ck = save ? ckpt + ((long long)(bb * H + h) * nC) * HN * HN + (long long)row * HN + j0 : nullptr;
 
     float S[M];
 #pragma unroll
@@ -215,13 +213,10 @@ wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const f
         const int ts = g * LS, cnt = min(LS, T - ts);
         for (int sl = 0; sl < cnt; ++sl) {
             const int t = ts + sl;
-            if ((t % CHUNK) == 0 && t > 0) {                     // state at the start of chunk t/16
-                float* dst = ck + (long long)(t / CHUNK) * HN * HN;
-#pragma unroll
-                for (int m = 0; m < M; m += VW) stv(dst + m, S + m);
-            }
+            const long long gout = (tokbase + t) * (long long)H * HN + hoff;
             // sa_row = sum_j S[row,j] a_j
             const float sa = group_sum(row_dot(S, &sb[4][sl][j0]), Q);
+            if (save && rq == 0) sa_out[gout + row] = sa;
             const float vi = to_f32(sb[3][sl][row]);
             // S = S diag(w) + sa b^T + v k^T ; y_row = sum_j S[row,j] r_j
             float ya[VW];
@@ -242,49 +237,36 @@ wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const f
                 }
             }
             const float yy = group_sum(vw_sum(ya), Q);
-            if (rq == 0) y[(tokbase + t) * (long long)H * HN + hoff + row] = from_f32(yy);
+            if (rq == 0) y[gout + row] = from_f32(yy);
+            if (save && (t % CHUNK == CHUNK - 1 || t == T - 1)) {
+                float* dst = ck + (long long)(t / CHUNK) * HN * HN;
+#pragma unroll
+                for (int m = 0; m < M; m += VW) stv(dst + m, S + m);
+            }
         }
     });
 }
 
 // =============================================================================================
 // Backward.  grid (P, H, B) with P in {1,2,4} (P <= Q), block (N/P * Q) <= BWD_MAXT.
+//   sa [B,T,H,N] and ckpt [B,H,nC,N,N] from wkv7_forward on the same inputs.
 //   dv [B,T,H,N] (complete).  dr, dw, dk, da, db [B,T,H,N]: written directly when P = 1; with P > 1
 //   split p writes its fp32 partial sums to part [5][P][n] (dr dw dk da db; n = B*T*H*N) and
 //   wkv7_backward_reduce adds them in order p = 0..P-1 (P = 1: part unused, may be NULL).
-//   slab: [B,H,P][16][N/P][N] floats scratch (= B*H*16*N*N floats for any P).
 // =============================================================================================
-namespace wkv7 {
-// Stage g of the backward walk -> chunk c, sub-stage kk (tokens 16c + kk*LS ...), phase.
-// Order: for c = nC-1 .. 0: recompute sub-stages 0..Kc-1, then backward sub-stages Kc-1..0.
-struct BStage { int c, kk, Kc; bool rec; };
-__device__ __forceinline__ BStage bwd_stage(int g, int nC, int Klast) {
-    constexpr int K = CHUNK / LS;
-    BStage s;
-    int loc;
-    if (g < 2 * Klast) { s.c = nC - 1; loc = g; s.Kc = Klast; }
-    else { const int g2 = g - 2 * Klast; s.c = nC - 2 - g2 / (2 * K); loc = g2 % (2 * K); s.Kc = K; }
-    s.rec = loc < s.Kc;
-    s.kk = s.rec ? loc : 2 * s.Kc - 1 - loc;
-    return s;
-}
-}  // namespace wkv7
-
 extern "C" __global__ void __launch_bounds__(BWD_MAXT, BWD_MINB)
 wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
               const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
-              const floatX* __restrict__ dy, const float* __restrict__ ckpt,
-              float* slab,   // written and re-read by this block: no __restrict__/nc loads
+              const floatX* __restrict__ dy, const float* __restrict__ sa, const float* __restrict__ ckpt,
               floatX* __restrict__ dr, floatX* __restrict__ dw, floatX* __restrict__ dk,
               floatX* __restrict__ dv, floatX* __restrict__ da, floatX* __restrict__ db,
               float* __restrict__ part, int T, int H, long long n)
 {
     constexpr int NV = 7;                                        // r w k v a b dy
-    constexpr int K = CHUNK / LS;
     __shared__ __align__(16) Staging<NV> stg;
-    const floatX* const src[NV] = {r, w, k, v, a, b, dy};
-    __shared__ __align__(16) float sa_sm[CHUNK][HN];             // sa_t of the chunk, local rows
+    __shared__ __align__(16) float sa_st[2][LS][HN];             // staged sa (fp32), same stages
     __shared__ __align__(16) float dsa_sm[2][HN];                // dsa of the step (by parity), local rows
+    const floatX* const src[NV] = {r, w, k, v, a, b, dy};
 
     const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
     const int NR = HN / P, nt = NR * Q, tid = threadIdx.x, i0 = p * NR;
@@ -294,180 +276,129 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
     const int CQ = Q / P, cj = tid / CQ, cq = tid % CQ, ic0 = cq * M;   // local rows ic0 .. ic0+M-1
 
     const int nC = (T + CHUNK - 1) / CHUNK;
-    const int Llast = T - (nC - 1) * CHUNK;
-    const int Klast = (Llast + LS - 1) / LS;
-    const int G = 2 * Klast + 2 * K * (nC - 1);
+    const int G = (T + LS - 1) / LS;
     const long long tokbase = (long long)bb * T;
     const long long hoff = (long long)h * HN;
     const long long HC = (long long)H * HN;
-    const float* ckb = ckpt + ((long long)(bb * H + h) * nC) * HN * HN + (long long)row * HN + j0;
-    float* slb = slab + ((long long)(bb * H + h) * P + p) * CHUNK * NR * HN;
+    // column cj, rows i0+ic0 .. +M-1 of checkpoint slot c: ckc[c*HN*HN + m*HN]
+    const float* ckc = ckpt + ((long long)(bb * H + h) * nC) * HN * HN + (long long)(i0 + ic0) * HN + cj;
     // this split's fp32 partial sums (P > 1): part[q][p] for q = dr dw dk da db
     float* const pbase = part + (long long)p * n;
     const long long xs = (long long)P * n;                      // stride between the 5 tensors
 
-    float S[M];      // recompute state, row `row`, columns j0..j0+M-1
     float dSr[M];    // G[row, j0 + m]
     float dSc[M];    // G[i0 + ic0 + m, cj]
+    float sv[M];     // S_t[i0 + ic0 + m, cj]  (stepped back token by token)
+    float s0[M];     // the same column of the state entering the current chunk (exact, from ckpt)
 #pragma unroll
-    for (int m = 0; m < M; ++m) { S[m] = 0.f; dSr[m] = 0.f; dSc[m] = 0.f; }
+    for (int m = 0; m < M; ++m) { dSr[m] = 0.f; dSc[m] = 0.f; }
+    auto load_col = [&](float* dst, int c) {                    // c < 0: the zero initial state
+#pragma unroll
+        for (int m = 0; m < M; ++m) dst[m] = c >= 0 ? ckc[(long long)c * HN * HN + (long long)m * HN] : 0.f;
+    };
 
-    auto issue = [&](int g) {
-        const BStage st = bwd_stage(g, nC, Klast);
-        const int ts = st.c * CHUNK + st.kk * LS;
-        stage_all<NV>(stg.v[g & 1], src, hoff, tokbase, ts, min(LS, T - ts), H, tid, nt);
+    auto issue = [&](int g) {                                    // stages in reverse token order
+        const int ts = (G - 1 - g) * LS, cnt = min(LS, T - ts);
+        stage_all<NV>(stg.v[g & 1], src, hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_vec(&sa_st[g & 1][0][0], sa + hoff, tokbase, ts, cnt, H, tid, nt);
     };
 
     staged_walk(G, issue, [&](int g) {
         const floatX(*sb)[LS][HN] = stg.v[g & 1];
-        const BStage st = bwd_stage(g, nC, Klast);
-        const int c0 = st.c * CHUNK;                           // first token of the chunk
-        const int L = min(CHUNK, T - c0);                      // tokens in the chunk
-        const int ts = c0 + st.kk * LS;                        // first token of the stage
-        const int cnt = min(LS, T - ts);
-
-        if (st.rec) {
-            // ---------------- recompute S_{t-1} (row layout) and sa_t for the chunk ----------------
-            if (st.kk == 0) {
-                if (st.c == 0) {
+        const float(*sab)[HN] = sa_st[g & 1];
+        const int ts = (G - 1 - g) * LS, cnt = min(LS, T - ts);
+        for (int sl = cnt - 1; sl >= 0; --sl) {
+            const int t = ts + sl;
+            const long long gout = (tokbase + t) * HC + hoff;   // [b,t,h,0]
+            // entering chunk c (walking backwards): S_t is exact (ckpt slot c, or the previous chunk's
+            // s0 already in sv); fetch this chunk's entering state, first used at its first token
+            const int c = t / CHUNK;
+            if (t == T - 1) { load_col(sv, c); load_col(s0, c - 1); }
+            else if (t % CHUNK == CHUNK - 1) load_col(s0, c - 1);
+            const bool first = t % CHUNK == 0;                   // S_{t-1} is s0
+            // ---- row role: G[row,:] ; dv_row, dsa_row ; G <- G diag(w) + dsa a^T
+            {
+                const float dyi = to_f32(sb[6][sl][row]);
+                float dva[VW], dsaa[VW];
 #pragma unroll
-                    for (int m = 0; m < M; ++m) S[m] = 0.f;
-                } else {
-                    const float* src = ckb + (long long)st.c * HN * HN;
+                for (int u = 0; u < VW; ++u) { dva[u] = 0.f; dsaa[u] = 0.f; }
 #pragma unroll
-                    for (int m = 0; m < M; m += VW) ldv(src + m, S + m);
+                for (int m = 0; m < M; m += VW) {
+                    float rv[VW], kv[VW], bv[VW];
+                    ldv(&sb[0][sl][j0 + m], rv);
+                    ldv(&sb[2][sl][j0 + m], kv);
+                    ldv(&sb[5][sl][j0 + m], bv);
+#pragma unroll
+                    for (int u = 0; u < VW; ++u) {
+                        const float gg = fmaf(dyi, rv[u], dSr[m + u]);   // G_t += dy r^T
+                        dSr[m + u] = gg;
+                        dva[u] = fmaf(gg, kv[u], dva[u]);                // dv = G k
+                        dsaa[u] = fmaf(gg, bv[u], dsaa[u]);              // dsa = G b
+                    }
                 }
-                if (st.c >= 2) prefetch_l2(ckb + (long long)(st.c - 1) * HN * HN);   // next chunk's
+                const float dvp = group_sum(vw_sum(dva), Q);
+                const float dsap = group_sum(vw_sum(dsaa), Q);
+#pragma unroll
+                for (int m = 0; m < M; m += VW) {
+                    float wv[VW], av[VW];
+                    ldv(&sb[1][sl][j0 + m], wv);
+                    ldv(&sb[4][sl][j0 + m], av);
+#pragma unroll
+                    for (int u = 0; u < VW; ++u)
+                        dSr[m + u] = fmaf(dSr[m + u], wv[u], dsap * av[u]);  // G_{t-1}
+                }
+                if (rq == 0) {
+                    dsa_sm[t & 1][ri] = dsap;
+                    dv[gout + row] = from_f32(dvp);
+                }
             }
-            for (int sl = 0; sl < cnt; ++sl) {
-                const int s = st.kk * LS + sl;                  // index within the chunk
-                float* dst = slb + ((long long)s * NR + ri) * HN + j0;
+            __syncthreads();   // dsa of this step visible to the column role
+            // ---- column role: G[:,cj] over the block's rows; S_t[:,cj] stepped back to S_{t-1}[:,cj]
+            {
+                const float rj = to_f32(sb[0][sl][cj]), wj = to_f32(sb[1][sl][cj]), kj = to_f32(sb[2][sl][cj]);
+                const float aj = to_f32(sb[4][sl][cj]), bj = to_f32(sb[5][sl][cj]);
+                const float inv_wj = 1.f / wj;                   // <= 1/w_min: bounded by the decay clamp
+                float pr = 0.f, pw = 0.f, pk = 0.f, pa = 0.f, pb = 0.f;
 #pragma unroll
-                for (int m = 0; m < M; m += VW) stv(dst + m, S + m);     // slab[s] = S_{t-1}
-                const float sa = group_sum(row_dot(S, &sb[4][sl][j0]), Q);
-                if (rq == 0) sa_sm[s][ri] = sa;
-                if (s + 1 < L) {                                // S_t is needed by the next step only
-                    const float vi = to_f32(sb[3][sl][row]);
+                for (int m = 0; m < M; m += VW) {
+                    float dyv[VW], vv[VW], sav[VW], dsav[VW];
+                    ldv(&sb[6][sl][i0 + ic0 + m], dyv);
+                    ldv(&sb[3][sl][i0 + ic0 + m], vv);
+                    ldv(&sab[sl][i0 + ic0 + m], sav);
+                    ldv(&dsa_sm[t & 1][ic0 + m], dsav);
 #pragma unroll
-                    for (int m = 0; m < M; m += VW) {
-                        float wv[VW], bv[VW], kv[VW];
-                        ldv(&sb[1][sl][j0 + m], wv);
-                        ldv(&sb[5][sl][j0 + m], bv);
-                        ldv(&sb[2][sl][j0 + m], kv);
-#pragma unroll
-                        for (int u = 0; u < VW; ++u)
-                            S[m + u] = state_update(S[m + u], wv[u], sa, bv[u], vi, kv[u]);
+                    for (int u = 0; u < VW; ++u) {
+                        const float st = sv[m + u];                                   // S_t[i,j]
+                        const float gg = fmaf(dyv[u], rj, dSc[m + u]);                // G_t[i,j]
+                        // S_{t-1} = (S_t - sa b^T - v k^T) diag(1/w): the forward's update undone
+                        const float sp = first ? s0[m + u]
+                                               : (st - fmaf(sav[u], bj, vv[u] * kj)) * inv_wj;
+                        pr = fmaf(st, dyv[u], pr);                                    // dr = S_t^T dy
+                        pk = fmaf(gg, vv[u], pk);                                     // dk = G^T v
+                        pb = fmaf(gg, sav[u], pb);                                    // db = G^T sa
+                        pw = fmaf(gg, sp, pw);                                        // dw = sum G .* S_{t-1}
+                        pa = fmaf(sp, dsav[u], pa);                                   // da = S_{t-1}^T dsa
+                        dSc[m + u] = fmaf(gg, wj, dsav[u] * aj);                      // G_{t-1}
+                        sv[m + u] = sp;
                     }
                 }
-            }
-        } else {
-            // ---------------- backward steps, t descending ----------------
-            // column S_{t-1}[i0+ic0 .. +M-1, cj] of the slab for the column role; with PREFETCH_COL the
-            // next step's column is loaded one step ahead (within the stage) to hide the L2 latency
-            const float* colp = slb + (long long)ic0 * HN + cj;        // + s*NR*HN + m*HN
-            float sv[M];
-#pragma unroll
-            for (int m = 0; m < M; ++m) sv[m] = colp[((long long)(st.kk * LS + cnt - 1) * NR + m) * HN];
-            for (int sl = cnt - 1; sl >= 0; --sl) {
-                const int s = st.kk * LS + sl;
-                const int t = ts + sl;
-                const long long gout = (tokbase + t) * HC + hoff;   // [b,t,h,0]
-                float svn[PREFETCH_COL ? M : 1];
-                if constexpr (PREFETCH_COL) {
-                    if (sl > 0) {
-#pragma unroll
-                        for (int m = 0; m < M; ++m) svn[m] = colp[((long long)(s - 1) * NR + m) * HN];
-                    }
-                }
-                // ---- row role: G[row,:] ; dv_row, dsa_row ; G <- G diag(w) + dsa a^T
-                {
-                    const float dyi = to_f32(sb[6][sl][row]);
-                    float dva[VW], dsaa[VW];
-#pragma unroll
-                    for (int u = 0; u < VW; ++u) { dva[u] = 0.f; dsaa[u] = 0.f; }
-#pragma unroll
-                    for (int m = 0; m < M; m += VW) {
-                        float rv[VW], kv[VW], bv[VW];
-                        ldv(&sb[0][sl][j0 + m], rv);
-                        ldv(&sb[2][sl][j0 + m], kv);
-                        ldv(&sb[5][sl][j0 + m], bv);
-#pragma unroll
-                        for (int u = 0; u < VW; ++u) {
-                            const float gg = fmaf(dyi, rv[u], dSr[m + u]);   // G_t += dy r^T
-                            dSr[m + u] = gg;
-                            dva[u] = fmaf(gg, kv[u], dva[u]);                // dv = G k
-                            dsaa[u] = fmaf(gg, bv[u], dsaa[u]);              // dsa = G b
-                        }
-                    }
-                    const float dvp = group_sum(vw_sum(dva), Q);
-                    const float dsap = group_sum(vw_sum(dsaa), Q);
-#pragma unroll
-                    for (int m = 0; m < M; m += VW) {
-                        float wv[VW], av[VW];
-                        ldv(&sb[1][sl][j0 + m], wv);
-                        ldv(&sb[4][sl][j0 + m], av);
-#pragma unroll
-                        for (int u = 0; u < VW; ++u)
-                            dSr[m + u] = fmaf(dSr[m + u], wv[u], dsap * av[u]);  // G_{t-1}
-                    }
-                    if (rq == 0) {
-                        dsa_sm[s & 1][ri] = dsap;
-                        dv[gout + row] = from_f32(dvp);
-                    }
-                }
-                __syncthreads();   // dsa of this step visible to the column role
-                // ---- column role: G[:,cj] over the block's rows
-                {
-                    const float rj = to_f32(sb[0][sl][cj]), wj = to_f32(sb[1][sl][cj]), kj = to_f32(sb[2][sl][cj]);
-                    const float aj = to_f32(sb[4][sl][cj]), bj = to_f32(sb[5][sl][cj]);
-                    float pr = 0.f, pw = 0.f, pk = 0.f, pa = 0.f, pb = 0.f;
-#pragma unroll
-                    for (int m = 0; m < M; m += VW) {
-                        float dyv[VW], vv[VW], sav[VW], dsav[VW];
-                        ldv(&sb[6][sl][i0 + ic0 + m], dyv);
-                        ldv(&sb[3][sl][i0 + ic0 + m], vv);
-                        ldv(&sa_sm[s][ic0 + m], sav);
-                        ldv(&dsa_sm[s & 1][ic0 + m], dsav);
-#pragma unroll
-                        for (int u = 0; u < VW; ++u) {
-                            const float sp = sv[m + u];                               // S_{t-1}[i,j]
-                            const float gg = fmaf(dyv[u], rj, dSc[m + u]);            // G_t[i,j]
-                            const float scur = fmaf(sp, wj, fmaf(sav[u], bj, vv[u] * kj));   // S_t[i,j]
-                            pr = fmaf(scur, dyv[u], pr);                              // dr = S_t^T dy
-                            pk = fmaf(gg, vv[u], pk);                                 // dk = G^T v
-                            pb = fmaf(gg, sav[u], pb);                                // db = G^T sa
-                            pw = fmaf(gg, sp, pw);                                    // dw = sum G .* S_{t-1}
-                            pa = fmaf(sp, dsav[u], pa);                               // da = S_{t-1}^T dsa
-                            dSc[m + u] = fmaf(gg, wj, dsav[u] * aj);                  // G_{t-1}
-                        }
-                    }
-                    pr = group_sum(pr, CQ);
-                    pw = group_sum(pw, CQ);
-                    pk = group_sum(pk, CQ);
-                    pa = group_sum(pa, CQ);
-                    pb = group_sum(pb, CQ);
-                    if (cq == 0) {
-                        const long long o = gout + cj;
-                        if (P == 1) {
-                            dr[o] = from_f32(pr); dw[o] = from_f32(pw); dk[o] = from_f32(pk);
-                            da[o] = from_f32(pa); db[o] = from_f32(pb);
-                        } else {
-                            pbase[o] = pr; pbase[xs + o] = pw; pbase[2 * xs + o] = pk;
-                            pbase[3 * xs + o] = pa; pbase[4 * xs + o] = pb;
-                        }
-                    }
-                }
-                // no second barrier: the next step writes dsa_sm[(s-1)&1]; slab / sa_sm are read-only here
-                if (sl > 0) {
-                    if constexpr (PREFETCH_COL) {
-#pragma unroll
-                        for (int m = 0; m < M; ++m) sv[m] = svn[m];
+                pr = group_sum(pr, CQ);
+                pw = group_sum(pw, CQ);
+                pk = group_sum(pk, CQ);
+                pa = group_sum(pa, CQ);
+                pb = group_sum(pb, CQ);
+                if (cq == 0) {
+                    const long long o = gout + cj;
+                    if (P == 1) {
+                        dr[o] = from_f32(pr); dw[o] = from_f32(pw); dk[o] = from_f32(pk);
+                        da[o] = from_f32(pa); db[o] = from_f32(pb);
                     } else {
-#pragma unroll
-                        for (int m = 0; m < M; ++m) sv[m] = colp[((long long)(s - 1) * NR + m) * HN];
+                        pbase[o] = pr; pbase[xs + o] = pw; pbase[2 * xs + o] = pk;
+                        pbase[3 * xs + o] = pa; pbase[4 * xs + o] = pb;
                     }
                 }
             }
+            // no second barrier: the next step writes dsa_sm[(t-1)&1]; the staged inputs are read-only here
         }
     });
 }

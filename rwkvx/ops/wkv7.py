@@ -12,18 +12,18 @@ Buffers (16-byte aligned; outputs must not alias inputs):
 
 * r, w, k, v, a, b, dy, y, dr, dw, dk, dv, da, db: floatX ``[B, T, H, N]`` (= row-major ``[B*T, C]``,
   c = h*N + n).
-* ``ckpt`` f32 ``[B, H, nC, N, N]``, nC = ceil(T/16): written by :func:`forward`, read by :func:`backward`
-  (slot c holds the state at the start of chunk c, S_{16c-1}; slot 0 is never written nor read).
-  It is the only thing the forward saves for the backward, and must come from a forward over the
-  same r, w, k, v, a, b.
-* ``slab`` f32 ``[B, H, 16, N, N]``: backward scratch (states of the chunk being processed; L2-resident).
+* ``sa`` f32 ``[B, T, H, N]`` (sa_t = S_{t-1} a_t) and ``ckpt`` f32 ``[B, H, nC, N, N]``, nC = ceil(T/CHUNK)
+  (slot c = the state after the last token of chunk c): what the forward saves for the backward,
+  written by :func:`forward` when given (pass neither for an inference-only forward) and read by
+  :func:`backward`, which must get them from a forward over the same r, w, k, v, a, b. The backward
+  steps the state back from the checkpoints (no recomputation; see rwkvx/cu/wkv7.cu).
 * ``partials`` f32 ``[5, P, B, T, H, N]``: backward scratch for the row-split column reductions, only
   when the backward split P > 1 (see :func:`backward_split`); ``None`` otherwise.
 
 Sizes: :func:`scratch_elems`. Use::
 
-    ops += wkv7.forward(r, w, k, v, a, b, y, ckpt, B, T, H, N, dev)
-    ops += wkv7.backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B, T, H, N, dev,
+    ops += wkv7.forward(r, w, k, v, a, b, y, B, T, H, N, dev, sa=sa, ckpt=ckpt)
+    ops += wkv7.backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
                          partials=partials)
 
 All gradients are *written* (not accumulated). Deterministic (no atomics): with P > 1 the per-split
@@ -43,15 +43,16 @@ from ._common import DeviceInfo, check_buffers
 
 HEAD_SIZES = (4, 8, 16, 32, 64, 128)
 Q = 4                 # lanes per state row (block = N/P * Q threads)
-CHUNK = 16            # checkpoint interval in tokens
+CHUNK = 8             # checkpoint interval in tokens (the backward steps back at most CHUNK-1 tokens)
 BWD_MAXT = 256        # backward threads per block at most (N = 128 needs P_b >= 2)
 REDUCE_BLOCKS_PER_SM = 8
 
 CU = KernelFile("wkv7", constants={"WKV_Q": Q, "WKV_CHUNK": CHUNK, "WKV_BWD_MAXT": BWD_MAXT},
                 variants={"HEAD_SIZE": HEAD_SIZES})
 _RWKVAB = dict(r=X_IN, w=X_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN)
-WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, ckpt=F32_OUT, T=INT, H=INT)
-WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, ckpt=F32_IN, slab=F32_OUT,
+WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, sa_out=F32_OUT.opt(), ckpt=F32_OUT.opt(),
+                         T=INT, H=INT)
+WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F32_IN,
                           dr=X_OUT, dw=X_OUT, dk=X_OUT, dv=X_OUT, da=X_OUT, db=X_OUT,
                           part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
 WKV7_BACKWARD_REDUCE = CU.kernel("wkv7_backward_reduce", part=F32_IN, dr=X_OUT, dw=X_OUT, dk=X_OUT,
@@ -116,8 +117,8 @@ def backward_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
 def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None) -> dict[str, int]:
     """fp32 scratch sizes in elements::
 
-        ckpt     [B, H, ceil(T/16), N, N]   forward -> backward (saved state checkpoints)
-        slab     [B, H, 16, N, N]           backward scratch
+        sa       [B, T, H, N]               forward -> backward (sa_t of every token)
+        ckpt     [B, H, ceil(T/CHUNK), N, N]  forward -> backward (state checkpoints)
         partials [5, P, B, T, H, N]         backward scratch, 0 when the backward split P == 1
 
     ``split`` is the backward split (default :func:`backward_split`)."""
@@ -125,35 +126,40 @@ def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | 
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7: backward split {P} not allowed for N={N} (one of {_backward_splits(N)})")
-    return {"ckpt": B * H * n_chunks(T) * N * N,
-            "slab": B * H * CHUNK * N * N,
+    return {"sa": B * T * H * N,
+            "ckpt": B * H * n_chunks(T) * N * N,
             "partials": 5 * P * B * T * H * N if P > 1 else 0}
 
 
 # ------------------------------------------------------------------------------------------------
 # launches
 # ------------------------------------------------------------------------------------------------
-def forward(r, w, k, v, a, b, y, ckpt, B: int, T: int, H: int, N: int, dev: DeviceInfo,
+def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo, sa=None, ckpt=None,
             split: int | None = None) -> list:
-    """wkv7_forward: y = WKV(r, w, k, v, a, b) and the state checkpoints ``ckpt`` (see module doc)."""
+    """wkv7_forward: y = WKV(r, w, k, v, a, b), and with ``sa`` and ``ckpt`` what the backward needs
+    (see module doc)."""
     _check(B, T, H, N)
-    check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y, ckpt=ckpt)
+    check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y)
+    if (sa is None) != (ckpt is None):
+        raise ValueError("wkv7.forward: pass both sa and ckpt (for a backward) or neither")
+    if sa is not None:
+        check_buffers("wkv7.forward", sa=sa, ckpt=ckpt)
     P = forward_split(B, H, N, dev) if split is None else int(split)
     if P not in _forward_splits(N):
         raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
     return [WKV7_FORWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant={"HEAD_SIZE": N},
-                                r=r, w=w, k=k, v=v, a=a, b=b, y=y, ckpt=ckpt, T=T, H=H)]
+                                r=r, w=w, k=k, v=v, a=a, b=b, y=y, sa_out=sa, ckpt=ckpt, T=T, H=H)]
 
 
-def backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
+def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
              dev: DeviceInfo, partials=None, split: int | None = None) -> list:
     """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
 
-    ``ckpt`` from :func:`forward` on the same inputs; ``slab`` and (P > 1) ``partials`` are scratch of
+    ``sa`` and ``ckpt`` from :func:`forward` on the same inputs; (P > 1) ``partials`` is scratch of
     :func:`scratch_elems` with the same ``split``."""
     _check(B, T, H, N)
-    check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, ckpt=ckpt, slab=slab,
-                dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
+    check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt,
+                  dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7.backward: split {P} not allowed for N={N} (one of {_backward_splits(N)})")
@@ -163,7 +169,7 @@ def backward(r, w, k, v, a, b, dy, ckpt, slab, dr, dw, dk, dv, da, db, B: int, T
     grads = dict(dr=dr, dw=dw, dk=dk, da=da, db=db)
     variant = {"HEAD_SIZE": N}
     ops = [WKV7_BACKWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant=variant,
-                                r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, ckpt=ckpt, slab=slab, dv=dv, **grads,
+                                r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt, dv=dv, **grads,
                                 part=partials if P > 1 else None, T=T, H=H, n=n)]
     if P > 1:
         grid = max(1, min(math.ceil(n // 4 / 256), REDUCE_BLOCKS_PER_SM * dev.sm_count))

@@ -1,0 +1,27 @@
+"""CPU tests of the WKV7 launch builders (rwkvx/ops/wkv7.py): argument checks, launch lists, scratch
+sizes. No GPU needed (plans assume an H200); the kernel itself is tested in tests/gpu/test_wkv7.py."""
+import pytest
+
+from rwkvx.ops import wkv7 as W
+from rwkvx.runtime import DevPtr
+from rwkvx.runtime.device import H200
+
+
+def test_wkv7_builders_validate():
+    """Bad arguments raise before any GPU work; launch shapes and scratch sizes."""
+    p = lambda i=1: DevPtr(16 * i, "f32")      # noqa: E731
+    with pytest.raises(ValueError):
+        W.forward(*[p()] * 7, 1, 10, 1, 48, H200)                                  # unsupported N
+    with pytest.raises(ValueError):
+        W.forward(*[p()] * 7, 1, 10, 1, 64, H200, sa=p(), ckpt=DevPtr(8, "f32"))  # misaligned ckpt
+    with pytest.raises(ValueError):
+        W.forward(*[p()] * 7, 1, 10, 1, 64, H200, ckpt=p())                       # ckpt without sa
+    with pytest.raises(ValueError):
+        W.backward(*[p()] * 15, 1, 10, 1, 128, H200, split=1)                      # N=128 needs P >= 2
+    with pytest.raises(ValueError):
+        W.backward(*[p()] * 15, 1, 10, 1, 64, H200, split=2)                       # P > 1 needs partials
+    ops = W.backward(*[p()] * 15, 1, 10, 1, 64, H200, partials=p(2), split=4)
+    assert [o.name for o in ops] == ["wkv7_backward", "wkv7_backward_reduce"]
+    assert ops[0].block == (64, 1, 1) and ops[0].grid == (4, 1, 1)
+    assert W.scratch_elems(8, 4096, 12, 64, H200) == {"sa": 8 * 4096 * 12 * 64,
+                                                       "ckpt": 8 * 12 * 512 * 64 * 64, "partials": 0}
