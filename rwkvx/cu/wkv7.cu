@@ -128,9 +128,12 @@ __device__ __forceinline__ float row_dot(const float* S, const floatX* vec) {
     }
     return vw_sum(acc);
 }
-// S[row, j] <- S[row, j] w_j + sa b_j + v_row k_j  (the backward undoes exactly this expression)
+// The token's addition to S[row, j]: sa b_j + v_row k_j. One function for the forward's update and the
+// backward's step back, so the backward subtracts exactly what the forward added.
+__device__ __forceinline__ float state_add(float sa, float bj, float vi, float kj) { return fmaf(sa, bj, vi * kj); }
+// S[row, j] <- S[row, j] w_j + sa b_j + v_row k_j
 __device__ __forceinline__ float state_update(float s, float wj, float sa, float bj, float vi, float kj) {
-    return fmaf(s, wj, fmaf(sa, bj, vi * kj));
+    return fmaf(s, wj, state_add(sa, bj, vi, kj));
 }
 
 // Stage `cnt` tokens (from token tstart) of one [B,T,H,N] tensor into dst [LS][HN] with cp.async.
@@ -372,7 +375,7 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
                         const float gg = fmaf(dyv[u], rj, dSc[m + u]);                // G_t[i,j]
                         // S_{t-1} = (S_t - sa b^T - v k^T) diag(1/w): the forward's update undone
                         const float sp = first ? s0[m + u]
-                                               : (st - fmaf(sav[u], bj, vv[u] * kj)) * inv_wj;
+                                               : (st - state_add(sav[u], bj, vv[u], kj)) * inv_wj;
                         pr = fmaf(st, dyv[u], pr);                                    // dr = S_t^T dy
                         pk = fmaf(gg, vv[u], pk);                                     // dk = G^T v
                         pb = fmaf(gg, sav[u], pb);                                    // db = G^T sa
