@@ -329,7 +329,7 @@ GEMMS = {"proj_CxC": (R, C, C), "ffn_key_CxF": (R, C, F), "head_CxV": (R, C, V)}
 @pytest.mark.parametrize("name", list(GEMMS))
 def test_gemm(benchmark, dev, precision, name):
     rows, n_in, n_out = GEMMS[name]
-    prec = {**G.PRECISIONS, "bf16": G.BF16}[precision]
+    prec = G.PRESETS[precision]
     b = Buffers(dev, prec.a)
     op = G.linear(b(rows * n_in, prec.b), b(n_out * n_in, prec.a, 0.03), b(rows * n_out, prec.c), rows, n_in, n_out,
                   precision=prec)

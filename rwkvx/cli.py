@@ -135,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                    help="auto: the GPU when usable, else the CPU oracle")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="GPU GEMM precision (the CPU backend computes in --cpu-dtype)")
+                   help="GPU precision: fp32 (exact), tf32 (tensor-core GEMMs), bf16 (bf16 GEMMs and "
+                        "activations, fp32 master weights; SPEC §4); the CPU backend computes in --cpu-dtype")
+    g.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPU: recompute each block's forward in the backward (default; least memory), or "
+                        "keep every block's transients (--no-recompute: faster, more memory)")
     g.add_argument("--cpu-dtype", choices=("float32", "float64"), default=None,
                    help="arithmetic of the CPU oracle backend (default float32)")
     g.add_argument("--batch-size", type=_positive_int, help="B, sequences per step")
@@ -179,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                     help="auto: the GPU when usable, else the CPU oracle (default: %(default)s)")
     sp.add_argument("--precision", choices=PRECISIONS, default=None,
-                    help="GPU GEMM precision (default: the precision the checkpoint was trained "
+                    help="GPU precision (default: the precision the checkpoint was trained "
                          "with, else fp32; the CPU oracle computes in float32)")
     return parser
 
@@ -352,6 +356,7 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
             train[key] = value
     train["seed"] = args.seed if args.seed is not None else saved_run.get("seed", 0)
     train["precision"] = args.precision or saved_run.get("precision") or "fp32"
+    train["recompute"] = args.recompute if args.recompute is not None else saved_run.get("recompute", True)
     train["cpu_dtype"] = args.cpu_dtype or saved_run.get("cpu_dtype") or "float32"
     B, T = train["batch_size"], train["seq_len"]
     if args.steps is not None:
@@ -440,7 +445,7 @@ def _resolve_run(args: argparse.Namespace) -> _Run:
     trainer_kwargs = dict(batch_size=B, seq_len=T, lr=tr["lr"], lr_min=tr["lr_min"],
                           warmup=tr["warmup"], total_steps=tr["steps"], weight_decay=tr["weight_decay"],
                           grad_clip=tr["grad_clip"], precision=tr["precision"], seed=tr["seed"],
-                          cpu_dtype=tr["cpu_dtype"])
+                          cpu_dtype=tr["cpu_dtype"], recompute=tr["recompute"])
     try:
         if prep.resume is not None:
             trainer = Trainer.load(prep.resume, backend=prep.kind, **trainer_kwargs)
@@ -469,7 +474,7 @@ def _resolve_run(args: argparse.Namespace) -> _Run:
         entropy = unigram_entropy(prep.train_tokens, cfg.vocab_size)
     info = {"preset": prep.preset, "data": prep.data_arg, "token_width": prep.token_width,
             "steps": tr["steps"], **{k: tr[k] for k in TRAIN_KEYS}, "seed": tr["seed"],
-            "precision": tr["precision"], "cpu_dtype": tr["cpu_dtype"]}
+            "precision": tr["precision"], "recompute": tr["recompute"], "cpu_dtype": tr["cpu_dtype"]}
     return _Run(prep=prep, trainer=trainer, sampler=sampler, start=trainer.step_count, out=out,
                 entropy=entropy, info=info)
 

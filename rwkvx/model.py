@@ -21,10 +21,12 @@ from .ops import adamw, channelmix, embedding, layernorm, loss, moba, timemix, w
 from .params import ParamDict, check_params, param_shapes
 from .runtime import gemm
 from .runtime.device import DeviceInfo
-from .runtime.dtypes import ELEM_BYTES, poison_bits
+from .runtime.dtypes import ELEM_BYTES, from_storage, poison_bits, storage_dtype, to_storage
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
 
-PRECISIONS = tuple(gemm.PRECISIONS)
+PRECISIONS = gemm.PRECISIONS
+HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
+XTYPES = {"fp32": "f32", "tf32": "f32", "bf16": "bf16"}  # activation element type of each precision
 _ALIGN = 256  # bytes; every buffer starts 256-byte aligned (vector kernels, cuBLAS)
 
 
@@ -32,16 +34,35 @@ def _round_up(n: int, a: int = _ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+# Transients the backward reads from its own block's forward: with recompute=False each block keeps its
+# own copies (block 0 uses the shared ones); with recompute=True the backward recomputes them.
+FORWARD_STATE = {
+    "rwkv": ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "hw", "ha", "hv",
+             "hg", "decay", "kp", "vp", "wa", "wb", "y", "z", "ln1_mean", "ln1_rstd", "wkv_sa", "wkv_ckpt"),
+    "attn": ("h1", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist"),
+}
+CHANNEL_MIX_STATE = ("x1", "h2", "xk2", "kf", "ln2_mean", "ln2_rstd")
+
+
+def head_chunk_rows(R: int, V: int, xtype: str) -> int:
+    """Rows of one head / cross-entropy chunk: as many as fit HEAD_CHUNK_BYTES of logits, a multiple
+    of 64 rows (at least 64), at most R."""
+    rows = max(64, HEAD_CHUNK_BYTES // (V * ELEM_BYTES[xtype]) // 64 * 64)
+    return min(R, rows)
+
+
 class Layout:
     """Every device buffer of a (config, B, T) model: name -> (offset, element type, count) in one arena.
 
     Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat f32, same offsets per tensor), the per-step
-    inputs, one saved input per block, and one block's worth of transients shared by all blocks.
+    inputs, one saved input per block, and one block's worth of transients shared by all blocks (with
+    ``recompute=False``, also every other block's :data:`FORWARD_STATE`, as ``name@position``).
     Activations have element type ``xtype`` (the model's activation type; fp32 and tf32 use "f32").
     """
 
-    def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, xtype: str = "f32"):
+    def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, xtype: str = "f32", recompute: bool = True):
         self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
+        self.recompute = recompute
         self.offsets: dict[str, int] = {}
         self.elems: dict[str, str] = {}
         self.counts: dict[str, int] = {}
@@ -56,6 +77,8 @@ class Layout:
         self.param_shapes = shapes
         for region in ("params", "grads", "adam_m", "adam_v"):
             self._add(region, n_flat, "f32")
+        # the weights as the GEMMs read them (bf16 only; refreshed by AdamW)
+        self._add("params_x", n_flat if xtype == "bf16" else 0, xtype)
         self.adam_table, self.adam_lrmul = adamw.build_table(self.param_segments)
         self.adam_chunks = len(self.adam_lrmul)
         self._add("adam_table", self.adam_table.size, "i32")
@@ -74,7 +97,8 @@ class Layout:
             self._add(name, R * C, X)
         self._add("lnout_mean", R, "f32")
         self._add("lnout_rstd", R, "f32")
-        self._add("logits", R * V, X)
+        self.head_rows = head_chunk_rows(R, V, X)
+        self._add("logits", self.head_rows * V, X)          # one row chunk of logits, then dlogits
         self._add("dx", R * C, X)
         self._add("dlnout", R * C, X)
         if cfg.n_attn_layer:
@@ -104,6 +128,11 @@ class Layout:
                     self._add("moba_" + name, count, elem)
         self._add("partials", max(layernorm.scratch_elems(R, C, dev), channelmix.scratch_elems(R, C, dev),
                                   timemix.scratch_elems(R, C, N, dev)), "f32")
+        if not recompute:
+            for pos, (kind, _) in enumerate(cfg.block_order()):
+                for name in (FORWARD_STATE[kind] + CHANNEL_MIX_STATE if pos else ()):
+                    if name in self.counts:
+                        self._add(f"{name}@{pos}", self.counts[name], self.elems[name])
 
     @staticmethod
     def host_inputs(R: int) -> dict[str, int]:
@@ -128,12 +157,16 @@ class Layout:
 
 @dataclass
 class StepOps:
-    """The op lists of one step; ``forward`` ends with logits, ``loss`` fills dlogits in place."""
+    """The op lists of one step. ``forward`` ends with the final LayerNorm's output; ``loss`` runs the
+    head and cross-entropy chunk by chunk of rows (logits, loss, dlogits in place, the head's gradients);
+    ``evaluate`` is ``loss`` without gradients; ``head[c]`` computes the logits of chunk c alone."""
     stage_tokens: list
     stage_targets: list
     forward: list
     loss: list
     backward: list
+    evaluate: list
+    head: list
 
     @property
     def step(self) -> list:
@@ -152,11 +185,15 @@ class StepBuilder:
         self.R = self.B * self.T
         self.base = base
         self.host = host  # pinned host pointers: tokens, targets, emb_order, ...
-        self.mm = gemm.PRECISIONS[precision]
+        self.mm = precision
+        self.block_pos: int | None = None   # the block being built: selects its own forward state
 
     # -- addresses ----------------------------------------------------------------------------
     def buf(self, name: str) -> DevPtr | None:
         """Typed device pointer of buffer ``name``; None for an empty buffer."""
+        own = f"{name}@{self.block_pos}"
+        if own in self.L.offsets:
+            name = own
         if not self.L.counts[name]:
             return None
         return DevPtr(self.base + self.L.offsets[name], self.L.elems[name])
@@ -164,6 +201,12 @@ class StepBuilder:
     def p(self, name: str) -> DevPtr:
         """Device address of parameter ``name``."""
         return self.buf("params").offset(self.L.param_offsets[name][0])
+
+    def w(self, name: str) -> DevPtr:
+        """Parameter ``name`` as a GEMM operand: the bf16 copy in bf16 mode, else the fp32 weight."""
+        if self.L.counts["params_x"]:
+            return self.buf("params_x").offset(self.L.param_offsets[name][0])
+        return self.p(name)
 
     def gp(self, name: str) -> DevPtr:
         """Device address of the gradient of parameter ``name``."""
@@ -173,7 +216,8 @@ class StepBuilder:
     def build(self) -> StepOps:
         stage = {n: CopyHtoD(self.buf(n), self.host[n], self.L.nbytes(n)) for n in self.L.host_inputs(self.R)}
         stage_tokens = [stage.pop("tokens")]
-        return StepOps(stage_tokens, list(stage.values()), self.forward(), self.loss(), self.backward())
+        return StepOps(stage_tokens, list(stage.values()), self.forward(), self.loss(), self.backward(),
+                       self.loss(with_grad=False), [self.head_logits(r0) for r0 in self.head_chunks()])
 
     def forward(self) -> list:
         cfg, R, C, V, dev = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size, self.dev
@@ -188,48 +232,72 @@ class StepBuilder:
         else:
             ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"), x0, R, C, V, dev)
         for pos, (kind, idx) in enumerate(cfg.block_order()):
+            self.block_pos = pos
             xin, xout = self.buf(f"block_in.{pos}"), self.buf(f"block_in.{pos + 1}")
             if kind == "rwkv":
-                ops += self.rwkv_forward(idx, xin)
+                ops += self.rwkv_forward(idx, xin, for_backward=not self.L.recompute)
             else:
                 ops += self.attn_forward(idx, xin)
             ops += self.channel_mix_forward(self._prefix(kind, idx), xout)
+        self.block_pos = None
         final = self.buf(f"block_in.{cfg.n_blocks}")
         ops += layernorm.forward(final, self.p("rwkv.ln_out.weight"), self.p("rwkv.ln_out.bias"),
                                  self.buf("lnout"), self.buf("lnout_mean"), self.buf("lnout_rstd"), R, C)
-        ops.append(gemm.linear(self.buf("lnout"), self.p("rwkv.head.weight"), self.buf("logits"), R, C, V,
-                               precision=self.mm))
         return ops
 
-    def loss(self) -> list:
-        R, V = self.R, self.cfg.vocab_size
-        ops = loss.cross_entropy(self.buf("logits"), self.buf("targets"), self.buf("loss_t"),
-                                 self.buf("logits"), self.buf("inv_count"), R, V)
+    def head_chunks(self) -> range:
+        """First row of each head / cross-entropy chunk."""
+        return range(0, self.R, self.L.head_rows)
+
+    def head_logits(self, r0: int) -> list:
+        """Logits of rows [r0, r0 + rows) into the chunk buffer ``logits``."""
+        rows, C, V = min(self.L.head_rows, self.R - r0), self.cfg.n_embd, self.cfg.vocab_size
+        return [gemm.linear(self.buf("lnout").offset(r0 * C), self.w("rwkv.head.weight"), self.buf("logits"),
+                            rows, C, V, precision=self.mm)]
+
+    def loss(self, with_grad: bool = True) -> list:
+        """Head and cross-entropy per row chunk: float64 per-token losses, and ``with_grad`` dlogits in
+        place, the head's weight gradient accumulated over the chunks in order, and dlnout."""
+        C, V, mm = self.cfg.n_embd, self.cfg.vocab_size, self.mm
+        lnout, dlogits = self.buf("lnout"), self.buf("logits")
+        ops = []
+        for r0 in self.head_chunks():
+            rows = min(self.L.head_rows, self.R - r0)
+            ops += self.head_logits(r0)
+            ops += loss.cross_entropy(self.buf("logits"), self.buf("targets").offset(r0),
+                                      self.buf("loss_t").offset(r0), dlogits if with_grad else None,
+                                      self.buf("inv_count"), rows, V)
+            if with_grad:
+                ops += [gemm.linear_dw(lnout.offset(r0 * C), dlogits, self.gp("rwkv.head.weight"), rows, C, V,
+                                       beta=1.0 if r0 else 0.0, precision=mm),
+                        gemm.linear_dx(dlogits, self.w("rwkv.head.weight"), self.buf("dlnout").offset(r0 * C),
+                                       rows, C, V, precision=mm)]
         ops.append(CopyDtoH(self.host["loss_t"], self.buf("loss_t"), self.L.nbytes("loss_t")))
         return ops
 
     def backward(self) -> list:
-        cfg, R, C, V, dev, mm = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size, self.dev, self.mm
-        dlogits, dx = self.buf("logits"), self.buf("dx")
-        ops = [gemm.linear_dw(self.buf("lnout"), dlogits, self.gp("rwkv.head.weight"), R, C, V, precision=mm),
-               gemm.linear_dx(dlogits, self.p("rwkv.head.weight"), self.buf("dlnout"), R, C, V, precision=mm)]
+        """From dlnout (the loss's output) back to the embedding, with every gradient but the head's."""
+        cfg, R, C, V, dev = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size, self.dev
+        dx = self.buf("dx")
         final = self.buf(f"block_in.{cfg.n_blocks}")
-        ops += layernorm.backward(final, self.p("rwkv.ln_out.weight"), self.buf("dlnout"), dx,
+        ops = layernorm.backward(final, self.p("rwkv.ln_out.weight"), self.buf("dlnout"), dx,
                                   self.gp("rwkv.ln_out.weight"), self.gp("rwkv.ln_out.bias"),
                                   self.buf("lnout_mean"), self.buf("lnout_rstd"), self.buf("partials"),
                                   R, C, dev)
         ops.append(Memset(self.buf("dv_first"), self.L.nbytes("dv_first")))
         for pos, (kind, idx) in reversed(list(enumerate(cfg.block_order()))):
+            self.block_pos = pos
             xin = self.buf(f"block_in.{pos}")
             prefix = self._prefix(kind, idx)
-            # recompute the block's forward from its saved input, then go back through it
-            if kind == "rwkv":
-                ops += self.rwkv_forward(idx, xin, for_backward=True)
-            else:
-                ops += self.attn_forward(idx, xin)
-            ops += self.channel_mix_forward(prefix, None)
+            if self.L.recompute:    # the block's forward again from its saved input, then back through it
+                if kind == "rwkv":
+                    ops += self.rwkv_forward(idx, xin, for_backward=True)
+                else:
+                    ops += self.attn_forward(idx, xin)
+                ops += self.channel_mix_forward(prefix, None)
             ops += self.channel_mix_backward(prefix)
             ops += self.rwkv_backward(idx, xin) if kind == "rwkv" else self.attn_backward(idx, xin)
+        self.block_pos = None
         demb_in = dx
         if cfg.ln0:
             demb_in = self.buf("dh1")
@@ -247,7 +315,7 @@ class StepBuilder:
         b = self.buf
         return adamw.step(b("params"), b("grads"), b("adam_m"), b("adam_v"), b("adam_table"),
                           b("adam_lrmul"), b("adam_state"), self.L.adam_chunks, b("adam_partials"),
-                          weight_decay=weight_decay, clip=clip)
+                          weight_decay=weight_decay, clip=clip, params_x=self.buf("params_x"))
 
     @staticmethod
     def _prefix(kind: str, idx: int) -> str:
@@ -267,10 +335,10 @@ class StepBuilder:
         ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
                                 b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
         ops += channelmix.shift_mix(b("h2"), self.p(prefix + "ffn.x_k"), b("xk2"), R, T, C, dev)
-        ops.append(gemm.linear(b("xk2"), self.p(prefix + "ffn.key.weight"), b("kf"), R, C, F, precision=self.mm))
+        ops.append(gemm.linear(b("xk2"), self.w(prefix + "ffn.key.weight"), b("kf"), R, C, F, precision=self.mm))
         ops += channelmix.relu_sq(b("kf"), b("kf"), R * F, dev)
         if xout is not None:
-            ops += self._residual_out(b("x1"), b("kf"), self.p(prefix + "ffn.value.weight"), xout, F)
+            ops += self._residual_out(b("x1"), b("kf"), self.w(prefix + "ffn.value.weight"), xout, F)
         return ops
 
     def channel_mix_backward(self, prefix: str) -> list:
@@ -278,10 +346,10 @@ class StepBuilder:
         R, C, F, T, dev, mm = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev, self.mm
         b, dx = self.buf, self.buf("dx")
         ops = [gemm.linear_dw(b("kf"), dx, self.gp(prefix + "ffn.value.weight"), R, F, C, precision=mm),
-               gemm.linear_dx(dx, self.p(prefix + "ffn.value.weight"), b("dkf"), R, F, C, precision=mm)]
+               gemm.linear_dx(dx, self.w(prefix + "ffn.value.weight"), b("dkf"), R, F, C, precision=mm)]
         ops += channelmix.relu_sq_backward(b("dkf"), b("kf"), b("dkf"), R * F, dev, src_is_k=True)
         ops += [gemm.linear_dw(b("xk2"), b("dkf"), self.gp(prefix + "ffn.key.weight"), R, C, F, precision=mm),
-                gemm.linear_dx(b("dkf"), self.p(prefix + "ffn.key.weight"), b("dxk2"), R, C, F, precision=mm)]
+                gemm.linear_dx(b("dkf"), self.w(prefix + "ffn.key.weight"), b("dxk2"), R, C, F, precision=mm)]
         ops += channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), b("dh2"),
                                        self.gp(prefix + "ffn.x_k"), b("partials"), R, T, C, dev)
         ops += layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), dx,
@@ -327,7 +395,8 @@ class StepBuilder:
 
     def rwkv_forward(self, i: int, xin, for_backward: bool = False) -> list:
         """x1 = xin + TimeMix(LN1(xin)) (SPEC §2.3), leaving every transient the backward needs; only
-        ``for_backward`` (the recompute right before block i's backward) saves the WKV state for it."""
+        ``for_backward`` (the forward the backward reads: the recompute, or the forward itself without
+        recompute) saves the WKV state for it."""
         R, C, T, N, H, dev, mm = (self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head,
                                   self.dev, self.mm)
         pre, b, p = f"rwkv.blocks.{i}.", self.buf, self.p
@@ -337,14 +406,14 @@ class StepBuilder:
         ops += timemix.shift_forward(b("h1"), mixes, tuple(b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")),
                                      R, C, T, dev)
         for src, dst, name in (("xr", "r", "receptance"), ("xk", "k", "key"), ("xv", "v", "value")):
-            ops.append(gemm.linear(b(src), p(f"{att}{name}.weight"), b(dst), R, C, C, precision=mm))
+            ops.append(gemm.linear(b(src), self.w(f"{att}{name}.weight"), b(dst), R, C, C, precision=mm))
         for src, hid, out, letter, rank in self._lora(i):
-            ops.append(gemm.matmul(b(src), p(f"{att}{letter}1"), b(hid), R, C, rank, precision=mm))
+            ops.append(gemm.matmul(b(src), self.w(f"{att}{letter}1"), b(hid), R, C, rank, precision=mm))
             if letter == "w":
                 ops += timemix.tanh_forward(b(hid), b(hid), R * rank, dev)
             elif letter == "g":
                 ops += timemix.sigmoid_forward(b(hid), b(hid), R * rank, dev)
-            ops.append(gemm.matmul(b(hid), p(f"{att}{letter}2"), b(out), R, rank, C, precision=mm))
+            ops.append(gemm.matmul(b(hid), self.w(f"{att}{letter}2"), b(out), R, rank, C, precision=mm))
         ops += timemix.prep_forward(**self._prep_inputs(i), decay=b("decay"), kp=b("kp"), vp=b("vp"),
                                     wa=b("wa"), wb=b("wb"))
         gn = self._gn_inputs(i)
@@ -352,7 +421,7 @@ class StepBuilder:
         ops += wkv7.forward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("y"),
                             self.B, T, H, N, dev, **saved)
         ops += timemix.gn_forward(**gn, z=b("z"))
-        ops += self._residual_out(xin, b("z"), p(att + "output.weight"), b("x1"), C)
+        ops += self._residual_out(xin, b("z"), self.w(att + "output.weight"), b("x1"), C)
         return ops
 
     def rwkv_backward(self, i: int, xin) -> list:
@@ -364,7 +433,7 @@ class StepBuilder:
         dx = b("dx")
         gn = self._gn_inputs(i)
         ops = [gemm.linear_dw(b("z"), dx, gp(att + "output.weight"), R, C, C, precision=mm),
-               gemm.linear_dx(dx, p(att + "output.weight"), b("dz"), R, C, C, precision=mm)]
+               gemm.linear_dx(dx, self.w(att + "output.weight"), b("dz"), R, C, C, precision=mm)]
         ops += timemix.gn_backward(**gn, dz=b("dz"), dy=b("dy"), dg=b("dg"), dr2=b("dr2"), dkp2=b("dkp2"),
                                    dvp2=b("dvp2"), partials=b("partials"),
                                    dparams=(gp(att + "ln_x.weight"), gp(att + "ln_x.bias"), gp(att + "r_k")))
@@ -381,13 +450,13 @@ class StepBuilder:
         for src, dsrc, dout, name in (("xr", "dxr", "dr", "receptance"), ("xk", "dxk", "dk", "key"),
                                       ("xv", "dxv", "dv", "value")):
             ops += [gemm.linear_dw(b(src), b(dout), gp(f"{att}{name}.weight"), R, C, C, precision=mm),
-                    gemm.linear_dx(b(dout), p(f"{att}{name}.weight"), b(dsrc), R, C, C, precision=mm)]
+                    gemm.linear_dx(b(dout), self.w(f"{att}{name}.weight"), b(dsrc), R, C, C, precision=mm)]
         # LoRA paths: out = act(src @ W1) @ W2
         grads_of = {"wl": "dwl", "al": "dal", "vl": "dvl", "g": "dg"}
         for src, hid, out, letter, rank in self._lora(i):
             dout, dhid = b(grads_of[out]), b("d" + hid)
             ops += [gemm.matmul_dw(b(hid), dout, gp(f"{att}{letter}2"), R, rank, C, precision=mm),
-                    gemm.matmul_dx(dout, p(f"{att}{letter}2"), dhid, R, rank, C, precision=mm)]
+                    gemm.matmul_dx(dout, self.w(f"{att}{letter}2"), dhid, R, rank, C, precision=mm)]
             if letter == "w":
                 ops += timemix.tanh_backward(b(hid), dhid, dhid, R * rank, dev)
             elif letter == "g":
@@ -395,7 +464,7 @@ class StepBuilder:
             ops.append(gemm.matmul_dw(b(src), dhid, gp(f"{att}{letter}1"), R, C, rank, precision=mm))
             # xv feeds both the value projection and the v LoRA: accumulate its gradient
             beta = 1.0 if letter == "v" else 0.0
-            ops.append(gemm.matmul_dx(dhid, p(f"{att}{letter}1"), b("d" + src), R, C, rank, beta=beta,
+            ops.append(gemm.matmul_dx(dhid, self.w(f"{att}{letter}1"), b("d" + src), R, C, rank, beta=beta,
                                       precision=mm))
         dmix = tuple(gp(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
         ops += timemix.shift_backward(b("h1"), tuple(p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")),
@@ -418,9 +487,9 @@ class StepBuilder:
         pre = f"moba.{j}."
         ops = self._ln1_forward(pre, xin)
         for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
-            ops.append(gemm.linear(b("h1"), p(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
+            ops.append(gemm.linear(b("h1"), self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
         ops += moba.forward(b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
-        ops += self._residual_out(xin, b("y"), p(pre + "att.output.weight"), b("x1"), C)
+        ops += self._residual_out(xin, b("y"), self.w(pre + "att.output.weight"), b("x1"), C)
         return ops
 
     def attn_backward(self, j: int, xin) -> list:
@@ -429,12 +498,12 @@ class StepBuilder:
         pre = f"moba.{j}."
         dx = b("dx")
         ops = [gemm.linear_dw(b("y"), dx, gp(pre + "att.output.weight"), R, C, C, precision=mm),
-               gemm.linear_dx(dx, p(pre + "att.output.weight"), b("dz"), R, C, C, precision=mm)]
+               gemm.linear_dx(dx, self.w(pre + "att.output.weight"), b("dz"), R, C, C, precision=mm)]
         ops += moba.backward(b("r"), b("k"), b("v"), b("y"), b("dz"), b("dr"), b("dk"), b("dv"),
                              **self._moba_args(j))
         for n, (dsrc, name) in enumerate((("dr", "receptance"), ("dk", "key"), ("dv", "value"))):
             ops += [gemm.linear_dw(b("h1"), b(dsrc), gp(f"{pre}att.{name}.weight"), R, C, C, precision=mm),
-                    gemm.linear_dx(b(dsrc), p(f"{pre}att.{name}.weight"), b("dh1"), R, C, C,
+                    gemm.linear_dx(b(dsrc), self.w(f"{pre}att.{name}.weight"), b("dh1"), R, C, C,
                                    beta=1.0 if n else 0.0, precision=mm)]
         ops += self._ln1_backward(pre, xin)
         return ops
@@ -447,23 +516,29 @@ class Model:
     ``loss_and_grads(tokens, targets, ignore_index)`` -> (loss, grads). Weights, gradients, optimizer
     moments and every activation live in one device arena sized at construction; a step allocates
     nothing and synchronises only to read the per-token losses.
+
+    ``precision`` (SPEC §4): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM operands and
+    activations; fp32 master weights, gradients, optimizer state, WKV state and statistics).
+    ``recompute`` (default True): the backward recomputes each block's forward from its saved input;
+    False keeps every block's transients instead (more memory, no second forward).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", recompute: bool = True):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}"
-                             + (" (bf16 is not implemented yet)" if precision == "bf16" else ""))
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if not isinstance(recompute, bool):
+            raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
         check_params(cfg, params)
         from .runtime import Device, Plan  # raises RuntimeError without a GPU
-        self.cfg, self.B, self.T, self.precision = cfg, batch_size, seq_len, precision
+        self.cfg, self.B, self.T, self.precision, self.recompute = cfg, batch_size, seq_len, precision, recompute
         self.dev = Device.get()
-        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info)
+        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, XTYPES[precision], recompute)
         self.arena = self.dev.alloc(self.layout.total)
         R = batch_size * seq_len
         self._pinned = {name: self.dev.alloc_pinned(self.layout.nbytes(name))
@@ -481,17 +556,21 @@ class Model:
         return {n: flat[off:off + size].reshape(self.layout.param_shapes[n]).copy()
                 for n, (off, size) in self.layout.param_offsets.items()}
 
-    def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> None:
+    def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
         """Inverse of :meth:`_region`: one name-keyed tensor per parameter, packed and uploaded."""
         flat = np.zeros(self.layout.counts[region], np.float32)
         for n, (off, size) in self.layout.param_offsets.items():
             flat[off:off + size] = np.asarray(tensors[n], np.float32).ravel()
         self.dev.upload(self.builder.buf(region), flat)
+        return flat
 
     def load_params(self, params: ParamDict) -> None:
-        """Upload ``params`` (names and shapes of ``param_shapes(cfg)``) to the device."""
+        """Upload ``params`` (names and shapes of ``param_shapes(cfg)``) to the device (and their bf16
+        copy, the GEMMs' operands, in bf16 mode)."""
         check_params(self.cfg, params)
-        self._upload_region("params", params)
+        flat = self._upload_region("params", params)
+        if self.layout.counts["params_x"]:
+            self.dev.upload(self.builder.buf("params_x"), to_storage("bf16", flat))
 
     def params(self) -> ParamDict:
         """The current parameters, downloaded, name-keyed."""
@@ -513,9 +592,17 @@ class Model:
     def forward(self, tokens) -> np.ndarray:
         """Logits ``[B, T, V]`` (float32) for int tokens ``[B, T]``."""
         self._stage_tokens(tokens)
+        from .runtime import Plan
+        if getattr(self, "_head_plans", None) is None:
+            self._head_plans = [Plan(self.dev, ops) for ops in self.ops.head]
         self._forward_plan.run()
-        self.dev.synchronize()
-        return self.dev.download(self.builder.buf("logits"), (self.B, self.T, self.cfg.vocab_size))
+        V, rows, buf = self.cfg.vocab_size, self.layout.head_rows, self.builder.buf("logits")
+        out = np.empty((self.B * self.T, V), np.float32)
+        for plan, r0 in zip(self._head_plans, self.builder.head_chunks()):
+            plan.run()
+            n = min(rows, self.B * self.T - r0)
+            out[r0:r0 + n] = from_storage(buf.elem, self.dev.download(buf, (n, V), storage_dtype(buf.elem)))
+        return out.reshape(self.B, self.T, V)
 
     def stage_batch(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> None:
         """Validate a batch and write it into the pinned buffers the step reads (ignored targets are
@@ -590,7 +677,7 @@ class Model:
         from .runtime import Plan
         if getattr(self, "_eval_plan", None) is None:
             ops = self.ops
-            self._eval_plan = Plan(self.dev, ops.stage_tokens + ops.stage_targets + ops.forward + ops.loss)
+            self._eval_plan = Plan(self.dev, ops.stage_tokens + ops.stage_targets + ops.forward + ops.evaluate)
         self.stage_batch(tokens, targets, ignore_index)
         self._eval_plan.run()
         self.dev.synchronize()

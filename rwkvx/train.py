@@ -35,7 +35,7 @@ from .params import ParamDict, check_params
 from .runtime import gemm
 from .validate import IGNORE_INDEX, check_targets, check_tokens
 
-PRECISIONS = tuple(gemm.PRECISIONS)  # GPU GEMM precisions; bf16 (SPEC §4) is not implemented yet
+PRECISIONS = gemm.PRECISIONS  # the GPU precision modes of SPEC §4
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 
@@ -190,13 +190,14 @@ class GPUBackend(Backend):
     name = "gpu"
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
-                 grad_clip: float | None, batch_size: int, seq_len: int, precision: str) -> None:
+                 grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
+                 recompute: bool = True) -> None:
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
                                "(the oracle) or 'auto'.")
         from .model import Model
-        self.model = Model(cfg, params, batch_size, seq_len, precision=precision)
+        self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute)
         self.model.configure_optimizer(schedule, weight_decay, grad_clip)
         self.step_count = 0
         self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
@@ -260,20 +261,23 @@ class Trainer:
 
     ``backend`` is "cpu" (oracle + numpy AdamW), "gpu" (graph replay; needs rwkvx.model) or "auto"
     (GPU when usable, else CPU). The schedule is :class:`rwkvx.optim.Schedule` (``lr`` = peak,
-    ``lr_min``, ``warmup``, ``total_steps``). ``precision`` applies to the GPU backend (fp32, tf32);
-    the CPU backend computes in ``cpu_dtype`` (float32 default, float64 for the reference).
+    ``lr_min``, ``warmup``, ``total_steps``). ``precision`` and ``recompute`` (see :class:`rwkvx.Model`)
+    apply to the GPU backend; the CPU backend computes in ``cpu_dtype`` (float32 default, float64 for the
+    reference).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, backend: str = "auto", batch_size: int = 8,
                  seq_len: int = 64, lr: float = 1e-3, lr_min: float | None = None, warmup: int = 0,
                  total_steps: int | None = None, weight_decay: float = 0.0,
                  grad_clip: float | None = 1.0, precision: str = "fp32", seed: int = 0,
-                 cpu_dtype: Any = np.float32) -> None:
+                 cpu_dtype: Any = np.float32, recompute: bool = True) -> None:
         if not isinstance(cfg, Config):
             raise TypeError("cfg must be an rwkvx.Config")
         check_params(cfg, params)
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if not isinstance(recompute, bool):
+            raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -284,13 +288,14 @@ class Trainer:
         self.weight_decay = float(weight_decay)
         self.grad_clip = float(grad_clip) if grad_clip else None
         self.precision = precision
+        self.recompute = recompute
         self.seed = int(seed)
         self.cpu_dtype = np.dtype(cpu_dtype)
         kind, self.device_note = resolve_device(backend)
         if kind == "gpu":
             self.backend: Backend = GPUBackend(
                 cfg, params, self.schedule, self.weight_decay, self.grad_clip,
-                self.batch_size, self.seq_len, precision)
+                self.batch_size, self.seq_len, precision, recompute)
         else:
             self.backend = CPUBackend(cfg, params, self.schedule, self.weight_decay, self.grad_clip,
                                       dtype=self.cpu_dtype)
@@ -349,8 +354,8 @@ class Trainer:
         """The trainer's JSON-able settings (what :meth:`load` restores by default)."""
         return {"batch_size": self.batch_size, "seq_len": self.seq_len,
                 "schedule": self.schedule.to_dict(), "weight_decay": self.weight_decay,
-                "grad_clip": self.grad_clip, "precision": self.precision, "seed": self.seed,
-                "cpu_dtype": self.cpu_dtype.name}
+                "grad_clip": self.grad_clip, "precision": self.precision, "recompute": self.recompute,
+                "seed": self.seed, "cpu_dtype": self.cpu_dtype.name}
 
     def save(self, path: str | os.PathLike, meta: Mapping[str, Any] | None = None,
              tensors: Mapping[str, np.ndarray] | None = None) -> None:
@@ -373,7 +378,7 @@ class Trainer:
 
         Settings are those saved unless given in ``overrides`` (``batch_size``, ``seq_len``, ``lr``,
         ``lr_min``, ``warmup``, ``total_steps``, ``weight_decay``, ``grad_clip``, ``precision``,
-        ``seed``, ``cpu_dtype``; None values are ignored). The caller's ``meta`` is ``trainer.meta``,
+        ``recompute``, ``seed``, ``cpu_dtype``; None values are ignored). The caller's ``meta`` is ``trainer.meta``,
         its extra tensors ``trainer.extra_tensors``."""
         cfg, params, extra = load_checkpoint(path)
         meta = extra.get("meta") or {}
@@ -387,7 +392,8 @@ class Trainer:
             "lr": sched.get("lr_max", 1e-3), "lr_min": sched.get("lr_min"),
             "warmup": sched.get("warmup", 0), "total_steps": sched.get("total_steps"),
             "weight_decay": saved.get("weight_decay", 0.0), "grad_clip": saved.get("grad_clip"),
-            "precision": saved.get("precision", "fp32"), "seed": saved.get("seed", 0),
+            "precision": saved.get("precision", "fp32"), "recompute": saved.get("recompute", True),
+            "seed": saved.get("seed", 0),
             "cpu_dtype": saved.get("cpu_dtype", "float32")}
         unknown = set(overrides) - set(kwargs)
         if unknown:

@@ -27,12 +27,14 @@ if [ -z "${SKIP_STEP:-}" ]; then
   python3 -m pytest benchmarks/test_gpu_step.py -q -p no:cacheprovider "${KEXPR[@]}" \
       --benchmark-json="$OUT/bench.json" >"$OUT/bench.log" 2>&1 || tail -30 "$OUT/bench.log"
 fi
-if [ -z "${SKIP_TRAIN:-}" ]; then   # the README's main job, on the GPU
-  python3 -m rwkvx train --device gpu --no-progress --out "$OUT/default-run" >"$OUT/train.log" 2>&1 \
-      || tail -30 "$OUT/train.log"
+if [ -z "${SKIP_TRAIN:-}" ]; then   # the README's main job, on the GPU, in fp32 and in bf16
+  for p in fp32 bf16; do
+    python3 -m rwkvx train --device gpu --precision $p --no-progress --out "$OUT/default-run-$p" \
+        >"$OUT/train-$p.log" 2>&1 || tail -30 "$OUT/train-$p.log"
+  done
 fi
 if [ -z "${SKIP_PROFILE:-}" ]; then
-  for p in fp32 tf32; do
+  for p in fp32 tf32 bf16; do
     python3 scripts/profile_step.py --preset base --precision $p >"$OUT/profile-$p.log" 2>&1 \
         || tail -20 "$OUT/profile-$p.log"
   done

@@ -33,9 +33,9 @@ def main(out: Path) -> None:
         for b in json.loads(bench.read_text())["benchmarks"]:
             extra = ", ".join(f"{k}={v}" for k, v in b.get("extra_info", {}).items())
             print(f"{b['name']:<60}{1e3 * b['stats']['median']:>12.3f}  {extra}")
-    train = out / "train.log"
-    if train.exists():
-        print("\ndefault `python -m rwkvx train --device gpu`:")
+    for train in sorted(out.glob("train-*.log")):
+        precision = train.stem.removeprefix("train-")
+        print(f"\ndefault `python -m rwkvx train --device gpu --precision {precision}`:")
         print("\n".join(train.read_text().strip().splitlines()[-6:]))
     for prof in sorted(out.glob("profile-*.log")):
         lines = prof.read_text().strip().splitlines()

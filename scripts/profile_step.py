@@ -1,6 +1,6 @@
 """Where a training step's device time goes: every op of the step timed alone with CUDA events.
 
-Usage: python scripts/profile_step.py [--preset base|small] [--batch-size B] [--seq-len T] [--precision fp32|tf32]
+Usage: python scripts/profile_step.py [--preset base|small] [--batch-size B] [--seq-len T] [--precision fp32|tf32|bf16]
 Prints the time per op family (kernel name, or GEMM shape class) and the total, next to the step
 time of the plan run as a whole. Needs a GPU.
 """
@@ -10,7 +10,7 @@ from collections import defaultdict
 import numpy as np
 
 from rwkvx import Config, init_params
-from rwkvx.model import Model
+from rwkvx.model import PRECISIONS, Model
 from rwkvx.presets import get_preset
 from rwkvx.runtime import EventTimer, Plan
 from rwkvx.runtime.ops import Gemm, Launch, flatten_ops
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--preset", default="base")
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--seq-len", type=int)
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "tf32"])
+    ap.add_argument("--precision", default="fp32", choices=PRECISIONS)
     args = ap.parse_args()
     preset = get_preset(args.preset, "gpu")
     cfg = Config(**preset["model"])

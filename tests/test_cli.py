@@ -273,5 +273,17 @@ def test_sample_help_documents_precision(capsys):
         main(["sample", "--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    assert "--precision {fp32,tf32}" in text and "trained with, else fp32" in " ".join(text.split())
+    assert "--precision {fp32,tf32,bf16}" in text and "trained with, else fp32" in " ".join(text.split())
     assert "(default: None)" not in text and "(default: 200)" in text
+
+
+def test_recompute_choice_is_kept_by_the_run(tmp_path):
+    """--no-recompute reaches the trainer, is saved with the run and is the default of its resume."""
+    from rwkvx.checkpoint import load_checkpoint
+
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--no-recompute", "--steps", "1", "--eval-every", "0", "--out", str(out)]) == 0
+    meta = load_checkpoint(out / "checkpoint.safetensors")[2]["meta"]
+    assert meta["trainer"]["recompute"] is False
+    assert main(["train", "--resume", str(out), "--steps", "2", "--no-progress"]) == 0
+    assert load_checkpoint(out / "checkpoint.safetensors")[2]["meta"]["trainer"]["recompute"] is False

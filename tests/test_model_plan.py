@@ -3,9 +3,10 @@ parity suite plans, buffers fit the arena, pointers are typed, and memory grows 
 import pytest
 
 from rwkvx import Config
-from rwkvx.model import Layout, StepBuilder
+from rwkvx.model import XTYPES, Layout, StepBuilder
+from rwkvx.ops import wkv7
 from rwkvx.runtime.device import H200
-from rwkvx.runtime.ops import CopyDtoH, CopyHtoD, Gemm, Launch, flatten_ops
+from rwkvx.runtime.ops import CopyDtoH, CopyHtoD, Gemm, GemmPrecision, Launch, flatten_ops
 
 BASE = 1 << 40
 
@@ -21,13 +22,13 @@ CONFIGS = [
 
 
 def build(kwargs, B, T, precision="fp32"):
-    layout = Layout(Config(**kwargs), B, T, H200)
+    layout = Layout(Config(**kwargs), B, T, H200, XTYPES[precision])
     host = {name: (1 << 41) + i * (1 << 30) for i, name in enumerate([*Layout.host_inputs(B * T), "loss_t"])}
     return layout, StepBuilder(layout, BASE, host, precision).build()
 
 
 @pytest.mark.parametrize("kwargs, B, T", CONFIGS)
-@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_step_plan_builds_inside_the_arena(kwargs, B, T, precision):
     layout, ops = build(kwargs, B, T, precision)
     step = flatten_ops(ops.step)
@@ -44,7 +45,28 @@ def test_step_plan_builds_inside_the_arena(kwargs, B, T, precision):
     n_blocks = Config(**kwargs).n_blocks
     # each block appears once in the forward and is recomputed once in the backward
     assert sum(isinstance(op, Gemm) for op in flatten_ops(ops.backward)) > n_blocks * 6
-    assert {op.precision.compute for op in step if isinstance(op, Gemm)} == {precision}
+    gemms = [op for op in step if isinstance(op, Gemm)]
+    if precision != "bf16":
+        assert {op.precision for op in gemms} == {GemmPrecision(compute=precision)}
+        return
+    # bf16: bf16 operands, fp32 accumulation; every output into the gradients is fp32, the rest bf16
+    assert {(op.precision.a, op.precision.b, op.precision.compute) for op in gemms} == {("bf16", "bf16", "fp32")}
+    grads = (BASE + layout.offsets["grads"], BASE + layout.offsets["grads"] + layout.nbytes("grads"))
+    for op in gemms:
+        assert op.precision.c == ("f32" if grads[0] <= op.C < grads[1] else "bf16")
+    weights = BASE + layout.offsets["params_x"], BASE + layout.offsets["params_x"] + layout.nbytes("params_x")
+    assert all(weights[0] <= op.A < weights[1] or weights[0] <= op.B < weights[1]
+               for op in gemms if not grads[0] <= op.C < grads[1])      # forward and dx GEMMs read the bf16 copy
+
+
+def test_bf16_optimizer_refreshes_the_weights_copy():
+    kwargs, B, T = CONFIGS[1]
+    layout, _ = build(kwargs, B, T, "bf16")
+    host = {name: 1 << 41 for name in [*Layout.host_inputs(B * T), "loss_t"]}
+    ops = StepBuilder(layout, BASE, host, "bf16").optimizer(weight_decay=0.1, clip=True)
+    update = [op for op in flatten_ops(ops) if op.name == "adamw_update"]
+    assert len(update) == 1 and update[0].args[-1] == ("p", BASE + layout.offsets["params_x"])
+    assert dict(update[0].defines)["FLOATX_BF16"] == "1"
 
 
 def test_memory_is_linear_in_tokens():
@@ -52,3 +74,47 @@ def test_memory_is_linear_in_tokens():
     per_token = [Layout(Config(**kwargs), 1, T, H200).total for T in (4096, 8192, 16384)]
     d1, d2 = per_token[1] - per_token[0], per_token[2] - per_token[1]
     assert d2 == pytest.approx(2 * d1, rel=1e-3)       # no T^2 term
+
+
+def test_head_and_loss_run_in_row_chunks():
+    """0.22B config, B8 T4096: no [B*T, V] logits buffer; every row's loss is computed exactly once."""
+    kwargs, B, T = CONFIGS[3]
+    for precision in ("tf32", "bf16"):
+        layout, ops = build(kwargs, B, T, precision)
+        R, V = B * T, kwargs["vocab_size"]
+        rows = layout.head_rows
+        assert rows < R and layout.nbytes("logits") == rows * V * (2 if precision == "bf16" else 4) <= 512 << 20
+        ce = [op for op in flatten_ops(ops.loss) if isinstance(op, Launch) and op.name == "cross_entropy_loss"]
+        loss_ptr = BASE + layout.offsets["loss_t"]
+        assert [op.grid[0] for op in ce] == [min(rows, R - r0) for r0 in range(0, R, rows)]
+        firsts = sorted(v for op in ce for k, v in op.args if k == "p" and loss_ptr <= v < loss_ptr + 8 * R)
+        assert firsts == [loss_ptr + 8 * r0 for r0 in range(0, R, rows)]
+        head_dw = [op for op in flatten_ops(ops.loss) if isinstance(op, Gemm)
+                   and op.C == BASE + layout.offsets["grads"] + 4 * layout.param_offsets["rwkv.head.weight"][0]]
+        assert [op.beta for op in head_dw] == [0.0] + [1.0] * (len(ce) - 1)   # accumulated in a fixed order
+
+
+@pytest.mark.parametrize("kwargs, B, T", CONFIGS[:3])
+def test_without_recompute_each_block_keeps_its_forward_state(kwargs, B, T):
+    cfg = Config(**kwargs)
+    host = {name: 1 << 41 for name in [*Layout.host_inputs(B * T), "loss_t"]}
+    plans = {}
+    for recompute in (True, False):
+        layout = Layout(cfg, B, T, H200, "f32", recompute=recompute)
+        plans[recompute] = (layout, StepBuilder(layout, BASE, host, "fp32").build())
+    (lr, with_r), (ln, without) = plans[True], plans[False]
+    n_launch = {k: sum(isinstance(op, Launch) for op in flatten_ops(v[1].backward)) for k, v in plans.items()}
+    n_fwd = sum(isinstance(op, Launch) for op in flatten_ops(with_r.forward))
+    assert n_launch[False] < n_launch[True] and ln.total > lr.total
+    assert (sum(isinstance(op, Launch) for op in flatten_ops(without.forward)) == n_fwd)
+    # the forward's outputs that the backward reads are the same buffers (block by block)
+    written = {v for op in flatten_ops(without.forward) if isinstance(op, Launch) for _, v in op.args}
+    read = {v for op in flatten_ops(without.backward) if isinstance(op, Launch) for _, v in op.args}
+    for pos, (kind, _) in enumerate(cfg.block_order()):
+        name = "y" if kind == "attn" else "decay"
+        ptr = BASE + ln.offsets[f"{name}@{pos}" if pos else name]
+        assert ptr in written and ptr in read, (pos, name)
+    # the forward saves the WKV state itself (no recompute to do it)
+    saves = [op for op in flatten_ops(without.forward) if isinstance(op, Launch) and op.name.startswith("wkv7_forward")]
+    names = [n for n, _ in wkv7.WKV7_FORWARD.params]
+    assert saves and all(dict(zip(names, (v for _, v in op.args)))["sa_out"] for op in saves)

@@ -103,7 +103,19 @@ def test_gemm_precision_validation(kwargs):
 def test_gemm_precisions_carry_their_compute_type():
     assert G.FP32.codes() == (0, 0, 0, 68) and G.TF32.codes() == (0, 0, 0, 77)
     assert G.linear(1, 2, 3, 10, 4, 6, precision=G.TF32).precision is G.TF32
-    assert set(G.PRECISIONS) == {"fp32", "tf32"}
+    assert G.PRECISIONS == ("fp32", "tf32", "bf16")
+
+
+def test_gemm_mode_resolves_from_operand_types():
+    x, w, y32 = DevPtr(256, "bf16"), DevPtr(512, "bf16"), DevPtr(1024, "f32")
+    assert G.linear(x, w, y32, 10, 4, 6, precision="bf16").precision == GemmPrecision("bf16", "bf16", "f32")
+    assert G.linear(x, w, DevPtr(2048, "bf16"), 10, 4, 6, precision="bf16").precision.c == "bf16"
+    f = DevPtr(256, "f32")
+    assert G.linear(f, f, f, 10, 4, 6, precision="tf32").precision == G.TF32
+    with pytest.raises(TypeError):
+        G.linear(f, w, y32, 10, 4, 6, precision="bf16")     # a bf16 GEMM with an fp32 operand
+    with pytest.raises(ValueError):
+        G.linear(x, w, y32, 10, 4, 6, precision="fp16")
 
 
 def test_typed_pointers():

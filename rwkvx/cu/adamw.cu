@@ -5,7 +5,10 @@
 //   adamw_step_begin(st, b1, b2)                     <<<1, 1>>>
 //   [adamw_sumsq_partial(g, table, part, n_chunks)  <<<n_chunks, ADAMW_THREADS>>>   only with clipping
 //    adamw_clip_finalize(part, n_chunks, st)         <<<1, ADAMW_FIN_THREADS>>>]
-//   adamw_update(p, g, m, v, table, lrmul, st, b1, b2, eps, wd)   <<<n_chunks, ADAMW_THREADS>>>
+//   adamw_update(p, g, m, v, table, lrmul, st, b1, b2, eps, wd, n_chunks, px)   <<<n_chunks, ADAMW_THREADS>>>
+//
+// px (may be NULL): a floatX copy of p at the same offsets, rewritten with the updated weights (the bf16
+// operands of the GEMMs in bf16 mode).
 //
 // st: float64 [STATE_DOUBLES] device state (indices ST_*). table: int32 [n_chunks, 4] = (offset low 32 bits,
 // offset high 32 bits, length, weight-decay flag); lrmul: float32 [n_chunks]. Every chunk lies inside
@@ -129,7 +132,7 @@ static __device__ __forceinline__ void adamw_elem(float& p, float g, float& m, f
 extern "C" __global__ void __launch_bounds__(ADAMW_THREADS)
 adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
              const int* __restrict__ table, const float* __restrict__ lrmul, const double* __restrict__ st,
-             double b1, double b2, double eps, double wd, int n_chunks)
+             double b1, double b2, double eps, double wd, int n_chunks, floatX* __restrict__ px)
 {
     const int c = blockIdx.x;
     if (c >= n_chunks) return;
@@ -150,9 +153,10 @@ adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restri
     const float* gc = g + off;
     float* mc = m + off;
     float* vc = v + off;
+    floatX* pxc = px ? px + off : nullptr;  // the GEMMs' copy of the weights (bf16 mode), refreshed here
     int done = 0;
     if (((((unsigned long long)pc) | ((unsigned long long)gc) | ((unsigned long long)mc) |
-          ((unsigned long long)vc)) & 15ull) == 0) {
+          ((unsigned long long)vc)) & 15ull) == 0 && (((unsigned long long)pxc) & (4 * sizeof(floatX) - 1)) == 0) {
         const int n4 = len >> 2;
         float4* p4 = reinterpret_cast<float4*>(pc);
         const float4* g4 = reinterpret_cast<const float4*>(gc);
@@ -166,6 +170,10 @@ adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restri
             adamw_elem(pp.z, gg.z, mm.z, vv.z, k);
             adamw_elem(pp.w, gg.w, mm.w, vv.w, k);
             p4[i] = pp; m4[i] = mm; v4[i] = vv;
+            if (pxc) {
+                f4 r; r.v[0] = pp.x; r.v[1] = pp.y; r.v[2] = pp.z; r.v[3] = pp.w;
+                store4(pxc + 4 * i, r);
+            }
         }
         done = n4 << 2;
     }
@@ -173,5 +181,6 @@ adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restri
         float pp = pc[i], mm = mc[i], vv = vc[i];
         adamw_elem(pp, gc[i], mm, vv, k);
         pc[i] = pp; mc[i] = mm; vc[i] = vv;
+        if (pxc) pxc[i] = from_f32(pp);
     }
 }

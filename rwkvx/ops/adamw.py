@@ -53,7 +53,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from rwkvx.optim import BETAS, CLIP_EPS, EPS, lr_multiplier, uses_weight_decay
-from rwkvx.runtime.kernel import DOUBLE, F32_IN, F32_OUT, F64_IN, F64_OUT, I32_IN, INT, KernelFile
+from rwkvx.runtime.kernel import DOUBLE, F32_IN, F32_OUT, F64_IN, F64_OUT, I32_IN, INT, X_OUT, KernelFile
 
 THREADS = 256            # threads of the per-chunk kernels
 FIN_THREADS = 1024       # threads of the norm's final reduction
@@ -72,7 +72,8 @@ ADAMW_STEP_BEGIN = CU.kernel("adamw_step_begin", st=F64_OUT, b1=DOUBLE, b2=DOUBL
 ADAMW_SUMSQ_PARTIAL = CU.kernel("adamw_sumsq_partial", g=F32_IN, table=I32_IN, part=F64_OUT, n_chunks=INT)
 ADAMW_CLIP_FINALIZE = CU.kernel("adamw_clip_finalize", part=F64_IN, n_parts=INT, st=F64_OUT)
 ADAMW_UPDATE = CU.kernel("adamw_update", p=F32_OUT, g=F32_IN, m=F32_OUT, v=F32_OUT, table=I32_IN,
-                         lrmul=F32_IN, st=F64_IN, b1=DOUBLE, b2=DOUBLE, eps=DOUBLE, wd=DOUBLE, n_chunks=INT)
+                         lrmul=F32_IN, st=F64_IN, b1=DOUBLE, b2=DOUBLE, eps=DOUBLE, wd=DOUBLE, n_chunks=INT,
+                         px=X_OUT.opt())
 
 
 
@@ -140,9 +141,10 @@ def scratch_elems(n_chunks: int) -> int:
 
 def step(params, grads, m, v, table, lrmul, state, n_chunks: int, partials=None,
          weight_decay: float = 0.0, betas: tuple[float, float] = BETAS, eps: float = EPS,
-         clip: bool = False) -> list:
+         clip: bool = False, params_x=None) -> list:
     """One AdamW update of the flat buffers (see the module docstring). ``clip=True`` adds the global
-    gradient-norm launches (needs ``partials``); the clip threshold itself is ``state[ST_CLIP]``."""
+    gradient-norm launches (needs ``partials``); the clip threshold itself is ``state[ST_CLIP]``.
+    ``params_x`` (optional, bf16): a copy of ``params`` at the same offsets, refreshed with the update."""
     if n_chunks <= 0:
         raise ValueError("adamw.step: n_chunks must be positive")
     b1, b2 = float(betas[0]), float(betas[1])
@@ -156,5 +158,6 @@ def step(params, grads, m, v, table, lrmul, state, n_chunks: int, partials=None,
                                               st=state))
     ops.append(ADAMW_UPDATE.launch((n_chunks, 1, 1), (THREADS, 1, 1), p=params, g=grads, m=m, v=v, table=table,
                                    lrmul=lrmul, st=state, b1=b1, b2=b2, eps=float(eps),
-                                   wd=float(weight_decay), n_chunks=n_chunks))
+                                   wd=float(weight_decay), n_chunks=n_chunks, px=params_x,
+                                   xtype=params_x.elem if params_x is not None else "f32"))
     return ops

@@ -16,8 +16,9 @@ matmul_dw      dW = x^T @ dy       x  [R,in]   (dy [R,out]) dW [in,out]
 =============  ==================  ==========  ==========  ===========
 
 Every helper computes ``out = alpha * product + beta * out`` with the element and compute types of its
-``precision`` (:class:`~rwkvx.runtime.ops.GemmPrecision`; the presets below), given per GEMM so that one
-plan can mix them. ``ld_*`` keywords override the leading dimension (row stride, in elements) of a
+``precision``, given per GEMM so that one plan can mix them: a :class:`~rwkvx.runtime.ops.GemmPrecision`
+(the presets below), or a model precision mode of :data:`PRECISIONS`, resolved by :func:`resolve` from
+the element types of the typed operands (bf16: bf16 operands, an fp32 or bf16 output, fp32 accumulation). ``ld_*`` keywords override the leading dimension (row stride, in elements) of a
 row-major operand, e.g. to read or write a column slice of a wider buffer; the default is the dense row
 length.
 """
@@ -28,7 +29,26 @@ from .ops import Gemm, GemmPrecision
 FP32 = GemmPrecision()                                   # strict fp32 (the parity mode)
 TF32 = GemmPrecision(compute="tf32")                     # fp32 operands on TF32 tensor cores
 BF16 = GemmPrecision("bf16", "bf16", "f32", "fp32")      # bf16 operands, fp32 accumulation and output
-PRECISIONS = {"fp32": FP32, "tf32": TF32}                # the model precisions and their GEMMs
+PRESETS = {"fp32": FP32, "tf32": TF32, "bf16": BF16}     # one per mode, all-fp32 outputs (tests, benchmarks)
+PRECISIONS = tuple(PRESETS)                              # the model precision modes
+
+
+def resolve(precision: GemmPrecision | str, A, B, C) -> GemmPrecision:
+    """The GemmPrecision of one GEMM: ``precision`` itself, or the mode's types for these operands."""
+    if isinstance(precision, GemmPrecision):
+        return precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"GEMM precision must be a GemmPrecision or one of {PRECISIONS}, got {precision!r}")
+    elems = tuple(getattr(p, "elem", "f32") for p in (A, B, C))
+    if precision == "bf16":
+        if elems[:2] != ("bf16", "bf16"):
+            raise TypeError(f"bf16 GEMM: operands must be bf16 buffers, got {elems[0]} and {elems[1]}")
+        return GemmPrecision(*elems, "fp32")
+    return GemmPrecision(*elems, precision)
+
+
+def _gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, precision) -> Gemm:
+    return Gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, resolve(precision, A, B, C))
 
 
 def _ld(v, default):
@@ -36,48 +56,48 @@ def _ld(v, default):
 
 
 def linear(x, W, y, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_w=None, ld_y=None,
-           precision: GemmPrecision = FP32) -> Gemm:
+           precision: GemmPrecision | str = FP32) -> Gemm:
     """y [rows,n_out] = alpha * x [rows,n_in] @ W[n_out,n_in]^T + beta * y."""
     # y^T (n_out x rows) = W (col-major view W^T [n_in,n_out], transposed) @ x^T (view [n_in,rows])
-    return Gemm("T", "N", n_out, rows, n_in, alpha, W, _ld(ld_w, n_in), x, _ld(ld_x, n_in),
+    return _gemm("T", "N", n_out, rows, n_in, alpha, W, _ld(ld_w, n_in), x, _ld(ld_x, n_in),
                 beta, y, _ld(ld_y, n_out), precision)
 
 
 def linear_dx(dy, W, dx, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_dy=None, ld_w=None, ld_dx=None,
-              precision: GemmPrecision = FP32) -> Gemm:
+              precision: GemmPrecision | str = FP32) -> Gemm:
     """dx [rows,n_in] = alpha * dy [rows,n_out] @ W [n_out,n_in] + beta * dx."""
     # dx^T (n_in x rows) = W^T (view [n_in,n_out]) @ dy^T (view [n_out,rows])
-    return Gemm("N", "N", n_in, rows, n_out, alpha, W, _ld(ld_w, n_in), dy, _ld(ld_dy, n_out),
+    return _gemm("N", "N", n_in, rows, n_out, alpha, W, _ld(ld_w, n_in), dy, _ld(ld_dy, n_out),
                 beta, dx, _ld(ld_dx, n_in), precision)
 
 
 def linear_dw(x, dy, dW, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_dy=None, ld_dw=None,
-              precision: GemmPrecision = FP32) -> Gemm:
+              precision: GemmPrecision | str = FP32) -> Gemm:
     """dW [n_out,n_in] = alpha * dy^T [n_out,rows] @ x [rows,n_in] + beta * dW."""
     # dW^T (n_in x n_out) = x^T (view [n_in,rows]) @ dy (view of dy^T [n_out,rows], transposed)
-    return Gemm("N", "T", n_in, n_out, rows, alpha, x, _ld(ld_x, n_in), dy, _ld(ld_dy, n_out),
+    return _gemm("N", "T", n_in, n_out, rows, alpha, x, _ld(ld_x, n_in), dy, _ld(ld_dy, n_out),
                 beta, dW, _ld(ld_dw, n_in), precision)
 
 
 def matmul(x, W, y, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_w=None, ld_y=None,
-           precision: GemmPrecision = FP32) -> Gemm:
+           precision: GemmPrecision | str = FP32) -> Gemm:
     """y [rows,n_out] = alpha * x [rows,n_in] @ W [n_in,n_out] + beta * y."""
     # y^T (n_out x rows) = W^T (view [n_out,n_in]) @ x^T (view [n_in,rows])
-    return Gemm("N", "N", n_out, rows, n_in, alpha, W, _ld(ld_w, n_out), x, _ld(ld_x, n_in),
+    return _gemm("N", "N", n_out, rows, n_in, alpha, W, _ld(ld_w, n_out), x, _ld(ld_x, n_in),
                 beta, y, _ld(ld_y, n_out), precision)
 
 
 def matmul_dx(dy, W, dx, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_dy=None, ld_w=None, ld_dx=None,
-              precision: GemmPrecision = FP32) -> Gemm:
+              precision: GemmPrecision | str = FP32) -> Gemm:
     """dx [rows,n_in] = alpha * dy [rows,n_out] @ W[n_in,n_out]^T + beta * dx."""
     # dx^T (n_in x rows) = W (view W^T [n_out,n_in], transposed) @ dy^T (view [n_out,rows])
-    return Gemm("T", "N", n_in, rows, n_out, alpha, W, _ld(ld_w, n_out), dy, _ld(ld_dy, n_out),
+    return _gemm("T", "N", n_in, rows, n_out, alpha, W, _ld(ld_w, n_out), dy, _ld(ld_dy, n_out),
                 beta, dx, _ld(ld_dx, n_in), precision)
 
 
 def matmul_dw(x, dy, dW, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_dy=None, ld_dw=None,
-              precision: GemmPrecision = FP32) -> Gemm:
+              precision: GemmPrecision | str = FP32) -> Gemm:
     """dW [n_in,n_out] = alpha * x^T [n_in,rows] @ dy [rows,n_out] + beta * dW."""
     # dW^T (n_out x n_in) = dy^T (view [n_out,rows]) @ x (view of x^T [n_in,rows], transposed)
-    return Gemm("N", "T", n_out, n_in, rows, alpha, dy, _ld(ld_dy, n_out), x, _ld(ld_x, n_in),
+    return _gemm("N", "T", n_out, n_in, rows, alpha, dy, _ld(ld_dy, n_out), x, _ld(ld_x, n_in),
                 beta, dW, _ld(ld_dw, n_out), precision)

@@ -1,20 +1,23 @@
-"""rwkvx.Model (GPU, fp32) against rwkvx.oracle.Oracle (CPU, float64): selection, logits, loss, grads.
+"""rwkvx.Model (GPU) against rwkvx.oracle.Oracle (CPU, float64): selection, logits, loss, grads.
 
-SPEC §4 tolerances: fp32 loss <= 1e-5, logits and every gradient <= 1e-4 (relative, per tensor);
-tf32 (tensor-core GEMMs) <= 5e-3 for all of them.
+SPEC §4 tolerances: fp32, any parameters: loss <= 1e-5, logits and every gradient <= 1e-4 (relative,
+per tensor). Reduced precisions on a training-like model (init_params with its zero matrices filled with
+N(0, 0.02^2)): every gradient (and the logits) tf32 <= 3e-2, bf16 <= 1e-1; loss tf32 <= 1e-4, bf16 <= 1e-3.
+Random-parameter models in tf32 are also held to 5e-3 (the kernels' own tf32 limit).
 Fresh random parameters and inputs every run; the device outputs are poisoned before every check.
 """
 import numpy as np
 import pytest
 
-from rwkvx import Config
+from rwkvx import Config, init_params
 from rwkvx.model import Model
 from rwkvx.oracle import Oracle, rel_err
 
 # A MoBA gate margin below which the GPU may legitimately pick another block: SPEC §4's 1e-4 for fp32
 # gates; with tf32 projections q and k themselves carry ~1e-3 relative error (10-bit mantissa), so
 # gates of magnitude ~1-10 move by ~1e-2 and the margin that separates a real mismatch is 1e-2.
-NEAR_TIE = {"fp32": 1e-4, "tf32": 1e-2}
+# bf16 rounds q and k themselves (8-bit mantissa, ~4e-3 relative) and the stream before them: 1e-1.
+NEAR_TIE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-1}
 
 CASES = {
     "rwkv_only": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3), 2, 40),
@@ -38,6 +41,7 @@ CASES = {
 
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "tf32": (5e-3, 5e-3)}
+TRAINING_LIKE_TOLERANCES = {"tf32": (1e-4, 3e-2), "bf16": (1e-3, 1e-1)}   # (loss, logits and gradients)
 
 
 # Known miss (2026-12-02, H200): with tf32 GEMMs a few gradients of these random-parameter models land
@@ -51,17 +55,40 @@ _TF32_MISS = pytest.mark.xfail(reason="tf32 gradients exceed SPEC's 5e-3 on some
                          + [pytest.param(c, "tf32", marks=_TF32_MISS) for c in ("sparse_hybrid", "C256_N64")])
 def test_model_matches_oracle(name, precision, random_params, record_property):
     kwargs, B, T = CASES[name]
-    loss_tol, tol = TOLERANCES[precision]
     cfg = Config(**kwargs)
     rng = np.random.default_rng()
-    seed = int(rng.integers(1 << 31))
-    params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed).items()}
+    params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
+    _check_against_oracle(cfg, params, B, T, precision, *TOLERANCES[precision], rng, record_property,
+                          ignore_some=name in ("batch_3", "odd_T", "rwkv_only"))
+
+
+def training_like_params(cfg: Config, seed: int) -> dict:
+    """SPEC §4's training-like model: init_params with its zero-initialised matrices ~ N(0, 0.02^2)."""
+    rng = np.random.default_rng(seed)
+    params = init_params(cfg, seed)
+    return {k: (0.02 * rng.standard_normal(v.shape)).astype(np.float32) if v.ndim == 2 and not v.any()
+            else v.astype(np.float32) for k, v in params.items()}
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("name", ["sparse_hybrid", "C256_N64", "T1024"])
+def test_reduced_precision_matches_oracle(name, precision, record_property):
+    kwargs, B, T = CASES[name]
+    cfg = Config(**kwargs)
+    rng = np.random.default_rng()
+    params = training_like_params(cfg, int(rng.integers(1 << 31)))
+    _check_against_oracle(cfg, params, B, T, precision, *TRAINING_LIKE_TOLERANCES[precision], rng,
+                          record_property, ignore_some=True)
+
+
+def _check_against_oracle(cfg, params, B, T, precision, loss_tol, tol, rng, record_property, ignore_some):
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     targets = rng.integers(0, cfg.vocab_size, (B, T))
-    if name in ("batch_3", "odd_T", "rwkv_only"):
+    if ignore_some:
         targets[rng.random((B, T)) < 0.2] = -100     # ignore_index
     model = Model(cfg, params, B, T, precision=precision)
     oracle = Oracle(cfg, params, dtype=np.float64)
+    print(f"\n{len(model.ops.head)} head chunk(s) of {model.layout.head_rows} rows", end="")
 
     model.poison()
     loss, grads = model.loss_and_grads(tokens, targets)
@@ -90,7 +117,41 @@ def test_model_matches_oracle(name, precision, random_params, record_property):
 
     worst = max((e, n) for n, e in errors.items() if n != "loss")
     record_property("errors", {"loss": errors["loss"], "worst": worst})
-    print(f"\n{name} {precision}: loss rel err {errors['loss']:.2e}, worst {worst[1]} {worst[0]:.2e}")
+    print(f"\n{precision}: loss rel err {errors['loss']:.2e}, worst {worst[1]} {worst[0]:.2e}")
     assert errors["loss"] <= loss_tol, errors["loss"]
     bad = {n: e for n, e in errors.items() if n != "loss" and e > tol}
     assert not bad, bad
+
+
+@pytest.mark.parametrize("name", ["odd_T", "T1024"])
+def test_head_in_row_chunks_matches_oracle(name, random_params, record_property, monkeypatch):
+    """Logits in 64-row chunks (the last one partial): the head gradient accumulated over chunks and
+    the logits read back chunk by chunk still meet the fp32 limits."""
+    from rwkvx import model as model_module
+    kwargs, B, T = CASES[name]
+    cfg = Config(**kwargs)
+    monkeypatch.setattr(model_module, "HEAD_CHUNK_BYTES", 64 * cfg.vocab_size * 4)
+    rng = np.random.default_rng()
+    params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
+    _check_against_oracle(cfg, params, B, T, "fp32", *TOLERANCES["fp32"], rng, record_property, ignore_some=True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["sparse_hybrid", "leftover_blocks", "C256_N64"])
+def test_no_recompute_is_bit_identical(name, precision, random_params):
+    """recompute=False reads each block's kept transients instead of recomputing them: the same
+    arithmetic, so the same loss and gradients bit for bit."""
+    kwargs, B, T = CASES[name]
+    cfg = Config(**kwargs)
+    rng = np.random.default_rng()
+    params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
+    tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
+    results = []
+    for recompute in (True, False):
+        model = Model(cfg, params, B, T, precision=precision, recompute=recompute)
+        model.poison()
+        results.append(model.loss_and_grads(tokens, targets))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == loss_b
+    assert all(np.array_equal(grads_a[n], grads_b[n]) for n in grads_a), \
+        [n for n in grads_a if not np.array_equal(grads_a[n], grads_b[n])]

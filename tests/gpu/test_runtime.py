@@ -236,7 +236,7 @@ def test_gemm_vs_numpy(d, helper, shape, precision, tol):
     """fp32, tf32 and bf16 operands with fp32 accumulation (bf16: against float64 on the rounded operands)."""
     rng = np.random.default_rng(zlib.crc32(f"{helper}{shape}".encode()))
     beta = 0.5 if helper in ("linear_dx", "matmul_dw") else 0.0
-    op, bufs, out_shape, ref = _gemm_case(d, helper, *shape, beta, rng, {**G.PRECISIONS, "bf16": G.BF16}[precision])
+    op, bufs, out_shape, ref = _gemm_case(d, helper, *shape, beta, rng, G.PRESETS[precision])
     plan_of(d, [op]).run()
     d.synchronize()
     got = d.download(bufs[2], out_shape, np.float32)
@@ -250,7 +250,7 @@ def test_fp32_is_not_tf32(d):
     rng = np.random.default_rng(5)
     errs = {}
     for precision in ("fp32", "tf32"):
-        op, bufs, shape, ref = _gemm_case(d, "linear", 256, 512, 256, 0.0, rng, G.PRECISIONS[precision])
+        op, bufs, shape, ref = _gemm_case(d, "linear", 256, 512, 256, 0.0, rng, G.PRESETS[precision])
         plan_of(d, [op]).run()
         d.synchronize()
         errs[precision] = rel_err(d.download(bufs[2], shape), ref)

@@ -26,9 +26,10 @@ def batches(n, seed):
     return out
 
 
-def test_graph_replay_is_bit_identical_to_eager(dev, random_params):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_graph_replay_is_bit_identical_to_eager(dev, random_params, precision):
     params = {k: v.astype(np.float32) for k, v in random_params(CFG, 11).items()}
-    eager, replay = Model(CFG, params, B, T), Model(CFG, params, B, T)
+    eager, replay = (Model(CFG, params, B, T, precision=precision) for _ in range(2))
     for m in (eager, replay):
         m.configure_optimizer(SCHEDULE, weight_decay=0.1, grad_clip=1.0)
     data = batches(4, 1)
@@ -60,9 +61,11 @@ def test_gpu_adamw_matches_cpu_twin(random_params):
     assert gpu.last_stats["grad_norm"] == pytest.approx(cpu.last_stats["grad_norm"], rel=1e-4)
 
 
-def test_gpu_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_resume_is_exact(tmp_path, precision):
     params = init_params(CFG, 3)
-    kw = dict(batch_size=B, seq_len=T, lr=3e-3, lr_min=3e-4, warmup=2, total_steps=6, grad_clip=1.0)
+    kw = dict(batch_size=B, seq_len=T, lr=3e-3, lr_min=3e-4, warmup=2, total_steps=6, grad_clip=1.0,
+              precision=precision)
     data = batches(6, 3)
     straight = Trainer(CFG, params, backend="gpu", **kw)
     losses = [straight.step(*d) for d in data]
