@@ -82,10 +82,9 @@ class _Tensor(_Frozen):
 
 
 class _Function(_Frozen):
-    __slots__ = ("name", "fn")
+    __slots__ = ("fn",)
 
-    def __init__(self, name: str, fn: Any) -> None:
-        object.__setattr__(self, "name", name)
+    def __init__(self, fn: Any) -> None:
         object.__setattr__(self, "fn", fn)
 
     def __call__(self, *args: Any) -> Any:
@@ -139,8 +138,8 @@ class _Unpickler(pickle.Unpickler):
         self._storages: dict[str, _Storage] = {}
         self._globals = {
             ("collections", "OrderedDict"): collections.OrderedDict,
-            ("torch._utils", "_rebuild_tensor_v2"): _Function("_rebuild_tensor_v2", _rebuild_tensor),
-            ("torch._utils", "_rebuild_parameter"): _Function("_rebuild_parameter", _rebuild_parameter),
+            ("torch._utils", "_rebuild_tensor_v2"): _Function(_rebuild_tensor),
+            ("torch._utils", "_rebuild_parameter"): _Function(_rebuild_parameter),
             **{("torch", name): _StorageType(name) for name in _STORAGES},
         }
 
@@ -172,7 +171,7 @@ class _Unpickler(pickle.Unpickler):
         except KeyError:
             raise _Refused(f"storage entry {name} is missing (truncated or corrupt file)") from None
         expected = numel * np.dtype(dtype).itemsize
-        if size != expected:  # checked before reading: a forged size cannot make us inflate anything
+        if size != expected:  # checked before reading: a bad entry is refused without inflating it
             raise _Refused(f"storage {name} holds {size} bytes, expected {expected} "
                            f"({numel} x {kind.name}): truncated or corrupt file")
         storage = _Storage(key, code, np.frombuffer(self._archive.read(name), dtype=dtype))
