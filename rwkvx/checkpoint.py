@@ -1,9 +1,14 @@
-"""Checkpoints in the safetensors format, written atomically, read with strict validation.
+"""Checkpoints in the safetensors format, written atomically, read with strict validation; RWKV-LM
+``.pth`` state dicts read and exported.
 
 The file is plain safetensors (8-byte little-endian header length, JSON header, raw little-endian
 tensor data), so saved models open in any safetensors reader. rwkvx adds metadata: the format
 version and the Config as JSON. Extra state (optimizer moments, step, data sampler) travels as
 tensors under the ``extra.`` prefix plus a JSON ``extra_meta`` entry.
+
+:func:`load_checkpoint` also reads plain RWKV-7 (RWKV-LM x070) state dicts, as safetensors or as
+PyTorch ``.pth`` files (:mod:`rwkvx.pth`, no PyTorch needed), inferring their Config from the shapes;
+:func:`export_rwkv7_pth` writes a model's RWKV-7 part as a ``.pth`` that RWKV-LM's code loads.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from .config import Config
-from .params import ParamDict, check_params, param_shapes
+from .params import ParamDict, check_params, param_shapes, rwkv_block_shapes
+from .pth import WRITE_DTYPES, is_zip, read_pth, write_pth
+from .runtime.dtypes import bf16_bits_to_f32
 
 FORMAT_VERSION = 1
 _EXTRA_PREFIX = "extra."
@@ -105,10 +112,6 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, params: ParamDict,
     atomic_write(path, write)
 
 
-def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
-    return (raw.astype(np.uint32) << 16).view(np.float32)
-
-
 def read_safetensors(path: str | os.PathLike
                      ) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:
     """``(tensors, dtype codes as stored, metadata)`` of a safetensors file; ``ValueError`` on corruption.
@@ -152,50 +155,89 @@ def read_safetensors(path: str | os.PathLike
                              f"(offsets {begin}..{end}, {len(data)} data bytes, shape {list(shape)})")
         raw = np.frombuffer(data, dtype="<u2" if code == "BF16" else _DTYPES[code],
                             count=count, offset=begin)
-        tensors[name] = (_bf16_to_f32(raw) if code == "BF16" else raw.copy()).reshape(shape)
+        tensors[name] = (bf16_bits_to_f32(raw) if code == "BF16" else raw.copy()).reshape(shape)
         codes[name] = code
     return tensors, codes, metadata
 
 
-_RWKV7_V012 = re.compile(r"^blocks\.0\.att\.v[012]$")
+# RWKV-LM's training code gives block 0 a value residual it never uses; rwkvx has none.
+_BLOCK0_UNUSED = ("att.v0", "att.v1", "att.v2")
+_RWKV_LM_ONLY = tuple(f"blocks.0.{name}" for name in _BLOCK0_UNUSED)
 
 
 def _from_rwkv7_names(tensors: dict[str, Any]) -> dict[str, Any]:
     """Map plain RWKV-7 state-dict names (no ``rwkv.`` prefix) to rwkvx names."""
     out = {}
     for name, value in tensors.items():
-        if _RWKV7_V012.match(name):
-            continue  # RWKV-LM stores unused v0/v1/v2 for block 0
+        if name in _RWKV_LM_ONLY:
+            continue
         out[name if name.startswith(("rwkv.", "moba.", _EXTRA_PREFIX)) else "rwkv." + name] = value
     return out
 
 
+def _to_rwkv7_names(cfg: Config, params: ParamDict) -> dict[str, np.ndarray]:
+    """The RWKV-7 tensors of ``params`` under RWKV-LM's state-dict names, block 0's unused value
+    residual included (as zeros) so that RWKV-LM's model loads the dict strictly."""
+    out = {name[len("rwkv."):]: params[name] for name in param_shapes(cfg) if name.startswith("rwkv.")}
+    for name, shape in rwkv_block_shapes(cfg, 1).items():
+        if name in _BLOCK0_UNUSED:
+            out[f"blocks.0.{name}"] = np.zeros(shape, np.float32)
+    return out
+
+
+def _dims(params: ParamDict, name: str, ndim: int) -> tuple[int, ...]:
+    if name not in params:
+        raise ValueError(f"cannot infer the model config: the checkpoint has no tensor {name}")
+    shape = params[name].shape
+    if len(shape) != ndim:
+        raise ValueError(f"cannot infer the model config: tensor {name} has shape {shape}, "
+                         f"expected a {ndim}-D tensor")
+    return shape
+
+
 def infer_config(params: ParamDict) -> Config:
-    """The Config of an RWKV-7 parameter set (no attention blocks), read from tensor shapes."""
+    """The Config of an RWKV-7 parameter set (no attention blocks), read from tensor shapes: V and C
+    from the embedding, H and N from ``r_k``, L from the block names, the FFN width and the LoRA
+    ranks from block 0 (block 1 for ``dim_v``). ``ValueError`` when they do not fit together; the
+    caller checks every other tensor against the Config's shapes."""
+    V, C = _dims(params, "rwkv.emb.weight", 2)
+    H, N = _dims(params, "rwkv.blocks.0.att.r_k", 2)
+    if H * N != C:
+        raise ValueError(f"inconsistent checkpoint: rwkv.blocks.0.att.r_k has shape {(H, N)} (H*N = "
+                         f"{H * N}) but rwkv.emb.weight has width C = {C}")
+    L = 1 + max(int(m.group(1)) for k in params if (m := re.match(r"rwkv\.blocks\.(\d+)\.", k)))
+    fields = dict(vocab_size=V, n_embd=C, n_rwkv_layer=L, head_size=N,
+                  ffn_dim=_dims(params, "rwkv.blocks.0.ffn.key.weight", 2)[0],
+                  dim_w=_dims(params, "rwkv.blocks.0.att.w1", 2)[1],
+                  dim_a=_dims(params, "rwkv.blocks.0.att.a1", 2)[1],
+                  dim_v=_dims(params, "rwkv.blocks.1.att.v1", 2)[1] if L > 1 else None,
+                  dim_g=_dims(params, "rwkv.blocks.0.att.g1", 2)[1],
+                  ln0="rwkv.blocks.0.ln0.weight" in params)
     try:
-        V, C = params["rwkv.emb.weight"].shape
-        H, N = params["rwkv.blocks.0.att.r_k"].shape
-        L = 1 + max(int(m.group(1)) for k in params if (m := re.match(r"rwkv\.blocks\.(\d+)\.", k)))
-        return Config(vocab_size=V, n_embd=C, n_rwkv_layer=L, head_size=N,
-                      ffn_dim=params["rwkv.blocks.0.ffn.key.weight"].shape[0],
-                      dim_w=params["rwkv.blocks.0.att.w1"].shape[1],
-                      dim_a=params["rwkv.blocks.0.att.a1"].shape[1],
-                      dim_v=params["rwkv.blocks.1.att.v1"].shape[1] if L > 1 else None,
-                      dim_g=params["rwkv.blocks.0.att.g1"].shape[1],
-                      ln0="rwkv.blocks.0.ln0.weight" in params)
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"cannot infer the model config from the checkpoint: missing or malformed {exc}") from None
+        return Config(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"cannot infer the model config from the checkpoint: {exc}") from None
+
+
+def read_tensors(path: str | os.PathLike
+                 ) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:
+    """``(tensors, dtype codes, metadata)`` of a safetensors file or (by its zip signature or a
+    ``.pth``/``.pt`` suffix) a PyTorch file, which has no metadata; ``ValueError`` on corruption."""
+    if is_zip(path) or Path(path).suffix in (".pth", ".pt"):
+        return (*read_pth(path), {})
+    return read_safetensors(path)
 
 
 def load_checkpoint(path: str | os.PathLike, cfg: Config | None = None
                     ) -> tuple[Config, ParamDict, dict[str, Any]]:
     """Read a checkpoint: ``(cfg, params, extra)``; every problem raises ``ValueError``.
 
-    Files written by :func:`save_checkpoint` carry their Config. Plain RWKV-7 safetensors
-    (names without the ``rwkv.`` prefix, any float dtype incl. bf16) load too; their Config is
-    inferred from the shapes unless ``cfg`` is given.
+    Files written by :func:`save_checkpoint` carry their Config. Plain RWKV-7 state dicts
+    (names without the ``rwkv.`` prefix, any float dtype incl. bf16), as safetensors or as PyTorch
+    ``.pth`` files such as BlinkDL's releases, load too; their Config is inferred from the shapes
+    (:func:`infer_config`) unless ``cfg`` is given.
     """
-    tensors, codes, metadata = read_safetensors(path)
+    tensors, codes, metadata = read_tensors(path)
     if "config" in metadata:
         try:
             saved = Config.from_dict(json.loads(metadata["config"]))
@@ -230,3 +272,26 @@ def load_checkpoint(path: str | os.PathLike, cfg: Config | None = None
                          if k.startswith(_EXTRA_PREFIX)},
              "meta": meta}
     return cfg, params, extra
+
+
+def export_rwkv7_pth(path: str | os.PathLike, cfg: Config, params: ParamDict, dtype: str = "bf16",
+                     drop_attention: bool = False) -> None:
+    """Write the model as an RWKV-LM x070 state dict in PyTorch's ``.pth`` format, atomically.
+
+    Names and shapes are RWKV-LM's (SPEC §2.4 without the ``rwkv.`` prefix, plus block 0's unused
+    ``att.v0/v1/v2`` as zeros), so RWKV-LM's code loads the file with ``torch.load`` and a strict
+    ``load_state_dict``. ``dtype``: ``"bf16"`` (as BlinkDL's releases) or ``"fp32"``. RWKV-LM has no
+    MoBA blocks: a model with attention blocks is refused unless ``drop_attention`` is true, which
+    writes the RWKV-7 blocks alone (a different model, since the attention blocks' output is missing).
+    """
+    check_params(cfg, params)
+    if dtype not in WRITE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(WRITE_DTYPES)}, got {dtype!r}")
+    if cfg.n_attn_layer and not drop_attention:
+        raise ValueError(f"this model has {cfg.n_attn_layer} MoBA attention block(s), which RWKV-LM's "
+                         "x070 model does not have; export the RWKV-7 blocks alone with "
+                         "drop_attention (CLI: --drop-attention)")
+    if not cfg.ln0:
+        raise ValueError("this model has no ln0 (Config.ln0 is False), which RWKV-LM's x070 model "
+                         "always has in block 0; it cannot be exported as an RWKV-LM state dict")
+    write_pth(path, _to_rwkv7_names(cfg, params), dtype)

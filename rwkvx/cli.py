@@ -1,4 +1,4 @@
-"""``python -m rwkvx``: ``train`` a model and ``sample`` text from a checkpoint.
+"""``python -m rwkvx``: ``train`` a model, ``sample`` text from a checkpoint, ``export`` it for RWKV-LM.
 
 ``python -m rwkvx train`` with no arguments trains the ``tiny`` preset on the embedded Shakespeare
 corpus (GPU when usable, else the CPU oracle) and prints where the checkpoint, the loss log (CSV) and
@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -92,9 +92,10 @@ def _token_count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m rwkvx`` parser: the ``train`` and ``sample`` subcommands."""
+    """The ``python -m rwkvx`` parser: the ``train``, ``sample`` and ``export`` subcommands."""
     from .train import PRECISIONS
     from .presets import DEFAULT_PRESET, PRESETS
+    from .pth import WRITE_DTYPES
 
     parser = argparse.ArgumentParser(
         prog="python -m rwkvx",
@@ -123,6 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-dim", type=_positive_int, help="channel-mix width (default 4*C)")
     g.add_argument("--chunk", type=_positive_int, help="MoBA block length in tokens")
     g.add_argument("--top-k", type=_positive_int, help="MoBA blocks per query, its own included")
+    g.add_argument("--init-from", metavar="CKPT",
+                   help="start from a trained model instead of a fresh one: an rwkvx checkpoint or run "
+                        "directory, or an RWKV-LM x070 .pth / safetensors state dict. V, C, L, N, the FFN "
+                        "width and LoRA ranks come from it (a contradicting flag is an error); "
+                        "--n-attn-layer M on an RWKV-7 model upgrades it to RWKV-X (each attention "
+                        "block copied from the RWKV block before it). Training starts at step 0")
 
     g = tr.add_argument_group("data")
     g.add_argument("--data", help="UTF-8 .txt (byte tokens), .npy / raw .bin tokens, or a binidx "
@@ -185,6 +192,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--precision", choices=PRECISIONS, default=None,
                     help="GPU precision (default: the precision the checkpoint was trained "
                          "with, else fp32; the CPU oracle computes in float32)")
+
+    ex = sub.add_parser(
+        "export", help="write a model as an RWKV-LM x070 .pth state dict (no PyTorch needed)",
+        description="Write a model's parameters as an RWKV-LM x070 state dict in PyTorch's .pth format "
+                    "(RWKV-LM's names and shapes; block 0 gets the unused att.v0/v1/v2 as zeros), which "
+                    "RWKV-LM's code loads with torch.load. The optimizer state is not exported.")
+    ex.add_argument("--ckpt", required=True, help="checkpoint file or run directory (any format "
+                                                  "load_checkpoint reads, .pth included)")
+    ex.add_argument("--out", required=True, help="the .pth file to write (must not exist)")
+    ex.add_argument("--dtype", choices=tuple(WRITE_DTYPES), default="bf16",
+                    help="storage type (default: %(default)s, as BlinkDL's released models)")
+    ex.add_argument("--drop-attention", action="store_true",
+                    help="export an RWKV-X model's RWKV-7 blocks alone (RWKV-LM has no MoBA blocks; "
+                         "without this flag such a model is refused). The result is a different model: "
+                         "the attention blocks' contribution is missing")
     return parser
 
 
@@ -307,6 +329,8 @@ class _Prepared:
     preset: str
     train: dict[str, Any]           # TRAIN_KEYS, steps, seed, precision, cpu_dtype
     cfg: Config
+    start_params: ParamDict | None  # --init-from's parameters (upgraded to cfg); None: fresh init
+    init_from: str | None           # where they came from, for the header and the run options
     data: TokenData
     data_arg: str | None            # --data as given or resumed; None: the embedded corpus
     token_width: int | None
@@ -323,6 +347,8 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
 
     kind, note = _resolve_device(args.device, "training")
 
+    if args.resume and args.init_from:
+        raise UsageError("--init-from starts a new run from a model, --resume continues a run: give one")
     resume_path = _find_checkpoint(args.resume) if args.resume else None
     saved_run: dict[str, Any] = {}
     ckpt_cfg = None
@@ -377,8 +403,11 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
     hi = data.max_token() if data.format != "text" else None  # scanned once for both checks below
 
     # model
+    start_params, init_from = None, saved_run.get("init_from")
     if ckpt_cfg is not None:
         cfg = ckpt_cfg
+    elif args.init_from:
+        cfg, start_params, init_from = _init_model(args, preset["model"])
     else:
         model = dict(preset["model"])
         model.update(_model_overrides(args))
@@ -402,8 +431,44 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
     if resume_path is None and train["steps"] < 1:
         raise UsageError("--steps must be >= 1")
     return _Prepared(kind=kind, note=note, resume=resume_path, preset=preset_name, train=train,
-                     cfg=cfg, data=data, data_arg=data_arg, token_width=token_width,
-                     train_tokens=train_tokens, val_batches=val)
+                     cfg=cfg, start_params=start_params, init_from=init_from, data=data,
+                     data_arg=data_arg, token_width=token_width, train_tokens=train_tokens,
+                     val_batches=val)
+
+
+def _init_model(args: argparse.Namespace, preset_model: dict[str, Any]
+                ) -> tuple[Config, ParamDict, str]:
+    """``--init-from``: the checkpoint's Config with the fields the flags may change (the MoBA block
+    length and top-k; the number of attention blocks of an RWKV-7 model), its parameters (upgraded by
+    :func:`rwkvx.rwkv7_to_rwkvx` when attention blocks are added) and what to call the source.
+    A flag that contradicts a field fixed by the checkpoint's tensors is a UsageError."""
+    from .checkpoint import load_checkpoint
+    from .params import rwkv7_to_rwkvx
+
+    path = _find_checkpoint(args.init_from)
+    try:
+        cfg, params, _ = load_checkpoint(path)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    changeable = {"moba_chunk_size", "moba_top_k"} | ({"n_attn_layer"} if cfg.n_attn_layer == 0 else set())
+    overrides = _model_overrides(args)
+    flags = {field: flag for flag, field in MODEL_FLAGS.items()}
+    clash = [f"--{flags[field].replace('_', '-')} {value} (the checkpoint has {getattr(cfg, field)})"
+             for field, value in overrides.items()
+             if field not in changeable and value != getattr(cfg, field)]
+    if clash:
+        raise UsageError(f"--init-from {path}: {'; '.join(clash)}: these fields are fixed by the "
+                         "checkpoint's tensors; drop the flag(s)")
+    # An RWKV-7 checkpoint says nothing about MoBA: the preset's block length and top-k, then the flags.
+    changes = {k: preset_model[k] for k in ("moba_chunk_size", "moba_top_k")} if cfg.n_attn_layer == 0 else {}
+    changes.update({k: v for k, v in overrides.items() if k in changeable})
+    try:
+        new = replace(cfg, **changes)
+        if new.n_attn_layer != cfg.n_attn_layer:
+            params = rwkv7_to_rwkvx(new, params)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--init-from {path}: {exc}") from None
+    return new, params, str(path)
 
 
 @dataclass
@@ -450,7 +515,8 @@ def _resolve_run(args: argparse.Namespace) -> _Run:
         if prep.resume is not None:
             trainer = Trainer.load(prep.resume, backend=prep.kind, **trainer_kwargs)
         else:
-            trainer = Trainer(cfg, init_params(cfg, tr["seed"]), backend=prep.kind, **trainer_kwargs)
+            params = prep.start_params if prep.start_params is not None else init_params(cfg, tr["seed"])
+            trainer = Trainer(cfg, params, backend=prep.kind, **trainer_kwargs)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
     sampler = BatchSampler(prep.train_tokens, B, T, seed=tr["seed"])
@@ -472,7 +538,8 @@ def _resolve_run(args: argparse.Namespace) -> _Run:
     entropy = None
     if len(prep.train_tokens) <= 50_000_000:
         entropy = unigram_entropy(prep.train_tokens, cfg.vocab_size)
-    info = {"preset": prep.preset, "data": prep.data_arg, "token_width": prep.token_width,
+    info = {"preset": prep.preset, "init_from": prep.init_from, "data": prep.data_arg,
+            "token_width": prep.token_width,
             "steps": tr["steps"], **{k: tr[k] for k in TRAIN_KEYS}, "seed": tr["seed"],
             "precision": tr["precision"], "recompute": tr["recompute"], "cpu_dtype": tr["cpu_dtype"]}
     return _Run(prep=prep, trainer=trainer, sampler=sampler, start=trainer.step_count, out=out,
@@ -489,7 +556,8 @@ def _print_run(run: _Run) -> None:
                                          else f" ({tr['precision']})"))
     print(f"model: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} M={cfg.n_attn_layer} "
           f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
-          f"({sum(p.size for p in trainer.params.values()):,} parameters)")
+          f"({sum(p.size for p in trainer.params.values()):,} parameters)"
+          + (f", initialised from {prep.init_from}" if prep.init_from else ""))
     print(f"data: {prep.data.source} [{prep.data.format}], {len(prep.data):,} tokens "
           f"({len(prep.train_tokens):,} train, {len(prep.val_batches) * B * T:,} validation tokens)"
           + (f", unigram entropy {run.entropy:.4f} nats" if run.entropy is not None else ""))
@@ -763,6 +831,29 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``python -m rwkvx export``: the checkpoint's model as an RWKV-LM .pth (atomic); returns 0."""
+    from .checkpoint import export_rwkv7_pth, load_checkpoint
+
+    path = _find_checkpoint(args.ckpt)
+    out = Path(args.out)
+    if out.exists():
+        raise UsageError(f"--out {out} exists; choose another path or remove it first")
+    try:
+        cfg, params, _ = load_checkpoint(path)
+        export_rwkv7_pth(out, cfg, params, dtype=args.dtype, drop_attention=args.drop_attention)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    dropped = (f", without its {cfg.n_attn_layer} attention block(s)" if cfg.n_attn_layer else "")
+    print(f"exported {path} -> {out} ({args.dtype}, RWKV-LM x070: V={cfg.vocab_size} C={cfg.n_embd} "
+          f"L={cfg.n_rwkv_layer} N={cfg.head_size}{dropped})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``); returns the exit status. Bad arguments or
     data exit with status 2 and an ``error:`` line, having written nothing."""
@@ -771,6 +862,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_sample(args)
     except UsageError as exc:
         parser.exit(2, f"{parser.prog} {args.command}: error: {exc}\n")
