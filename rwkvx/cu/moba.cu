@@ -1120,15 +1120,21 @@ static __device__ __forceinline__ void mstage_cols(floatX* __restrict__ dst, con
 static __device__ __forceinline__ int mfrag_row(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
 static __device__ __forceinline__ int mfrag_col(int nt, int e) { return 8 * nt + 2 * (threadIdx.x & 3) + (e & 1); }
 
+// The floatX operand tiles start after the side arrays (side words): element offset off.
+static __device__ __forceinline__ floatX* moba_smem_x(int side, int off)
+{
+    return reinterpret_cast<floatX*>(moba_smem_f(side)) + off;
+}
+
 // --- forward -----------------------------------------------------------------------------------
 struct MobaMFwdSmem {
     int *qtok, *qent;                      // [MQ] [MQ]
     floatX *Q, *K, *Vt;                    // [MQ][MLD] [MK][MLD] [HS][MLDK]
     __device__ MobaMFwdSmem()
         : qtok(moba_smem_i(MOBA_SM_MFWD_QTOK)), qent(moba_smem_i(MOBA_SM_MFWD_QENT)),
-          Q(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MFWD_SIDE)) + MOBA_SM_MFWD_Q),
-          K(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MFWD_SIDE)) + MOBA_SM_MFWD_K),
-          Vt(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MFWD_SIDE)) + MOBA_SM_MFWD_VT) {}
+          Q(moba_smem_x(MOBA_SM_MFWD_SIDE, MOBA_SM_MFWD_Q)),
+          K(moba_smem_x(MOBA_SM_MFWD_SIDE, MOBA_SM_MFWD_K)),
+          Vt(moba_smem_x(MOBA_SM_MFWD_SIDE, MOBA_SM_MFWD_VT)) {}
 };
 
 // Online softmax of the warp's 16 queries (sm.Q rows r0.., tokens sm.qtok) over keys u .. uend-1 in
@@ -1280,11 +1286,11 @@ struct MobaMDqSmem {
     __device__ MobaMDqSmem()
         : qtok(moba_smem_i(MOBA_SM_MDQ_QTOK)), qent(moba_smem_i(MOBA_SM_MDQ_QENT)),
           lse2(moba_smem_f(MOBA_SM_MDQ_LSE)), D(moba_smem_f(MOBA_SM_MDQ_D)),
-          Q(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MDQ_SIDE)) + MOBA_SM_MDQ_Q),
-          dO(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MDQ_SIDE)) + MOBA_SM_MDQ_DO),
-          K(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MDQ_SIDE)) + MOBA_SM_MDQ_K),
-          V(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MDQ_SIDE)) + MOBA_SM_MDQ_V),
-          Kt(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MDQ_SIDE)) + MOBA_SM_MDQ_KT) {}
+          Q(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_Q)),
+          dO(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_DO)),
+          K(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_K)),
+          V(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_V)),
+          Kt(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_KT)) {}
 };
 
 // Q, dO rows, lse * log2(e) and delta of the R query tokens qtok into shared memory.
@@ -1431,12 +1437,12 @@ struct MobaMKvSmem {
     floatX *K, *V, *Q, *dO, *Qt, *dOt;     // [MK][MLD] x2, [MKVQ][MLD] x2, [HS][MLDQ] x2
     __device__ MobaMKvSmem()
         : qtok(moba_smem_i(MOBA_SM_MKV_QTOK)), lse2(moba_smem_f(MOBA_SM_MKV_LSE)), D(moba_smem_f(MOBA_SM_MKV_D)),
-          K(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MKV_SIDE)) + MOBA_SM_MKV_K),
-          V(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MKV_SIDE)) + MOBA_SM_MKV_V),
-          Q(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MKV_SIDE)) + MOBA_SM_MKV_Q),
-          dO(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MKV_SIDE)) + MOBA_SM_MKV_DO),
-          Qt(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MKV_SIDE)) + MOBA_SM_MKV_QT),
-          dOt(reinterpret_cast<floatX*>(moba_smem_f(MOBA_SM_MKV_SIDE)) + MOBA_SM_MKV_DOT) {}
+          K(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_K)),
+          V(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_V)),
+          Q(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_Q)),
+          dO(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_DO)),
+          Qt(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_QT)),
+          dOt(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_DOT)) {}
 };
 
 // One query tile (tokens tok(r), r < MKVQ) against the warp's 16 keys (sm.K, sm.V rows r0.., tokens
