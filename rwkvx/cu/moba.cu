@@ -1126,6 +1126,15 @@ static __device__ __forceinline__ floatX* moba_smem_x(int side, int off)
     return reinterpret_cast<floatX*>(moba_smem_f(side)) + off;
 }
 
+// Per fragment row (query tokens tq[i], < 0: padding), the keys u0 + kc visible to it in a tile of nk
+// keys are kc < lim[i]: one compare per score.
+static __device__ __forceinline__ void moba_row_limits(const int (&tq)[2], int u0, int nk, bool causal,
+                                                       int (&lim)[2])
+{
+#pragma unroll
+    for (int i = 0; i < 2; ++i) lim[i] = tq[i] < 0 ? 0 : (causal ? min(nk, tq[i] - u0 + 1) : nk);
+}
+
 // --- forward -----------------------------------------------------------------------------------
 struct MobaMFwdSmem {
     int *qtok, *qent;                      // [MQ] [MQ]
@@ -1159,14 +1168,14 @@ static __device__ __forceinline__ void moba_mfwd_attend(const MobaMFwdSmem& sm, 
         float s[MK / 8][4];
         moba_zero(s);
         mma_xyt<MK / 8, HS, MLD, MLD>(s, sm.Q, r0, sm.K);
+        int lim[2];
+        moba_row_limits(tq, u0, nk, causal, lim);
         float mx[2] = {-MOBA_INF, -MOBA_INF};
 #pragma unroll
         for (int nt = 0; nt < MK / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int kc = mfrag_col(nt, e), t = tq[e >> 1];
-                const bool vis = kc < nk && t >= 0 && (!causal || u0 + kc <= t);
-                s[nt][e] = vis ? s[nt][e] * scale2 : -MOBA_INF;
+                s[nt][e] = mfrag_col(nt, e) < lim[e >> 1] ? s[nt][e] * scale2 : -MOBA_INF;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
             }
         float alpha[2], mref[2];
@@ -1337,13 +1346,14 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
         moba_zero(dp);
         mma_xyt<MK / 8, HS, MLD, MLD>(s, sm.Q, r0, sm.K);
         mma_xyt<MK / 8, HS, MLD, MLD>(dp, sm.dO, r0, sm.V);
+        int lim[2];
+        moba_row_limits(tq, u0, nk, causal, lim);
 #pragma unroll
         for (int nt = 0; nt < MK / 8; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int kc = mfrag_col(nt, e), i = e >> 1, t = tq[i];
-                const bool vis = kc < nk && t >= 0 && (!causal || u0 + kc <= t);
-                const float p = vis ? exp2f(s[nt][e] * scale2 - l2[i]) : 0.f;
+                const int i = e >> 1;
+                const float p = mfrag_col(nt, e) < lim[i] ? exp2f(s[nt][e] * scale2 - l2[i]) : 0.f;
                 s[nt][e] = p * (dp[nt][e] - Dq[i]);
             }
         mma_py<MK, MLDK>(acc, s, sm.Kt);
