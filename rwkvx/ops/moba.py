@@ -258,7 +258,8 @@ def emax(T: int, chunk: int, top_k: int) -> int:
 def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dict[str, tuple[int, str]]:
     """(elements, element type) of each scratch buffer (0 where unused). Total, with K1 = top_k-1,
     nblk = ceil(T/chunk), E <= T*K1:  4 * (B*H*T*(K1*N + 2*K1 + 2) + B*H*nblk*(N + 1) + 3*B*H*(nblk+1)
-    + B*H*E) bytes, i.e. about 4*B*T*C*K1 bytes (the partials) plus O(B*H*T*K1)."""
+    + B*H*E) bytes, i.e. about 4*B*T*C*K1 bytes (the partials) plus O(B*H*T*K1). The same for both
+    methods (the tensor-core kernels keep their tiles in shared memory only)."""
     B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
     K1 = top_k - 1
     nblk = nblocks(T, chunk)
