@@ -277,32 +277,50 @@ def test_wkv7(benchmark, dev, xtype, shape, direction):
 
 
 # ------------------------------------------------------------------------------------------------ MoBA
-def _visible_keys() -> float:
+MOBA_SHAPES = {"B8-T4096": (B, T, CHUNK), "B1-T65536": (1, 65536, 4096)}   # (batch, tokens, chunk); top-3
+MOBA_CEILING = {("exact", "f32"): "fp32", ("exact", "bf16"): "fp32", ("mma", "f32"): "tf32",
+                ("mma", "bf16"): "bf16"}
+
+
+def _visible_keys(Tm: int, chunk: int) -> float:
     """Keys each query attends to, summed over one (sequence, head): own block up to t + top-2 full blocks."""
     total = 0
-    for t in range(T):
-        blk = t // CHUNK
-        total += (t - blk * CHUNK + 1) + min(TOP_K - 1, blk) * CHUNK
+    for t in range(Tm):
+        blk = t // chunk
+        total += (t - blk * chunk + 1) + min(TOP_K - 1, blk) * chunk
     return float(total)
 
 
 @pytest.mark.parametrize("xtype", XTYPES)
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_moba(benchmark, dev, xtype, direction):
+@pytest.mark.parametrize("method", moba.METHODS)
+@pytest.mark.parametrize("shape", list(MOBA_SHAPES))
+@pytest.mark.parametrize("direction", ["select", "forward", "backward"])
+def test_moba(benchmark, dev, xtype, method, shape, direction):
+    """One attention block. select: the gate, top-k and query lists alone (kmean, select, scan, fill;
+    the same kernels for both methods); forward: all of the forward (selection included); backward.
+    TFLOP/s count the visible (selected) keys only: 4 N flops per (query, key) forward, 10 N backward."""
+    Bm, Tm, chunk = MOBA_SHAPES[shape]
+    if direction == "select" and method != "exact":
+        pytest.skip("the selection kernels are the same for both methods")
     b = Buffers(dev, xtype)
-    q, k, v, o = b(R * C), b(R * C), b(R * C), b(R * C)
+    rc = Bm * Tm * C
+    q, k, v, o = b(rc), b(rc), b(rc), b(rc)
     scratch = {name: (b(count, elem) if count else None)
-               for name, (count, elem) in moba.scratch_sizes(B, T, H, N, CHUNK, TOP_K).items()}
-    fwd = moba.forward(q, k, v, o, scratch, B, T, H, N, CHUNK, TOP_K, dev.info)
-    visible = B * H * _visible_keys()
-    if direction == "forward":
-        record(benchmark, dev, fwd, nbytes=4 * R * C * _x(xtype), flops=4 * N * visible, ceiling="fp32")
+               for name, (count, elem) in moba.scratch_sizes(Bm, Tm, H, N, chunk, TOP_K).items()}
+    fwd = moba.forward(q, k, v, o, scratch, Bm, Tm, H, N, chunk, TOP_K, dev.info, method=method)
+    visible = Bm * H * _visible_keys(Tm, chunk)
+    ceiling = MOBA_CEILING[method, xtype]
+    if direction == "select":
+        sel_ops = [op for op in fwd if op.name in ("moba_kmean", "moba_select", "moba_scan", "moba_fill")]
+        record(benchmark, dev, sel_ops, nbytes=2 * rc * _x(xtype))
+    elif direction == "forward":
+        record(benchmark, dev, fwd, nbytes=4 * rc * _x(xtype), flops=4 * N * visible, ceiling=ceiling)
     else:
         from rwkvx.runtime import Plan
         Plan(dev, fwd).run()                       # the selection and lse the backward reads
-        ops = moba.backward(q, k, v, o, b(R * C), b(R * C), b(R * C), b(R * C), scratch, B, T, H, N, CHUNK, TOP_K,
-                            dev.info)
-        record(benchmark, dev, ops, nbytes=8 * R * C * _x(xtype), flops=10 * N * visible, ceiling="fp32")
+        ops = moba.backward(q, k, v, o, b(rc), b(rc), b(rc), b(rc), scratch, Bm, Tm, H, N, chunk, TOP_K,
+                            dev.info, method=method)
+        record(benchmark, dev, ops, nbytes=8 * rc * _x(xtype), flops=10 * N * visible, ceiling=ceiling)
 
 
 # ------------------------------------------------------------------------------------------------ AdamW

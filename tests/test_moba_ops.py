@@ -88,3 +88,71 @@ def test_builders_validate():
     for bad in [(1, 64, 2, 6, 16, 3), (1, 64, 2, 64, 16, 0), (1, 64, 2, 512, 16, 2), (1, 64, 2, 64, 0, 2)]:
         with pytest.raises(ValueError):
             moba.check_shape(*bad, H200)
+
+
+def build_mma(B, T, H, N, chunk, top_k, xtype="f32"):
+    sc = moba.carve(1 << 30, B, T, H, N, chunk, top_k)
+    p = [DevPtr(i * A, xtype) for i in range(1, 9)]
+    fwd = moba.forward(*p[:4], sc, B, T, H, N, chunk, top_k, H200, method="mma")
+    bwd = moba.backward(*p, sc, B, T, H, N, chunk, top_k, H200, method="mma")
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("N", moba.MMA_HEAD_SIZES)
+@pytest.mark.parametrize("xtype", ["f32", "bf16"])
+def test_mma_builders(N, xtype):
+    B, T, H, chunk, top_k = 2, 1000, 3, 96, 4
+    fwd, bwd = build_mma(B, T, H, N, chunk, top_k, xtype)
+    exact_fwd, exact_bwd = build(B, T, H, N, chunk, top_k)
+    attention = {"moba_fwd_past", "moba_fwd_own", "moba_bwd_dq_past", "moba_bwd_dq_own", "moba_bwd_dkdv"}
+    # the same launch sequence; the attention kernels replaced by their tensor-core versions
+    assert [op.name for op in fwd + bwd] == [n + "_mma" if n in attention else n
+                                             for n in (op.name for op in exact_fwd + exact_bwd)]
+    # the selection launches are untouched (same kernels, grids, arguments)
+    for got, want in zip(fwd[:4], exact_fwd[:4]):
+        assert (got.grid, got.block, got.smem) == (want.grid, want.block, want.smem)
+    nblk, E, rows = moba.nblocks(T, chunk), moba.emax(T, chunk, top_k), moba.MMA_ROWS
+    grids = {op.name: op.grid for op in fwd + bwd}
+    assert grids["moba_fwd_past_mma"] == grids["moba_bwd_dq_past_mma"] == (-(-E // rows) + nblk, H, B)
+    assert grids["moba_fwd_own_mma"] == grids["moba_bwd_dq_own_mma"] == (nblk * -(-chunk // rows), H, B)
+    assert grids["moba_bwd_dkdv_mma"] == (-(-chunk // rows), nblk, B * H)
+    for op in fwd + bwd:
+        assert dict(op.defines)["MOBA_MMA"] == "1"
+        assert op.smem <= H200.smem_per_block
+    smem = {op.name: op.smem for op in fwd + bwd}
+    assert smem["moba_fwd_own_mma"] == moba.mma_smem_bytes(N, "MFWD", xtype)
+    assert smem["moba_bwd_dkdv_mma"] == moba.mma_smem_bytes(N, "MKV", xtype)
+
+
+def test_mma_smem_layouts_are_aligned_and_fit():
+    for N in moba.MMA_HEAD_SIZES:
+        for group, (offsets, side_words, tile_elems) in moba.mma_smem_layouts(N).items():
+            assert side_words % 4 == 0
+            tiles = [v for name, v in offsets.items() if name.split("_")[-1] in ("Q", "K", "V", "VT", "DO", "KT",
+                                                                                 "QT", "DOT")]
+            assert tiles[0] == 0 and all(v % 8 == 0 for v in tiles)    # 16-byte aligned rows for bf16 and f32
+            for xtype in ("f32", "bf16"):
+                assert moba.mma_smem_bytes(N, group, xtype) <= H200.smem_per_block
+        t = moba.mma_tiles(N)
+        assert (t["MOBA_MMA_LD"] * 2) % 16 == 0 and t["MOBA_MMA_Q"] == moba.tiles(N)["MOBA_FQ"]
+
+
+def test_mma_method_validates():
+    sc = moba.carve(1 << 30, 1, 64, 2, 16, 16, 3)
+    with pytest.raises(ValueError, match="head sizes"):
+        moba.forward(x(1), x(2), x(3), x(4), sc, 1, 64, 2, 16, 16, 3, H200, method="mma")
+    with pytest.raises(ValueError, match="method"):
+        moba.backward(*(x(i) for i in range(1, 9)), sc, 1, 64, 2, 16, 16, 3, H200, method="tensor")
+
+
+@pytest.mark.parametrize("xtype", ["f32", "bf16"])
+def test_mma_kernels_do_not_spill_at_n64(xtype):
+    """ptxas: the tensor-core kernels keep everything in registers at the model's head size."""
+    from rwkvx.runtime import nvrtc
+    ok, why = nvrtc.nvrtc_available()
+    if not ok:
+        pytest.skip(f"NVRTC is not installed/usable: {why}")
+    usage = nvrtc.resource_usage("moba", "sm_90", moba.CU.defines(xtype, {"HEAD_SIZE": 64}))
+    mma = {name: u for name, u in usage.items() if name.endswith("_mma")}
+    assert len(mma) == 5
+    assert all(u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 for u in mma.values()), mma

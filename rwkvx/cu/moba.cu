@@ -929,3 +929,622 @@ write_out:
         }
     }
 }
+
+// ================================================================================================
+// Tensor-core attention (method "mma"; HEAD_SIZE 32, 64, 128: MOBA_MMA == 1). Same launch structure,
+// scratch and merge as the kernels above (selection, qlist, part/lpart merged by logsumexp, dk/dv
+// key-block-major, written once); only the attention tiles differ:
+//   * floatX = bf16: mma.sync m16n8k16 bf16; floatX = float: two mma.sync m16n8k8 tf32 per 16-wide
+//     k-step (operands rounded with cvt.rna.tf32.f32). fp32 accumulation, fp32 softmax statistics;
+//     the probabilities (and dS) are rounded to the operand type for the second product.
+//   * 4 warps x 16 rows: the forward and dq kernels give each warp 16 queries of a 64-query tile and
+//     loop over 64-key tiles; dk/dv gives each warp 16 keys of a 64-key tile and loops over query tiles.
+//   * scores in the log2 domain (exp2f); lse / lpart stay natural logs (the same buffers as above).
+// Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 / m16n8k8"), g = lane / 4, t = lane % 4:
+//   C/D (16x8 fp32): c[0], c[1] = row g, cols 2t, 2t+1; c[2], c[3] = row g+8, same cols.
+//   bf16 A (16x16): a[0] = row g, k 2t..2t+1; a[1] = row g+8, k 2t..; a[2] = row g, k 2t+8..; a[3] = row g+8,
+//   k 2t+8..; B (16x8): b[0] = k 2t..2t+1, col g; b[1] = k 2t+8.., col g.
+//   tf32 A (16x8): a0 = (g, t), a1 = (g+8, t), a2 = (g, t+4), a3 = (g+8, t+4); B: b0 = (k t, col g),
+//   b1 = (k t+4, col g). The k order inside one mma is free as long as A and B agree: the tf32 path maps
+//   k position t -> element 2t and t+4 -> 2t+1, so both element types read the same element pairs
+//   (2t, 2t+1) of a row, and a C fragment pair (c[0], c[1]) is an A pair without shuffles.
+//   Operand tiles therefore sit in shared memory with the k dimension contiguous: X[row][k]; the second
+//   products read V, K, dO, Q transposed (Xt[col][key or query]), staged so on load.
+// Shared memory (layouts: rwkvx/ops/moba.py, mma_smem_layouts): int/float side arrays first (word
+// offsets), then floatX tiles from byte 4 * MOBA_SM_M*_SIDE (element offsets).
+// ================================================================================================
+#if MOBA_MMA
+#define MQ MOBA_MMA_Q              // queries per forward / dq CTA (4 warps x 16)
+#define MK MOBA_MMA_K              // keys per tile (forward, dq) and per dk/dv CTA
+#define MKVQ MOBA_MMA_KVQ          // queries per dk/dv tile
+#define MLD MOBA_MMA_LD            // row stride of [rows][HS] tiles (elements)
+#define MLDK MOBA_MMA_LDK          // row stride of [HS][MK] transposed tiles
+#define MLDQ MOBA_MMA_LDQ          // row stride of [HS][MKVQ] transposed tiles
+#define MNT (HS / 8)               // 8-column n-tiles of a [16][HS] accumulator
+
+static_assert(MQ == MOBA_FQ, "the mma kernels reuse the tile offsets toff_f of moba_scan");
+static_assert(MQ == 16 * (NTHR / 32) && MK == 16 * (NTHR / 32), "one warp per 16 rows");
+static_assert(HS % 16 == 0 && MK % 16 == 0 && MKVQ % 16 == 0, "16-wide k-steps");
+
+static constexpr float MOBA_LOG2E = 1.4426950408889634f;
+static constexpr float MOBA_LN2 = 0.6931471805599453f;
+
+// A pair of consecutive k elements of one row, as mma operand register(s).
+#if FLOATX_BF16
+struct MPair { unsigned r; };
+static __device__ __forceinline__ MPair mpair_ld(const floatX* p) { return {*reinterpret_cast<const unsigned*>(p)}; }
+static __device__ __forceinline__ MPair mpair_of(float a, float b)
+{
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);     // a in the low half: the lower k index
+    return {*reinterpret_cast<const unsigned*>(&h)};
+}
+// c += A (16 x 16) * B (16 x 8)
+static __device__ __forceinline__ void mma16(float (&c)[4], const MPair (&a)[4], const MPair (&b)[2])
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0].r), "r"(a[1].r), "r"(a[2].r), "r"(a[3].r), "r"(b[0].r), "r"(b[1].r));
+}
+#else
+struct MPair { unsigned x, y; };
+static __device__ __forceinline__ unsigned moba_tf32(float f)
+{
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(f));
+    return r;
+}
+static __device__ __forceinline__ MPair mpair_of(float a, float b) { return {moba_tf32(a), moba_tf32(b)}; }
+static __device__ __forceinline__ MPair mpair_ld(const float* p)
+{
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    return mpair_of(f.x, f.y);
+}
+static __device__ __forceinline__ void mma8(float (&c)[4], const MPair& a_lo, const MPair& a_hi, const MPair& b)
+{
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a_lo.x), "r"(a_hi.x), "r"(a_lo.y), "r"(a_hi.y), "r"(b.x), "r"(b.y));
+}
+// c += A (16 x 16) * B (16 x 8) as two k8 steps (k 0..7 from the first pairs, 8..15 from the second)
+static __device__ __forceinline__ void mma16(float (&c)[4], const MPair (&a)[4], const MPair (&b)[2])
+{
+    mma8(c, a[0], a[1], b[0]);
+    mma8(c, a[2], a[3], b[1]);
+}
+#endif
+
+// c[nt] += X[r0 .. r0+16)[0 .. KD) * Y[8nt .. 8nt+8)[0 .. KD)^T for nt < NT (X, Y [.][LD], k contiguous)
+template <int NT, int KD, int LDX, int LDY>
+static __device__ __forceinline__ void mma_xyt(float (&c)[NT][4], const floatX* __restrict__ X, int r0,
+                                               const floatX* __restrict__ Y)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t2 = 2 * (lane & 3);
+#pragma unroll
+    for (int k0 = 0; k0 < KD; k0 += 16) {
+        MPair a[4];
+        a[0] = mpair_ld(X + (r0 + g) * LDX + k0 + t2);
+        a[1] = mpair_ld(X + (r0 + g + 8) * LDX + k0 + t2);
+        a[2] = mpair_ld(X + (r0 + g) * LDX + k0 + 8 + t2);
+        a[3] = mpair_ld(X + (r0 + g + 8) * LDX + k0 + 8 + t2);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            MPair b[2];
+            b[0] = mpair_ld(Y + (8 * nt + g) * LDY + k0 + t2);
+            b[1] = mpair_ld(Y + (8 * nt + g) * LDY + k0 + 8 + t2);
+            mma16(c[nt], a, b);
+        }
+    }
+}
+
+// o[nt] += P (16 x KD, the C fragments p[KD/8]) * Yt[8nt .. 8nt+8)[0 .. KD)^T for nt < MNT
+template <int KD, int LDY>
+static __device__ __forceinline__ void mma_py(float (&o)[MNT][4], const float (&p)[KD / 8][4],
+                                              const floatX* __restrict__ Yt)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t2 = 2 * (lane & 3);
+#pragma unroll
+    for (int ks = 0; ks < KD / 16; ++ks) {
+        MPair a[4];
+        a[0] = mpair_of(p[2 * ks][0], p[2 * ks][1]);
+        a[1] = mpair_of(p[2 * ks][2], p[2 * ks][3]);
+        a[2] = mpair_of(p[2 * ks + 1][0], p[2 * ks + 1][1]);
+        a[3] = mpair_of(p[2 * ks + 1][2], p[2 * ks + 1][3]);
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt) {
+            MPair b[2];
+            b[0] = mpair_ld(Yt + (8 * nt + g) * LDY + 16 * ks + t2);
+            b[1] = mpair_ld(Yt + (8 * nt + g) * LDY + 16 * ks + 8 + t2);
+            mma16(o[nt], a, b);
+        }
+    }
+}
+
+template <int NT>
+static __device__ __forceinline__ void moba_zero(float (&c)[NT][4])
+{
+#pragma unroll
+    for (int i = 0; i < NT; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.f;
+}
+
+// max / sum over the 4 lanes of a quad (the lanes that hold one fragment row; fixed xor order)
+static __device__ __forceinline__ float moba_quad_max(float v)
+{
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 2));
+}
+static __device__ __forceinline__ float moba_quad_sum(float v)
+{
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    return v + __shfl_xor_sync(FULL_MASK, v, 2);
+}
+
+// 16-byte units of a head row, and the elements in one
+#define MVEC (16 / (int)sizeof(floatX))
+#define MROWV (HS / MVEC)
+
+// R rows of a head slice (base = &x[b, 0, h, 0], row stride tstride) into dst [R][LD]: row r is token
+// tok(r) (< 0: zeros). Raw 16-byte copies (the operand tiles keep the element type).
+template <int R, int LD, class Tok>
+static __device__ __forceinline__ void mstage_rows(floatX* __restrict__ dst, const floatX* __restrict__ base,
+                                                   size_t tstride, Tok tok)
+{
+    for (int i = threadIdx.x; i < R * MROWV; i += NTHR) {
+        const int r = i / MROWV, c = (i - r * MROWV) * MVEC;
+        const int t = tok(r);
+        const uint4 val = t >= 0 ? *reinterpret_cast<const uint4*>(base + (size_t)t * tstride + c)
+                                 : make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(dst + r * LD + c) = val;
+    }
+}
+
+// The same rows transposed: dst [HS][LD], dst[n][r] = x[tok(r), n].
+template <int R, int LD, class Tok>
+static __device__ __forceinline__ void mstage_cols(floatX* __restrict__ dst, const floatX* __restrict__ base,
+                                                   size_t tstride, Tok tok)
+{
+    for (int i = threadIdx.x; i < R * MROWV; i += NTHR) {
+        const int r = i % R, c = (i / R) * MVEC;           // consecutive threads: consecutive rows
+        const int t = tok(r);
+        const uint4 u = t >= 0 ? *reinterpret_cast<const uint4*>(base + (size_t)t * tstride + c)
+                               : make_uint4(0u, 0u, 0u, 0u);
+        const floatX* x = reinterpret_cast<const floatX*>(&u);
+#pragma unroll
+        for (int e = 0; e < MVEC; ++e) dst[(c + e) * LD + r] = x[e];
+    }
+}
+
+// Element (row, col) of C fragment slot e of n-tile nt (warp rows from r0): row = r0 + g + 8*(e/2),
+// col = 8nt + 2t + e%2.
+static __device__ __forceinline__ int mfrag_row(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
+static __device__ __forceinline__ int mfrag_col(int nt, int e) { return 8 * nt + 2 * (threadIdx.x & 3) + (e & 1); }
+
+// The floatX operand tiles start after the side arrays (side words): element offset off.
+static __device__ __forceinline__ floatX* moba_smem_x(int side, int off)
+{
+    return reinterpret_cast<floatX*>(moba_smem_f(side)) + off;
+}
+
+// Per fragment row (query tokens tq[i], < 0: padding), the keys u0 + kc visible to it in a tile of nk
+// keys are kc < lim[i]: one compare per score.
+static __device__ __forceinline__ void moba_row_limits(const int (&tq)[2], int u0, int nk, bool causal,
+                                                       int (&lim)[2])
+{
+#pragma unroll
+    for (int i = 0; i < 2; ++i) lim[i] = tq[i] < 0 ? 0 : (causal ? min(nk, tq[i] - u0 + 1) : nk);
+}
+
+// --- forward -----------------------------------------------------------------------------------
+struct MobaMFwdSmem {
+    int *qtok, *qent;                      // [MQ] [MQ]
+    floatX *Q, *K, *Vt;                    // [MQ][MLD] [MK][MLD] [HS][MLDK]
+    __device__ MobaMFwdSmem()
+        : qtok(moba_smem_i(MOBA_SM_MFWD_QTOK)), qent(moba_smem_i(MOBA_SM_MFWD_QENT)),
+          Q(moba_smem_x(MOBA_SM_MFWD_SIDE, MOBA_SM_MFWD_Q)),
+          K(moba_smem_x(MOBA_SM_MFWD_SIDE, MOBA_SM_MFWD_K)),
+          Vt(moba_smem_x(MOBA_SM_MFWD_SIDE, MOBA_SM_MFWD_VT)) {}
+};
+
+// Online softmax of the warp's 16 queries (sm.Q rows r0.., tokens sm.qtok) over keys u .. uend-1 in
+// tiles of MK. Per thread: rows g and g+8 -> m[i] (running max, log2 domain), l[i] (sum), o (un-normalised).
+static __device__ __forceinline__ void moba_mfwd_attend(const MobaMFwdSmem& sm, const floatX* __restrict__ k,
+                                                        const floatX* __restrict__ v, size_t tstride, int u,
+                                                        int uend, bool causal, float scale2, float (&m)[2],
+                                                        float (&l)[2], float (&o)[MNT][4])
+{
+    const int r0 = 16 * (threadIdx.x >> 5);
+    m[0] = m[1] = -MOBA_INF;
+    l[0] = l[1] = 0.f;
+    moba_zero(o);
+    const int tq[2] = {sm.qtok[r0 + mfrag_row(0)], sm.qtok[r0 + mfrag_row(2)]};
+    for (int u0 = u; u0 < uend; u0 += MK) {
+        const int nk = min(MK, uend - u0);
+        __syncthreads();                                      // the previous tile is consumed
+        auto tok = [=](int r) { return r < nk ? u0 + r : -1; };
+        mstage_rows<MK, MLD>(sm.K, k, tstride, tok);
+        mstage_cols<MK, MLDK>(sm.Vt, v, tstride, tok);
+        __syncthreads();
+        float s[MK / 8][4];
+        moba_zero(s);
+        mma_xyt<MK / 8, HS, MLD, MLD>(s, sm.Q, r0, sm.K);
+        int lim[2];
+        moba_row_limits(tq, u0, nk, causal, lim);
+        float mx[2] = {-MOBA_INF, -MOBA_INF};
+#pragma unroll
+        for (int nt = 0; nt < MK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[nt][e] = mfrag_col(nt, e) < lim[e >> 1] ? s[nt][e] * scale2 : -MOBA_INF;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+            }
+        float alpha[2], mref[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float mnew = fmaxf(m[i], moba_quad_max(mx[i]));
+            mref[i] = (mnew == -MOBA_INF) ? 0.f : mnew;
+            alpha[i] = exp2f(m[i] - mref[i]);
+            m[i] = mnew;
+        }
+        float rs[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < MK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[nt][e] = exp2f(s[nt][e] - mref[e >> 1]);
+                rs[e >> 1] += s[nt][e];
+            }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + moba_quad_sum(rs[i]);
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+        mma_py<MK, MLDK>(o, s, sm.Vt);
+    }
+}
+
+// (5m) = (5) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block NTHR, smem MobaMFwdSmem
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+                  const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
+                  float* __restrict__ lpart, int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+{
+    const MobaMFwdSmem sm;
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    int j;
+    if (!moba_past_queries<MQ>(offs, offs + (nblk + 1), qlist + (size_t)bh * Emax, nblk, K1, sm.qent, sm.qtok, j))
+        return;
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    const int* qtok = sm.qtok;
+    mstage_rows<MQ, MLD>(sm.Q, q + hoff, tstride, [=](int r) { return qtok[r]; });
+    float m[2], l[2], o[MNT][4];
+    moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E,
+                     m, l, o);
+    const int r0 = 16 * (threadIdx.x >> 5);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int p = sm.qent[r0 + mfrag_row(2 * i)];
+        if (p < 0) continue;
+        const size_t e = (size_t)bh * T * K1 + p;
+        const float inv = 1.f / l[i];
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt)
+            *reinterpret_cast<float2*>(part + e * HS + mfrag_col(nt, 0)) =
+                make_float2(o[nt][2 * i] * inv, o[nt][2 * i + 1] * inv);
+        if ((threadIdx.x & 3) == 0) lpart[e] = (m[i] + log2f(l[i])) * MOBA_LN2;
+    }
+}
+
+// (6m) = (6) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block NTHR, smem MobaMFwdSmem
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+                 const int* __restrict__ sel, const float* __restrict__ part, const float* __restrict__ lpart,
+                 floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
+{
+    const MobaMFwdSmem sm;
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    int kstart, q1;
+    if (!moba_own_queries<MQ>(T, chunk, sm.qtok, kstart, q1)) return;
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    const int* qtok = sm.qtok;
+    mstage_rows<MQ, MLD>(sm.Q, q + hoff, tstride, [=](int r) { return qtok[r]; });
+    float m[2], l[2], acc[MNT][4];
+    moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, m, l, acc);
+    const int r0 = 16 * (threadIdx.x >> 5);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int t = qtok[r0 + mfrag_row(2 * i)];
+        if (t < 0) continue;
+        float mi = m[i] * MOBA_LN2, li = l[i];         // natural-log domain, as lpart
+        const size_t e0 = ((size_t)bh * T + t) * K1;
+        for (int s = 0; s < K1; ++s) {
+            if (sel[e0 + s] < 0) break;
+            const float lp = lpart[e0 + s];
+            const float mnew = fmaxf(mi, lp);
+            const float alpha = expf(mi - mnew), beta = expf(lp - mnew);
+            li = li * alpha + beta;
+            mi = mnew;
+            const float* pr = part + (e0 + s) * HS;
+#pragma unroll
+            for (int nt = 0; nt < MNT; ++nt) {
+                const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
+                acc[nt][2 * i] = fmaf(acc[nt][2 * i], alpha, beta * pv.x);
+                acc[nt][2 * i + 1] = fmaf(acc[nt][2 * i + 1], alpha, beta * pv.y);
+            }
+        }
+        floatX* orow = o + hoff + (size_t)t * tstride;
+        const float inv = 1.f / li;
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt) {
+            orow[mfrag_col(nt, 0)] = from_f32(acc[nt][2 * i] * inv);
+            orow[mfrag_col(nt, 1)] = from_f32(acc[nt][2 * i + 1] * inv);
+        }
+        if ((threadIdx.x & 3) == 0) lse[(size_t)bh * T + t] = mi + logf(li);
+    }
+}
+
+// --- backward dq -------------------------------------------------------------------------------
+struct MobaMDqSmem {
+    int *qtok, *qent;                      // [MQ] [MQ]
+    float *lse2, *D;                       // [MQ] [MQ]: lse * log2(e), delta
+    floatX *Q, *dO, *K, *V, *Kt;           // [MQ][MLD] x2, [MK][MLD] x2, [HS][MLDK]
+    __device__ MobaMDqSmem()
+        : qtok(moba_smem_i(MOBA_SM_MDQ_QTOK)), qent(moba_smem_i(MOBA_SM_MDQ_QENT)),
+          lse2(moba_smem_f(MOBA_SM_MDQ_LSE)), D(moba_smem_f(MOBA_SM_MDQ_D)),
+          Q(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_Q)),
+          dO(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_DO)),
+          K(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_K)),
+          V(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_V)),
+          Kt(moba_smem_x(MOBA_SM_MDQ_SIDE, MOBA_SM_MDQ_KT)) {}
+};
+
+// Q, dO rows, lse * log2(e) and delta of the R query tokens qtok into shared memory.
+template <int R, int LD>
+static __device__ __forceinline__ void moba_mstage_queries(floatX* Qs, floatX* dOs, float* lse2, float* D,
+                                                           const int* qtok, const floatX* __restrict__ q,
+                                                           const floatX* __restrict__ dout,
+                                                           const float* __restrict__ lse,
+                                                           const float* __restrict__ delta, size_t tstride,
+                                                           size_t bhT)
+{
+    auto tok = [=](int r) { return qtok[r]; };
+    mstage_rows<R, LD>(Qs, q, tstride, tok);
+    mstage_rows<R, LD>(dOs, dout, tstride, tok);
+    for (int r = threadIdx.x; r < R; r += NTHR) {
+        const int t = qtok[r];
+        lse2[r] = t >= 0 ? lse[bhT + t] * MOBA_LOG2E : 0.f;
+        D[r] = t >= 0 ? delta[bhT + t] : 0.f;
+    }
+}
+
+// dq (without the factor scale) of the warp's 16 queries from keys u .. uend-1 in tiles of MK:
+// P = exp2(scale2 * q.k - lse2), dP = do.v, dS = P (dP - D), acc += dS K.
+static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, const floatX* __restrict__ k,
+                                                       const floatX* __restrict__ v, size_t tstride, int u,
+                                                       int uend, bool causal, float scale2, float (&acc)[MNT][4])
+{
+    const int r0 = 16 * (threadIdx.x >> 5);
+    moba_zero(acc);
+    __syncthreads();                                          // the caller's lse2 and D
+    const int tq[2] = {sm.qtok[r0 + mfrag_row(0)], sm.qtok[r0 + mfrag_row(2)]};
+    const float l2[2] = {sm.lse2[r0 + mfrag_row(0)], sm.lse2[r0 + mfrag_row(2)]};
+    const float Dq[2] = {sm.D[r0 + mfrag_row(0)], sm.D[r0 + mfrag_row(2)]};
+    for (int u0 = u; u0 < uend; u0 += MK) {
+        const int nk = min(MK, uend - u0);
+        __syncthreads();
+        auto tok = [=](int r) { return r < nk ? u0 + r : -1; };
+        mstage_rows<MK, MLD>(sm.K, k, tstride, tok);
+        mstage_rows<MK, MLD>(sm.V, v, tstride, tok);
+        mstage_cols<MK, MLDK>(sm.Kt, k, tstride, tok);
+        __syncthreads();
+        float s[MK / 8][4], dp[MK / 8][4];
+        moba_zero(s);
+        moba_zero(dp);
+        mma_xyt<MK / 8, HS, MLD, MLD>(s, sm.Q, r0, sm.K);
+        mma_xyt<MK / 8, HS, MLD, MLD>(dp, sm.dO, r0, sm.V);
+        int lim[2];
+        moba_row_limits(tq, u0, nk, causal, lim);
+#pragma unroll
+        for (int nt = 0; nt < MK / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = e >> 1;
+                const float p = mfrag_col(nt, e) < lim[i] ? exp2f(s[nt][e] * scale2 - l2[i]) : 0.f;
+                s[nt][e] = p * (dp[nt][e] - Dq[i]);
+            }
+        mma_py<MK, MLDK>(acc, s, sm.Kt);
+    }
+}
+
+// (8m) = (8) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block NTHR, smem MobaMDqSmem
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_bwd_dq_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+                     const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                     const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
+                     int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+{
+    const MobaMDqSmem sm;
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    int j;
+    if (!moba_past_queries<MQ>(offs, offs + (nblk + 1), qlist + (size_t)bh * Emax, nblk, K1, sm.qent, sm.qtok, j))
+        return;
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    moba_mstage_queries<MQ, MLD>(sm.Q, sm.dO, sm.lse2, sm.D, sm.qtok, q + hoff, dout + hoff, lse, delta, tstride,
+                                 (size_t)bh * T);
+    float acc[MNT][4];
+    moba_mdq_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E, acc);
+    const int r0 = 16 * (threadIdx.x >> 5);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int p = sm.qent[r0 + mfrag_row(2 * i)];
+        if (p < 0) continue;
+        float* pr = part + ((size_t)bh * T * K1 + p) * HS;
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt)
+            *reinterpret_cast<float2*>(pr + mfrag_col(nt, 0)) =
+                make_float2(acc[nt][2 * i] * scale, acc[nt][2 * i + 1] * scale);
+    }
+}
+
+// (9m) = (9) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block NTHR, smem MobaMDqSmem
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_bwd_dq_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+                    const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                    const int* __restrict__ sel, const float* __restrict__ part, floatX* __restrict__ dq,
+                    int T, int H, int chunk, int K1, float scale)
+{
+    const MobaMDqSmem sm;
+    const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
+    int kstart, q1;
+    if (!moba_own_queries<MQ>(T, chunk, sm.qtok, kstart, q1)) return;
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    moba_mstage_queries<MQ, MLD>(sm.Q, sm.dO, sm.lse2, sm.D, sm.qtok, q + hoff, dout + hoff, lse, delta, tstride,
+                                 (size_t)bh * T);
+    float acc[MNT][4];
+    moba_mdq_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, acc);
+    const int r0 = 16 * (threadIdx.x >> 5);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int t = sm.qtok[r0 + mfrag_row(2 * i)];
+        if (t < 0) continue;
+        float r[MNT][2];
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt) {
+            r[nt][0] = acc[nt][2 * i] * scale;
+            r[nt][1] = acc[nt][2 * i + 1] * scale;
+        }
+        const size_t e0 = ((size_t)bh * T + t) * K1;
+        for (int s = 0; s < K1; ++s) {
+            if (sel[e0 + s] < 0) break;
+            const float* pr = part + (e0 + s) * HS;
+#pragma unroll
+            for (int nt = 0; nt < MNT; ++nt) {
+                const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
+                r[nt][0] += pv.x;
+                r[nt][1] += pv.y;
+            }
+        }
+        floatX* drow = dq + hoff + (size_t)t * tstride;
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt) {
+            drow[mfrag_col(nt, 0)] = from_f32(r[nt][0]);
+            drow[mfrag_col(nt, 1)] = from_f32(r[nt][1]);
+        }
+    }
+}
+
+// --- backward dk, dv ---------------------------------------------------------------------------
+struct MobaMKvSmem {
+    int* qtok;                             // [MKVQ]
+    float *lse2, *D;                       // [MKVQ] [MKVQ]
+    floatX *K, *V, *Q, *dO, *Qt, *dOt;     // [MK][MLD] x2, [MKVQ][MLD] x2, [HS][MLDQ] x2
+    __device__ MobaMKvSmem()
+        : qtok(moba_smem_i(MOBA_SM_MKV_QTOK)), lse2(moba_smem_f(MOBA_SM_MKV_LSE)), D(moba_smem_f(MOBA_SM_MKV_D)),
+          K(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_K)),
+          V(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_V)),
+          Q(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_Q)),
+          dO(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_DO)),
+          Qt(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_QT)),
+          dOt(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_DOT)) {}
+};
+
+// One query tile (tokens tok(r), r < MKVQ) against the warp's 16 keys (sm.K, sm.V rows r0.., tokens
+// u0 + row, valid below nk): dv += P^T dO, dk += dS^T Q (dk without the factor scale).
+template <class Tok>
+static __device__ __forceinline__ void moba_mkv_tile(const MobaMKvSmem& sm, Tok tok, const floatX* __restrict__ q,
+                                                     const floatX* __restrict__ dout, const float* __restrict__ lse,
+                                                     const float* __restrict__ delta, size_t tstride, size_t bhT,
+                                                     int u0, int nk, bool causal, float scale2,
+                                                     float (&dk)[MNT][4], float (&dv)[MNT][4])
+{
+    __syncthreads();                                          // the previous tile is consumed
+    for (int r = threadIdx.x; r < MKVQ; r += NTHR) sm.qtok[r] = tok(r);
+    __syncthreads();
+    moba_mstage_queries<MKVQ, MLD>(sm.Q, sm.dO, sm.lse2, sm.D, sm.qtok, q, dout, lse, delta, tstride, bhT);
+    const int* qtok = sm.qtok;
+    auto qt = [=](int r) { return qtok[r]; };
+    mstage_cols<MKVQ, MLDQ>(sm.Qt, q, tstride, qt);
+    mstage_cols<MKVQ, MLDQ>(sm.dOt, dout, tstride, qt);
+    __syncthreads();
+    const int r0 = 16 * (threadIdx.x >> 5);
+    float s[MKVQ / 8][4], dp[MKVQ / 8][4];
+    moba_zero(s);
+    moba_zero(dp);
+    mma_xyt<MKVQ / 8, HS, MLD, MLD>(s, sm.K, r0, sm.Q);      // s[key][query] = k . q
+    mma_xyt<MKVQ / 8, HS, MLD, MLD>(dp, sm.V, r0, sm.dO);    // dp[key][query] = v . do
+#pragma unroll
+    for (int nt = 0; nt < MKVQ / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int kr = r0 + mfrag_row(e), qc = mfrag_col(nt, e), t = sm.qtok[qc];
+            const bool vis = kr < nk && t >= 0 && (!causal || u0 + kr <= t);
+            const float p = vis ? exp2f(s[nt][e] * scale2 - sm.lse2[qc]) : 0.f;
+            s[nt][e] = p;
+            dp[nt][e] = p * (dp[nt][e] - sm.D[qc]);
+        }
+    mma_py<MKVQ, MLDQ>(dv, s, sm.dOt);
+    mma_py<MKVQ, MLDQ>(dk, dp, sm.Qt);
+}
+
+// (10m) = (10) on tensor cores: grid (ceil(chunk/MK), nblk, B*H), block NTHR, smem MobaMKvSmem
+extern "C" __global__ void __launch_bounds__(NTHR)
+moba_bwd_dkdv_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
+                  const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
+                  const int* __restrict__ idx, const int* __restrict__ qlist,
+                  floatX* __restrict__ dk, floatX* __restrict__ dv,
+                  int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
+{
+    const MobaMKvSmem sm;
+    const int j = blockIdx.y;
+    const int bh = blockIdx.z, b = bh / H, h = bh - b * H;
+    const int u0 = j * chunk + blockIdx.x * MK;
+    const int bend = min((j + 1) * chunk, T);
+    if (u0 >= bend) return;
+    const int nk = min(MK, bend - u0);
+    const size_t tstride = (size_t)H * HS;
+    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    const size_t bhT = (size_t)bh * T;
+    const float scale2 = scale * MOBA_LOG2E;
+    auto ktok = [=](int r) { return r < nk ? u0 + r : -1; };
+    mstage_rows<MK, MLD>(sm.K, k + hoff, tstride, ktok);
+    mstage_rows<MK, MLD>(sm.V, v + hoff, tstride, ktok);
+
+    float dka[MNT][4], dva[MNT][4];
+    moba_zero(dka);
+    moba_zero(dva);
+    // own block: queries u0 .. bend-1 (key u visible to t iff u <= t)
+    for (int t0 = u0; t0 < bend; t0 += MKVQ)
+        moba_mkv_tile(sm, [=](int r) { return t0 + r < bend ? t0 + r : -1; }, q + hoff, dout + hoff, lse, delta,
+                      tstride, bhT, u0, nk, true, scale2, dka, dva);
+    // later queries that selected block j (all of block j visible to them)
+    if (K1 > 0) {
+        const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+        const int ebeg = offs[j], eend = offs[j + 1];
+        const int* ql = qlist + (size_t)bh * Emax;
+        for (int e0 = ebeg; e0 < eend; e0 += MKVQ)
+            moba_mkv_tile(sm, [=](int r) { return e0 + r < eend ? ql[e0 + r] / K1 : -1; }, q + hoff, dout + hoff,
+                          lse, delta, tstride, bhT, u0, nk, false, scale2, dka, dva);
+    }
+    const int r0 = 16 * (threadIdx.x >> 5);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int r = r0 + mfrag_row(2 * i);
+        if (r >= nk) continue;
+        const size_t off = hoff + (size_t)(u0 + r) * tstride;
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                dk[off + mfrag_col(nt, c)] = from_f32(dka[nt][2 * i + c] * scale);
+                dv[off + mfrag_col(nt, c)] = from_f32(dva[nt][2 * i + c]);
+            }
+    }
+}
+#endif  // MOBA_MMA

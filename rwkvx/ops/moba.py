@@ -40,6 +40,12 @@ Usage::
 
 Determinism: no floating-point atomics; replays are bit-identical (see moba.cu's header).
 Numerics: gate in fp32 (fmaf chain over n), scores, online softmax and all sums in fp32.
+
+``method`` (forward and backward, the same for both): ``"exact"`` (default) computes the attention in
+fp32 on CUDA cores; ``"mma"`` (head sizes :data:`MMA_HEAD_SIZES`) on tensor cores: bf16 m16n8k16 for bf16
+activations, tf32 m16n8k8 for f32 ones, fp32 accumulation and softmax statistics, the probabilities
+rounded to the operand type for the second product (moba.cu, "Tensor-core attention"). Selection, gate,
+scratch and the merge are the same for both methods.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ import math
 import numbers
 from typing import NamedTuple
 
+from rwkvx.runtime.dtypes import ELEM_BYTES
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, I32_IN, I32_OUT, INT, X_IN, X_OUT, KernelFile
 
 from . import _common
@@ -58,6 +65,10 @@ SEL_Q = 64          # threads (= queries) per moba_select block
 SEL_J = 32          # block means staged per selection step
 KM_THREADS = 256    # moba_kmean threads
 FILL_THREADS = 256  # moba_fill threads
+
+METHODS = ("exact", "mma")
+MMA_HEAD_SIZES = (32, 64, 128)   # head sizes of the tensor-core kernels
+MMA_ROWS = 16 * (NTHR // 32)     # queries (forward, dq) or keys (dk/dv) per mma CTA: 16 per warp
 
 SCRATCH_NAMES = ("sel", "lse", "kmean", "cnt", "idx", "qlist", "part", "lpart", "delta")
 
@@ -102,13 +113,57 @@ def smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int]]:
     }
 
 
+def mma_tiles(N: int) -> dict[str, int]:
+    """Tile sizes and padded row strides (elements) of the tensor-core kernels for head size N."""
+    kvq = 64 if N <= 64 else 32          # fewer query columns per dk/dv tile: dk, dv stay in registers
+    pad = 8                              # 16 bytes (bf16): conflict-free fragment loads of element pairs
+    return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad,
+                MOBA_MMA_LDK=MMA_ROWS + pad, MOBA_MMA_LDQ=kvq + pad)
+
+
+def mma_smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int, int]]:
+    """The shared-memory carve-up of each tensor-core kernel group: name -> (offsets, side words,
+    tile elements). int/float side arrays first (word offsets), then the floatX operand tiles (element
+    offsets, from byte 4 * side words; defines MOBA_SM_<group>_SIDE and _<array>)."""
+    t = mma_tiles(N)
+    rows, kvq, ld = MMA_ROWS, t["MOBA_MMA_KVQ"], t["MOBA_MMA_LD"]
+    groups = {
+        "MFWD": ([("QTOK", rows), ("QENT", rows)],
+                 [("Q", rows * ld), ("K", rows * ld), ("VT", N * t["MOBA_MMA_LDK"])]),
+        "MDQ": ([("QTOK", rows), ("QENT", rows), ("LSE", rows), ("D", rows)],
+                [("Q", rows * ld), ("DO", rows * ld), ("K", rows * ld), ("V", rows * ld),
+                 ("KT", N * t["MOBA_MMA_LDK"])]),
+        "MKV": ([("QTOK", kvq), ("LSE", kvq), ("D", kvq)],
+                [("K", rows * ld), ("V", rows * ld), ("Q", kvq * ld), ("DO", kvq * ld),
+                 ("QT", N * t["MOBA_MMA_LDQ"]), ("DOT", N * t["MOBA_MMA_LDQ"])]),
+    }
+    out = {}
+    for group, (side, tiles_) in groups.items():
+        prefix = f"MOBA_SM_{group}"
+        side_offsets, side_words = _layout(prefix, side)
+        side_words = -(-side_words // 4) * 4                 # the tiles start 16-byte aligned
+        tile_offsets, tile_elems = _layout(prefix, tiles_)
+        out[group] = ({**side_offsets, **tile_offsets, f"{prefix}_SIDE": side_words}, side_words, tile_elems)
+    return out
+
+
+def mma_smem_bytes(N: int, group: str, xtype: str) -> int:
+    """Dynamic shared memory of a tensor-core kernel group (MFWD, MDQ, MKV) for element type xtype."""
+    _, side_words, tile_elems = mma_smem_layouts(N)[group]
+    return 4 * side_words + ELEM_BYTES[xtype] * tile_elems
+
+
 def _derived(variant: dict) -> dict:
     N = int(variant["HEAD_SIZE"])
     t = tiles(N)
     out = dict(t, MOBA_LDH=N + 4, MOBA_FLDP=t["MOBA_FK"] + 4, MOBA_DLDP=t["MOBA_DQ_K"] + 4,
-               MOBA_KLDP=t["MOBA_KV_Q"] + 4)
+               MOBA_KLDP=t["MOBA_KV_Q"] + 4, MOBA_MMA=int(N in MMA_HEAD_SIZES))
     for offsets, _ in smem_layouts(N).values():
         out.update(offsets)
+    if N in MMA_HEAD_SIZES:
+        out.update(mma_tiles(N))
+        for offsets, _, _ in mma_smem_layouts(N).values():
+            out.update(offsets)
     return out
 
 
@@ -121,19 +176,23 @@ MOBA_SELECT = CU.kernel("moba_select", q=X_IN, kmean=F32_IN, sel=I32_OUT, cnt=I3
                         nblk=INT)
 MOBA_SCAN = CU.kernel("moba_scan", cnt=I32_IN, idx=I32_OUT, nblk=INT)
 MOBA_FILL = CU.kernel("moba_fill", sel=I32_IN, idx=I32_IN, qlist=I32_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT)
-_QKV = dict(q=X_IN, k=X_IN, v=X_IN)
-MOBA_FWD_PAST = CU.kernel("moba_fwd_past", **_QKV, idx=I32_IN, qlist=I32_IN, part=F32_OUT, lpart=F32_OUT,
-                          **_SIZES, K1=INT, nblk=INT, Emax=INT, scale=FLOAT)
-MOBA_FWD_OWN = CU.kernel("moba_fwd_own", **_QKV, sel=I32_IN.opt(), part=F32_IN.opt(), lpart=F32_IN.opt(),
-                         o=X_OUT, lse=F32_OUT, **_SIZES, K1=INT, scale=FLOAT)
 MOBA_BWD_DELTA = CU.kernel("moba_bwd_delta", o=X_IN, dout=X_IN, delta=F32_OUT, B=INT, T=INT, H=INT)
+_QKV = dict(q=X_IN, k=X_IN, v=X_IN)
 _BWD_IN = dict(**_QKV, dout=X_IN, lse=F32_IN, delta=F32_IN)
-MOBA_BWD_DQ_PAST = CU.kernel("moba_bwd_dq_past", **_BWD_IN, idx=I32_IN, qlist=I32_IN, part=F32_OUT,
-                             **_SIZES, K1=INT, nblk=INT, Emax=INT, scale=FLOAT)
-MOBA_BWD_DQ_OWN = CU.kernel("moba_bwd_dq_own", **_BWD_IN, sel=I32_IN.opt(), part=F32_IN.opt(), dq=X_OUT,
-                            **_SIZES, K1=INT, scale=FLOAT)
-MOBA_BWD_DKDV = CU.kernel("moba_bwd_dkdv", **_BWD_IN, idx=I32_IN.opt(), qlist=I32_IN.opt(), dk=X_OUT,
-                          dv=X_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT, scale=FLOAT)
+# The attention kernels: the same parameters for both methods (the mma names end in "_mma").
+_ATTENTION = {
+    "fwd_past": dict(**_QKV, idx=I32_IN, qlist=I32_IN, part=F32_OUT, lpart=F32_OUT, **_SIZES, K1=INT, nblk=INT,
+                     Emax=INT, scale=FLOAT),
+    "fwd_own": dict(**_QKV, sel=I32_IN.opt(), part=F32_IN.opt(), lpart=F32_IN.opt(), o=X_OUT, lse=F32_OUT,
+                    **_SIZES, K1=INT, scale=FLOAT),
+    "bwd_dq_past": dict(**_BWD_IN, idx=I32_IN, qlist=I32_IN, part=F32_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT,
+                        scale=FLOAT),
+    "bwd_dq_own": dict(**_BWD_IN, sel=I32_IN.opt(), part=F32_IN.opt(), dq=X_OUT, **_SIZES, K1=INT, scale=FLOAT),
+    "bwd_dkdv": dict(**_BWD_IN, idx=I32_IN.opt(), qlist=I32_IN.opt(), dk=X_OUT, dv=X_OUT, **_SIZES, K1=INT,
+                     nblk=INT, Emax=INT, scale=FLOAT),
+}
+_KERNELS = {method: {name: CU.kernel(f"moba_{name}" + ("_mma" if method == "mma" else ""), **params)
+                     for name, params in _ATTENTION.items()} for method in METHODS}
 
 
 def select_smem_bytes(N: int, K1: int) -> int:
@@ -143,6 +202,26 @@ def select_smem_bytes(N: int, K1: int) -> int:
 
 def _smem_bytes(N: int, group: str) -> int:
     return 4 * smem_layouts(N)[group][1]
+
+
+class _Attention(NamedTuple):
+    """What the builders need of one method: kernels, query tiles and shared memory per group."""
+    kernels: dict
+    fq: int          # queries per forward CTA (and per tile of toff_f)
+    dqq: int         # queries per dq CTA
+    kvk: int         # keys per dk/dv CTA
+    smem: dict       # "fwd", "dq", "kv" -> bytes
+
+
+def _attention(method: str, N: int, xtype: str) -> _Attention:
+    if method == "exact":
+        t = tiles(N)
+        return _Attention(_KERNELS["exact"], t["MOBA_FQ"], t["MOBA_DQ_Q"], t["MOBA_KV_K"],
+                          {g: _smem_bytes(N, g) for g in ("fwd", "dq", "kv")})
+    if N not in MMA_HEAD_SIZES:
+        raise ValueError(f"moba: method 'mma' supports head sizes {MMA_HEAD_SIZES}, got {N}")
+    return _Attention(_KERNELS["mma"], MMA_ROWS, MMA_ROWS, MMA_ROWS,
+                      {g: mma_smem_bytes(N, G, xtype) for g, G in (("fwd", "MFWD"), ("dq", "MDQ"), ("kv", "MKV"))})
 
 
 def check_shape(B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo) -> None:
@@ -179,7 +258,8 @@ def emax(T: int, chunk: int, top_k: int) -> int:
 def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dict[str, tuple[int, str]]:
     """(elements, element type) of each scratch buffer (0 where unused). Total, with K1 = top_k-1,
     nblk = ceil(T/chunk), E <= T*K1:  4 * (B*H*T*(K1*N + 2*K1 + 2) + B*H*nblk*(N + 1) + 3*B*H*(nblk+1)
-    + B*H*E) bytes, i.e. about 4*B*T*C*K1 bytes (the partials) plus O(B*H*T*K1)."""
+    + B*H*E) bytes, i.e. about 4*B*T*C*K1 bytes (the partials) plus O(B*H*T*K1). The same for both
+    methods (the tensor-core kernels keep their tiles in shared memory only)."""
     B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
     K1 = top_k - 1
     nblk = nblocks(T, chunk)
@@ -222,28 +302,33 @@ class _Problem(NamedTuple):
     K1: int
     nblk: int
     E: int
-    tiles: dict
+    att: _Attention
     variant: dict
     scale: float
 
 
-def _problem(what: str, B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo,
+def _problem(what: str, B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo, method: str,
              **buffers) -> _Problem:
     check_shape(B, T, H, N, chunk, top_k, dev)
+    if method not in METHODS:
+        raise ValueError(f"moba: method must be one of {METHODS}, got {method!r}")
     check_buffers(f"moba.{what}", **buffers)
-    return _Problem(_common.xtype_of(f"moba.{what}", *buffers.values()), top_k - 1, nblocks(T, chunk),
-                    emax(T, chunk, top_k), tiles(N), {"HEAD_SIZE": N}, 1.0 / math.sqrt(N))
+    xtype = _common.xtype_of(f"moba.{what}", *buffers.values())
+    return _Problem(xtype, top_k - 1, nblocks(T, chunk), emax(T, chunk, top_k), _attention(method, N, xtype),
+                    {"HEAD_SIZE": N}, 1.0 / math.sqrt(N))
 
 
 # ---- builders -------------------------------------------------------------------------------------
 
 def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: int, top_k: int,
-            dev: DeviceInfo) -> list:
+            dev: DeviceInfo, method: str = "exact") -> list:
     """o = MoBA attention(q, k, v); also writes scratch sel, lse, kmean, cnt, idx, qlist, part, lpart.
 
     Launches (K1 = top_k-1 > 0 and T > chunk): moba_kmean, moba_select, moba_scan, moba_fill,
-    moba_fwd_past, moba_fwd_own. top_k == 1: moba_fwd_own only; T <= chunk: kmean, select (all -1), own."""
-    xtype, K1, nblk, E, t, var, scale = _problem("forward", B, T, H, N, chunk, top_k, dev, q=q, k=k, v=v, o=o)
+    moba_fwd_past, moba_fwd_own. top_k == 1: moba_fwd_own only; T <= chunk: kmean, select (all -1), own.
+    ``method="mma"``: the attention kernels are moba_fwd_past_mma, moba_fwd_own_mma (see the module doc)."""
+    xtype, K1, nblk, E, att, var, scale = _problem("forward", B, T, H, N, chunk, top_k, dev, method,
+                                                   q=q, k=k, v=v, o=o)
     lse = _get(scratch, "lse")
     ops = []
     sel = cnt = None
@@ -263,28 +348,28 @@ def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: in
         ops.append(MOBA_FILL.launch((nblk, H, B), (FILL_THREADS, 1, 1), xtype=xtype, variant=var,
                                     sel=sel, idx=idx, qlist=qlist, T=T, H=H, chunk=chunk, K1=K1, nblk=nblk,
                                     Emax=E))
-        ops.append(MOBA_FWD_PAST.launch((math.ceil(E / t["MOBA_FQ"]) + nblk, H, B), (NTHR, 1, 1), xtype=xtype,
-                                        variant=var, smem=_smem_bytes(N, "fwd"), q=q, k=k, v=v, idx=idx,
-                                        qlist=qlist, part=part, lpart=lpart, T=T, H=H, chunk=chunk, K1=K1,
-                                        nblk=nblk, Emax=E, scale=scale))
+        ops.append(att.kernels["fwd_past"].launch(
+            (math.ceil(E / att.fq) + nblk, H, B), (NTHR, 1, 1), xtype=xtype, variant=var, smem=att.smem["fwd"],
+            q=q, k=k, v=v, idx=idx, qlist=qlist, part=part, lpart=lpart, T=T, H=H, chunk=chunk, K1=K1,
+            nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0      # no past block anywhere: nothing to merge
-    tpc = math.ceil(chunk / t["MOBA_FQ"])
-    ops.append(MOBA_FWD_OWN.launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
-                                   smem=_smem_bytes(N, "fwd"), q=q, k=k, v=v, sel=sel if k1_eff else None,
+    tpc = math.ceil(chunk / att.fq)
+    ops.append(att.kernels["fwd_own"].launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
+                                   smem=att.smem["fwd"], q=q, k=k, v=v, sel=sel if k1_eff else None,
                                    part=part, lpart=lpart, o=o, lse=lse, T=T, H=H, chunk=chunk, K1=k1_eff,
                                    scale=scale))
     return ops
 
 
 def backward(q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, N: int, chunk: int,
-             top_k: int, dev: DeviceInfo) -> list:
+             top_k: int, dev: DeviceInfo, method: str = "exact") -> list:
     """dq, dk, dv (written) of MoBA attention with the forward's selection held fixed.
 
     Needs the scratch of the :func:`forward` that produced ``o`` on the same q, k, v (sel, lse, idx,
     qlist); uses ``delta`` and ``part`` as scratch. Launches: moba_bwd_delta, moba_bwd_dq_past (when some
-    query has a past block), moba_bwd_dq_own, moba_bwd_dkdv."""
-    xtype, K1, nblk, E, t, var, scale = _problem("backward", B, T, H, N, chunk, top_k, dev, q=q, k=k, v=v, o=o,
-                                                 do=do, dq=dq, dk=dk, dv=dv)
+    query has a past block), moba_bwd_dq_own, moba_bwd_dkdv (``method="mma"``: their ``_mma`` versions)."""
+    xtype, K1, nblk, E, att, var, scale = _problem("backward", B, T, H, N, chunk, top_k, dev, method, q=q, k=k,
+                                                   v=v, o=o, do=do, dq=dq, dk=dk, dv=dv)
     lse, delta = _get(scratch, "lse"), _get(scratch, "delta")
     common = dict(q=q, k=k, v=v, dout=do, lse=lse, delta=delta)
     ops = [MOBA_BWD_DELTA.launch((math.ceil(B * T * H / 4), 1, 1), (128, 1, 1), xtype=xtype, variant=var,
@@ -293,17 +378,17 @@ def backward(q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, 
     if E > 0:
         sel, idx = _get(scratch, "sel"), _get(scratch, "idx")
         qlist, part = _get(scratch, "qlist"), _get(scratch, "part")
-        ops.append(MOBA_BWD_DQ_PAST.launch((math.ceil(E / t["MOBA_DQ_Q"]) + nblk, H, B), (NTHR, 1, 1),
-                                           xtype=xtype, variant=var, smem=_smem_bytes(N, "dq"), **common,
+        ops.append(att.kernels["bwd_dq_past"].launch((math.ceil(E / att.dqq) + nblk, H, B), (NTHR, 1, 1),
+                                           xtype=xtype, variant=var, smem=att.smem["dq"], **common,
                                            idx=idx, qlist=qlist, part=part, T=T, H=H, chunk=chunk, K1=K1,
                                            nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0
-    tpc = math.ceil(chunk / t["MOBA_DQ_Q"])
-    ops.append(MOBA_BWD_DQ_OWN.launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
-                                      smem=_smem_bytes(N, "dq"), **common, sel=sel, part=part, dq=dq,
+    tpc = math.ceil(chunk / att.dqq)
+    ops.append(att.kernels["bwd_dq_own"].launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
+                                      smem=att.smem["dq"], **common, sel=sel, part=part, dq=dq,
                                       T=T, H=H, chunk=chunk, K1=k1_eff, scale=scale))
-    ops.append(MOBA_BWD_DKDV.launch((math.ceil(chunk / t["MOBA_KV_K"]), nblk, B * H), (NTHR, 1, 1),
-                                    xtype=xtype, variant=var, smem=_smem_bytes(N, "kv"), **common,
+    ops.append(att.kernels["bwd_dkdv"].launch((math.ceil(chunk / att.kvk), nblk, B * H), (NTHR, 1, 1),
+                                    xtype=xtype, variant=var, smem=att.smem["kv"], **common,
                                     idx=idx, qlist=qlist, dk=dk, dv=dv, T=T, H=H, chunk=chunk, K1=k1_eff,
                                     nblk=nblk, Emax=E, scale=scale))
     return ops

@@ -6,6 +6,8 @@
    left-out gate) is >= the precision's margin; near-ties may differ (the GPU gate is fp32), and the GPU
    selection is then what the twins are given for everything else;
 2. o and lse (fp32: <= 1e-5); 3. dq, dk, dv (fp32: <= 1e-4). bf16: SPEC's 1e-2 on the rounded inputs.
+The tensor-core kernels (method "mma": tf32 for f32 activations, bf16 for bf16) against the same twins:
+tf32 <= 5e-3, bf16 <= 1e-2 (tests/test_moba_mma_emulation.py checks that budget on CPU).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from rwkvx.ops import moba
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4
 GAP = {"f32": 1e-4, "bf16": 1e-4}   # the gate is fp32 over the (rounded) q and block means in both
+MMA_TOL = {"f32": 5e-3, "bf16": 1e-2}  # tf32 / bf16 tensor cores, every output
 
 # id: (B, T, H, N, chunk, top_k, concentrated)
 CASES = {
@@ -40,9 +43,29 @@ CASES = {
 }
 
 
+# id: (B, T, H, N, chunk, top_k, concentrated) for method "mma" (head sizes 32, 64, 128)
+MMA_CASES = {
+    "sparse-N64": (2, 640, 2, 64, 64, 3, False),
+    "target-chunk512": (1, 2048, 2, 64, 512, 3, False),
+    "N128-chunk96": (1, 1000, 2, 128, 96, 3, False),        # chunk not a multiple of the 64-row tiles
+    "N32-chunk16-topk8": (2, 300, 2, 32, 16, 8, False),     # chunk < tile, T not a multiple of chunk
+    "topk1": (2, 300, 2, 64, 64, 1, False),
+    "topk2-T-not-multiple": (1, 555, 3, 64, 128, 2, False),
+    "topk5-N128": (1, 640, 1, 128, 64, 5, False),
+    "T-le-chunk": (2, 50, 2, 64, 64, 3, False),
+    "chunk4096": (1, 4500, 1, 64, 4096, 3, False),           # the long-context chunk; one past block
+    "concentrated": (2, 512, 2, 64, 32, 3, True),
+    "ties": (1, 512, 2, 64, 64, 3, "ties"),                  # blocks 2 and 5 copy block 0: exact gate ties
+}
+
+
 def make_inputs(B, T, H, N, chunk, concentrated, rng):
     q, k, v, do = (rng.standard_normal((B, T, H, N)) for _ in range(4))
-    if concentrated:
+    if concentrated == "ties":
+        for j in (2, 5):
+            k[:, j * chunk:(j + 1) * chunk] = k[:, :chunk]
+        q += 2.0 * k[:, :chunk].mean(axis=1, keepdims=True)     # make the tied blocks the likely choice
+    elif concentrated:
         e = np.zeros(N)
         e[0] = 1.0
         q += 6.0 * e
@@ -50,7 +73,7 @@ def make_inputs(B, T, H, N, chunk, concentrated, rng):
     return q, k, v, do
 
 
-def run_case(case, dev, B, T, H, N, chunk, top_k, concentrated):
+def run_case(case, dev, B, T, H, N, chunk, top_k, concentrated, method="exact"):
     K1 = top_k - 1
     shape = (B, T, H, N)
     q, k, v, do = (case.input(n, a) for n, a in zip(("q", "k", "v", "do"),
@@ -61,8 +84,8 @@ def run_case(case, dev, B, T, H, N, chunk, top_k, concentrated):
     for name, (count, elem) in moba.scratch_sizes(B, T, H, N, chunk, top_k).items():
         make = case.output if name in ("sel", "lse") else case.scratch
         scratch[name] = make(name, count, elem) if count else None
-    ops = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, top_k, dev.info)
-    ops += moba.backward(q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k, dev.info)
+    ops = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, top_k, dev.info, method=method)
+    ops += moba.backward(q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k, dev.info, method=method)
     got = case.run(ops)
     s = case.seen
     # 1. selection
@@ -72,22 +95,37 @@ def run_case(case, dev, B, T, H, N, chunk, top_k, concentrated):
     assert not np.any(differs & clear), (
         f"selection differs from the twin at {np.argwhere(differs & clear)[:5].tolist()} (b, h, t) with clear "
         "gate gaps")
-    if concentrated:
+    if concentrated == "ties":
+        # blocks 0, 2 and 5 have bit-identical means, hence identical fp32 gates: ties go to the lower block
+        has = [np.any(sel == j, axis=-1) for j in (0, 2, 5)]
+        assert not np.any(has[1] & ~has[0]) and not np.any(has[2] & ~has[1]), "a tie went to the higher block"
+        assert np.any(has[0] & has[1]), "no query selected the tied blocks: the case tests nothing"
+    elif concentrated:
         assert np.all(sel[:, :, chunk:, 0] == 0), "block 0 should be selected by every later query"
     # 2. forward (the twin validates the GPU selection: shape, range, ascending, padding)
+    fwd_tol = tolerance(case.xtype, FWD_TOL) if method == "exact" else MMA_TOL[case.xtype]
+    bwd_tol = tolerance(case.xtype, BWD_TOL) if method == "exact" else MMA_TOL[case.xtype]
     o_ref, _ = moba_attention_forward(s["q"], s["k"], s["v"], chunk, top_k, selection=sel)
-    check("o", got["o"], o_ref, tolerance(case.xtype, FWD_TOL))
-    check("lse", got["lse"].reshape(B, H, T), moba_logsumexp(s["q"], s["k"], chunk, sel), FWD_TOL)
+    check("o", got["o"], o_ref, fwd_tol)
+    check("lse", got["lse"].reshape(B, H, T), moba_logsumexp(s["q"], s["k"], chunk, sel),
+          FWD_TOL if method == "exact" else MMA_TOL[case.xtype])
     # 3. backward with the selection fixed
     for name, ref in zip(("dq", "dk", "dv"), moba_attention_backward(s["q"], s["k"], s["v"], s["do"], chunk,
                                                                      top_k, sel)):
-        check(name, got[name], ref, tolerance(case.xtype, BWD_TOL))
+        check(name, got[name], ref, bwd_tol)
     return got, sel
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_moba_forward_backward(case, dev, name):
     run_case(case, dev, *CASES[name])
+
+
+@pytest.mark.parametrize("name", list(MMA_CASES))
+def test_moba_mma_forward_backward(case, dev, name):
+    """Tensor-core kernels: every output poisoned first, two bit-identical runs (harness), the twins'
+    limits; the selection is the exact method's (same kernels)."""
+    run_case(case, dev, *MMA_CASES[name], method="mma")
 
 
 def test_moba_dense_is_causal_attention(case, dev):
