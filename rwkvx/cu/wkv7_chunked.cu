@@ -102,6 +102,21 @@ __device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
         mma_tf32(d, a, b);
     }
 }
+// d1 += A1 B and d2 += A2 B: one load and conversion of each B fragment for both
+template <int K, class FA1, class FA2, class FB>
+__device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4], FA2 A2, FB B) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        const unsigned b[2] = {to_tf32(B(k0 + q, g)), to_tf32(B(k0 + q + 4, g))};
+        const unsigned a1[4] = {to_tf32(A1(g, k0 + q)), to_tf32(A1(g + 8, k0 + q)), to_tf32(A1(g, k0 + q + 4)),
+                                to_tf32(A1(g + 8, k0 + q + 4))};
+        mma_tf32(d1, a1, b);
+        const unsigned a2[4] = {to_tf32(A2(g, k0 + q)), to_tf32(A2(g + 8, k0 + q)), to_tf32(A2(g, k0 + q + 4)),
+                                to_tf32(A2(g + 8, k0 + q + 4))};
+        mma_tf32(d2, a2, b);
+    }
+}
 // (row, column) of accumulator element e of a 16x8 tile
 __device__ __forceinline__ int acc_m(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int acc_n(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
@@ -157,6 +172,7 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
 
     if (tid < HN) {                                  // one column: the decay products in token order
         float p = 1.f;
+#pragma unroll
         for (int t = 0; t < L; ++t) {
             const int tt = c * L + t;
             const bool in = tt < T;
@@ -311,10 +327,10 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
         auto Sb = [&](int kk, int n) { return Sw[n * SP4 + kk]; };                    // S0^T (key, row)
         auto Vb = [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); };  // V (token, row)
         float u[4] = {0.f, 0.f, 0.f, 0.f}, yy[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_acc<HN>(u, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; }, Sb);          // Qa S0^T
-        mma_acc<L>(u, [&](int m, int kk) { return Rs[R::S_LQ + m * R::KMP + kk]; }, Vb);           // Ca V
-        mma_acc<HN>(yy, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Sb);   // Qr S0^T
-        mma_acc<L>(yy, [&](int m, int kk) { return Rs[R::S_LQ + (L + m) * R::KMP + kk]; }, Vb);    // Cr V
+        mma_acc2<HN>(u, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; },             // Qa S0^T
+                     yy, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Sb);  // Qr S0^T
+        mma_acc2<L>(u, [&](int m, int kk) { return Rs[R::S_LQ + m * R::KMP + kk]; },              // Ca V
+                    yy, [&](int m, int kk) { return Rs[R::S_LQ + (L + m) * R::KMP + kk]; }, Vb);  // Cr V
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int m = acc_m(e), n = acc_n(e), t = c * L + m;
@@ -394,8 +410,9 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
             return [=](int m, int kk) { return Rs[R::S_LQ + (sec * L + m) * R::KMP + kk]; };
         };
         float xx[4] = {0.f, 0.f, 0.f, 0.f}, vv[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_acc<HN>(xx, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; }, Gb);         // Qb dS^T
-        mma_acc<L>(xx, LQ(0), Yb);                                                                 // Db dY
+        mma_acc2<HN>(xx, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; },            // Qb dS^T
+                     vv, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Gb);  // Kt dS^T
+        mma_acc2<L>(xx, LQ(0), vv, LQ(1), Yb);                                                     // Db dY, Ark^T dY
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int m = acc_m(e), n = acc_n(e), t = c * L + m;
@@ -404,8 +421,6 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         }
         __syncwarp();
         auto Xb = [&](int kk, int n) { return Xw[kk * 8 + n]; };                       // dX (token, row)
-        mma_acc<HN>(vv, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Gb);   // Kt dS^T
-        mma_acc<L>(vv, LQ(1), Yb);                                                                 // Ark^T dY
         mma_acc<L>(vv, LQ(2), Xb);                                                                 // Aak^T dX
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
