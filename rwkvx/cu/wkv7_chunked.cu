@@ -27,8 +27,8 @@
 // Deterministic: no atomics, fixed summation orders.
 
 #include "common.cuh"
-#if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_FREC) || !defined(WKV_BREC)
-#error "wkv7_chunked.cu: HEAD_SIZE, WKV_L, WKV_FREC and WKV_BREC come from rwkvx/ops/wkv7.py"
+#if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC)
+#error "wkv7_chunked.cu: HEAD_SIZE, WKV_L, WKV_STAGES, WKV_FREC and WKV_BREC come from rwkvx/ops/wkv7.py"
 #endif
 
 namespace wkv7c {
@@ -36,6 +36,8 @@ namespace wkv7c {
 constexpr int HN = HEAD_SIZE;
 constexpr int L = WKV_L;
 constexpr int LN = L * HN, LL = L * L;
+constexpr int NS = WKV_STAGES;                  // chunks of inputs staged (in flight) in the state passes
+static_assert(NS >= 2, "the state passes need at least double buffering");
 static_assert(L == 16, "the mma tiling assumes chunks of 16 tokens");
 static_assert(HN == 32 || HN == 64, "the chunked kernels support head sizes 32 and 64");
 
@@ -266,11 +268,30 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
 }
 
 namespace wkv7c {
-// Shared memory of the state passes (floats): two staged records, two staged [L][NR + 8] floatX row
+// Shared memory of the state passes (floats): NS staged records, NS staged [L][NR + 8] floatX row
 // tiles, and per warp its 8 rows of the carried state [8][HN + 4] and one [L][8] tile.
 template <class R>
 __host__ __device__ constexpr int state_smem_floats(int NR, int nw) {
-    return 2 * R::S_SIZE + (2 * L * (NR + 8) * (int)sizeof(floatX) + 3) / 4 + nw * (8 * (HN + 4) + L * 8);
+    return NS * R::S_SIZE + (NS * L * (NR + 8) * (int)sizeof(floatX) + 3) / 4 + nw * (8 * (HN + 4) + L * 8);
+}
+// The chunk walk of a state pass: body(g, slot) for steps g = 0..G-1 while the inputs of steps
+// g+1 .. g+NS-1 are being copied in; issue(g, slot) starts step g's copies into ring slot g % NS
+// (one commit group per step, empty past the end so that the wait count stays NS - 1).
+template <class Issue, class Body>
+__device__ __forceinline__ void ring_walk(int G, Issue issue, Body body) {
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
+        if (s < G) issue(s, s);
+        cp_commit();
+    }
+    for (int g = 0; g < G; ++g) {
+        if (g + NS - 1 < G) issue(g + NS - 1, (g + NS - 1) % NS);
+        cp_commit();
+        cp_wait<NS - 1>();
+        __syncthreads();
+        body(g, g % NS);
+        __syncthreads();                     // slot g % NS is refilled at step g + 1
+    }
 }
 constexpr int SP4 = HN + 4;     // stride of the per-warp state rows
 // The launch must give the dynamic shared memory this layout needs (rwkvx/ops/wkv7.py computes it).
@@ -297,25 +318,21 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
     const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x, wid = tid >> 5, lane = tid & 31;
     const int nC = (T + L - 1) / L;
     const int i0 = p * NR, ri0 = wid * 8, ig = i0 + ri0;       // block's rows; warp's rows (local, global)
-    float* recs = sm;                                          // [2][R::S_SIZE]
-    floatX* vs = reinterpret_cast<floatX*>(sm + 2 * R::S_SIZE); // [2][L][NR + 8]
+    float* recs = sm;                                           // [NS][R::S_SIZE]
+    floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::S_SIZE); // [NS][L][NR + 8]
     float* Sw = sm + state_smem_floats<R>(NR, 0) + wid * (8 * SP4 + L * 8);   // [8][SP4]
     float* Uw = Sw + 8 * SP4;                                                   // [L][8]
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
     check_smem<R>(NR, nt / 32);
 
     for (int e = lane; e < 8 * SP4; e += 32) Sw[e] = 0.f;
-    auto issue = [&](int c) {
-        stage_record<R>(recs + (c & 1) * R::S_SIZE, recg + (long long)c * R::SIZE, tid, nt);
-        stage_rows(vs + (c & 1) * L * (NR + 8), v, bb, T, c, H, h, i0, NR, tid, nt);
-        cp_commit();
+    auto issue = [&](int c, int slot) {
+        stage_record<R>(recs + slot * R::S_SIZE, recg + (long long)c * R::SIZE, tid, nt);
+        stage_rows(vs + slot * L * (NR + 8), v, bb, T, c, H, h, i0, NR, tid, nt);
     };
-    issue(0);
-    for (int c = 0; c < nC; ++c) {
-        if (c + 1 < nC) { issue(c + 1); cp_wait<1>(); } else { cp_wait<0>(); }
-        __syncthreads();
-        const float* Rs = recs + (c & 1) * R::S_SIZE;
-        const floatX* Vs = vs + (c & 1) * L * (NR + 8);
+    ring_walk(nC, issue, [&](int c, int slot) {
+        const float* Rs = recs + slot * R::S_SIZE;
+        const floatX* Vs = vs + slot * L * (NR + 8);
         if (s0 != nullptr) {                                   // the state entering chunk c
             float* dst = s0 + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN;
             for (int e = lane; e < 2 * HN; e += 32) {
@@ -356,8 +373,7 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
 #pragma unroll
             for (int e = 0; e < 4; ++e) Sw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
         }
-        __syncthreads();
-    }
+    });
 }
 
 // =============================================================================================
@@ -376,24 +392,20 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
     const int nC = (T + L - 1) / L;
     const int i0 = p * NR, ri0 = wid * 8, ig = i0 + ri0;
     float* recs = sm;
-    floatX* ys = reinterpret_cast<floatX*>(sm + 2 * R::S_SIZE);        // dY rows [2][L][NR + 8]
+    floatX* ys = reinterpret_cast<floatX*>(sm + NS * R::S_SIZE);       // dY rows [NS][L][NR + 8]
     float* Gw = sm + state_smem_floats<R>(NR, 0) + wid * (8 * SP4 + L * 8);   // dS rows [8][SP4]
     float* Xw = Gw + 8 * SP4;                                                   // dX [L][8]
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
     check_smem<R>(NR, nt / 32);
 
     for (int e = lane; e < 8 * SP4; e += 32) Gw[e] = 0.f;
-    auto issue = [&](int c) {
-        const int slot = (nC - 1 - c) & 1;
+    auto issue = [&](int g, int slot) {                        // step g = chunk nC - 1 - g
+        const int c = nC - 1 - g;
         stage_record<R>(recs + slot * R::S_SIZE, recg + (long long)c * R::SIZE, tid, nt);
         stage_rows(ys + slot * L * (NR + 8), dy, bb, T, c, H, h, i0, NR, tid, nt);
-        cp_commit();
     };
-    issue(nC - 1);
-    for (int c = nC - 1; c >= 0; --c) {
-        if (c > 0) { issue(c - 1); cp_wait<1>(); } else { cp_wait<0>(); }
-        __syncthreads();
-        const int slot = (nC - 1 - c) & 1;
+    ring_walk(nC, issue, [&](int g, int slot) {
+        const int c = nC - 1 - g;
         const float* Rs = recs + slot * R::S_SIZE;
         const floatX* Ys = ys + slot * L * (NR + 8);
         {                                                      // dS at the end of chunk c
@@ -440,8 +452,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
 #pragma unroll
             for (int e = 0; e < 4; ++e) Gw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
         }
-        __syncthreads();
-    }
+    });
 }
 
 // =============================================================================================

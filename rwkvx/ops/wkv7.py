@@ -61,6 +61,7 @@ REDUCE_BLOCKS_PER_SM = 8
 METHODS = ("sequential", "chunked")
 CHUNKED_L = 16        # tokens per chunk of the chunked method
 CHUNKED_HEAD_SIZES = (32, 64)
+CHUNKED_STAGES = 3    # chunks of inputs in flight in the state passes (hides the record loads' latency)
 
 
 def _record_floats(N: int, n_square: int) -> int:
@@ -78,7 +79,7 @@ WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, sa_out=F32_OUT.opt(
 WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F32_IN,
                           dr=X_OUT, dw=X_OUT, dk=X_OUT, dv=X_OUT, da=X_OUT, db=X_OUT,
                           part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
-CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L}, variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES},
+CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES}, variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES},
                  derived=lambda v: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
                                     "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD)})
 WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, T=INT, H=INT,
@@ -181,10 +182,10 @@ def _chunked_work(B: int, T: int, H: int, N: int) -> dict[str, int]:
 def _state_smem_bytes(N: int, P: int, n_square: int, xtype: str) -> int:
     """Dynamic shared memory of wkv7c_forward_state / wkv7c_backward_state (state_smem_floats in
     rwkvx/cu/wkv7_chunked.cu, which traps when given less)."""
-    L, NR = CHUNKED_L, N // P
+    L, NR, NS = CHUNKED_L, N // P, CHUNKED_STAGES
     staged_record = 2 * L * (N + 4) + 2 * N * (L + 4) + n_square * L * (L + 4) + N
-    rows = -(-2 * L * (NR + 8) * ELEM_BYTES[xtype] // 4)
-    return 4 * (2 * staged_record + rows + NR // 8 * (8 * (N + 4) + L * 8))
+    rows = -(-NS * L * (NR + 8) * ELEM_BYTES[xtype] // 4)
+    return 4 * (NS * staged_record + rows + NR // 8 * (8 * (N + 4) + L * 8))
 
 
 def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None,
