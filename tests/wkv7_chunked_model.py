@@ -1,7 +1,8 @@
 """A numpy model of the chunked WKV7 kernels (rwkvx/cu/wkv7_chunked.cu), step for step: the same chunk
 length, the same intermediate matrices, the same split into an intra-chunk part, a sequential pass over
 chunk states and (backward) a per-chunk gradient part. ``rnd`` is applied where the kernels round an
-operand of a tensor-core product (tf32), so that the model also predicts the kernels' rounding error.
+operand of a tensor-core product (tf32), so that the model also predicts the kernels' rounding error
+(v and dy enter the products as hi + lo tf32 pairs: :func:`_split`).
 Tested against the float64 oracle in tests/test_wkv7_chunked_model.py; the GPU kernels are tested
 against the oracle directly (tests/gpu/test_wkv7.py).
 
@@ -35,6 +36,12 @@ def tf32(x: np.ndarray) -> np.ndarray:
 
 def identity(x):
     return x
+
+
+def _split(x, rnd):
+    """x as the kernels feed v and dy to the tensor cores: hi + lo parts, each rounded by ``rnd``."""
+    hi = rnd(x)
+    return hi.astype(np.float64) + rnd(x - hi)
 
 
 def _pad(x: np.ndarray, Tp: int, fill: float) -> np.ndarray:
@@ -78,15 +85,17 @@ def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64):
         o = intra(r[t], w[t], k[t], a[t], b[t], dt)
         S0[c] = S
         V = v[t]
-        Ut = rnd(o["Qa"]) @ rnd(S).T + rnd(o["Ca"]) @ rnd(V)
-        y[t] = rnd(o["Qr"]) @ rnd(S).T + rnd(o["Cr"]) @ rnd(V)
-        S = (o["PL"][:, None] * S.T + rnd(o["Kt"]).T @ rnd(V) + rnd(o["Bt"]).T @ rnd(Ut)).T
+        Vs = _split(V, rnd)
+        Ut = rnd(o["Qa"]) @ rnd(S).T + rnd(o["Ca"]) @ Vs
+        y[t] = rnd(o["Qr"]) @ rnd(S).T + rnd(o["Cr"]) @ Vs
+        S = (o["PL"][:, None] * S.T + rnd(o["Kt"]).T @ Vs + rnd(o["Bt"]).T @ rnd(Ut)).T
         U[t] = Ut
     return y[:T], U[:T], S0
 
 
 def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity):
-    """The key-space gradients of one chunk (all [L, N]): dr, dw, dk, da, db.
+    """The key-space gradients of one chunk (all [L, N]): dr, dw, dk, da, db; ``rnd`` rounds the operands
+    of the products with S0 and dS (on tensor cores in the kernel).
 
     The diagonal of Ark / Arb (r_t . k_t, r_t . b_t) does not depend on w: its gradient goes to dr, dk,
     db directly and stays out of the log-decay sums, where its two halves would only cancel (dw of the
@@ -94,12 +103,16 @@ def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity):
     dt = S0.dtype
     slow = np.tril(np.ones((L, L), dt), -1)
     rt, at, kh, bh, PL = o["rt"], o["at"], o["kh"], o["bh"], o["PL"]
-    dYV, dYU = dY @ V.T, dY @ U.T                                 # [t, s]: sum over value rows
+    def mm(x, y):                               # a product with S0 or dS (tensor cores)
+        return (rnd(x).astype(np.float64) @ rnd(y).astype(np.float64)).astype(dt)
+
+    # [t, s] in fp32: at small T each entry is a whole gradient's coefficient (tf32 would show)
+    dYV, dYU = dY @ V.T, dY @ U.T
     dArk, dArb = slow * dYV, slow * dYU
     dAak, dAab = slow * (dX @ V.T), slow * (dX @ U.T)
-    dKt, dBt = V @ dS, U @ dS                                     # S_L = V^T Kt + U^T Bt + ...
-    drt = dY @ S0 + dArk @ kh + dArb @ bh
-    dat = dX @ S0 + dAak @ kh + dAab @ bh
+    dKt, dBt = mm(V, dS), mm(U, dS)                               # S_L = V^T Kt + U^T Bt + ...
+    drt = mm(dY, S0) + dArk @ kh + dArb @ bh
+    dat = mm(dX, S0) + dAak @ kh + dAab @ bh
     dkh = dArk.T @ rt + dAak.T @ at + dKt * PL
     dbh = dArb.T @ rt + dAab.T @ at + dBt * PL
     dPL = (S0 * dS).sum(0) + (dKt * kh).sum(0) + (dBt * bh).sum(0)
@@ -127,10 +140,11 @@ def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64):
         t = slice(c * L, c * L + L)
         o = intra(r[t], w[t], k[t], a[t], b[t], dt)
         dY = dy[t]
-        dX = rnd(o["Qb"]) @ rnd(dS).T + rnd(o["Db"]) @ rnd(dY)
-        g["dv"][t] = rnd(o["Kt"]) @ rnd(dS).T + rnd(o["Ark"]).T @ rnd(dY) + rnd(o["Aak"]).T @ rnd(dX)
-        dS0 = (o["PL"][:, None] * dS.T + rnd(o["rt"]).T @ rnd(dY) + rnd(o["at"]).T @ rnd(dX)).T
-        for n, x in chunk_grads(o, S0[c], dS, U[t], v[t], dY, dX, r[t], w[t], k[t], b[t]).items():
+        dYs = _split(dY, rnd)
+        dX = rnd(o["Qb"]) @ rnd(dS).T + rnd(o["Db"]) @ dYs
+        g["dv"][t] = rnd(o["Kt"]) @ rnd(dS).T + rnd(o["Ark"]).T @ dYs + rnd(o["Aak"]).T @ rnd(dX)
+        dS0 = (o["PL"][:, None] * dS.T + rnd(o["rt"]).T @ dYs + rnd(o["at"]).T @ rnd(dX)).T
+        for n, x in chunk_grads(o, S0[c], dS, U[t], v[t], dY, dX, r[t], w[t], k[t], b[t], rnd).items():
             g[n][t] = x
         dS = dS0
     return tuple(g[n][:T] for n in ("dr", "dw", "dk", "dv", "da", "db"))

@@ -22,7 +22,8 @@
 //                         tf32 with fp32 accumulation; y, sa and the chunk-entering states S0 out.
 //   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
 //                         chunk-ending dS out.
-//   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (fp32, CUDA cores).
+//   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
+//                         rows with S0 and dS on tensor cores, the rest fp32 on CUDA cores).
 // The decay's part of S_L (diag(PL) S0) stays in fp32: only the new terms are rounded to tf32 each chunk.
 // Deterministic: no atomics, fixed summation orders.
 
@@ -92,31 +93,53 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// d (16 x 8) += A (16 x K) B (K x 8); A(m, k) and B(k, n) read the operands (shared memory)
-template <int K, class FA, class FB>
-__device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
+// The tf32 fragments of the 16x8 A tile and the 8x8 B tile at k0; A(m, k) and B(k, n) read the operands.
+template <class FA>
+__device__ __forceinline__ void frag_a(unsigned (&a)[4], FA A, int k0) {
     const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    a[0] = to_tf32(A(g, k0 + q)); a[1] = to_tf32(A(g + 8, k0 + q));
+    a[2] = to_tf32(A(g, k0 + q + 4)); a[3] = to_tf32(A(g + 8, k0 + q + 4));
+}
+template <class FB>
+__device__ __forceinline__ void frag_b(unsigned (&b)[2], FB B, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    b[0] = to_tf32(B(k0 + q, g)); b[1] = to_tf32(B(k0 + q + 4, g));
+}
+// B as hi + lo tf32 parts (~fp32 exact): for v and dy, whose per-element tf32 rounding would show in
+// gradients that are single dot products with them at small T
+template <class FB>
+__device__ __forceinline__ void frag_b_split(unsigned (&hi)[2], unsigned (&lo)[2], FB B, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const float x0 = B(k0 + q, g), x1 = B(k0 + q + 4, g);
+    hi[0] = to_tf32(x0); hi[1] = to_tf32(x1);
+    lo[0] = to_tf32(x0 - __uint_as_float(hi[0])); lo[1] = to_tf32(x1 - __uint_as_float(hi[1]));
+}
+// d (16 x 8) += A (16 x K) B (K x 8); SPLIT: B in hi + lo parts (two mma per k-step)
+template <int K, bool SPLIT = false, class FA, class FB>
+__device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 8) {
-        const unsigned a[4] = {to_tf32(A(g, k0 + q)), to_tf32(A(g + 8, k0 + q)), to_tf32(A(g, k0 + q + 4)),
-                               to_tf32(A(g + 8, k0 + q + 4))};
-        const unsigned b[2] = {to_tf32(B(k0 + q, g)), to_tf32(B(k0 + q + 4, g))};
+        unsigned a[4], b[2], lo[2];
+        frag_a(a, A, k0);
+        if constexpr (SPLIT) { frag_b_split(b, lo, B, k0); mma_tf32(d, a, lo); }
+        else frag_b(b, B, k0);
         mma_tf32(d, a, b);
     }
 }
 // d1 += A1 B and d2 += A2 B: one load and conversion of each B fragment for both
-template <int K, class FA1, class FA2, class FB>
+template <int K, bool SPLIT = false, class FA1, class FA2, class FB>
 __device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4], FA2 A2, FB B) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 8) {
-        const unsigned b[2] = {to_tf32(B(k0 + q, g)), to_tf32(B(k0 + q + 4, g))};
-        const unsigned a1[4] = {to_tf32(A1(g, k0 + q)), to_tf32(A1(g + 8, k0 + q)), to_tf32(A1(g, k0 + q + 4)),
-                                to_tf32(A1(g + 8, k0 + q + 4))};
-        mma_tf32(d1, a1, b);
-        const unsigned a2[4] = {to_tf32(A2(g, k0 + q)), to_tf32(A2(g + 8, k0 + q)), to_tf32(A2(g, k0 + q + 4)),
-                                to_tf32(A2(g + 8, k0 + q + 4))};
-        mma_tf32(d2, a2, b);
+        unsigned a[4], b[2], lo[2];
+        if constexpr (SPLIT) frag_b_split(b, lo, B, k0);
+        else frag_b(b, B, k0);
+        frag_a(a, A1, k0);
+        if constexpr (SPLIT) mma_tf32(d1, a, lo);
+        mma_tf32(d1, a, b);
+        frag_a(a, A2, k0);
+        if constexpr (SPLIT) mma_tf32(d2, a, lo);
+        mma_tf32(d2, a, b);
     }
 }
 // (row, column) of accumulator element e of a 16x8 tile
@@ -346,7 +369,7 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
         float u[4] = {0.f, 0.f, 0.f, 0.f}, yy[4] = {0.f, 0.f, 0.f, 0.f};
         mma_acc2<HN>(u, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; },             // Qa S0^T
                      yy, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Sb);  // Qr S0^T
-        mma_acc2<L>(u, [&](int m, int kk) { return Rs[R::S_LQ + m * R::KMP + kk]; },              // Ca V
+        mma_acc2<L, true>(u, [&](int m, int kk) { return Rs[R::S_LQ + m * R::KMP + kk]; },        // Ca V
                     yy, [&](int m, int kk) { return Rs[R::S_LQ + (L + m) * R::KMP + kk]; }, Vb);  // Cr V
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -368,7 +391,7 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
                 const int key = 16 * mt + acc_m(e);
                 d[e] = Rs[R::S_PL + key] * Sw[acc_n(e) * SP4 + key];
             }
-            mma_acc<L>(d, [&](int m, int kk) { return Rs[R::S_KM + (16 * mt + m) * R::KMP + kk]; }, Vb);        // Kt^T V
+            mma_acc<L, true>(d, [&](int m, int kk) { return Rs[R::S_KM + (16 * mt + m) * R::KMP + kk]; }, Vb);  // Kt^T V
             mma_acc<L>(d, [&](int m, int kk) { return Rs[R::S_KM + (HN + 16 * mt + m) * R::KMP + kk]; }, Ub);   // Bt^T U
 #pragma unroll
             for (int e = 0; e < 4; ++e) Sw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
@@ -424,7 +447,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         float xx[4] = {0.f, 0.f, 0.f, 0.f}, vv[4] = {0.f, 0.f, 0.f, 0.f};
         mma_acc2<HN>(xx, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; },            // Qb dS^T
                      vv, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Gb);  // Kt dS^T
-        mma_acc2<L>(xx, LQ(0), vv, LQ(1), Yb);                                                     // Db dY, Ark^T dY
+        mma_acc2<L, true>(xx, LQ(0), vv, LQ(1), Yb);                                               // Db dY, Ark^T dY
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int m = acc_m(e), n = acc_n(e), t = c * L + m;
@@ -447,7 +470,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
                 const int key = 16 * mt + acc_m(e);
                 d[e] = Rs[R::S_PL + key] * Gw[acc_n(e) * SP4 + key];
             }
-            mma_acc<L>(d, [&](int m, int kk) { return Rs[R::S_KM + (16 * mt + m) * R::KMP + kk]; }, Yb);        // rt^T dY
+            mma_acc<L, true>(d, [&](int m, int kk) { return Rs[R::S_KM + (16 * mt + m) * R::KMP + kk]; }, Yb);  // rt^T dY
             mma_acc<L>(d, [&](int m, int kk) { return Rs[R::S_KM + (HN + 16 * mt + m) * R::KMP + kk]; }, Xb);   // at^T dX
 #pragma unroll
             for (int e = 0; e < 4; ++e) Gw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
@@ -456,8 +479,11 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
 }
 
 // =============================================================================================
-// Per-chunk key-space gradients.  grid (n_c, H, B), block 4*N: thread (tq, j) = (tid / N, tid % N)
-// owns column j of tokens 4 tq .. 4 tq + 3.  sa = U (forward), s0 (forward), ds and dx (backward_state).
+// Per-chunk key-space gradients.  grid (n_c, H, B), block 4*N (N/8 warps): thread (tq, j) =
+// (tid / N, tid % N) owns column j of tokens 4 tq .. 4 tq + 3 in the element-wise parts; warp wq computes
+// keys 8 wq .. 8 wq + 7 of the products over the value rows dY S0, dX S0, V dS, U dS [L, N] (tensor cores,
+// tf32); dY V^T, dY U^T, dX V^T, dX U^T [L, L] are fp32 dot products.
+// sa = U (forward), s0 (forward), ds and dx (backward_state).
 //   drt = dY S0 + slower(dY V^T) kh + slower(dY U^T) bh,  dat = dX S0 + slower(dX V^T) kh + slower(dX U^T) bh,
 //   dkh = slower(dY V^T)^T rt + slower(dX V^T)^T at + (V dS) PL,  dbh = the same with U,
 //   dlog cw = drt rt - dkh kh - dbh bh,  dlog cx = dat at,  dlog PL = PL (sum_i S0 dS + sum_t (V dS) kh + (U dS) bh),
@@ -473,12 +499,15 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
                      floatX* __restrict__ dr, floatX* __restrict__ dw, floatX* __restrict__ dk,
                      floatX* __restrict__ da, floatX* __restrict__ db, int T, int H)
 {
-    constexpr int SP = HN + 1, TQ = L / 4;
+    constexpr int SP = HN + 4, TQ = L / 4, NW = HN / 8;
     __shared__ float rt[L][HN], at[L][HN], kh[L][HN], bh[L][HN], cw[L][HN], wv[L][HN];
-    __shared__ float Vs[L][SP], Us[L][SP], Ys[L][SP], Xs[L][SP];   // reused for dlog cw, dlog cx, E
+    // V, U, dY, dX (mma A operands); then dY S0, dX S0, V dS, U dS; then dlog cw, dlog cx, E
+    __shared__ __align__(16) float Vs[L][SP], Us[L][SP], Ys[L][SP], Xs[L][SP];
     __shared__ float dA[4][L][L + 1];                              // dY V^T, dY U^T, dX V^T, dX U^T
+    __shared__ float sds[HN];                                      // sum_i S0[i, j] dS[i, j]
     const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x, nt = blockDim.x;
     const int nC = gridDim.x, tq = tid / HN, j = tid % HN;
+    const int wq = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
 
     for (int e = tid; e < LN; e += nt) {
         const int t = e / HN, i = e % HN, tt = c * L + t;
@@ -507,8 +536,31 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
             bh[t][tid] /= p;
         }
     }
-    for (int e = tid; e < 4 * LL; e += nt) {         // dA = sum over value rows
-        const int m = e / LL, t = (e / L) % L, s = e % L;
+    float pYS[4] = {0.f, 0.f, 0.f, 0.f}, pXS[4] = {0.f, 0.f, 0.f, 0.f};
+    float pKt[4] = {0.f, 0.f, 0.f, 0.f}, pBt[4] = {0.f, 0.f, 0.f, 0.f};
+    {   // [L, N] products: B operands S0[i, 8 wq + n] and dS[i, 8 wq + n] straight from global memory
+        const long long base = ((long long)(bb * H + h) * nC + c) * HN * HN + 8 * wq + g;
+        const float* S0c = s0 + base;
+        const float* dSc = ds + base;
+        float sd = 0.f;
+#pragma unroll 2
+        for (int k0 = 0; k0 < HN; k0 += 8) {
+            const float s_0 = S0c[(k0 + q) * HN], s_1 = S0c[(k0 + q + 4) * HN];
+            const float g_0 = dSc[(k0 + q) * HN], g_1 = dSc[(k0 + q + 4) * HN];
+            sd = fmaf(s_1, g_1, fmaf(s_0, g_0, sd));
+            const unsigned bs[2] = {to_tf32(s_0), to_tf32(s_1)}, bg[2] = {to_tf32(g_0), to_tf32(g_1)};
+            unsigned af[4];
+            frag_a(af, [&](int m, int kk) { return Ys[m][kk]; }, k0); mma_tf32(pYS, af, bs);
+            frag_a(af, [&](int m, int kk) { return Xs[m][kk]; }, k0); mma_tf32(pXS, af, bs);
+            frag_a(af, [&](int m, int kk) { return Vs[m][kk]; }, k0); mma_tf32(pKt, af, bg);
+            frag_a(af, [&](int m, int kk) { return Us[m][kk]; }, k0); mma_tf32(pBt, af, bg);
+        }
+        sd += __shfl_xor_sync(0xffffffffu, sd, 1);   // the quad's 4 row subsets of column 8 wq + g
+        sd += __shfl_xor_sync(0xffffffffu, sd, 2);
+        if (q == 0) sds[8 * wq + g] = sd;
+    }
+    for (int e = tid; e < 4 * LL; e += nt) {         // [L, L] products in fp32: at small T each entry is
+        const int m = e / LL, t = (e / L) % L, s = e % L;   // a whole gradient's coefficient (no tf32 rounding)
         const float(*X)[SP] = m < 2 ? Ys : Xs;
         const float(*Y)[SP] = (m & 1) ? Us : Vs;
         float acc = 0.f;
@@ -516,30 +568,22 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
         for (int i = 0; i < HN; ++i) acc = fmaf(X[t][i], Y[s][i], acc);
         dA[m][t][s] = acc;
     }
-    // products with S0 and dS over the value rows: thread (tq, j), tokens 4 tq + tt
-    float dYS[TQ] = {}, dXS[TQ] = {}, dKt[TQ] = {}, dBt[TQ] = {}, sds = 0.f;
-    {
-        const long long base = ((long long)(bb * H + h) * nC + c) * HN * HN + j;
-        for (int i = 0; i < HN; ++i) {
-            const float s = s0[base + (long long)i * HN], g = ds[base + (long long)i * HN];
-            sds = fmaf(s, g, sds);
+    __syncthreads();                                 // V, U, dY, dX read: their space takes the products
+    float (*dYS)[SP] = Vs, (*dXS)[SP] = Us, (*dKt)[SP] = Ys, (*dBt)[SP] = Xs;
 #pragma unroll
-            for (int u = 0; u < TQ; ++u) {
-                const int t = TQ * tq + u;
-                dYS[u] = fmaf(Ys[t][i], s, dYS[u]);
-                dXS[u] = fmaf(Xs[t][i], s, dXS[u]);
-                dKt[u] = fmaf(Vs[t][i], g, dKt[u]);
-                dBt[u] = fmaf(Us[t][i], g, dBt[u]);
-            }
-        }
+    for (int e = 0; e < 4; ++e) {
+        const int m = acc_m(e), n = 8 * wq + acc_n(e);
+        dYS[m][n] = pYS[e]; dXS[m][n] = pXS[e]; dKt[m][n] = pKt[e]; dBt[m][n] = pBt[e];
     }
-    __syncthreads();                                 // cw, rt, at, kh, bh, dA ready; Vs .. Xs free after this
+    __syncthreads();
     const float PLj = cw[L - 1][j];
-    float drt[TQ], dat[TQ], dkh[TQ], dbh[TQ];
+    float drt[TQ], dat[TQ], dkh[TQ], dbh[TQ], kt[TQ], bt[TQ];
 #pragma unroll
     for (int u = 0; u < TQ; ++u) {
         const int t = TQ * tq + u;
-        float x0 = dYS[u], x1 = dXS[u], x2 = dKt[u] * PLj, x3 = dBt[u] * PLj;
+        kt[u] = dKt[t][j];
+        bt[u] = dBt[t][j];
+        float x0 = dYS[t][j], x1 = dXS[t][j], x2 = kt[u] * PLj, x3 = bt[u] * PLj;
         for (int s = 0; s < t; ++s) {
             x0 = fmaf(dA[0][t][s], kh[s][j], fmaf(dA[1][t][s], bh[s][j], x0));
             x1 = fmaf(dA[2][t][s], kh[s][j], fmaf(dA[3][t][s], bh[s][j], x1));
@@ -550,7 +594,7 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
         }
         drt[u] = x0; dat[u] = x1; dkh[u] = x2; dbh[u] = x3;
     }
-    __syncthreads();                                 // every thread has read Vs .. Xs
+    __syncthreads();                                 // every thread has its products: the space is reused
     float (*dlcw)[SP] = Vs, (*dlcx)[SP] = Us, (*E)[SP] = Ys;
 #pragma unroll
     for (int u = 0; u < TQ; ++u) {
@@ -558,7 +602,7 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
         const float kht = kh[t][j], bht = bh[t][j], rtt = rt[t][j], att = at[t][j], cwt = cw[t][j];
         dlcw[t][j] = drt[u] * rtt - dkh[u] * kht - dbh[u] * bht;
         dlcx[t][j] = dat[u] * att;
-        E[t][j] = dKt[u] * kht + dBt[u] * bht;
+        E[t][j] = kt[u] * kht + bt[u] * bht;
         if (tt < T) {
             const float dyv = dA[0][t][t], dyu = dA[1][t][t];    // dy_t . v_t, dy_t . u_t
             const long long o = tok(bb, T, tt, H, h) + j;
@@ -571,7 +615,7 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
     }
     __syncthreads();
     if (tid < HN) {                                  // reverse sums over the chunk's tokens, column j = tid
-        float pl = sds;
+        float pl = sds[tid];
         for (int t = 0; t < L; ++t) pl += E[t][tid];
         float acc = pl * cw[L - 1][tid], accx = 0.f;
         for (int t = L - 1; t >= 0; --t) {
