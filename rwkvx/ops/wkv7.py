@@ -1,4 +1,4 @@
-"""Launch builders for rwkvx/cu/wkv7.cu: the RWKV-7 WKV recurrence (forward and backward).
+"""Launch builders for rwkvx/cu/wkv7.cu and wkv7_chunked.cu: the RWKV-7 WKV recurrence (forward and backward).
 
 Per sequence b and head h (N = head size), S is N x N (row i = value index, column j = key index),
 S = 0 before t = 0::
@@ -40,7 +40,13 @@ state *entering* each chunk of 16 tokens, and it needs ``partials``, a work buff
 
 Splits: the forward splits the N state rows of each (b, h) over ``P_f`` blocks (rows are independent);
 the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become per-split partials).
-Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``.
+Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``. The
+chunked method's ``split`` is the row split of its state passes, forward and backward alike (8 rows per
+warp; :func:`chunked_split`).
+
+Why the chunked forward saves S0 (the state entering each chunk) rather than letting the backward
+recompute it: the backward's per-chunk gradient kernel needs S0 of every chunk at once (it runs over
+all chunks in parallel); recomputing them is a second sequential pass, as long as the forward's.
 """
 from __future__ import annotations
 
