@@ -258,21 +258,27 @@ def _wkv_flops(n: int) -> float:
 @pytest.mark.parametrize("xtype", XTYPES)
 @pytest.mark.parametrize("shape", list(WKV_SHAPES))
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_wkv7(benchmark, dev, xtype, shape, direction):
+@pytest.mark.parametrize("method", wkv7.METHODS)
+def test_wkv7(benchmark, dev, xtype, shape, direction, method):
+    """One row per method x element type x shape x direction. The roofline is the copy rate over the
+    bytes the op must move (inputs, outputs, what the forward saves for the backward): the chunked
+    method's work buffer (chunk records, dS) is traffic on top of that floor, so it lowers the share."""
     from rwkvx.runtime import Plan
     Bw, Tw, Hw = WKV_SHAPES[shape]
     b = Buffers(dev, xtype)
     inp, n = _wkv_inputs(b, Bw, Tw, Hw)
-    sizes = wkv7.scratch_elems(Bw, Tw, Hw, N, dev.info)
+    sizes = wkv7.scratch_elems(Bw, Tw, Hw, N, dev.info, method=method)
     sa, ckpt = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32")
-    fwd = wkv7.forward(*inp, b(n), Bw, Tw, Hw, N, dev.info, sa=sa, ckpt=ckpt)
+    part = b(sizes["partials"], "f32") if sizes["partials"] else None
+    extra = {"method": method, "partials": part} if method == "chunked" else {}
+    fwd = wkv7.forward(*inp, b(n), Bw, Tw, Hw, N, dev.info, sa=sa, ckpt=ckpt, **extra)
     saved_bytes = 4 * (sizes["sa"] + sizes["ckpt"])
     if direction == "forward":
         record(benchmark, dev, fwd, nbytes=7 * n * _x(xtype) + saved_bytes, flops=_wkv_flops(n))
         return
     Plan(dev, fwd).run()                          # real checkpoints of these inputs
-    part = b(sizes["partials"], "f32") if sizes["partials"] else None
-    ops = wkv7.backward(*inp, b(n), sa, ckpt, *[b(n) for _ in range(6)], Bw, Tw, Hw, N, dev.info, partials=part)
+    ops = wkv7.backward(*inp, b(n), sa, ckpt, *[b(n) for _ in range(6)], Bw, Tw, Hw, N, dev.info, partials=part,
+                        method=method)
     record(benchmark, dev, ops, nbytes=13 * n * _x(xtype) + saved_bytes, flops=2 * _wkv_flops(n))
 
 

@@ -25,3 +25,35 @@ def test_wkv7_builders_validate():
     assert ops[0].block == (64, 1, 1) and ops[0].grid == (4, 1, 1)
     assert W.scratch_elems(8, 4096, 12, 64, H200) == {"sa": 8 * 4096 * 12 * 64,
                                                        "ckpt": 8 * 12 * 512 * 64 * 64, "partials": 0}
+
+
+def test_wkv7_chunked_builders():
+    """method="chunked": validation, the launch lists, the work buffer and the state passes' shared memory."""
+    p = lambda i=1: DevPtr(16 * i, "f32")      # noqa: E731
+    with pytest.raises(ValueError):
+        W.forward(*[p()] * 7, 1, 10, 1, 64, H200, method="tiled")                 # unknown method
+    with pytest.raises(ValueError):
+        W.forward(*[p()] * 7, 1, 10, 1, 128, H200, method="chunked", partials=p())  # N not supported
+    with pytest.raises(ValueError):
+        W.forward(*[p()] * 7, 1, 10, 1, 64, H200, method="chunked")               # no work buffer
+    with pytest.raises(ValueError):
+        W.backward(*[p()] * 15, 1, 10, 1, 64, H200, method="chunked", partials=p(), split=16)
+    ops = W.forward(*[p()] * 7, 2, 33, 3, 64, H200, sa=p(), ckpt=p(), method="chunked", partials=p())
+    assert [o.name for o in ops] == ["wkv7c_intra", "wkv7c_forward_state"]
+    assert ops[0].grid == (3, 3, 2) and ops[1].grid == (8, 3, 2) and ops[1].block == (32, 1, 1)
+    ops = W.backward(*[p()] * 15, 8, 4096, 12, 64, H200, method="chunked", partials=p())
+    assert [o.name for o in ops] == ["wkv7c_intra", "wkv7c_backward_state", "wkv7c_backward_grads"]
+    assert ops[1].grid == (1, 12, 8) and ops[1].block == (256, 1, 1) and ops[2].grid == (256, 12, 8)
+    for op in ops:
+        assert op.smem <= H200.smem_per_block
+    sizes = W.scratch_elems(8, 4096, 12, 64, H200, method="chunked")
+    nc = 8 * 12 * 256
+    assert sizes["ckpt"] == nc * 64 * 64 and sizes["sa"] == 8 * 4096 * 12 * 64
+    assert sizes["partials"] == nc * W._record_floats(64, W.BWD_RECORD) + nc * 64 * 64 + 8 * 4096 * 12 * 64
+
+
+def test_wkv7_chunked_split_fills_the_device():
+    """Small B*H splits the state rows over more blocks (>= one warp of 8 rows each)."""
+    assert W.chunked_split(8, 12, 64, H200) == 1
+    assert W.chunked_split(1, 12, 64, H200) == 8
+    assert W.chunked_split(1, 1, 32, H200) == 4

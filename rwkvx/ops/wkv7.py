@@ -1,4 +1,4 @@
-"""Launch builders for rwkvx/cu/wkv7.cu: the RWKV-7 WKV recurrence (forward and backward).
+"""Launch builders for rwkvx/cu/wkv7.cu and wkv7_chunked.cu: the RWKV-7 WKV recurrence (forward and backward).
 
 Per sequence b and head h (N = head size), S is N x N (row i = value index, column j = key index),
 S = 0 before t = 0::
@@ -29,15 +29,32 @@ Sizes: :func:`scratch_elems`. Use::
 All gradients are *written* (not accumulated). Deterministic (no atomics): with P > 1 the per-split
 partial sums are added in a fixed order (split 0, then 1, ..., P-1) by ``wkv7_backward_reduce``.
 
+Methods (``method=``): ``"sequential"`` (rwkvx/cu/wkv7.cu, the default: one token at a time, fp32) and
+``"chunked"`` (rwkvx/cu/wkv7_chunked.cu, N in {32, 64}: chunks of CHUNKED_L = 16 tokens, intra-chunk
+operators for all chunks in parallel, a sequential pass over chunk states with its products on tensor
+cores in tf32, the backward's per-chunk gradients in parallel again; for the ``tf32`` and ``bf16``
+precisions, error ~1e-3 against float64). The two methods save different things: ``sa``/``ckpt`` of
+one method are only valid for the backward of the same method. The chunked method's ``ckpt`` holds the
+state *entering* each chunk of 16 tokens, and it needs ``partials``, a work buffer of
+:func:`scratch_elems`, in the forward and in the backward.
+
 Splits: the forward splits the N state rows of each (b, h) over ``P_f`` blocks (rows are independent);
 the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become per-split partials).
-Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``.
+Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``. The
+chunked method's ``split`` is the row split of its state passes, forward and backward alike (8 rows per
+warp; :func:`chunked_split`).
+
+Why the chunked forward saves S0 (the state entering each chunk) rather than letting the backward
+recompute it: the backward's per-chunk gradient kernel needs S0 of every chunk at once (it runs over
+all chunks in parallel); recomputing them is a second sequential pass, as long as the forward's.
 """
 from __future__ import annotations
 
 import math
 
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, LONG, X_IN, X_OUT, KernelFile
+
+from rwkvx.runtime.dtypes import ELEM_BYTES
 
 from ._common import DeviceInfo, check_buffers
 
@@ -47,6 +64,19 @@ CHUNK = 8             # checkpoint interval in tokens (the backward steps back a
 BWD_MAXT = 256        # backward threads per block at most (N = 128 needs P_b >= 2)
 REDUCE_BLOCKS_PER_SM = 8
 
+METHODS = ("sequential", "chunked")
+CHUNKED_L = 16        # tokens per chunk of the chunked method
+CHUNKED_HEAD_SIZES = (32, 64)
+CHUNKED_STAGES = 3    # chunks of inputs in flight in the state passes (hides the record loads' latency)
+
+
+def _record_floats(N: int, n_square: int) -> int:
+    """fp32 size of one chunk record of wkv7c_intra: 4 [L, N] sections, n_square [L, L] ones, PL [N]."""
+    return 4 * CHUNKED_L * N + n_square * CHUNKED_L * CHUNKED_L + N
+
+
+FWD_RECORD, BWD_RECORD = 2, 3     # [L, L] sections of the forward / backward record
+
 CU = KernelFile("wkv7", constants={"WKV_Q": Q, "WKV_CHUNK": CHUNK, "WKV_BWD_MAXT": BWD_MAXT},
                 variants={"HEAD_SIZE": HEAD_SIZES})
 _RWKVAB = dict(r=X_IN, w=X_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN)
@@ -55,13 +85,32 @@ WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, sa_out=F32_OUT.opt(
 WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F32_IN,
                           dr=X_OUT, dw=X_OUT, dk=X_OUT, dv=X_OUT, da=X_OUT, db=X_OUT,
                           part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
+CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES}, variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES},
+                 derived=lambda v: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
+                                    "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD)})
+WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, T=INT, H=INT,
+                         mode=INT)
+WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),
+                                 s0=F32_OUT.opt(), T=INT, H=INT)
+WKV7C_BACKWARD_STATE = CUC.kernel("wkv7c_backward_state", rec=F32_IN, dy=X_IN, dv=X_OUT, dx=F32_OUT, ds=F32_OUT,
+                                  T=INT, H=INT)
+WKV7C_BACKWARD_GRADS = CUC.kernel("wkv7c_backward_grads", **_RWKVAB, dy=X_IN, sa=F32_IN, s0=F32_IN, ds=F32_IN,
+                                  dx=F32_IN, dr=X_OUT, dw=X_OUT, dk=X_OUT, da=X_OUT, db=X_OUT, T=INT, H=INT)
 WKV7_BACKWARD_REDUCE = CU.kernel("wkv7_backward_reduce", part=F32_IN, dr=X_OUT, dw=X_OUT, dk=X_OUT,
                                  da=X_OUT, db=X_OUT, n=LONG, P=INT)
 
 
-def n_chunks(T: int) -> int:
-    """Checkpointed chunks of a sequence of T tokens."""
-    return (int(T) + CHUNK - 1) // CHUNK
+def n_chunks(T: int, method: str = "sequential") -> int:
+    """Checkpointed chunks of a sequence of T tokens (CHUNK tokens each, CHUNKED_L for the chunked method)."""
+    size = CHUNKED_L if method == "chunked" else CHUNK
+    return (int(T) + size - 1) // size
+
+
+def _check_method(method: str, N: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"wkv7: method must be one of {METHODS}, got {method!r}")
+    if method == "chunked" and N not in CHUNKED_HEAD_SIZES:
+        raise ValueError(f"wkv7: the chunked method supports head sizes {CHUNKED_HEAD_SIZES}, got N={N}")
 
 
 def _check(B: int, T: int, H: int, N: int) -> None:
@@ -114,15 +163,54 @@ def backward_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
     return best
 
 
-def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None) -> dict[str, int]:
+def _chunked_splits(N: int) -> list[int]:
+    return [p for p in (1, 2, 4, 8) if N // p >= 8]          # >= one warp (8 state rows) per block
+
+
+def chunked_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
+    """Default state-pass row split of the chunked method: the smallest P with B*H*P blocks on at least
+    half of the SMs (else the largest P). Each warp owns 8 state rows whatever P is; a larger P only
+    re-reads each chunk record once more per block (memory traffic), so it is used to fill the device."""
+    ok = _chunked_splits(N)
+    for p in ok:
+        if 2 * B * H * p >= dev.sm_count:
+            return p
+    return ok[-1]
+
+
+def _chunked_work(B: int, T: int, H: int, N: int) -> dict[str, int]:
+    """The chunked method's work buffer: the forward's records, or the backward's records, dS, dX."""
+    nc = B * H * n_chunks(T, "chunked")
+    return {"frec": nc * _record_floats(N, FWD_RECORD), "brec": nc * _record_floats(N, BWD_RECORD),
+            "ds": nc * N * N, "dx": B * T * H * N}
+
+
+def _state_smem_bytes(N: int, P: int, n_square: int, xtype: str) -> int:
+    """Dynamic shared memory of wkv7c_forward_state / wkv7c_backward_state (state_smem_floats in
+    rwkvx/cu/wkv7_chunked.cu, which traps when given less)."""
+    L, NR, NS = CHUNKED_L, N // P, CHUNKED_STAGES
+    staged_record = 2 * L * (N + 4) + 2 * N * (L + 4) + n_square * L * (L + 4) + N
+    rows = -(-NS * L * (NR + 8) * ELEM_BYTES[xtype] // 4)
+    return 4 * (NS * staged_record + rows + NR // 8 * (8 * (N + 4) + L * 8))
+
+
+def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None,
+                  method: str = "sequential") -> dict[str, int]:
     """fp32 scratch sizes in elements::
 
         sa       [B, T, H, N]               forward -> backward (sa_t of every token)
         ckpt     [B, H, ceil(T/CHUNK), N, N]  forward -> backward (state checkpoints)
         partials [5, P, B, T, H, N]         backward scratch, 0 when the backward split P == 1
 
-    ``split`` is the backward split (default :func:`backward_split`)."""
+    ``split`` is the backward split (default :func:`backward_split`). For ``method="chunked"``: ckpt is
+    [B, H, ceil(T/16), N, N] (the states entering the chunks) and partials the work buffer of the forward
+    and the backward (chunk records; dS and dX), whatever the split."""
     _check(B, T, H, N)
+    _check_method(method, N)
+    if method == "chunked":
+        work = _chunked_work(B, T, H, N)
+        return {"sa": B * T * H * N, "ckpt": B * H * n_chunks(T, method) * N * N,
+                "partials": max(work["frec"], work["brec"] + work["ds"] + work["dx"])}
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7: backward split {P} not allowed for N={N} (one of {_backward_splits(N)})")
@@ -134,16 +222,33 @@ def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | 
 # ------------------------------------------------------------------------------------------------
 # launches
 # ------------------------------------------------------------------------------------------------
+def _split(split: int | None, default: int, allowed: list[int], what: str, N: int) -> int:
+    P = default if split is None else int(split)
+    if P not in allowed:
+        raise ValueError(f"{what}: split {P} not allowed for N={N} (one of {allowed})")
+    return P
+
+
 def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo, sa=None, ckpt=None,
-            split: int | None = None) -> list:
+            split: int | None = None, method: str = "sequential", partials=None) -> list:
     """wkv7_forward: y = WKV(r, w, k, v, a, b), and with ``sa`` and ``ckpt`` what the backward needs
-    (see module doc)."""
+    (see module doc). ``method="chunked"`` also needs ``partials`` (the work buffer)."""
     _check(B, T, H, N)
+    _check_method(method, N)
     check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y)
     if (sa is None) != (ckpt is None):
         raise ValueError("wkv7.forward: pass both sa and ckpt (for a backward) or neither")
     if sa is not None:
         check_buffers("wkv7.forward", sa=sa, ckpt=ckpt)
+    if method == "chunked":
+        check_buffers("wkv7.forward", partials=partials)
+        P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.forward", N)
+        variant, nc = {"HEAD_SIZE": N}, n_chunks(T, method)
+        return [WKV7C_INTRA.launch((nc, H, B), (256, 1, 1), xtype=r.elem, variant=variant,
+                                   r=r, w=w, k=k, a=a, b=b, rec=partials, T=T, H=H, mode=0),
+                WKV7C_FORWARD_STATE.launch((P, H, B), (4 * N // P, 1, 1), xtype=r.elem, variant=variant,
+                                           smem=_state_smem_bytes(N, P, FWD_RECORD, r.elem),
+                                           rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, T=T, H=H)]
     P = forward_split(B, H, N, dev) if split is None else int(split)
     if P not in _forward_splits(N):
         raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
@@ -152,14 +257,18 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
 
 
 def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
-             dev: DeviceInfo, partials=None, split: int | None = None) -> list:
+             dev: DeviceInfo, partials=None, split: int | None = None, method: str = "sequential") -> list:
     """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
 
-    ``sa`` and ``ckpt`` from :func:`forward` on the same inputs; (P > 1) ``partials`` is scratch of
-    :func:`scratch_elems` with the same ``split``."""
+    ``sa`` and ``ckpt`` from :func:`forward` on the same inputs with the same ``method``; (P > 1 or
+    ``method="chunked"``) ``partials`` is scratch of :func:`scratch_elems` with the same ``split``."""
     _check(B, T, H, N)
+    _check_method(method, N)
     check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt,
                   dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
+    if method == "chunked":
+        return _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
+                                 partials, split)
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7.backward: split {P} not allowed for N={N} (one of {_backward_splits(N)})")
@@ -176,3 +285,23 @@ def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: 
         ops.append(WKV7_BACKWARD_REDUCE.launch((grid, 1, 1), (256, 1, 1), xtype=r.elem, variant=variant,
                                                part=partials, **grads, n=n, P=P))
     return ops
+
+
+def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev, partials,
+                      split) -> list:
+    """The chunked method's backward: records, the reverse state pass (dv, dX, dS), the per-chunk gradients."""
+    check_buffers("wkv7.backward", partials=partials)
+    P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.backward", N)
+    work = _chunked_work(B, T, H, N)
+    rec = partials
+    ds = partials.offset(work["brec"])
+    dx = ds.offset(work["ds"])
+    variant, nc = {"HEAD_SIZE": N}, n_chunks(T, "chunked")
+    x = dict(xtype=r.elem, variant=variant)
+    return [WKV7C_INTRA.launch((nc, H, B), (256, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec, T=T, H=H, mode=1),
+            WKV7C_BACKWARD_STATE.launch((P, H, B), (4 * N // P, 1, 1), **x,
+                                        smem=_state_smem_bytes(N, P, BWD_RECORD, r.elem),
+                                        rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),
+            WKV7C_BACKWARD_GRADS.launch((nc, H, B), (4 * N, 1, 1), **x, r=r, w=w, k=k, v=v, a=a, b=b, dy=dy,
+                                        sa=sa, s0=ckpt, ds=ds, dx=dx, dr=dr, dw=dw, dk=dk, da=da, db=db,
+                                        T=T, H=H)]

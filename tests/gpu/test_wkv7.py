@@ -5,7 +5,9 @@ bit-identical runs).
 Inputs are realistic: r, k, v ~ 0.5 N(0,1); kk unit-norm per head, a = -kk, b = kk * a_rate with a_rate
 in (0,1); w = exp(-e^-0.5 * sigmoid(z + shift)), z ~ N(0,1): shift 0 by default, -4 for decays near 1
 (long memory, large states), +8 for decays at the clamp's lower end exp(-e^-0.5) (the backward's
-step-back amplifies rounding most there). fp32 limits: y 1e-5, gradients 1e-4."""
+step-back amplifies rounding most there). fp32 limits: y 1e-5, gradients 1e-4. The chunked method
+(tensor cores, tf32 products) is held to 5e-3 with fp32 inputs (the issue's tf32 limit) and to SPEC's
+bf16 limit with bf16 inputs."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +18,7 @@ from rwkvx.config import DECAY_SCALE
 from rwkvx.oracle import wkv7_backward, wkv7_forward
 from rwkvx.ops import wkv7 as W
 
-FWD_TOL = 1e-5
-BWD_TOL = 1e-4
+TOLS = {"sequential": (1e-5, 1e-4), "chunked": (5e-3, 5e-3)}      # (y, gradients) with fp32 inputs
 GRADS = ("dr", "dw", "dk", "dv", "da", "db")
 
 
@@ -36,28 +37,36 @@ def make_inputs(B, T, H, N, rng, shift=0.0):
     return x, rng.standard_normal(shp)
 
 
-def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=None):
+def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=None, method="sequential"):
     """Forward + backward of one case; ``heads`` limits the twin check to (sequence 0, those heads)."""
     x, dy = make_inputs(B, T, H, N, np.random.default_rng(), shift)
     shp = (B, T, H, N)
     inp = {n: case.input(n, x[n]) for n in "rwkvab"}
     pdy = case.input("dy", dy)
-    P = W.backward_split(B, H, N, dev.info) if bsplit is None else bsplit
-    sizes = W.scratch_elems(B, T, H, N, dev.info, split=P)
+    chunked = method == "chunked"
+    if bsplit is None:
+        bsplit = W.chunked_split(B, H, N, dev.info) if chunked else W.backward_split(B, H, N, dev.info)
+    P = bsplit
+    sizes = W.scratch_elems(B, T, H, N, dev.info, split=None if chunked else P, method=method)
     y = case.output("y", shp)
     sa, ckpt = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
     part = case.scratch("partials", sizes["partials"]) if sizes["partials"] else None
     outs = {n: case.output(n, shp) for n in GRADS}
-    ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ckpt, split=fsplit)
+    extra = dict(method=method, partials=part) if chunked else {}
+    ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ckpt, split=fsplit, **extra)
     ops += W.backward(*inp.values(), pdy, sa, ckpt, *(outs[n] for n in GRADS), B, T, H, N, dev.info,
-                      partials=part, split=P)
+                      partials=part, split=P, **({"method": method} if chunked else {}))
     out = case.run(ops)
     sel = (slice(None),) if heads is None else (slice(0, 1), slice(None), slice(0, heads))
     seen = {n: np.ascontiguousarray(case.seen[n][sel]) for n in (*"rwkvab", "dy")}
     args = tuple(seen[n] for n in "rwkvab")
-    errs = {"y": check("y", out["y"][sel], wkv7_forward(*args), tolerance(case.xtype, FWD_TOL))}
+    fwd_tol, bwd_tol = TOLS[method]
+    errs = {"y": check("y", out["y"][sel], wkv7_forward(*args), tolerance(case.xtype, fwd_tol))}
     for n, g in zip(GRADS, wkv7_backward(*args, seen["dy"])):
-        errs[n] = check(f"{n} (P={P})", out[n][sel], g, tolerance(case.xtype, BWD_TOL))
+        if T == 1 and n == "dw":                 # dw_0 = 0 exactly (S_{-1} = 0): no relative error
+            assert not out[n][sel].any(), "dw of the first token must be 0"
+            continue
+        errs[n] = check(f"{n} (P={P})", out[n][sel], g, tolerance(case.xtype, bwd_tol))
     return out, errs
 
 
@@ -134,3 +143,82 @@ def test_wkv7_model_shapes(case, dev, B, T):
     _, errs = run_case(case, dev, B, T, 12, 64, heads=2)
     print(f"\nwkv7 {case.xtype} B={B} T={T}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
 
+
+
+# ------------------------------------------------------------------------------------------------ chunked
+CHUNKED_SHAPES = [  # (B, T, H, N): B*H from 1x1 to 8x12, T = 1, < 16, 16 + 1, long
+    (1, 1, 1, 64), (2, 3, 2, 64), (1, 15, 1, 64), (2, 16, 1, 64), (1, 17, 2, 64), (3, 100, 2, 64), (2, 37, 3, 32),
+    (1, 1024, 1, 64), (1, 4096, 2, 64), (8, 64, 12, 64), (8, 33, 12, 32),
+]
+
+
+@pytest.mark.parametrize("B,T,H,N", CHUNKED_SHAPES, ids=[f"B{b}-T{t}-H{h}-N{n}" for b, t, h, n in CHUNKED_SHAPES])
+def test_wkv7_chunked(case, dev, B, T, H, N):
+    run_case(case, dev, B, T, H, N, method="chunked")
+
+
+@pytest.mark.parametrize("shift", [SLOW, FAST], ids=["slow", "fast"])
+@pytest.mark.parametrize("N", [32, 64])
+def test_wkv7_chunked_decay_extremes(case, dev, shift, N):
+    """Decays near 1 (large states) and at the clamp's lower end (1/cw up to 1.6e4 inside a chunk)."""
+    run_case(case, dev, 2, 1000, 2, N, shift=shift, method="chunked")
+
+
+@pytest.mark.parametrize("N", [32, 64])
+def test_wkv7_chunked_all_splits(dev, xtype, N):
+    """Every state-pass row split gives the same y, sa, ckpt and gradients bit for bit."""
+    B, T, H = 2, 75, 2
+    x, dy = make_inputs(B, T, H, N, np.random.default_rng())
+    shp = (B, T, H, N)
+    runs = []
+    for P in W._chunked_splits(N):
+        case = KernelCase(dev, xtype)
+        inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+        sizes = W.scratch_elems(B, T, H, N, dev.info, method="chunked")
+        y = case.output("y", shp)
+        sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
+        part = case.scratch("partials", sizes["partials"])
+        outs = [case.output(n, shp) for n in GRADS]
+        ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, split=P, method="chunked",
+                        partials=part)
+        ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
+                          split=P, method="chunked")
+        runs.append(case.run(ops))
+    for P, out in zip(W._chunked_splits(N)[1:], runs[1:]):
+        for name in ("y", "sa", "ckpt", *GRADS):
+            assert np.array_equal(out[name], runs[0][name], equal_nan=True), f"{name} differs for split {P}"
+
+
+def test_wkv7_chunked_inference_forward(case, dev):
+    """Without sa/ckpt the chunked forward gives the same y bit for bit; ckpt slot c is the state
+    entering chunk c (checked through y of the chunk's first token)."""
+    B, T, H, N = 2, 40, 2, 64
+    x, _ = make_inputs(B, T, H, N, np.random.default_rng())
+    inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+    sizes = W.scratch_elems(B, T, H, N, dev.info, method="chunked")
+    y0, y1 = case.output("y0", (B, T, H, N)), case.output("y1", (B, T, H, N))
+    sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
+    part = case.scratch("partials", sizes["partials"])
+    ops = W.forward(*inp.values(), y0, B, T, H, N, dev.info, method="chunked", partials=part)
+    ops += W.forward(*inp.values(), y1, B, T, H, N, dev.info, sa=sa, ckpt=ck, method="chunked", partials=part)
+    out = case.run(ops)
+    assert np.array_equal(out["y0"], out["y1"])
+    seen = {n: case.seen[n] for n in "rwkvab"}
+    S0 = out["ckpt"].reshape(B, H, W.n_chunks(T, "chunked"), N, N)
+    assert not S0[:, :, 0].any()
+    c = 2                                                   # chunk 2 starts at token 32
+    t = c * W.CHUNKED_L
+    S = S0[:, :, c]
+    sa_t = np.einsum("bhij,bhj->bhi", S, seen["a"][:, t])
+    check("sa from ckpt", out["sa"].reshape(B, T, H, N)[:, t], sa_t, 5e-3)
+    S1 = (S * seen["w"][:, t][:, :, None, :] + sa_t[..., None] * seen["b"][:, t][:, :, None, :]
+          + seen["v"][:, t][..., None] * seen["k"][:, t][:, :, None, :])
+    check("y from ckpt", out["y1"][:, t], np.einsum("bhij,bhj->bhi", S1, seen["r"][:, t]),
+          tolerance(case.xtype, 5e-3))
+
+
+@pytest.mark.parametrize("B,T", [(8, 4096), (1, 16384)])
+def test_wkv7_chunked_model_shapes(case, dev, B, T):
+    """The 0.22B config's shapes (H=12, N=64), sequence 0 heads 0-1 against the twin, errors printed."""
+    _, errs = run_case(case, dev, B, T, 12, 64, heads=2, method="chunked")
+    print(f"\nwkv7 chunked {case.xtype} B={B} T={T}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))

@@ -1,0 +1,628 @@
+// rwkvx/cu/wkv7_chunked.cu -- RWKV-7 WKV recurrence in chunked form, state products on tensor cores.
+//
+// Same recurrence and layouts as rwkvx/cu/wkv7.cu (S is N x N, row i = value, column j = key):
+//     sa_t = S_{t-1} a_t ;  S_t = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T ;  y_t = S_t r_t
+// Per chunk of L = 16 tokens with entering state S0 and cw_t = prod_{s<=t} w_s, cx_t = cw_t / w_t,
+// PL = cw_{L-1}:  rt = r cw, at = a cx, kh = k / cw, bh = b / cw  (w >= exp(-e^-0.5), the decay clamp,
+// bounds 1/cw <= 1.6e4: no overflow at L = 16);
+//     Aab = slower(at bh^T), Aak = slower(at kh^T), Arb = lower(rt bh^T), Ark = lower(rt kh^T),
+//     M = (I - Aab)^-1  (unit lower triangular, forward substitution in fp32);
+//     Qa = M at, Ca = M Aak, Qr = rt + Arb Qa, Cr = Ark + Arb Ca, Kt = kh PL, Bt = bh PL;
+//     U = Qa S0^T + Ca V  (U's rows are sa_t) ;  Y = Qr S0^T + Cr V ;  S_L^T = diag(PL) S0^T + Kt^T V + Bt^T U.
+// Backward (dS = dL/dS_L from the later chunks):  Qb = M^T Bt, Db = (Arb M)^T,
+//     dX = Qb dS^T + Db dY ;  dV = Kt dS^T + Ark^T dY + Aak^T dX ;  dS0^T = diag(PL) dS^T + rt^T dY + at^T dX,
+// and per chunk the key-space gradients from S0, dS, U, V, dY, dX (wkv7c_backward_grads).
+// tests/wkv7_chunked_model.py is the numpy model of exactly these steps (checked against the oracle).
+//
+// Kernels (n_c = ceil(T/L) chunks; the last one is padded logically: w = 1, r = k = v = a = b = dy = 0):
+//   wkv7c_intra           grid (n_c, H, B): the chunk operators above (fp32, CUDA cores), all chunks at once,
+//                         into a record per chunk (forward or backward set, `mode`).
+//   wkv7c_forward_state   grid (P, H, B): the sequential pass. Warp = 8 value rows of S (rows are independent
+//                         given the records), fp32 state in shared memory, products on mma.sync m16n8k8
+//                         tf32 with fp32 accumulation; y, sa and the chunk-entering states S0 out.
+//   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
+//                         chunk-ending dS out.
+//   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
+//                         rows with S0 and dS on tensor cores, the rest fp32 on CUDA cores).
+// The decay's part of S_L (diag(PL) S0) stays in fp32: only the new terms are rounded to tf32 each chunk.
+// Deterministic: no atomics, fixed summation orders.
+
+#include "common.cuh"
+#if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC)
+#error "wkv7_chunked.cu: HEAD_SIZE, WKV_L, WKV_STAGES, WKV_FREC and WKV_BREC come from rwkvx/ops/wkv7.py"
+#endif
+
+namespace wkv7c {
+
+constexpr int HN = HEAD_SIZE;
+constexpr int L = WKV_L;
+constexpr int LN = L * HN, LL = L * L;
+constexpr int NS = WKV_STAGES;                  // chunks of inputs staged (in flight) in the state passes
+static_assert(NS >= 2, "the state passes need at least double buffering");
+static_assert(L == 16, "the mma tiling assumes chunks of 16 tokens");
+static_assert(HN == 32 || HN == 64, "the chunked kernels support head sizes 32 and 64");
+
+// A chunk record: two token-major [L][HN] sections, two key-major [HN][L] sections, NLL [L][L]
+// sections, PL [HN]. Forward: Qa, Qr | Kt^T, Bt^T | Ca, Cr.  Backward: Qb, Kt | rt^T, at^T | Db, Ark^T, Aak^T.
+template <int NLL>
+struct Rec {
+    static constexpr int TM = 0, KM = 2 * LN, LQ = 4 * LN, PL = 4 * LN + NLL * LL, SIZE = PL + HN;
+    // the same sections in shared memory, rows padded by 4 floats (conflict-free fragment loads)
+    static constexpr int TMP = HN + 4, KMP = L + 4;
+    static constexpr int S_TM = 0, S_KM = 2 * L * TMP, S_LQ = S_KM + 2 * HN * KMP, S_PL = S_LQ + NLL * L * KMP,
+                         S_SIZE = S_PL + HN;
+};
+using FRec = Rec<2>;
+using BRec = Rec<3>;
+static_assert(FRec::SIZE == WKV_FREC && BRec::SIZE == WKV_BREC, "record sizes disagree with rwkvx/ops/wkv7.py");
+
+__device__ __forceinline__ long long tok(int bb, int T, int t, int H, int h) {   // element of (bb, t, h, 0)
+    return (((long long)bb * T + t) * H + h) * HN;
+}
+
+// ---- cp.async -----------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned r;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp8(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int K>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(K) : "memory"); }
+// 4 elements of floatX
+__device__ __forceinline__ void cp4x(float* d, const float* s) { cp16(d, s); }
+__device__ __forceinline__ void cp4x(__nv_bfloat16* d, const __nv_bfloat16* s) { cp8(d, s); }
+
+// ---- mma.sync m16n8k8 tf32 (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32) --------------------
+// g = lane / 4, q = lane % 4.  A 16x8 (row): a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4).
+// B 8x8 (col): b0 (q, g), b1 (q+4, g).  C/D 16x8: c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q), c3 (g+8, 2q+1).
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// The tf32 fragments of the 16x8 A tile and the 8x8 B tile at k0; A(m, k) and B(k, n) read the operands.
+template <class FA>
+__device__ __forceinline__ void frag_a(unsigned (&a)[4], FA A, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    a[0] = to_tf32(A(g, k0 + q)); a[1] = to_tf32(A(g + 8, k0 + q));
+    a[2] = to_tf32(A(g, k0 + q + 4)); a[3] = to_tf32(A(g + 8, k0 + q + 4));
+}
+template <class FB>
+__device__ __forceinline__ void frag_b(unsigned (&b)[2], FB B, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    b[0] = to_tf32(B(k0 + q, g)); b[1] = to_tf32(B(k0 + q + 4, g));
+}
+// B as hi + lo tf32 parts (~fp32 exact): for v and dy, whose per-element tf32 rounding would show in
+// gradients that are single dot products with them at small T
+template <class FB>
+__device__ __forceinline__ void frag_b_split(unsigned (&hi)[2], unsigned (&lo)[2], FB B, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const float x0 = B(k0 + q, g), x1 = B(k0 + q + 4, g);
+    hi[0] = to_tf32(x0); hi[1] = to_tf32(x1);
+    lo[0] = to_tf32(x0 - __uint_as_float(hi[0])); lo[1] = to_tf32(x1 - __uint_as_float(hi[1]));
+}
+// d (16 x 8) += A (16 x K) B (K x 8); SPLIT: B in hi + lo parts (two mma per k-step)
+template <int K, bool SPLIT = false, class FA, class FB>
+__device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned a[4], b[2], lo[2];
+        frag_a(a, A, k0);
+        if constexpr (SPLIT) { frag_b_split(b, lo, B, k0); mma_tf32(d, a, lo); }
+        else frag_b(b, B, k0);
+        mma_tf32(d, a, b);
+    }
+}
+// d1 += A1 B and d2 += A2 B: one load and conversion of each B fragment for both
+template <int K, bool SPLIT = false, class FA1, class FA2, class FB>
+__device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4], FA2 A2, FB B) {
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned a[4], b[2], lo[2];
+        if constexpr (SPLIT) frag_b_split(b, lo, B, k0);
+        else frag_b(b, B, k0);
+        frag_a(a, A1, k0);
+        if constexpr (SPLIT) mma_tf32(d1, a, lo);
+        mma_tf32(d1, a, b);
+        frag_a(a, A2, k0);
+        if constexpr (SPLIT) mma_tf32(d2, a, lo);
+        mma_tf32(d2, a, b);
+    }
+}
+// (row, column) of accumulator element e of a 16x8 tile
+__device__ __forceinline__ int acc_m(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
+__device__ __forceinline__ int acc_n(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
+
+// Stage one chunk record (global, dense) into shared memory (padded rows), cp.async.
+template <class R>
+__device__ __forceinline__ void stage_record(float* dst, const float* src, int tid, int nt) {
+    constexpr int TM4 = HN / 4, KM4 = L / 4;
+    for (int e = tid; e < 2 * L * TM4; e += nt) {              // token-major sections
+        const int row = e / TM4, c4 = e - row * TM4;
+        cp16(dst + R::S_TM + row * R::TMP + 4 * c4, src + R::TM + row * HN + 4 * c4);
+    }
+    constexpr int KROWS = 2 * HN + (R::PL - R::LQ) / L;        // key-major rows, then the [L][L] rows
+    for (int e = tid; e < KROWS * KM4; e += nt) {
+        const int row = e / KM4, c4 = e - row * KM4;
+        cp16(dst + R::S_KM + row * R::KMP + 4 * c4, src + R::KM + row * L + 4 * c4);
+    }
+    for (int e = tid; e < HN / 4; e += nt) cp16(dst + R::S_PL + 4 * e, src + R::PL + 4 * e);
+}
+
+// Stage rows [i0, i0 + NR) of tokens c*L .. c*L+L-1 of one floatX [B,T,H,N] tensor into dst [L][NR + 8]
+// (zeros beyond T).
+__device__ __forceinline__ void stage_rows(floatX* dst, const floatX* src, int bb, int T, int c, int H, int h,
+                                           int i0, int NR, int tid, int nt) {
+    const int R4 = NR / 4;
+    for (int e = tid; e < L * R4; e += nt) {
+        const int sl = e / R4, c4 = e - sl * R4, t = c * L + sl;
+        floatX* d = dst + sl * (NR + 8) + 4 * c4;
+        if (t < T) cp4x(d, src + tok(bb, T, t, H, h) + i0 + 4 * c4);
+        else { d[0] = from_f32(0.f); d[1] = from_f32(0.f); d[2] = from_f32(0.f); d[3] = from_f32(0.f); }
+    }
+}
+
+}  // namespace wkv7c
+
+using namespace wkv7c;
+
+// =============================================================================================
+// Chunk operators.  grid (n_c, H, B), block 256.  rec [B, H, n_c, REC]: mode 0 the forward record
+// (FRec), mode 1 the backward record (BRec).
+// =============================================================================================
+extern "C" __global__ void __launch_bounds__(256)
+wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+            const floatX* __restrict__ a, const floatX* __restrict__ b, float* __restrict__ rec,
+            int T, int H, int mode)
+{
+    constexpr int SP = HN + 1, LP = L + 1;          // padded strides: column-varying dot products
+    __shared__ float rt[L][SP], at[L][SP], kh[L][SP], bh[L][SP], Qa[L][SP];
+    __shared__ float Aab[L][LP], Aak[L][LP], Arb[L][LP], Ark[L][LP], Mi[L][LP], Ca[L][LP];
+    __shared__ float PL[HN];
+    const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x, nt = blockDim.x;
+    const int nC = gridDim.x;
+
+    if (tid < HN) {                                  // one column: the decay products in token order
+        float p = 1.f;
+#pragma unroll
+        for (int t = 0; t < L; ++t) {
+            const int tt = c * L + t;
+            const bool in = tt < T;
+            const long long o = in ? tok(bb, T, tt, H, h) + tid : 0;
+            const float cx = p;
+            p *= in ? to_f32(w[o]) : 1.f;
+            rt[t][tid] = in ? to_f32(r[o]) * p : 0.f;
+            at[t][tid] = in ? to_f32(a[o]) * cx : 0.f;
+            kh[t][tid] = in ? to_f32(k[o]) / p : 0.f;
+            bh[t][tid] = in ? to_f32(b[o]) / p : 0.f;
+        }
+        PL[tid] = p;
+    }
+    __syncthreads();
+    for (int e = tid; e < 4 * LL; e += nt) {         // Aab, Aak (strictly lower), Arb, Ark (lower)
+        const int m = e / LL, t = (e / L) % L, s = e % L;
+        const float(*X)[SP] = m < 2 ? at : rt;
+        const float(*Y)[SP] = (m & 1) ? kh : bh;
+        float acc = 0.f;
+        if (m < 2 ? s < t : s <= t) {
+#pragma unroll 8
+            for (int j = 0; j < HN; ++j) acc = fmaf(X[t][j], Y[s][j], acc);
+        }
+        float(*D)[LP] = m == 0 ? Aab : (m == 1 ? Aak : (m == 2 ? Arb : Ark));
+        D[t][s] = acc;
+    }
+    __syncthreads();
+    if (tid < L) {                                   // column s of M = (I - Aab)^-1: M = I + Aab M
+        const int s = tid;
+        for (int t = 0; t < L; ++t) {
+            float acc = t == s ? 1.f : 0.f;
+            for (int u = s; u < t; ++u) acc = fmaf(Aab[t][u], Mi[u][s], acc);
+            Mi[t][s] = t >= s ? acc : 0.f;
+        }
+    }
+    __syncthreads();
+    float* out = rec + ((long long)(bb * H + h) * nC + c) * (mode == 0 ? FRec::SIZE : BRec::SIZE);
+    if (mode == 0) {
+        using R = FRec;
+        for (int e = tid; e < LN; e += nt) {         // Qa = M at
+            const int t = e / HN, j = e % HN;
+            float acc = 0.f;
+            for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], at[u][j], acc);
+            Qa[t][j] = acc;
+            out[R::TM + e] = acc;
+            out[R::KM + j * L + t] = kh[t][j] * PL[j];              // Kt^T
+            out[R::KM + LN + j * L + t] = bh[t][j] * PL[j];         // Bt^T
+        }
+        for (int e = tid; e < LL; e += nt) {         // Ca = M Aak
+            const int t = e / L, s = e % L;
+            float acc = 0.f;
+            for (int u = s + 1; u <= t; ++u) acc = fmaf(Mi[t][u], Aak[u][s], acc);
+            Ca[t][s] = acc;
+            out[R::LQ + e] = acc;
+        }
+        __syncthreads();
+        for (int e = tid; e < LN; e += nt) {         // Qr = rt + Arb Qa
+            const int t = e / HN, j = e % HN;
+            float acc = rt[t][j];
+            for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], Qa[u][j], acc);
+            out[R::TM + LN + e] = acc;
+        }
+        for (int e = tid; e < LL; e += nt) {         // Cr = Ark + Arb Ca
+            const int t = e / L, s = e % L;
+            float acc = Ark[t][s];
+            for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], Ca[u][s], acc);
+            out[R::LQ + LL + e] = acc;
+        }
+        for (int e = tid; e < HN; e += nt) out[R::PL + e] = PL[e];
+    } else {
+        using R = BRec;
+        for (int e = tid; e < LN; e += nt) {
+            const int t = e / HN, j = e % HN;
+            float acc = 0.f;                         // Qb = M^T Bt
+            for (int u = t; u < L; ++u) acc = fmaf(Mi[u][t], bh[u][j], acc);
+            out[R::TM + e] = acc * PL[j];
+            out[R::TM + LN + e] = kh[t][j] * PL[j];                 // Kt
+            out[R::KM + j * L + t] = rt[t][j];                      // rt^T
+            out[R::KM + LN + j * L + t] = at[t][j];                 // at^T
+        }
+        for (int e = tid; e < LL; e += nt) {
+            const int t = e / L, s = e % L;
+            float acc = 0.f;                         // Db[t][s] = (Arb M)[s][t]
+            for (int u = t; u <= s; ++u) acc = fmaf(Arb[s][u], Mi[u][t], acc);
+            out[R::LQ + e] = acc;
+            out[R::LQ + LL + e] = Ark[s][t];                        // Ark^T
+            out[R::LQ + 2 * LL + e] = Aak[s][t];                    // Aak^T
+        }
+        for (int e = tid; e < HN; e += nt) out[R::PL + e] = PL[e];
+    }
+}
+
+namespace wkv7c {
+// Shared memory of the state passes (floats): NS staged records, NS staged [L][NR + 8] floatX row
+// tiles, and per warp its 8 rows of the carried state [8][HN + 4] and one [L][8] tile.
+template <class R>
+__host__ __device__ constexpr int state_smem_floats(int NR, int nw) {
+    return NS * R::S_SIZE + (NS * L * (NR + 8) * (int)sizeof(floatX) + 3) / 4 + nw * (8 * (HN + 4) + L * 8);
+}
+// The chunk walk of a state pass: body(g, slot) for steps g = 0..G-1 while the inputs of steps
+// g+1 .. g+NS-1 are being copied in; issue(g, slot) starts step g's copies into ring slot g % NS
+// (one commit group per step, empty past the end so that the wait count stays NS - 1).
+template <class Issue, class Body>
+__device__ __forceinline__ void ring_walk(int G, Issue issue, Body body) {
+#pragma unroll
+    for (int s = 0; s < NS - 1; ++s) {
+        if (s < G) issue(s, s);
+        cp_commit();
+    }
+    for (int g = 0; g < G; ++g) {
+        if (g + NS - 1 < G) issue(g + NS - 1, (g + NS - 1) % NS);
+        cp_commit();
+        cp_wait<NS - 1>();
+        __syncthreads();
+        body(g, g % NS);
+        __syncthreads();                     // slot g % NS is refilled at step g + 1
+    }
+}
+constexpr int SP4 = HN + 4;     // stride of the per-warp state rows
+// The launch must give the dynamic shared memory this layout needs (rwkvx/ops/wkv7.py computes it).
+template <class R>
+__device__ __forceinline__ void check_smem(int NR, int nw) {
+    unsigned have;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < 4u * state_smem_floats<R>(NR, nw)) __trap();
+}
+}  // namespace wkv7c
+
+// =============================================================================================
+// Forward sequential pass.  grid (P, H, B), block (N/P/8) warps; block p owns rows p*N/P .. +N/P-1.
+// rec: forward records of wkv7c_intra.  y [B,T,H,N]; sa_out [B,T,H,N] fp32 and s0 [B,H,n_c,N,N] fp32
+// (the state entering each chunk), both or neither NULL.  Dynamic shared memory: state_smem_floats.
+// =============================================================================================
+extern "C" __global__ void __launch_bounds__(HN * 4)
+wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v, floatX* __restrict__ y,
+                    float* __restrict__ sa_out, float* __restrict__ s0, int T, int H)
+{
+    using R = FRec;
+    extern __shared__ __align__(16) float sm[];
+    const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
+    const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x, wid = tid >> 5, lane = tid & 31;
+    const int nC = (T + L - 1) / L;
+    const int i0 = p * NR, ri0 = wid * 8, ig = i0 + ri0;       // block's rows; warp's rows (local, global)
+    float* recs = sm;                                           // [NS][R::S_SIZE]
+    floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::S_SIZE); // [NS][L][NR + 8]
+    float* Sw = sm + state_smem_floats<R>(NR, 0) + wid * (8 * SP4 + L * 8);   // [8][SP4]
+    float* Uw = Sw + 8 * SP4;                                                   // [L][8]
+    const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
+    check_smem<R>(NR, nt / 32);
+
+    for (int e = lane; e < 8 * SP4; e += 32) Sw[e] = 0.f;
+    auto issue = [&](int c, int slot) {
+        stage_record<R>(recs + slot * R::S_SIZE, recg + (long long)c * R::SIZE, tid, nt);
+        stage_rows(vs + slot * L * (NR + 8), v, bb, T, c, H, h, i0, NR, tid, nt);
+    };
+    ring_walk(nC, issue, [&](int c, int slot) {
+        const float* Rs = recs + slot * R::S_SIZE;
+        const floatX* Vs = vs + slot * L * (NR + 8);
+        if (s0 != nullptr) {                                   // the state entering chunk c
+            float* dst = s0 + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN;
+            for (int e = lane; e < 2 * HN; e += 32) {
+                const int row = e / (HN / 4), c4 = e % (HN / 4);
+                const float* s = Sw + row * SP4 + 4 * c4;
+                *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = make_float4(s[0], s[1], s[2], s[3]);
+            }
+        }
+        auto Sb = [&](int kk, int n) { return Sw[n * SP4 + kk]; };                    // S0^T (key, row)
+        auto Vb = [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); };  // V (token, row)
+        float u[4] = {0.f, 0.f, 0.f, 0.f}, yy[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_acc2<HN>(u, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; },             // Qa S0^T
+                     yy, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Sb);  // Qr S0^T
+        mma_acc2<L, true>(u, [&](int m, int kk) { return Rs[R::S_LQ + m * R::KMP + kk]; },        // Ca V
+                    yy, [&](int m, int kk) { return Rs[R::S_LQ + (L + m) * R::KMP + kk]; }, Vb);  // Cr V
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int m = acc_m(e), n = acc_n(e), t = c * L + m;
+            Uw[m * 8 + n] = u[e];
+            if (t < T) {
+                const long long o = tok(bb, T, t, H, h) + ig + n;
+                y[o] = from_f32(yy[e]);
+                if (sa_out != nullptr) sa_out[o] = u[e];
+            }
+        }
+        __syncwarp();
+        auto Ub = [&](int kk, int n) { return Uw[kk * 8 + n]; };                       // U (token, row)
+#pragma unroll
+        for (int mt = 0; mt < HN / 16; ++mt) {               // S_L^T rows 16 mt .. 16 mt + 15 (keys)
+            float d[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = 16 * mt + acc_m(e);
+                d[e] = Rs[R::S_PL + key] * Sw[acc_n(e) * SP4 + key];
+            }
+            mma_acc<L, true>(d, [&](int m, int kk) { return Rs[R::S_KM + (16 * mt + m) * R::KMP + kk]; }, Vb);  // Kt^T V
+            mma_acc<L>(d, [&](int m, int kk) { return Rs[R::S_KM + (HN + 16 * mt + m) * R::KMP + kk]; }, Ub);   // Bt^T U
+#pragma unroll
+            for (int e = 0; e < 4; ++e) Sw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
+        }
+    });
+}
+
+// =============================================================================================
+// Backward sequential pass (chunks in reverse).  grid (P, H, B), block (N/P/8) warps.
+// rec: backward records of wkv7c_intra.  dv [B,T,H,N] (complete); dx [B,T,H,N] fp32; ds [B,H,n_c,N,N]
+// fp32 = dL/dS at the end of each chunk through the later chunks.  Dynamic shared memory: state_smem_floats.
+// =============================================================================================
+extern "C" __global__ void __launch_bounds__(HN * 4)
+wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ dy, floatX* __restrict__ dv,
+                     float* __restrict__ dx, float* __restrict__ ds, int T, int H)
+{
+    using R = BRec;
+    extern __shared__ __align__(16) float sm[];
+    const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
+    const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x, wid = tid >> 5, lane = tid & 31;
+    const int nC = (T + L - 1) / L;
+    const int i0 = p * NR, ri0 = wid * 8, ig = i0 + ri0;
+    float* recs = sm;
+    floatX* ys = reinterpret_cast<floatX*>(sm + NS * R::S_SIZE);       // dY rows [NS][L][NR + 8]
+    float* Gw = sm + state_smem_floats<R>(NR, 0) + wid * (8 * SP4 + L * 8);   // dS rows [8][SP4]
+    float* Xw = Gw + 8 * SP4;                                                   // dX [L][8]
+    const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
+    check_smem<R>(NR, nt / 32);
+
+    for (int e = lane; e < 8 * SP4; e += 32) Gw[e] = 0.f;
+    auto issue = [&](int g, int slot) {                        // step g = chunk nC - 1 - g
+        const int c = nC - 1 - g;
+        stage_record<R>(recs + slot * R::S_SIZE, recg + (long long)c * R::SIZE, tid, nt);
+        stage_rows(ys + slot * L * (NR + 8), dy, bb, T, c, H, h, i0, NR, tid, nt);
+    };
+    ring_walk(nC, issue, [&](int g, int slot) {
+        const int c = nC - 1 - g;
+        const float* Rs = recs + slot * R::S_SIZE;
+        const floatX* Ys = ys + slot * L * (NR + 8);
+        {                                                      // dS at the end of chunk c
+            float* dst = ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN;
+            for (int e = lane; e < 2 * HN; e += 32) {
+                const int row = e / (HN / 4), c4 = e % (HN / 4);
+                const float* s = Gw + row * SP4 + 4 * c4;
+                *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = make_float4(s[0], s[1], s[2], s[3]);
+            }
+        }
+        auto Gb = [&](int kk, int n) { return Gw[n * SP4 + kk]; };                     // dS^T (key, row)
+        auto Yb = [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); };  // dY (token, row)
+        auto LQ = [&](int sec) {
+            return [=](int m, int kk) { return Rs[R::S_LQ + (sec * L + m) * R::KMP + kk]; };
+        };
+        float xx[4] = {0.f, 0.f, 0.f, 0.f}, vv[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_acc2<HN>(xx, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; },            // Qb dS^T
+                     vv, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Gb);  // Kt dS^T
+        mma_acc2<L, true>(xx, LQ(0), vv, LQ(1), Yb);                                               // Db dY, Ark^T dY
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int m = acc_m(e), n = acc_n(e), t = c * L + m;
+            Xw[m * 8 + n] = xx[e];
+            if (t < T) dx[tok(bb, T, t, H, h) + ig + n] = xx[e];
+        }
+        __syncwarp();
+        auto Xb = [&](int kk, int n) { return Xw[kk * 8 + n]; };                       // dX (token, row)
+        mma_acc<L>(vv, LQ(2), Xb);                                                                 // Aak^T dX
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int t = c * L + acc_m(e);
+            if (t < T) dv[tok(bb, T, t, H, h) + ig + acc_n(e)] = from_f32(vv[e]);
+        }
+#pragma unroll
+        for (int mt = 0; mt < HN / 16; ++mt) {               // dS0^T rows 16 mt .. 16 mt + 15 (keys)
+            float d[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = 16 * mt + acc_m(e);
+                d[e] = Rs[R::S_PL + key] * Gw[acc_n(e) * SP4 + key];
+            }
+            mma_acc<L, true>(d, [&](int m, int kk) { return Rs[R::S_KM + (16 * mt + m) * R::KMP + kk]; }, Yb);  // rt^T dY
+            mma_acc<L>(d, [&](int m, int kk) { return Rs[R::S_KM + (HN + 16 * mt + m) * R::KMP + kk]; }, Xb);   // at^T dX
+#pragma unroll
+            for (int e = 0; e < 4; ++e) Gw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
+        }
+    });
+}
+
+// =============================================================================================
+// Per-chunk key-space gradients.  grid (n_c, H, B), block 4*N (N/8 warps): thread (tq, j) =
+// (tid / N, tid % N) owns column j of tokens 4 tq .. 4 tq + 3 in the element-wise parts; warp wq computes
+// keys 8 wq .. 8 wq + 7 of the products over the value rows dY S0, dX S0, V dS, U dS [L, N] (tensor cores,
+// tf32); dY V^T, dY U^T, dX V^T, dX U^T [L, L] are fp32 dot products.
+// sa = U (forward), s0 (forward), ds and dx (backward_state).
+//   drt = dY S0 + slower(dY V^T) kh + slower(dY U^T) bh,  dat = dX S0 + slower(dX V^T) kh + slower(dX U^T) bh,
+//   dkh = slower(dY V^T)^T rt + slower(dX V^T)^T at + (V dS) PL,  dbh = the same with U,
+//   dlog cw = drt rt - dkh kh - dbh bh,  dlog cx = dat at,  dlog PL = PL (sum_i S0 dS + sum_t (V dS) kh + (U dS) bh),
+//   dlog w_s = sum_{t>=s} dlog cw_t + sum_{t>s} dlog cx_t + dlog PL,  dw = dlog w / w,
+//   dr = drt cw, da = dat cx, dk = dkh / cw, db = dbh / cw; the diagonal of Ark, Arb (no decay in it)
+//   adds k (dy.v) + b (dy.u) to dr, r (dy.v) to dk and r (dy.u) to db outside the log-decay sums.
+// =============================================================================================
+extern "C" __global__ void __launch_bounds__(HN * 4)
+wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+                     const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
+                     const floatX* __restrict__ dy, const float* __restrict__ sa, const float* __restrict__ s0,
+                     const float* __restrict__ ds, const float* __restrict__ dx,
+                     floatX* __restrict__ dr, floatX* __restrict__ dw, floatX* __restrict__ dk,
+                     floatX* __restrict__ da, floatX* __restrict__ db, int T, int H)
+{
+    constexpr int SP = HN + 4, TQ = L / 4, NW = HN / 8;
+    __shared__ float rt[L][HN], at[L][HN], kh[L][HN], bh[L][HN], cw[L][HN], wv[L][HN];
+    // V, U, dY, dX (mma A operands); then dY S0, dX S0, V dS, U dS; then dlog cw, dlog cx, E
+    __shared__ __align__(16) float Vs[L][SP], Us[L][SP], Ys[L][SP], Xs[L][SP];
+    __shared__ float dA[4][L][L + 1];                              // dY V^T, dY U^T, dX V^T, dX U^T
+    __shared__ float sds[HN];                                      // sum_i S0[i, j] dS[i, j]
+    const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x, nt = blockDim.x;
+    const int nC = gridDim.x, tq = tid / HN, j = tid % HN;
+    const int wq = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+
+    for (int e = tid; e < LN; e += nt) {
+        const int t = e / HN, i = e % HN, tt = c * L + t;
+        const bool in = tt < T;
+        const long long o = in ? tok(bb, T, tt, H, h) + i : 0;
+        Vs[t][i] = in ? to_f32(v[o]) : 0.f;
+        Us[t][i] = in ? sa[o] : 0.f;
+        Ys[t][i] = in ? to_f32(dy[o]) : 0.f;
+        Xs[t][i] = in ? dx[o] : 0.f;
+        wv[t][i] = in ? to_f32(w[o]) : 1.f;
+        rt[t][i] = in ? to_f32(r[o]) : 0.f;
+        at[t][i] = in ? to_f32(a[o]) : 0.f;
+        kh[t][i] = in ? to_f32(k[o]) : 0.f;
+        bh[t][i] = in ? to_f32(b[o]) : 0.f;
+    }
+    __syncthreads();
+    if (tid < HN) {                                  // the same decay products as wkv7c_intra
+        float p = 1.f;
+        for (int t = 0; t < L; ++t) {
+            const float cx = p;
+            p *= wv[t][tid];
+            cw[t][tid] = p;
+            rt[t][tid] *= p;
+            at[t][tid] *= cx;
+            kh[t][tid] /= p;
+            bh[t][tid] /= p;
+        }
+    }
+    float pYS[4] = {0.f, 0.f, 0.f, 0.f}, pXS[4] = {0.f, 0.f, 0.f, 0.f};
+    float pKt[4] = {0.f, 0.f, 0.f, 0.f}, pBt[4] = {0.f, 0.f, 0.f, 0.f};
+    {   // [L, N] products: B operands S0[i, 8 wq + n] and dS[i, 8 wq + n] straight from global memory
+        const long long base = ((long long)(bb * H + h) * nC + c) * HN * HN + 8 * wq + g;
+        const float* S0c = s0 + base;
+        const float* dSc = ds + base;
+        float sd = 0.f;
+#pragma unroll 2
+        for (int k0 = 0; k0 < HN; k0 += 8) {
+            const float s_0 = S0c[(k0 + q) * HN], s_1 = S0c[(k0 + q + 4) * HN];
+            const float g_0 = dSc[(k0 + q) * HN], g_1 = dSc[(k0 + q + 4) * HN];
+            sd = fmaf(s_1, g_1, fmaf(s_0, g_0, sd));
+            const unsigned bs[2] = {to_tf32(s_0), to_tf32(s_1)}, bg[2] = {to_tf32(g_0), to_tf32(g_1)};
+            unsigned af[4];
+            frag_a(af, [&](int m, int kk) { return Ys[m][kk]; }, k0); mma_tf32(pYS, af, bs);
+            frag_a(af, [&](int m, int kk) { return Xs[m][kk]; }, k0); mma_tf32(pXS, af, bs);
+            frag_a(af, [&](int m, int kk) { return Vs[m][kk]; }, k0); mma_tf32(pKt, af, bg);
+            frag_a(af, [&](int m, int kk) { return Us[m][kk]; }, k0); mma_tf32(pBt, af, bg);
+        }
+        sd += __shfl_xor_sync(0xffffffffu, sd, 1);   // the quad's 4 row subsets of column 8 wq + g
+        sd += __shfl_xor_sync(0xffffffffu, sd, 2);
+        if (q == 0) sds[8 * wq + g] = sd;
+    }
+    for (int e = tid; e < 4 * LL; e += nt) {         // [L, L] products in fp32: at small T each entry is
+        const int m = e / LL, t = (e / L) % L, s = e % L;   // a whole gradient's coefficient (no tf32 rounding)
+        const float(*X)[SP] = m < 2 ? Ys : Xs;
+        const float(*Y)[SP] = (m & 1) ? Us : Vs;
+        float acc = 0.f;
+#pragma unroll 8
+        for (int i = 0; i < HN; ++i) acc = fmaf(X[t][i], Y[s][i], acc);
+        dA[m][t][s] = acc;
+    }
+    __syncthreads();                                 // V, U, dY, dX read: their space takes the products
+    float (*dYS)[SP] = Vs, (*dXS)[SP] = Us, (*dKt)[SP] = Ys, (*dBt)[SP] = Xs;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int m = acc_m(e), n = 8 * wq + acc_n(e);
+        dYS[m][n] = pYS[e]; dXS[m][n] = pXS[e]; dKt[m][n] = pKt[e]; dBt[m][n] = pBt[e];
+    }
+    __syncthreads();
+    const float PLj = cw[L - 1][j];
+    float drt[TQ], dat[TQ], dkh[TQ], dbh[TQ], kt[TQ], bt[TQ];
+#pragma unroll
+    for (int u = 0; u < TQ; ++u) {
+        const int t = TQ * tq + u;
+        kt[u] = dKt[t][j];
+        bt[u] = dBt[t][j];
+        float x0 = dYS[t][j], x1 = dXS[t][j], x2 = kt[u] * PLj, x3 = bt[u] * PLj;
+        for (int s = 0; s < t; ++s) {
+            x0 = fmaf(dA[0][t][s], kh[s][j], fmaf(dA[1][t][s], bh[s][j], x0));
+            x1 = fmaf(dA[2][t][s], kh[s][j], fmaf(dA[3][t][s], bh[s][j], x1));
+        }
+        for (int s = t + 1; s < L; ++s) {
+            x2 = fmaf(dA[0][s][t], rt[s][j], fmaf(dA[2][s][t], at[s][j], x2));
+            x3 = fmaf(dA[1][s][t], rt[s][j], fmaf(dA[3][s][t], at[s][j], x3));
+        }
+        drt[u] = x0; dat[u] = x1; dkh[u] = x2; dbh[u] = x3;
+    }
+    __syncthreads();                                 // every thread has its products: the space is reused
+    float (*dlcw)[SP] = Vs, (*dlcx)[SP] = Us, (*E)[SP] = Ys;
+#pragma unroll
+    for (int u = 0; u < TQ; ++u) {
+        const int t = TQ * tq + u, tt = c * L + t;
+        const float kht = kh[t][j], bht = bh[t][j], rtt = rt[t][j], att = at[t][j], cwt = cw[t][j];
+        dlcw[t][j] = drt[u] * rtt - dkh[u] * kht - dbh[u] * bht;
+        dlcx[t][j] = dat[u] * att;
+        E[t][j] = kt[u] * kht + bt[u] * bht;
+        if (tt < T) {
+            const float dyv = dA[0][t][t], dyu = dA[1][t][t];    // dy_t . v_t, dy_t . u_t
+            const long long o = tok(bb, T, tt, H, h) + j;
+            const float cxt = t > 0 ? cw[t - 1][j] : 1.f;
+            dr[o] = from_f32((drt[u] + kht * dyv + bht * dyu) * cwt);
+            dk[o] = from_f32((dkh[u] + rtt * dyv) / cwt);
+            db[o] = from_f32((dbh[u] + rtt * dyu) / cwt);
+            da[o] = from_f32(dat[u] * cxt);
+        }
+    }
+    __syncthreads();
+    if (tid < HN) {                                  // reverse sums over the chunk's tokens, column j = tid
+        float pl = sds[tid];
+        for (int t = 0; t < L; ++t) pl += E[t][tid];
+        float acc = pl * cw[L - 1][tid], accx = 0.f;
+        for (int t = L - 1; t >= 0; --t) {
+            acc += dlcw[t][tid];
+            const int tt = c * L + t;
+            if (tt < T) dw[tok(bb, T, tt, H, h) + tid] = from_f32((acc + accx) / wv[t][tid]);
+            accx += dlcx[t][tid];
+        }
+    }
+}

@@ -1,0 +1,67 @@
+"""The chunked WKV7 algorithm of rwkvx/cu/wkv7_chunked.cu, as its numpy model tests/wkv7_chunked_model.py,
+against the float64 oracle: exact in float64 (<= 1e-10), and in float32 with the kernels' tf32 operand
+rounding within the GPU tests' limits (the tf32 limit 5e-3, with a margin: <= 2e-3), for T not a multiple
+of the chunk (1, 15, 17, 40), decays near both ends of their range, head sizes 32 and 64."""
+import numpy as np
+import pytest
+
+import wkv7_chunked_model as CM
+from rwkvx.config import DECAY_SCALE
+from rwkvx.oracle import rel_err, wkv7_backward, wkv7_forward
+
+GRADS = ("dr", "dw", "dk", "dv", "da", "db")
+
+
+def _inputs(T, N, rng, shift):
+    """One (sequence, head) as the model's [1, T, 1, N] tensors: the GPU tests' input distribution."""
+    sig = lambda z: 1.0 / (1.0 + np.exp(-z))     # noqa: E731
+    shp = (1, T, 1, N)
+    kk = rng.standard_normal(shp)
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    w = np.exp(-DECAY_SCALE * sig(rng.standard_normal(shp) + shift))
+    x = dict(r=0.5 * rng.standard_normal(shp), w=w, k=0.5 * rng.standard_normal(shp),
+             v=0.5 * rng.standard_normal(shp), a=-kk, b=kk * sig(rng.standard_normal(shp)))
+    return x, rng.standard_normal(shp)
+
+
+CASES = [(1, 64, 0.0), (15, 64, 0.0), (17, 32, 0.0), (40, 64, -4.0), (40, 64, 8.0), (200, 64, 0.0),
+         (100, 32, 8.0)]
+
+
+@pytest.mark.parametrize("T,N,shift", CASES, ids=[f"T{t}-N{n}-s{s:g}" for t, n, s in CASES])
+@pytest.mark.parametrize("prec", ["f64", "tf32"])
+def test_chunked_model_matches_oracle(T, N, shift, prec):
+    x, dy = _inputs(T, N, np.random.default_rng(), shift)
+    args = [x[n] for n in "rwkvab"]
+    want_y, want_g = wkv7_forward(*args), wkv7_backward(*args, dy)
+    one = [z[0, :, 0] for z in args]
+    rnd, dt, tol = (CM.identity, np.float64, 1e-10) if prec == "f64" else (CM.tf32, np.float32, 2e-3)
+    y, sa, _ = CM.forward(*one, rnd=rnd, dt=dt)
+    assert rel_err(y, want_y[0, :, 0]) <= tol
+    for name, got, want in zip(GRADS, CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt), want_g):
+        if name == "dw" and T == 1:
+            assert not got.any(), "dw of the first token must be exactly 0 (S_{-1} = 0)"
+            continue
+        assert rel_err(got, want[0, :, 0]) <= tol, name
+
+
+def test_chunked_model_sa_is_the_recurrence():
+    """U (the rows the forward saves as sa) is S_{t-1} a_t of the token recurrence."""
+    T, N = 37, 32
+    x, _ = _inputs(T, N, np.random.default_rng(), 0.0)
+    r, w, k, v, a, b = (x[n][0, :, 0] for n in "rwkvab")
+    _, sa, S0 = CM.forward(r, w, k, v, a, b)
+    S = np.zeros((N, N))
+    for t in range(T):
+        if t % CM.L == 0:
+            assert np.allclose(S0[t // CM.L], S, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(sa[t], S @ a[t], rtol=0, atol=1e-12)
+        S = S * w[t] + np.outer(S @ a[t], b[t]) + np.outer(v[t], k[t])
+
+
+def test_tf32_rounding():
+    """cvt.rna.tf32.f32: 10 mantissa bits kept, nearest, ties away from zero."""
+    one = np.float32(1.0)
+    ulp = np.float32(2.0 ** -10)
+    x = np.array([1 + 2.0 ** -11, -(1 + 2.0 ** -11), 1 + 2.0 ** -12, 1 + 3 * 2.0 ** -11], np.float32)
+    np.testing.assert_array_equal(CM.tf32(x), np.array([one + ulp, -(one + ulp), one, one + 2 * ulp], np.float32))
