@@ -27,6 +27,14 @@ from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
 PRECISIONS = gemm.PRECISIONS
 HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
 XTYPES = {"fp32": "f32", "tf32": "f32", "bf16": "bf16"}  # activation element type of each precision
+
+
+def kernel_methods(cfg: Config, precision: str) -> dict[str, str]:
+    """The WKV7 and MoBA kernel methods of a precision: the exact CUDA-core kernels in fp32, the
+    tensor-core ones (chunked WKV7, mma MoBA) in tf32 and bf16 where they support the head size."""
+    fast = precision != "fp32"
+    return {"wkv7": "chunked" if fast and cfg.head_size in wkv7.CHUNKED_HEAD_SIZES else "sequential",
+            "moba": "mma" if fast and cfg.head_size in moba.MMA_HEAD_SIZES else "exact"}
 _ALIGN = 256  # bytes; every buffer starts 256-byte aligned (vector kernels, cuBLAS)
 
 
@@ -57,12 +65,16 @@ class Layout:
     Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat f32, same offsets per tensor), the per-step
     inputs, one saved input per block, and one block's worth of transients shared by all blocks (with
     ``recompute=False``, also every other block's :data:`FORWARD_STATE`, as ``name@position``).
-    Activations have element type ``xtype`` (the model's activation type; fp32 and tf32 use "f32").
+    Activations have element type ``xtype`` = XTYPES[precision]; ``methods`` are the precision's kernel
+    methods (:func:`kernel_methods`).
     """
 
-    def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, xtype: str = "f32", recompute: bool = True):
+    def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: str = "fp32",
+                 recompute: bool = True):
+        xtype = XTYPES[precision]
         self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
-        self.recompute = recompute
+        self.precision, self.recompute = precision, recompute
+        self.methods = kernel_methods(cfg, precision)
         self.offsets: dict[str, int] = {}
         self.elems: dict[str, str] = {}
         self.counts: dict[str, int] = {}
@@ -120,7 +132,7 @@ class Layout:
         self._add("dkf", R * F, X)
         for name in ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "ln0_mean", "ln0_rstd"):
             self._add(name, R, "f32")
-        for name, count in wkv7.scratch_elems(B, T, H, N, dev).items():
+        for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"]).items():
             self._add("wkv_" + name, count, "f32")
         if cfg.n_attn_layer:
             for name, (count, elem) in moba_sizes.items():
@@ -177,7 +189,7 @@ class StepOps:
 class StepBuilder:
     """Composes the step from the op builders of :mod:`rwkvx.ops` and cuBLAS GEMMs of ``precision``."""
 
-    def __init__(self, layout: Layout, base: int, host: dict[str, int], precision: str = "fp32"):
+    def __init__(self, layout: Layout, base: int, host: dict[str, int]):
         self.L = layout
         self.cfg = layout.cfg
         self.dev = layout.dev
@@ -185,7 +197,8 @@ class StepBuilder:
         self.R = self.B * self.T
         self.base = base
         self.host = host  # pinned host pointers: tokens, targets, emb_order, ...
-        self.mm = precision
+        self.mm = layout.precision          # the GEMMs' mode (gemm.resolve)
+        self.methods = layout.methods       # the WKV7 and MoBA kernel methods
         self.block_pos: int | None = None   # the block being built: selects its own forward state
 
     # -- addresses ----------------------------------------------------------------------------
@@ -419,7 +432,7 @@ class StepBuilder:
         gn = self._gn_inputs(i)
         saved = dict(sa=b("wkv_sa"), ckpt=b("wkv_ckpt")) if for_backward else {}
         ops += wkv7.forward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("y"),
-                            self.B, T, H, N, dev, **saved)
+                            self.B, T, H, N, dev, **saved, method=self.methods["wkv7"], partials=b("wkv_partials"))
         ops += timemix.gn_forward(**gn, z=b("z"))
         ops += self._residual_out(xin, b("z"), self.w(att + "output.weight"), b("x1"), C)
         return ops
@@ -439,7 +452,7 @@ class StepBuilder:
                                    dparams=(gp(att + "ln_x.weight"), gp(att + "ln_x.bias"), gp(att + "r_k")))
         ops += wkv7.backward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("dy"), b("wkv_sa"),
                              b("wkv_ckpt"), b("dr"), b("ddecay"), b("dkp"), b("dvp"), b("dwa"), b("dwb"),
-                             self.B, T, H, N, dev, partials=b("wkv_partials"))
+                             self.B, T, H, N, dev, partials=b("wkv_partials"), method=self.methods["wkv7"])
         dparams = [gp(att + n) for n in ("w0", "a0", "k_k", "k_a")] + ([gp(att + "v0")] if i else [])
         ops += timemix.prep_backward(**self._prep_inputs(i),
                                      d_decay=b("ddecay"), dkp=b("dkp"), dvp=b("dvp"), dwa=b("dwa"), dwb=b("dwb"),
@@ -479,7 +492,7 @@ class StepBuilder:
         scratch = {name: (self.buf(f"moba_sel.{j}") if name == "sel" else self.buf("moba_" + name))
                    for name in moba.SCRATCH_NAMES}
         return dict(scratch=scratch, B=self.B, T=self.T, H=cfg.n_head, N=cfg.head_size,
-                    chunk=cfg.moba_chunk_size, top_k=cfg.moba_top_k, dev=self.dev)
+                    chunk=cfg.moba_chunk_size, top_k=cfg.moba_top_k, dev=self.dev, method=self.methods["moba"])
 
     def attn_forward(self, j: int, xin) -> list:
         """x1 = xin + Attn_j(LN1(xin)) (SPEC §2.3, MoBA)."""
@@ -538,13 +551,12 @@ class Model:
         from .runtime import Device, Plan  # raises RuntimeError without a GPU
         self.cfg, self.B, self.T, self.precision, self.recompute = cfg, batch_size, seq_len, precision, recompute
         self.dev = Device.get()
-        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, XTYPES[precision], recompute)
+        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute)
         self.arena = self.dev.alloc(self.layout.total)
         R = batch_size * seq_len
         self._pinned = {name: self.dev.alloc_pinned(self.layout.nbytes(name))
                         for name in [*Layout.host_inputs(R), "loss_t"]}
-        self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()},
-                                   precision)
+        self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
         self.ops = self.builder.build()
         self._forward_plan = Plan(self.dev, self.ops.stage_tokens + self.ops.forward)
         self._step_plan = Plan(self.dev, self.ops.step)

@@ -3,7 +3,7 @@ parity suite plans, buffers fit the arena, pointers are typed, and memory grows 
 import pytest
 
 from rwkvx import Config
-from rwkvx.model import XTYPES, Layout, StepBuilder
+from rwkvx.model import Layout, StepBuilder
 from rwkvx.ops import wkv7
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.ops import CopyDtoH, CopyHtoD, Gemm, GemmPrecision, Launch, flatten_ops
@@ -22,9 +22,9 @@ CONFIGS = [
 
 
 def build(kwargs, B, T, precision="fp32"):
-    layout = Layout(Config(**kwargs), B, T, H200, XTYPES[precision])
+    layout = Layout(Config(**kwargs), B, T, H200, precision)
     host = {name: (1 << 41) + i * (1 << 30) for i, name in enumerate([*Layout.host_inputs(B * T), "loss_t"])}
-    return layout, StepBuilder(layout, BASE, host, precision).build()
+    return layout, StepBuilder(layout, BASE, host).build()
 
 
 @pytest.mark.parametrize("kwargs, B, T", CONFIGS)
@@ -63,7 +63,7 @@ def test_bf16_optimizer_refreshes_the_weights_copy():
     kwargs, B, T = CONFIGS[1]
     layout, _ = build(kwargs, B, T, "bf16")
     host = {name: 1 << 41 for name in [*Layout.host_inputs(B * T), "loss_t"]}
-    ops = StepBuilder(layout, BASE, host, "bf16").optimizer(weight_decay=0.1, clip=True)
+    ops = StepBuilder(layout, BASE, host).optimizer(weight_decay=0.1, clip=True)
     update = [op for op in flatten_ops(ops) if op.name == "adamw_update"]
     assert len(update) == 1 and update[0].args[-1] == ("p", BASE + layout.offsets["params_x"])
     assert dict(update[0].defines)["FLOATX_BF16"] == "1"
@@ -100,8 +100,8 @@ def test_without_recompute_each_block_keeps_its_forward_state(kwargs, B, T):
     host = {name: 1 << 41 for name in [*Layout.host_inputs(B * T), "loss_t"]}
     plans = {}
     for recompute in (True, False):
-        layout = Layout(cfg, B, T, H200, "f32", recompute=recompute)
-        plans[recompute] = (layout, StepBuilder(layout, BASE, host, "fp32").build())
+        layout = Layout(cfg, B, T, H200, "fp32", recompute=recompute)
+        plans[recompute] = (layout, StepBuilder(layout, BASE, host).build())
     (lr, with_r), (ln, without) = plans[True], plans[False]
     n_launch = {k: sum(isinstance(op, Launch) for op in flatten_ops(v[1].backward)) for k, v in plans.items()}
     n_fwd = sum(isinstance(op, Launch) for op in flatten_ops(with_r.forward))
