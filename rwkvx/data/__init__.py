@@ -320,7 +320,8 @@ def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
     if not p.exists():
         raise ValueError(f"data file not found: {p}")
     raise ValueError(f"{p}: unknown data format '{suffix or '(no extension)'}' — use a UTF-8 .txt file, "
-                     ".jsonl documents, .npy or raw .bin tokens (with --token-width), or a binidx prefix/.bin/.idx")
+                     ".jsonl documents, .npy or raw .bin tokens (with --token-width), or a binidx "
+                     "prefix/.bin/.idx")
 
 
 def load_tokens(path: str | os.PathLike | None = None, token_width: int | None = None,
