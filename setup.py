@@ -1,6 +1,7 @@
-"""Builds the Cython extensions: the CPU oracle (oracle/*.pyx) and the GPU plan executor
-(rwkvx/_core.pyx). Building needs no GPU, no CUDA toolkit and no CUDA header: _core calls the driver and
-cuBLAS through function pointers resolved at run time (see its docstring for why not cydriver)."""
+"""Builds the Cython extensions: the CPU oracle (oracle/*.pyx), the GPU plan executor (rwkvx/_core.pyx)
+and the tokenizer's trie (rwkvx/_trie.pyx). Building needs no GPU, no CUDA toolkit and no CUDA header:
+_core calls the driver and cuBLAS through function pointers resolved at run time (see its docstring for
+why not cydriver)."""
 import glob
 import os
 
@@ -15,10 +16,9 @@ def extensions() -> list[Extension]:
     exts = [Extension(f"rwkvx.oracle.{os.path.basename(p)[:-4]}", [p],
                       include_dirs=[np.get_include()], extra_compile_args=COMPILE_ARGS)
             for p in sorted(glob.glob("oracle/*.pyx"))]
-    if os.path.exists("rwkvx/_core.pyx"):
-        exts.append(Extension("rwkvx._core", ["rwkvx/_core.pyx"],
-                              include_dirs=[np.get_include()],
-                              extra_compile_args=COMPILE_ARGS))
+    exts += [Extension(f"rwkvx.{os.path.basename(p)[:-4]}", [p], include_dirs=[np.get_include()],
+                       extra_compile_args=COMPILE_ARGS)
+             for p in sorted(glob.glob("rwkvx/*.pyx"))]
     return exts
 
 

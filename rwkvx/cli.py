@@ -1,4 +1,5 @@
-"""``python -m rwkvx``: ``train`` a model, ``sample`` text from a checkpoint, ``export`` it for RWKV-LM.
+"""``python -m rwkvx``: ``train`` a model, ``sample`` text from a checkpoint, ``prepare`` text as binidx,
+``export`` a model for RWKV-LM.
 
 ``python -m rwkvx train`` with no arguments trains the ``tiny`` preset on the embedded Shakespeare
 corpus (GPU when usable, else the CPU oracle) and prints where the checkpoint, the loss log (CSV) and
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # annotations only: each command imports what it uses when it
     from .config import Config
     from .data import BatchSampler, TokenData
     from .params import ParamDict
+    from .tokenizer import Tokenizer
     from .train import Trainer
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -92,14 +94,16 @@ def _token_count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m rwkvx`` parser: the ``train``, ``sample`` and ``export`` subcommands."""
+    """The ``python -m rwkvx`` parser: the ``train``, ``sample``, ``prepare`` and ``export`` subcommands."""
     from .train import PRECISIONS
     from .presets import DEFAULT_PRESET, PRESETS
     from .pth import WRITE_DTYPES
+    from .tokenizer import TOKENIZERS
 
     parser = argparse.ArgumentParser(
         prog="python -m rwkvx",
-        description="Train RWKV-X language models (RWKV-7 + MoBA attention) and sample from them.")
+        description="Train RWKV-X language models (RWKV-7 + MoBA attention), sample from them, and "
+                    "prepare tokenised data.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -132,10 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "block copied from the RWKV block before it). Training starts at step 0")
 
     g = tr.add_argument_group("data")
-    g.add_argument("--data", help="UTF-8 .txt (byte tokens), .npy / raw .bin tokens, or a binidx "
-                                  "prefix (PREFIX.bin + PREFIX.idx); default: embedded corpus")
+    g.add_argument("--data", help="UTF-8 .txt or .jsonl text (see --tokenizer), .npy / raw .bin tokens, "
+                                  "or a binidx prefix (PREFIX.bin + PREFIX.idx); default: embedded corpus")
     g.add_argument("--token-width", type=int, choices=(2, 4),
                    help="bytes per token of a raw .bin file: 2 = uint16, 4 = uint32")
+    g.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
+                   help="text data: bytes (default, V=256) or world (RWKV World, V=65536, tokenised "
+                        "at start); token data: the tokenizer its ids come from, so that sample "
+                        "decodes them (default: none, sample reads and prints ids). Sets the model's "
+                        "vocab_size, which must then equal the tokenizer's")
     g.add_argument("--val-fraction", type=_fraction, help="fraction of the data held out for validation")
 
     g = tr.add_argument_group("training")
@@ -175,9 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("sample", help="generate text from a checkpoint")
     sp.add_argument("--ckpt", required=True, help="checkpoint file (or run directory)")
     sp.add_argument("--prompt", default="",
-                    help="text to continue (byte-level models); token ids separated by spaces or "
-                         "commas for other vocabularies (default: empty, i.e. a newline for "
-                         "byte-level models, else token 0)")
+                    help="text to continue, encoded with the model's tokenizer; token ids separated "
+                         "by spaces or commas for a model trained without one (default: empty, i.e. "
+                         "a newline, or token 0)")
+    sp.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
+                    help="encode the prompt and decode the output with this tokenizer (default: the "
+                         "one the checkpoint was trained with; a checkpoint that records none: bytes "
+                         "when V=256, else token ids)")
     sp.add_argument("--tokens", type=_positive_int, default=200,
                     help="tokens to generate (default: %(default)s)")
     sp.add_argument("--temperature", type=_nonneg_float, default=0.8,
@@ -207,6 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="export an RWKV-X model's RWKV-7 blocks alone (RWKV-LM has no MoBA blocks; "
                          "without this flag such a model is refused). The result is a different model: "
                          "the attention blocks' contribution is missing")
+
+    pp = sub.add_parser(
+        "prepare", help="tokenise text into RWKV-LM's binidx format (PREFIX.bin + PREFIX.idx)",
+        description="Tokenise a UTF-8 text file (one document) or .jsonl (one document per line, its "
+                    '"text" field) into PREFIX.bin + PREFIX.idx, the binidx format of RWKV-LM: uint16 '
+                    "ids, one sequence per document, each followed by the end-of-document id 0 "
+                    "(world). Train on it with: train --data PREFIX --tokenizer world.")
+    pp.add_argument("--data", required=True, help="input: .txt/.text/.md (UTF-8) or .jsonl")
+    pp.add_argument("--tokenizer", choices=TOKENIZERS, default="world",
+                    help="world (RWKV World, V=65536) or bytes (V=256) (default: %(default)s)")
+    pp.add_argument("--out", required=True, metavar="PREFIX",
+                    help="output prefix: writes PREFIX.bin and PREFIX.idx (never over existing files)")
+    pp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -334,15 +360,38 @@ class _Prepared:
     data: TokenData
     data_arg: str | None            # --data as given or resumed; None: the embedded corpus
     token_width: int | None
+    tokenizer: str | None           # the ids' tokenizer (None: token data of none named)
     train_tokens: np.ndarray
     val_batches: list[tuple[np.ndarray, np.ndarray]]
+
+
+def _train_tokenizer(args: argparse.Namespace, resume: Path | None, saved_run: dict[str, Any],
+                     data_path: str) -> str | None:
+    """The tokenizer of a run's ids: ``--tokenizer``, else a resumed run's, else ``bytes`` for text
+    data and None (ids of no named tokenizer) for token data. A resumed run cannot change it."""
+    from .data import TEXT_FORMATS, detect_format
+
+    if resume is not None and "tokenizer" in saved_run:
+        saved = saved_run["tokenizer"]
+        if args.tokenizer is not None and args.tokenizer != saved:
+            raise UsageError(f"--resume: the run's tokenizer is {saved or 'none (token ids)'}; "
+                             "--tokenizer cannot change a resumed run")
+        return saved
+    if args.tokenizer is not None:
+        return args.tokenizer
+    try:
+        fmt = detect_format(data_path)[0]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return "bytes" if fmt in TEXT_FORMATS else None
 
 
 def _prepare_train(args: argparse.Namespace) -> _Prepared:
     """Everything a run needs, validated; raises UsageError. Writes nothing."""
     from .config import Config
-    from .data import default_corpus_path, eval_batches, load_tokens, split_train_val
+    from .data import TEXT_FORMATS, default_corpus_path, eval_batches, load_tokens, split_train_val
     from .presets import DEFAULT_PRESET, get_preset
+    from .tokenizer import tokenizer_class
     from .train import CHECKPOINT_KIND
 
     kind, note = _resolve_device(args.device, "training")
@@ -396,11 +445,16 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
     data_arg = args.data if args.data is not None else saved_run.get("data")
     token_width = args.token_width if args.token_width is not None else saved_run.get("token_width")
     data_path = data_arg if data_arg is not None else str(default_corpus_path())
+    tokenizer = _train_tokenizer(args, resume_path, saved_run, data_path)
     try:
-        data = load_tokens(data_path, token_width=token_width)
+        data = load_tokens(data_path, token_width=token_width, tokenizer=tokenizer or "bytes",
+                           progress=not args.no_progress)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    hi = data.max_token() if data.format != "text" else None  # scanned once for both checks below
+    except ImportError as exc:
+        raise UsageError(f"--tokenizer {tokenizer}: {exc}") from None
+    hi = None if data.format in TEXT_FORMATS else data.max_token()  # scanned once for both checks below
+    tok_vocab = tokenizer_class(tokenizer).vocab_size if tokenizer is not None else None
 
     # model
     start_params, init_from = None, saved_run.get("init_from")
@@ -410,16 +464,21 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
         cfg, start_params, init_from = _init_model(args, preset["model"])
     else:
         model = dict(preset["model"])
+        if tok_vocab is not None:
+            model["vocab_size"] = tok_vocab
         model.update(_model_overrides(args))
         if hi is not None and args.vocab_size is None and hi >= model["vocab_size"]:
             raise UsageError(f"{data.source}: token id {hi} does not fit the preset's vocab_size "
-                             f"{model['vocab_size']}; pass --vocab-size (at least {hi + 1})")
+                             f"{model['vocab_size']}; pass --vocab-size (at least {hi + 1}), or "
+                             "--tokenizer world for World-tokenised data")
         try:
             cfg = Config(**model)
         except (ValueError, TypeError) as exc:
             raise UsageError(str(exc)) from None
-    if data.format == "text" and cfg.vocab_size < 256:
-        raise UsageError(f"{data.source}: byte-level text needs --vocab-size >= 256, got {cfg.vocab_size}")
+    if tok_vocab is not None and cfg.vocab_size != tok_vocab:
+        raise UsageError(f"--tokenizer {tokenizer} has {tok_vocab} token ids: the model's vocab_size "
+                         f"must be {tok_vocab}, got {cfg.vocab_size}"
+                         + (" (pass --tokenizer world for a World model)" if tokenizer == "bytes" else ""))
     if hi is not None and hi >= cfg.vocab_size:
         raise UsageError(f"{data.source}: token id {hi} is out of range for vocab_size "
                          f"{cfg.vocab_size}")
@@ -432,8 +491,9 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
         raise UsageError("--steps must be >= 1")
     return _Prepared(kind=kind, note=note, resume=resume_path, preset=preset_name, train=train,
                      cfg=cfg, start_params=start_params, init_from=init_from, data=data,
-                     data_arg=data_arg, token_width=token_width, train_tokens=train_tokens,
-                     val_batches=val)
+                     data_arg=data_arg, token_width=token_width, tokenizer=tokenizer,
+                     train_tokens=train_tokens, val_batches=val)
+
 
 
 def _init_model(args: argparse.Namespace, preset_model: dict[str, Any]
@@ -539,7 +599,7 @@ def _resolve_run(args: argparse.Namespace) -> _Run:
     if len(prep.train_tokens) <= 50_000_000:
         entropy = unigram_entropy(prep.train_tokens, cfg.vocab_size)
     info = {"preset": prep.preset, "init_from": prep.init_from, "data": prep.data_arg,
-            "token_width": prep.token_width,
+            "token_width": prep.token_width, "tokenizer": prep.tokenizer,
             "steps": tr["steps"], **{k: tr[k] for k in TRAIN_KEYS}, "seed": tr["seed"],
             "precision": tr["precision"], "recompute": tr["recompute"], "cpu_dtype": tr["cpu_dtype"]}
     return _Run(prep=prep, trainer=trainer, sampler=sampler, start=trainer.step_count, out=out,
@@ -558,7 +618,8 @@ def _print_run(run: _Run) -> None:
           f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
           f"({sum(p.size for p in trainer.params.values()):,} parameters)"
           + (f", initialised from {prep.init_from}" if prep.init_from else ""))
-    print(f"data: {prep.data.source} [{prep.data.format}], {len(prep.data):,} tokens "
+    fmt = prep.data.format + (f", {prep.tokenizer} tokenizer" if prep.tokenizer else "")
+    print(f"data: {prep.data.source} [{fmt}], {len(prep.data):,} tokens "
           f"({len(prep.train_tokens):,} train, {len(prep.val_batches) * B * T:,} validation tokens)"
           + (f", unigram entropy {run.entropy:.4f} nats" if run.entropy is not None else ""))
     print(f"training: steps {run.start + 1}..{tr['steps']}, B={B} T={T}, lr {tr['lr']:g} -> "
@@ -764,6 +825,77 @@ def _forward_fn(cfg: Config, params: ParamDict, device: str, ctx: int, precision
     return oracle.forward, note
 
 
+def _sample_tokenizer(name: str | None, run: dict[str, Any], vocab_size: int) -> Tokenizer | None:
+    """The tokenizer ``sample`` encodes and decodes with: ``name`` (``--tokenizer``), else the one the
+    run recorded (None: the model was trained on token ids of no named tokenizer); a checkpoint that
+    records none (older runs, converted models) is byte-level when V = 256, else token ids. Its
+    vocabulary must be the model's."""
+    from .tokenizer import get_tokenizer, tokenizer_class
+
+    if name is None:
+        name = run["tokenizer"] if "tokenizer" in run else ("bytes" if vocab_size == 256 else None)
+    if name is None:
+        return None
+    try:
+        cls = tokenizer_class(name)
+        if cls.vocab_size != vocab_size:
+            raise ValueError(f"the {name} tokenizer has {cls.vocab_size} token ids but the model's "
+                             f"vocab_size is {vocab_size}")
+        return get_tokenizer(name)
+    except (ValueError, ImportError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def encode_prompt(prompt: str, tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+    """The prompt's ids: ``prompt`` encoded with ``tokenizer`` (empty: a newline), or, without one, read
+    as ids separated by spaces or commas (empty: token 0). UsageError for text that cannot be encoded
+    (undecodable bytes on the command line), an id outside ``[0, vocab_size)`` or an unreadable list."""
+    if tokenizer is not None:
+        try:
+            ids = tokenizer.encode(prompt or "\n").tolist()
+        except UnicodeEncodeError as exc:
+            raise UsageError(f"--prompt is not valid text ({exc.reason} at character {exc.start})"
+                             ) from None
+    else:
+        try:
+            ids = [int(t) for t in prompt.replace(",", " ").split()] or [0]
+        except ValueError:
+            raise UsageError(f"this model was trained on token ids (vocab_size {vocab_size}, no "
+                             "tokenizer): give --prompt as token ids separated by spaces or commas, "
+                             "or name the ids' tokenizer with --tokenizer") from None
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise UsageError(f"prompt token id {bad[0]} is out of range [0, {vocab_size})")
+    return ids
+
+
+class TokenEcho:
+    """Writes a sample as it is generated: text through the tokenizer (a character split across
+    tokens appears once complete), or ids separated by spaces when there is no tokenizer."""
+
+    def __init__(self, out: Any, tokenizer: Tokenizer | None) -> None:
+        from .tokenizer import TextStream
+
+        self.out = out
+        self.text = TextStream(tokenizer) if tokenizer is not None else None
+
+    def prompt(self, prompt: str, ids: Sequence[int]) -> None:
+        """Echo the prompt: its text as given, or its ids."""
+        self.out.write(prompt if self.text is not None else " ".join(map(str, ids)))
+        self.out.flush()
+
+    def write(self, ids: Sequence[int]) -> None:
+        """Write generated ``ids``."""
+        self.out.write(self.text.feed(ids) if self.text is not None else
+                       "".join(f" {i}" for i in ids))
+        self.out.flush()
+
+    def close(self) -> None:
+        """Write what is left and end the line."""
+        self.out.write((self.text.close() if self.text is not None else "") + "\n")
+        self.out.flush()
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     """``python -m rwkvx sample``: stream ``--tokens`` tokens after the prompt to stdout; returns 0."""
     from .checkpoint import load_checkpoint
@@ -775,22 +907,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
         cfg, params, extra = load_checkpoint(path)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    byte_level = cfg.vocab_size == 256
-    if byte_level:
-        prompt = list(args.prompt.encode("utf-8")) or [10]
-    else:
-        try:
-            prompt = [int(t) for t in args.prompt.replace(",", " ").split()]
-        except ValueError:
-            raise UsageError(f"this model has vocab_size {cfg.vocab_size}, not byte-level: give --prompt "
-                             "as token ids separated by spaces or commas") from None
-        if not prompt:
-            prompt = [0]
-        bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise UsageError(f"prompt token id {bad[0]} is out of range [0, {cfg.vocab_size})")
     meta = extra.get("meta") or {}
     run = (meta.get("user") or {}).get("run") or {}
+    tokenizer = _sample_tokenizer(args.tokenizer, run, cfg.vocab_size)
+    prompt = encode_prompt(args.prompt, tokenizer, cfg.vocab_size)
     ctx = args.ctx or int(run.get("seq_len") or 256)
     precision = (args.precision or run.get("precision")
                  or (meta.get("trainer") or {}).get("precision") or "fp32")
@@ -799,35 +919,43 @@ def cmd_sample(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     rng = np.random.default_rng(args.seed)
     tokens = list(prompt)
-    out = sys.stdout
-    if byte_level:
-        out.write(args.prompt)
-        out.flush()
-        pending = b""
-    else:
-        out.write(" ".join(map(str, prompt)))
+    echo = TokenEcho(sys.stdout, tokenizer)
+    echo.prompt(args.prompt, prompt)
     for _ in range(args.tokens):
         window = np.array([tokens[-ctx:]], dtype=np.int64)
         logits = np.asarray(forward(window))[0, -1]
         nxt = sample_next(logits, args.temperature, args.top_p, rng)
         tokens.append(nxt)
-        if byte_level:
-            pending += bytes([nxt])
-            try:
-                text = pending.decode("utf-8")
-                pending = b""
-            except UnicodeDecodeError as exc:
-                if exc.reason == "unexpected end of data" and len(pending) < 4:
-                    continue
-                text, pending = pending.decode("utf-8", errors="replace"), b""
-            out.write(text)
-        else:
-            out.write(f" {nxt}")
-        out.flush()
-    if byte_level and pending:
-        out.write(pending.decode("utf-8", errors="replace"))
-    out.write("\n")
-    out.flush()
+        echo.write([nxt])
+    echo.close()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+# ---------------------------------------------------------------------------------------------
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """``python -m rwkvx prepare``: tokenise ``--data`` into ``--out``.bin/.idx; returns 0."""
+    from .data.text import prepare_binidx
+    from .tokenizer import get_tokenizer
+
+    out = [Path(f"{args.out}.bin"), Path(f"{args.out}.idx")]
+    for path in out:
+        if path.exists():
+            raise UsageError(f"{path} already exists: remove it or choose another --out")
+    try:
+        tokenizer = get_tokenizer(args.tokenizer)
+        stats = prepare_binidx(args.data, args.out, tokenizer, progress=not args.no_progress)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    except ImportError as exc:
+        raise UsageError(f"--tokenizer {args.tokenizer}: {exc}") from None
+    mb = stats.text_bytes / 1e6
+    print(f"wrote {out[0]} + {out[1]}: {stats.tokens:,} tokens in {stats.documents:,} document(s) "
+          f"({args.tokenizer} tokenizer, V={tokenizer.vocab_size}, uint16)")
+    print(f"text: {mb:,.1f} MB in {stats.seconds:.1f} s ({mb / max(stats.seconds, 1e-9):,.1f} MB/s)")
+    print(f"train: python -m rwkvx train --data {args.out} --tokenizer {args.tokenizer}")
     return 0
 
 
@@ -864,6 +992,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_train(args)
         if args.command == "export":
             return cmd_export(args)
+        if args.command == "prepare":
+            return cmd_prepare(args)
         return cmd_sample(args)
     except UsageError as exc:
         parser.exit(2, f"{parser.prog} {args.command}: error: {exc}\n")

@@ -114,7 +114,7 @@ def test_bad_arguments_write_nothing(tmp_path, capsys):
         (["train", *TINY, "--n-embd", "30"], "head_size=16 must divide n_embd=30"),
         (["train", *TINY, "--n-attn-layer", "3"], "n_attn_layer=3"),
         (["train", *TINY, "--lr", "1e-4", "--lr-min", "1e-3"], "must not exceed"),
-        (["train", *TINY, "--vocab-size", "100"], "vocab-size >= 256"),
+        (["train", *TINY, "--vocab-size", "100"], "vocab_size must be 256, got 100"),
         (["train", *TINY, "--resume", str(tmp_path / "missing")], "checkpoint not found"),
         (["sample", "--ckpt", str(tmp_path / "missing")], "checkpoint not found"),
         (["sample", "--ckpt", str(tmp_path / "missing"), "--precision", "fp8"], "invalid choice"),

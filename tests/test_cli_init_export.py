@@ -137,7 +137,7 @@ def test_init_from_errors_write_nothing(tmp_path, tokens, capsys):
         (["train", "--init-from", str(tmp_path / "nothere.pth"), *RUN], "checkpoint not found"),
         (["train", "--init-from", str(FIXTURES / "bad_global.pth"), "--data", tokens, *RUN],
          "a checkpoint must not run code"),
-        (["train", "--init-from", str(PTH), *RUN], "byte-level text needs"),   # the embedded corpus, V=16
+        (["train", "--init-from", str(PTH), *RUN], "the model's vocab_size must be 256, got 16"),   # the embedded corpus, V=16
     ]:
         _fails(capsys, tmp_path, argv, message)
 

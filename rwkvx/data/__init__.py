@@ -6,7 +6,10 @@ as RWKV-LM does for binidx).
 
 Formats (:func:`load_tokens`):
 
-* UTF-8 text (``.txt``, ``.text``, ``.md``): byte tokens, vocabulary 256. Must decode as UTF-8.
+* UTF-8 text (``.txt``, ``.text``, ``.md``, one document): byte tokens, vocabulary 256 (memory-mapped), or
+  the ids of another tokenizer (``tokenizer="world"``, :mod:`rwkvx.tokenizer`). Must decode as UTF-8.
+* ``.jsonl``: one document per line, its ``"text"`` string, tokenised like text; each document is
+  followed by the tokenizer's end-of-document id (World: 0; see :mod:`rwkvx.data.text`).
 * ``.npy``: a 1-D array of uint16 or uint32 (int16/int32/int64 are accepted when non-negative),
   memory-mapped.
 * raw ``.bin`` without a sibling ``.idx``: little-endian uint16 or uint32 tokens, memory-mapped;
@@ -26,6 +29,8 @@ Formats (:func:`load_tokens`):
 
   The ``.bin`` is the sequences' tokens back to back.
 
+:class:`BinidxWriter` writes binidx (streaming, atomically); ``python -m rwkvx prepare`` uses it.
+
 Bad data raises ``ValueError`` naming the file and the problem: empty, shorter than one training
 window (``T + 1`` tokens), size not a multiple of the token width, unknown format, inconsistent
 binidx header, token ids outside ``[0, vocab_size)``.
@@ -33,17 +38,20 @@ binidx header, token ids outside ``[0, vocab_size)``.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
+TEXT_FORMATS = ("text", "jsonl")  # formats of text, which a tokenizer turns into ids
 BINIDX_MAGIC = b"MMIDIDX\x00\x00"
 BINIDX_VERSION = 1
+_BINIDX_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, count, docs
 BINIDX_DTYPES: dict[int, np.dtype] = {
     1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype("<i2"), 4: np.dtype("<i4"),
     5: np.dtype("<i8"), 6: np.dtype("<f8"), 7: np.dtype("<f8"), 8: np.dtype("<u2")}
@@ -100,18 +108,28 @@ def _nonempty(path: Path) -> int:
     return size
 
 
+class _Utf8Check:
+    """Validates a file's bytes as UTF-8, chunk by chunk: ``ValueError`` naming the file and offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset = path, 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def __call__(self, chunk: bytes, final: bool) -> None:
+        try:
+            self._decoder.decode(chunk, final=final)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{self.path}: not valid UTF-8 text (near byte {self.offset + exc.start}: "
+                             f"{exc.reason})") from None
+        self.offset += len(chunk)
+
+
 def _load_text(path: Path) -> TokenData:
     _nonempty(path)
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    try:
-        for start in range(0, raw.shape[0], _CHUNK):
-            offset = start
-            decoder.decode(raw[start:start + _CHUNK].tobytes(), final=start + _CHUNK >= raw.shape[0])
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not valid UTF-8 text (near byte {offset + exc.start}: {exc.reason})"
-                         ) from None
+    check = _Utf8Check(path)
+    for start in range(0, raw.shape[0], _CHUNK):
+        check(raw[start:start + _CHUNK].tobytes(), final=start + _CHUNK >= raw.shape[0])
     return TokenData(raw, 256, str(path), "text")
 
 
@@ -150,28 +168,27 @@ def read_binidx_index(idx_path: str | os.PathLike) -> dict[str, Any]:
     idx_path = Path(idx_path)
     size = _nonempty(idx_path)
     with open(idx_path, "rb") as f:
-        head = f.read(9 + 8 + 1 + 8 + 8)
-    if len(head) < 9 or head[:9] != BINIDX_MAGIC:
+        head = f.read(_BINIDX_HEADER.size)
+    if head[:len(BINIDX_MAGIC)] != BINIDX_MAGIC:
         raise ValueError(f"{idx_path}: not a binidx index (bad magic, expected {BINIDX_MAGIC!r})")
-    if len(head) < 34:
+    if len(head) < _BINIDX_HEADER.size:
         raise ValueError(f"{idx_path}: truncated binidx header")
-    (version,) = struct.unpack("<Q", head[9:17])
+    _, version, code, count, docs = _BINIDX_HEADER.unpack(head)
     if version != BINIDX_VERSION:
         raise ValueError(f"{idx_path}: unsupported binidx version {version}")
-    code = head[17]
     if code not in BINIDX_DTYPES:
         raise ValueError(f"{idx_path}: unknown binidx dtype code {code}")
     dtype = BINIDX_DTYPES[code]
     if dtype.kind == "f":
         raise ValueError(f"{idx_path}: float token dtype (code {code}) is not a token stream")
-    count, docs = struct.unpack("<QQ", head[18:34])
-    need = 34 + count * 4 + count * 8 + docs * 8
+    start = _BINIDX_HEADER.size
+    need = start + count * 4 + count * 8 + docs * 8
     if size < need:
         raise ValueError(f"{idx_path}: truncated binidx index ({size} bytes, header says {need})")
     mm = np.memmap(idx_path, dtype=np.uint8, mode="r")
-    sizes = np.frombuffer(mm, dtype="<i4", count=count, offset=34)
-    pointers = np.frombuffer(mm, dtype="<i8", count=count, offset=34 + 4 * count)
-    doc_idx = np.frombuffer(mm, dtype="<i8", count=docs, offset=34 + 12 * count)
+    sizes = np.frombuffer(mm, dtype="<i4", count=count, offset=start)
+    pointers = np.frombuffer(mm, dtype="<i8", count=count, offset=start + 4 * count)
+    doc_idx = np.frombuffer(mm, dtype="<i8", count=docs, offset=start + 12 * count)
     return {"dtype": dtype, "sizes": sizes, "pointers": pointers, "doc_idx": doc_idx}
 
 
@@ -201,34 +218,86 @@ def _load_binidx(prefix: Path) -> TokenData:
     return TokenData(tokens, None, str(prefix), "binidx")
 
 
+class BinidxWriter:
+    """Streams documents into ``PREFIX.bin`` + ``PREFIX.idx`` (one sequence per document), atomically.
+
+    Use as a context manager: :meth:`add` appends tokens to the current document, :meth:`end_document`
+    closes it (a document still open at the end is closed then). Both files are written to temporary
+    files and renamed into place only when the block ends without an error (the old ``.idx`` is
+    removed first, so no moment pairs a new ``.bin`` with an old ``.idx``); on an error nothing
+    changes."""
+
+    def __init__(self, prefix: str | os.PathLike, dtype: Any = np.uint16) -> None:
+        dtype = np.dtype(dtype)
+        self.dtype = dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
+        self.code = _BINIDX_CODES.get(self.dtype)
+        if self.code is None:
+            raise ValueError(f"binidx cannot store dtype {dtype}")
+        self._range = np.iinfo(self.dtype)
+        self.prefix = str(prefix)
+        self.sizes: list[int] = []
+        self.tokens = 0                       # tokens written so far
+        self._open = 0                        # tokens of the open document
+
+    def __enter__(self) -> "BinidxWriter":
+        self._session = self._write()
+        return self._session.__enter__()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        return bool(self._session.__exit__(exc_type, exc, tb))
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator["BinidxWriter"]:
+        from ..checkpoint import atomic_files
+
+        idx_path = Path(self.prefix + ".idx")
+        with atomic_files(self.prefix + ".bin", idx_path) as (self._bin, idx):
+            yield self
+            if self._open:
+                self.end_document()
+            n = len(self.sizes)
+            sizes = np.array(self.sizes, dtype="<i4")
+            offsets = np.zeros(n, dtype="<i8")
+            np.cumsum(sizes[:-1], dtype=np.int64, out=offsets[1:])
+            idx.write(_BINIDX_HEADER.pack(BINIDX_MAGIC, BINIDX_VERSION, self.code, n, n + 1))
+            idx.write(sizes.tobytes())
+            idx.write((offsets * self.dtype.itemsize).tobytes())
+            idx.write(np.arange(n + 1, dtype="<i8").tobytes())
+            idx_path.unlink(missing_ok=True)
+
+    def add(self, tokens: np.ndarray) -> None:
+        """Append ``tokens`` (1-D integers within the dtype's range) to the open document."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"a document's tokens must be a 1-D integer array, got {tokens.dtype} "
+                             f"{tokens.shape}")
+        if not np.can_cast(tokens.dtype, self.dtype) and tokens.size and (
+                tokens.min() < self._range.min or tokens.max() > self._range.max):
+            raise ValueError(f"token ids outside the range of {self.dtype} "
+                             f"[{self._range.min}, {self._range.max}]")
+        if self._open + tokens.size > np.iinfo(np.int32).max:
+            raise ValueError(f"document {len(self.sizes)} has more than 2**31 - 1 tokens (binidx stores "
+                             "sizes as int32): split it")
+        self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._open += tokens.size
+        self.tokens += tokens.size
+
+    def end_document(self) -> None:
+        """Close the open document (it may be empty)."""
+        self.sizes.append(self._open)
+        self._open = 0
+
+
 def write_binidx(prefix: str | os.PathLike, docs: Iterable[np.ndarray], dtype: Any = np.uint16) -> None:
     """Write documents (1-D integer arrays) as ``PREFIX.bin`` + ``PREFIX.idx`` (one sequence per doc)."""
-    dtype = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).itemsize > 1 else np.dtype(dtype)
-    code = _BINIDX_CODES.get(dtype)
-    if code is None:
-        raise ValueError(f"binidx cannot store dtype {dtype}")
-    arrays = [np.asarray(d).astype(dtype) for d in docs]
-    for a in arrays:
-        if a.ndim != 1:
-            raise ValueError("each document must be a 1-D token array")
-    sizes = np.array([a.shape[0] for a in arrays], dtype="<i4")
-    pointers = np.concatenate([[0], np.cumsum(sizes.astype(np.int64))[:-1]]).astype("<i8") * dtype.itemsize
-    doc_idx = np.arange(len(arrays) + 1, dtype="<i8")
-    prefix = str(prefix)
-    with open(prefix + ".bin", "wb") as f:
-        for a in arrays:
-            f.write(a.tobytes())
-    with open(prefix + ".idx", "wb") as f:
-        f.write(BINIDX_MAGIC)
-        f.write(struct.pack("<QB", BINIDX_VERSION, code))
-        f.write(struct.pack("<QQ", len(arrays), doc_idx.shape[0]))
-        f.write(sizes.tobytes())
-        f.write(pointers[:len(arrays)].tobytes() if len(arrays) else b"")
-        f.write(doc_idx.tobytes())
+    with BinidxWriter(prefix, dtype) as writer:
+        for doc in docs:
+            writer.add(doc)
+            writer.end_document()
 
 
 def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
-    """``(format, path)`` for a data argument: "text", "npy", "raw" or "binidx" (path = prefix)."""
+    """``(format, path)`` for a data argument: "text", "jsonl", "npy", "raw" or "binidx" (path = prefix)."""
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".bin", ".idx"):
@@ -244,27 +313,40 @@ def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
         return "binidx", p
     if suffix in TEXT_SUFFIXES:
         return "text", p
+    if suffix == ".jsonl":
+        return "jsonl", p
     if suffix == ".npy":
         return "npy", p
     if not p.exists():
         raise ValueError(f"data file not found: {p}")
     raise ValueError(f"{p}: unknown data format '{suffix or '(no extension)'}' — use a UTF-8 .txt file, "
-                     ".npy or raw .bin tokens (with --token-width), or a binidx prefix/.bin/.idx")
+                     ".jsonl documents, .npy or raw .bin tokens (with --token-width), or a binidx "
+                     "prefix/.bin/.idx")
 
 
 def load_tokens(path: str | os.PathLike | None = None, token_width: int | None = None,
-                vocab_size: int | None = None) -> TokenData:
+                vocab_size: int | None = None, tokenizer: str = "bytes", progress: bool = False
+                ) -> TokenData:
     """Open a token stream (the embedded corpus when ``path`` is None); validates the ids.
 
-    ``vocab_size``, when given, must exceed every token id (text always needs >= 256)."""
+    Text (``.txt``/``.text``/``.md``, ``.jsonl``) is tokenised with ``tokenizer`` (a name of
+    :data:`rwkvx.tokenizer.TOKENIZERS`; byte-level text files are memory-mapped, everything else is
+    tokenised into memory, with a progress bar when ``progress``). ``vocab_size``, when given, must
+    exceed every token id (text needs at least the tokenizer's vocabulary size)."""
+    from ..tokenizer import get_tokenizer
+
     if path is None:
         path = DEFAULT_CORPUS
     fmt, p = detect_format(path)
+    tok = get_tokenizer(tokenizer) if fmt in TEXT_FORMATS else None
     if token_width is not None and fmt != "raw":
         if token_width not in (2, 4):
             raise ValueError(f"token width must be 2 (uint16) or 4 (uint32), got {token_width}")
-    if fmt == "text":
+    if fmt == "text" and tok.name == "bytes":
         data = _load_text(p)
+    elif tok is not None:
+        from .text import tokenize_text
+        data = TokenData(tokenize_text(p, tok, progress), tok.vocab_size, str(p), fmt)
     elif fmt == "npy":
         data = _load_npy(p)
     elif fmt == "raw":
@@ -272,11 +354,12 @@ def load_tokens(path: str | os.PathLike | None = None, token_width: int | None =
     else:
         data = _load_binidx(p)
     if vocab_size is not None:
-        hi = 255 if fmt == "text" else data.max_token()
+        if tok is not None and vocab_size < tok.vocab_size:
+            raise ValueError(f"{data.source}: text with the {tok.name} tokenizer needs vocab_size >= "
+                             f"{tok.vocab_size} (vocab_size = {vocab_size})")
+        hi = data.max_token()
         if hi >= vocab_size:
-            what = "byte-level text needs vocab_size >= 256" if fmt == "text" else \
-                f"token id {hi} is out of range"
-            raise ValueError(f"{data.source}: {what} (vocab_size = {vocab_size})")
+            raise ValueError(f"{data.source}: token id {hi} is out of range (vocab_size = {vocab_size})")
     return data
 
 
