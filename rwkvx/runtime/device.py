@@ -150,6 +150,7 @@ class Device:
     """Primary context of device 0 plus one non-blocking stream; see module docstring."""
 
     _instance: "Device | None" = None
+    _ordinal = 0
     _lock = threading.Lock()
 
     @classmethod
@@ -160,8 +161,17 @@ class Device:
             return inst
         with cls._lock:
             if cls._instance is None:
-                cls._instance = cls._create(0)
+                cls._instance = cls._create(cls._ordinal)
             return cls._instance
+
+    @classmethod
+    def select(cls, ordinal: int) -> None:
+        """Make :meth:`get` open GPU ``ordinal`` (a data-parallel rank's GPU); before the first ``get``."""
+        with cls._lock:
+            if cls._instance is not None and cls._instance.ordinal != ordinal:
+                raise RuntimeError(f"Device.select({ordinal}): this process already uses GPU "
+                                   f"{cls._instance.ordinal}")
+            cls._ordinal = int(ordinal)
 
     @classmethod
     def _create(cls, ordinal: int) -> "Device":
@@ -178,6 +188,8 @@ class Device:
         count = check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
         if not count:
             raise RuntimeError(NO_GPU_HELP.format(reason="the driver reports 0 devices"))
+        if ordinal >= count:
+            raise RuntimeError(f"GPU {ordinal} was asked for, the driver reports {count} device(s)")
         return cls(ordinal)
 
     def __init__(self, ordinal: int = 0):
