@@ -5,8 +5,9 @@ variables of :mod:`rwkvx.dist.env` (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``
 ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` a free port); rank 0 hosts the rendezvous, which hands out
 the NCCL unique id. The ranks run in their own process group: Ctrl-C reaches this launcher, which
 passes it on once to every rank (each stops after the same step and rank 0 checkpoints; a second
-Ctrl-C aborts). When a rank exits with an error the launcher stops the others (SIGTERM, then SIGKILL
-after a grace period) and exits with that rank's status.
+Ctrl-C aborts). When a rank exits with an error the others learn it from the rendezvous and end with
+their own error; the launcher waits a grace period for that, then stops the rest (SIGTERM, then
+SIGKILL) and exits with the failed rank's status.
 """
 from __future__ import annotations
 
@@ -64,62 +65,77 @@ def visible_gpus() -> int:
         return 0
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def _describe(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+
+
+def _reap(pids: dict[int, int], timeout: float) -> None:
+    """Wait up to ``timeout`` s for the processes ``pids`` (pid -> rank) to exit; reaped ones are removed."""
+    deadline = time.monotonic() + timeout
+    while pids and time.monotonic() < deadline:
+        for pid in list(pids):
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                del pids[pid]
+        time.sleep(_POLL_S)
+
+
+def _stop(pids: dict[int, int], grace_s: float) -> None:
+    """Let the ranks ``pids`` end on their own (the rendezvous has told them), then SIGTERM, then SIGKILL."""
+    _reap(pids, grace_s)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            os.kill(pid, sig)
+        _reap(pids, grace_s)
 
 
 def spawn(nprocs: int, command: Sequence[str], grace_s: float = 10.0,
           env: Mapping[str, str] | None = None) -> int:
-    """Run ``command`` as ranks 0..nprocs-1 and wait for them; returns the job's exit status (0, 130
-    when every rank was interrupted, else the first failing rank's status)."""
+    """Run ``command`` as ranks 0..nprocs-1 and wait for them; returns the job's exit status: 0, 130
+    when the ranks were interrupted, else the status of the first rank to fail (in time order).
+    This process must have no other children (it reaps any)."""
     if nprocs < 2:
         raise ValueError(f"spawn needs at least 2 ranks, got {nprocs}")
     port = free_port()
     base = os.environ if env is None else env
-    procs: list[subprocess.Popen] = []
-    interrupts = 0
+    pids: dict[int, int] = {}
+    procs: list[subprocess.Popen] = []     # kept so that their finalizers see them reaped
 
     def forward(signum, frame):
-        nonlocal interrupts
-        interrupts += 1
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
 
     previous = signal.signal(signal.SIGINT, forward)
+    status = 0
     try:
         for rank in range(nprocs):
-            procs.append(subprocess.Popen(list(command), env=rank_env(base, rank, nprocs, port),
-                                          start_new_session=True))
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0, INTERRUPTED)]
-            if bad:
-                rank, code = bad[0]
-                running = [r for r, c in enumerate(codes) if c is None]
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                if running:
-                    print(f"rwkvx: rank {rank} {how}; stopping ranks {', '.join(map(str, running))}",
-                          file=sys.stderr, flush=True)
-                _stop(procs, grace_s)
+            proc = subprocess.Popen(list(command), env=rank_env(base, rank, nprocs, port),
+                                    start_new_session=True)
+            pids[proc.pid] = rank
+            procs.append(proc)
+        while pids:
+            pid, wait_status = os.waitpid(-1, 0)
+            rank = pids.pop(pid, None)
+            if rank is None:
+                continue
+            code = os.waitstatus_to_exitcode(wait_status)
+            procs[rank].returncode = code
+            if code == INTERRUPTED:
+                status = INTERRUPTED
+            elif code != 0:
+                if pids:
+                    print(f"rwkvx: rank {rank} {_describe(code)}; stopping ranks "
+                          f"{', '.join(str(r) for r in sorted(pids.values()))}", file=sys.stderr, flush=True)
+                _stop(pids, grace_s)
                 return code if code > 0 else 1
-            if all(c is not None for c in codes):
-                return INTERRUPTED if INTERRUPTED in codes else 0
-            time.sleep(_POLL_S)
+        return status
     except BaseException:
-        _stop(procs, grace_s)
+        _stop(pids, grace_s)
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
+        for proc in procs:
+            if proc.returncode is None:
+                proc.returncode = -signal.SIGKILL   # reaped by _stop
 
 
 def train_command(argv: Sequence[str]) -> list[str]:
