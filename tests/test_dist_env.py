@@ -20,6 +20,9 @@ def test_torchrun_variables():
     assert launch_info(TORCHRUN) == LaunchInfo("env", 1, 4, 1, "node7", 29500)
     no_local_world = {k: v for k, v in TORCHRUN.items() if k != "LOCAL_WORLD_SIZE"}
     assert launch_info(no_local_world).local_rank == 1
+    # torchrun's agent serves its own store on MASTER_PORT: ours takes the next port, or ours
+    assert launch_info({**TORCHRUN, "TORCHELASTIC_RUN_ID": "x"}).master_port == 29501
+    assert launch_info({**TORCHRUN, "TORCHELASTIC_RUN_ID": "x", "RWKVX_MASTER_PORT": "4000"}).master_port == 4000
 
 
 @pytest.mark.parametrize("change, message", [

@@ -6,7 +6,9 @@ Three ways to start a job of N ranks (one process per GPU):
   the torchrun-style variables below (rank 0 hosts the rendezvous on 127.0.0.1, a free port).
 * torchrun-style (torchrun, or any launcher that sets them): ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
   (``LOCAL_WORLD_SIZE`` optional), ``MASTER_ADDR``, ``MASTER_PORT``: rank 0 hosts the rendezvous
-  (:mod:`rwkvx.dist.store`) on MASTER_ADDR:MASTER_PORT, the other ranks connect to it.
+  (:mod:`rwkvx.dist.store`) on MASTER_ADDR:MASTER_PORT, the other ranks connect to it. Under torchrun
+  (``TORCHELASTIC_RUN_ID`` set) its agent already serves its own store on MASTER_PORT, so ours takes
+  MASTER_PORT + 1; ``RWKVX_MASTER_PORT`` overrides the port in any case.
 * MPI (``mpirun`` / ``srun``): detected from ``OMPI_COMM_WORLD_SIZE``, ``PMI_SIZE``, ``PMIX_RANK`` or
   Slurm's ``SLURM_STEP_NUM_TASKS``; rank and size then come from ``mpi4py``'s ``COMM_WORLD`` and the
   NCCL id is broadcast over MPI.
@@ -77,9 +79,14 @@ def _torchrun_info(env: Mapping[str, str]) -> LaunchInfo | None:
         local_world = _int_var(env, "LOCAL_WORLD_SIZE", 1)
         if local >= local_world:
             raise ValueError(f"LOCAL_RANK={local} must be < LOCAL_WORLD_SIZE={local_world}")
-    port = _int_var(env, "MASTER_PORT", 1)
+    if "RWKVX_MASTER_PORT" in env:
+        port, name = _int_var(env, "RWKVX_MASTER_PORT", 1), "RWKVX_MASTER_PORT"
+    else:
+        port, name = _int_var(env, "MASTER_PORT", 1), "MASTER_PORT"
+        if "TORCHELASTIC_RUN_ID" in env:
+            port += 1
     if port > 65535:
-        raise ValueError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+        raise ValueError(f"{name}={port} is not a TCP port (1..65535)")
     return LaunchInfo("env", rank, world, local, env["MASTER_ADDR"].strip(), port)
 
 

@@ -1,6 +1,7 @@
-"""The device: primary context of GPU 0, one non-blocking stream, memory, kernels, cuBLAS.
+"""The device: primary context of one GPU, one non-blocking stream, memory, kernels, cuBLAS.
 
-``Device.get()`` is a process-wide singleton. Every driver call's status is checked (CudaError names the
+``Device.get()`` is a process-wide singleton, on GPU 0 unless ``Device.select(n)`` chose another
+first (a data-parallel rank's GPU). Every driver call's status is checked (CudaError names the
 call). ``upload``/``download``/``synchronize`` block the host: use them outside the step, never while a
 graph is being captured.
 """
