@@ -473,6 +473,12 @@ def _resolve_run(args: argparse.Namespace, world: Any = None) -> _Run:
     rank, ranks = (0, 1) if world is None else (world.rank, world.world_size)
     main_rank = rank == 0
     prep = _prepare_train(args, rank, ranks)
+    if world is not None:
+        kinds = [k.decode() for k in world.allgather(prep.kind.encode())]
+        if len(set(kinds)) > 1:
+            raise UsageError("the ranks would not all train on the same backend ("
+                             + ", ".join(f"rank {r}: {k}" for r, k in enumerate(kinds))
+                             + "): pass --device gpu or --device cpu")
     tr, cfg = prep.train, prep.cfg
     B, T = tr["batch_size"], tr["seq_len"]
     trainer_kwargs = dict(batch_size=B, seq_len=T, lr=tr["lr"], lr_min=tr["lr_min"],

@@ -165,6 +165,9 @@ WORKER = textwrap.dedent("""
     import os, sys, time
     from rwkvx.dist import DistributedError, init_world, launch_info
     world = init_world(launch_info(os.environ), timeout=float(sys.argv[2]))
+    if sys.argv[1] == "sleep":
+        open(sys.argv[3] + str(world.rank), "w").write(str(os.getpid()))
+        time.sleep(60)
     if world.rank == 1:
         if sys.argv[1] == "crash":
             os._exit(3)
@@ -211,3 +214,22 @@ def test_ctrl_c_stops_every_rank_after_the_same_step(tmp_path):
     assert "interrupted at step" in stdout and "resume:" in stdout
     step = Trainer.load(out / "checkpoint.safetensors", backend="cpu").step_count
     assert 5 <= step < 100000 and [int(r["step"]) for r in log(out)][-1] == step
+
+
+def test_stopping_the_launcher_stops_every_rank(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    pidfile = str(tmp_path / "pid")
+    code = (f"import sys\nfrom rwkvx.dist.launch import spawn\n"
+            f"sys.exit(spawn(2, [sys.executable, {str(script)!r}, 'sleep', '30', {pidfile!r}]))\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=_env())
+    deadline = time.monotonic() + 60
+    while not all(Path(pidfile + r).exists() for r in "01") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    pids = [int(Path(pidfile + r).read_text()) for r in "01"]
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 128 + signal.SIGTERM
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

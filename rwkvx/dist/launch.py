@@ -5,12 +5,13 @@ variables of :mod:`rwkvx.dist.env` (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``
 ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` a free port); rank 0 hosts the rendezvous, which hands out
 the NCCL unique id. The ranks run in their own process group: Ctrl-C reaches this launcher, which
 passes it on once to every rank (each stops after the same step and rank 0 checkpoints; a second
-Ctrl-C aborts). When a rank exits with an error the others learn it from the rendezvous and end with
+Ctrl-C aborts); SIGTERM to the launcher stops every rank. When a rank exits with an error the others learn it from the rendezvous and end with
 their own error; the launcher waits a grace period for that, then stops the rest (SIGTERM, then
 SIGKILL) and exits with the failed rank's status.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -79,12 +80,15 @@ def _reap(pids: dict[int, int], timeout: float) -> None:
         time.sleep(_POLL_S)
 
 
-def _stop(pids: dict[int, int], grace_s: float) -> None:
-    """Let the ranks ``pids`` end on their own (the rendezvous has told them), then SIGTERM, then SIGKILL."""
-    _reap(pids, grace_s)
+def _stop(pids: dict[int, int], grace_s: float, patient: bool = True) -> None:
+    """Let the ranks ``pids`` end on their own (``patient``: the rendezvous has told them of a failed
+    rank), then SIGTERM, then SIGKILL."""
+    if patient:
+        _reap(pids, grace_s)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
-            os.kill(pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
         _reap(pids, grace_s)
 
 
@@ -104,7 +108,11 @@ def spawn(nprocs: int, command: Sequence[str], grace_s: float = 10.0,
         for pid in pids:
             os.kill(pid, signal.SIGINT)
 
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
     previous = signal.signal(signal.SIGINT, forward)
+    previous_term = signal.signal(signal.SIGTERM, terminate)   # the ranks go with the launcher
     status = 0
     try:
         for rank in range(nprocs):
@@ -129,10 +137,11 @@ def spawn(nprocs: int, command: Sequence[str], grace_s: float = 10.0,
                 return code if code > 0 else 1
         return status
     except BaseException:
-        _stop(pids, grace_s)
+        _stop(pids, grace_s, patient=False)
         raise
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
         for proc in procs:
             if proc.returncode is None:
                 proc.returncode = -signal.SIGKILL   # reaped by _stop
