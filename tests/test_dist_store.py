@@ -149,3 +149,38 @@ def test_watchdog_ends_a_blocked_rank():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and time.monotonic() - t0 < 20
     assert "rank 0: creating the NCCL communicator: no progress in 0.5 s" in res.stderr
+
+
+class FakeComm:
+    """The part of mpi4py's COMM_WORLD that rwkvx uses, for one rank of a pretend job."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def Split_type(self, kind):
+        return FakeComm(self.rank % 2, 2)          # two ranks per machine
+
+    def allgather(self, payload):
+        return [payload] * self.size
+
+
+def test_mpi_world(monkeypatch):
+    import types
+    from rwkvx.dist import LaunchInfo, init_world
+    fake = types.SimpleNamespace(MPI=types.SimpleNamespace(COMM_WORLD=FakeComm(3, 4), COMM_TYPE_SHARED=1))
+    monkeypatch.setitem(sys.modules, "mpi4py", fake)
+    world = init_world(LaunchInfo("mpi", 3, 4, None))
+    assert (world.rank, world.world_size, world.local_rank) == (3, 4, 1)
+    assert world.allgather(b"x") == [b"x"] * 4 and world.failure() is None
+    assert init_world(LaunchInfo("mpi", 3, 4, 0)).local_rank == 0     # the launcher's local rank wins
+    with pytest.raises(DistributedError, match="the launcher says rank 1 of 4, MPI says rank 3 of 4"):
+        init_world(LaunchInfo("mpi", 1, 4, None))
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(DistributedError, match="mpi4py is not installed"):
+        init_world(LaunchInfo("mpi", 3, 4, None))

@@ -8,6 +8,7 @@ gradients); the GPU backend reduces gradients with NCCL (:mod:`rwkvx.dist.nccl`)
 """
 from __future__ import annotations
 
+import sys
 from typing import Protocol
 
 import numpy as np
@@ -54,6 +55,7 @@ class _MPIGroup:
         return None
 
     def abort(self, message: str) -> None:
+        print(f"error: {message}", file=sys.stderr, flush=True)   # MPI_Abort ends this process too
         self.comm.Abort(1)
 
     def close(self) -> None:
