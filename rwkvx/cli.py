@@ -4,6 +4,10 @@
 ``python -m rwkvx train`` with no arguments trains the ``tiny`` preset on the embedded Shakespeare
 corpus (GPU when usable, else the CPU oracle) and prints where the checkpoint, the loss log (CSV) and
 the loss curve (PNG) are. Every argument and the data are checked before anything is written.
+
+Data parallel: ``--gpus N`` starts N local ranks (:mod:`rwkvx.dist.launch`); a process started by
+torchrun, mpirun or srun joins its job (:mod:`rwkvx.dist.env`). ``--batch-size`` is per rank; only
+rank 0 prints, shows the progress bar and writes the run directory.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import functools
 import io
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -95,6 +100,7 @@ def _token_count(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m rwkvx`` parser: the ``train``, ``sample``, ``prepare`` and ``export`` subcommands."""
+    from .dist.world import DEFAULT_TIMEOUT_S
     from .train import PRECISIONS
     from .presets import DEFAULT_PRESET, PRESETS
     from .pth import WRITE_DTYPES
@@ -169,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=_nonneg_float, help="AdamW decay of 2-D *.weight matrices")
     g.add_argument("--grad-clip", type=_nonneg_float, help="global gradient-norm clip (0: off)")
     g.add_argument("--seed", type=_nonneg_int, help="parameter init and data sampling seed (default 0)")
+    g.add_argument("--gpus", type=_positive_int, default=1, metavar="N",
+                   help="data-parallel training on N local GPUs, one process each (with --device cpu: N "
+                        "oracle processes); --batch-size is per GPU. Under torchrun / mpirun / srun leave "
+                        "it out: each launched process is one rank")
+    g.add_argument("--dist-timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="data parallel: how long a rank waits for the others before the job ends with an "
+                        "error (default: %(default)g)")
 
     g = tr.add_argument_group("output")
     g.add_argument("--out", help="run directory (default runs/<date>-<time>; with --resume: the "
@@ -388,13 +401,23 @@ def _train_tokenizer(args: argparse.Namespace, resume: Path | None, saved_run: d
 
 def _prepare_train(args: argparse.Namespace) -> _Prepared:
     """Everything a run needs, validated; raises UsageError. Writes nothing."""
+
+
+def _prepare_train(args: argparse.Namespace, rank: int = 0, ranks: int = 1,
+                   kind: str | None = None) -> _Prepared:
+    """Everything a run needs, validated; raises UsageError. Writes nothing.
+
+    ``rank`` of ``ranks``: this process's place in a data-parallel job; ``kind``: the backend, when
+    the caller has resolved it (the ``--gpus`` launcher, which must not open a GPU itself)."""
     from .config import Config
     from .data import TEXT_FORMATS, default_corpus_path, eval_batches, load_tokens, split_train_val
     from .presets import DEFAULT_PRESET, get_preset
     from .tokenizer import tokenizer_class
     from .train import CHECKPOINT_KIND
 
-    kind, note = _resolve_device(args.device, "training")
+    note = None
+    if kind is None:
+        kind, note = _resolve_device(args.device, "training")
 
     if args.resume and args.init_from:
         raise UsageError("--init-from starts a new run from a model, --resume continues a run: give one")
@@ -433,11 +456,21 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
     train["precision"] = args.precision or saved_run.get("precision") or "fp32"
     train["recompute"] = args.recompute if args.recompute is not None else saved_run.get("recompute", True)
     train["cpu_dtype"] = args.cpu_dtype or saved_run.get("cpu_dtype") or "float32"
+    saved_ranks = int(saved_run.get("world_size") or 1)
+    if resume_path is not None and saved_ranks != ranks and args.batch_size is None:
+        # keep the global batch (and so the data stream) of the resumed run
+        global_batch = train["batch_size"] * saved_ranks
+        if global_batch % ranks:
+            raise UsageError(f"--resume: the run's global batch of {global_batch} sequences "
+                             f"({saved_ranks} ranks x {train['batch_size']}) does not split over {ranks} "
+                             "ranks; pass --batch-size (sequences per rank)")
+        train["batch_size"] = global_batch // ranks
+    train["world_size"] = ranks
     B, T = train["batch_size"], train["seq_len"]
     if args.steps is not None:
         train["steps"] = args.steps
     elif args.tokens is not None:
-        train["steps"] = max(1, math.ceil(args.tokens / (B * T)))
+        train["steps"] = max(1, math.ceil(args.tokens / (ranks * B * T)))
     if train["lr_min"] > train["lr"]:
         raise UsageError(f"--lr-min ({train['lr_min']}) must not exceed --lr ({train['lr']})")
 
@@ -486,7 +519,8 @@ def _prepare_train(args: argparse.Namespace) -> _Prepared:
         train_tokens, val_tokens = split_train_val(data.tokens, T, train["val_fraction"])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    val = eval_batches(val_tokens, B, T, train["eval_batches"]) if val_tokens is not None else []
+    val = (eval_batches(val_tokens, B, T, train["eval_batches"], rank, ranks)
+           if val_tokens is not None else [])
     if resume_path is None and train["steps"] < 1:
         raise UsageError("--steps must be >= 1")
     return _Prepared(kind=kind, note=note, resume=resume_path, preset=preset_name, train=train,
@@ -545,6 +579,11 @@ class _Run:
     info: dict[str, Any]            # the run options: run.json and every checkpoint's meta["run"]
 
     @property
+    def main(self) -> bool:
+        """This process prints and writes the run (rank 0, or the only process)."""
+        return self.trainer.world is None or self.trainer.world.is_main
+
+    @property
     def ckpt_path(self) -> Path:
         return self.out / CHECKPOINT_NAME
 
@@ -557,29 +596,41 @@ class _Run:
         return self.out / PLOT_NAME
 
 
-def _resolve_run(args: argparse.Namespace) -> _Run:
+def _resolve_run(args: argparse.Namespace, world: Any = None) -> _Run:
     """The run ``train`` ``args`` ask for: a new or resumed Trainer, its data sampler, the run
-    directory (checked) and the run options; raises UsageError. Writes nothing."""
+    directory (checked) and the run options; raises UsageError. Writes nothing. ``world``: this
+    rank's data-parallel job (None: one process; the run directory is then rank 0's alone)."""
     from .data import BatchSampler, unigram_entropy
     from .params import init_params
     from .train import Trainer
 
-    prep = _prepare_train(args)
+    rank, ranks = (0, 1) if world is None else (world.rank, world.world_size)
+    main_rank = rank == 0
+    prep = _prepare_train(args, rank, ranks)
+    if world is not None:
+        kinds = [k.decode() for k in world.allgather(prep.kind.encode())]
+        if len(set(kinds)) > 1:
+            raise UsageError("the ranks would not all train on the same backend ("
+                             + ", ".join(f"rank {r}: {k}" for r, k in enumerate(kinds))
+                             + "): pass --device gpu or --device cpu")
     tr, cfg = prep.train, prep.cfg
     B, T = tr["batch_size"], tr["seq_len"]
     trainer_kwargs = dict(batch_size=B, seq_len=T, lr=tr["lr"], lr_min=tr["lr_min"],
                           warmup=tr["warmup"], total_steps=tr["steps"], weight_decay=tr["weight_decay"],
                           grad_clip=tr["grad_clip"], precision=tr["precision"], seed=tr["seed"],
                           cpu_dtype=tr["cpu_dtype"], recompute=tr["recompute"])
+    from .dist import DistributedError
     try:
         if prep.resume is not None:
-            trainer = Trainer.load(prep.resume, backend=prep.kind, **trainer_kwargs)
+            trainer = Trainer.load(prep.resume, backend=prep.kind, world=world, **trainer_kwargs)
         else:
             params = prep.start_params if prep.start_params is not None else init_params(cfg, tr["seed"])
-            trainer = Trainer(cfg, params, backend=prep.kind, **trainer_kwargs)
+            trainer = Trainer(cfg, params, backend=prep.kind, world=world, **trainer_kwargs)
+    except DistributedError:
+        raise
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
-    sampler = BatchSampler(prep.train_tokens, B, T, seed=tr["seed"])
+    sampler = BatchSampler(prep.train_tokens, B, T, seed=tr["seed"], rank=rank, world_size=ranks)
     if prep.resume is not None and trainer.meta.get("sampler"):
         sampler.set_state(trainer.meta["sampler"])
 
@@ -589,19 +640,20 @@ def _resolve_run(args: argparse.Namespace) -> _Run:
         out = prep.resume.parent
     else:
         out = _default_out()
-    if out.exists() and not out.is_dir():
+    if main_rank and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} exists and is not a directory")
-    if prep.resume is None and (out / CHECKPOINT_NAME).exists():
+    if main_rank and prep.resume is None and (out / CHECKPOINT_NAME).exists():
         raise UsageError(f"--out {out} already holds a run ({CHECKPOINT_NAME}); use --resume "
                          f"{out} to continue it or choose another --out")
 
     entropy = None
-    if len(prep.train_tokens) <= 50_000_000:
+    if main_rank and len(prep.train_tokens) <= 50_000_000:
         entropy = unigram_entropy(prep.train_tokens, cfg.vocab_size)
     info = {"preset": prep.preset, "init_from": prep.init_from, "data": prep.data_arg,
             "token_width": prep.token_width, "tokenizer": prep.tokenizer,
             "steps": tr["steps"], **{k: tr[k] for k in TRAIN_KEYS}, "seed": tr["seed"],
-            "precision": tr["precision"], "recompute": tr["recompute"], "cpu_dtype": tr["cpu_dtype"]}
+            "precision": tr["precision"], "recompute": tr["recompute"], "cpu_dtype": tr["cpu_dtype"],
+            "world_size": ranks}
     return _Run(prep=prep, trainer=trainer, sampler=sampler, start=trainer.step_count, out=out,
                 entropy=entropy, info=info)
 
@@ -618,10 +670,13 @@ def _print_run(run: _Run) -> None:
           f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
           f"({sum(p.size for p in trainer.params.values()):,} parameters)"
           + (f", initialised from {prep.init_from}" if prep.init_from else ""))
+    ranks = tr["world_size"]
     fmt = prep.data.format + (f", {prep.tokenizer} tokenizer" if prep.tokenizer else "")
     print(f"data: {prep.data.source} [{fmt}], {len(prep.data):,} tokens "
-          f"({len(prep.train_tokens):,} train, {len(prep.val_batches) * B * T:,} validation tokens)"
+          f"({len(prep.train_tokens):,} train, {len(prep.val_batches) * ranks * B * T:,} validation tokens)"
           + (f", unigram entropy {run.entropy:.4f} nats" if run.entropy is not None else ""))
+    if ranks > 1:
+        print(f"data parallel: {ranks} ranks x B={B} = {ranks * B} sequences per step")
     print(f"training: steps {run.start + 1}..{tr['steps']}, B={B} T={T}, lr {tr['lr']:g} -> "
           f"{tr['lr_min']:g}, warmup {tr['warmup']}, wd {tr['weight_decay']:g}, "
           f"clip {tr['grad_clip']:g}; out {run.out}")
@@ -675,17 +730,21 @@ def _mean_val_loss(trainer: Trainer, batches: list[tuple[np.ndarray, np.ndarray]
 def _train_loop(run: _Run, progress: bool) -> _Outcome:
     """Train ``run`` to its last step with a progress bar (on stderr, unless ``progress`` is false),
     validation every ``eval_every`` steps and at the end, and a checkpoint every ``ckpt_every``
-    steps; then write the final checkpoint, the log and the plot. Ctrl-C: see :func:`_ctrl_c_stops`."""
+    steps; then write the final checkpoint, the log and the plot. Ctrl-C: see :func:`_ctrl_c_stops`.
+    Data parallel: every rank trains and evaluates its shard; only rank 0 shows progress and writes."""
     from tqdm import tqdm
 
     prep, trainer, sampler, tr = run.prep, run.trainer, run.sampler, run.prep.train
     B, T, steps, start = tr["batch_size"], tr["seq_len"], tr["steps"], run.start
+    step_tokens = tr["world_size"] * B * T
     resumed = prep.resume is not None
-    rows = _read_log(prep.resume.parent / LOG_NAME, start) if resumed else []
-    tokens_seen = int(trainer.meta.get("tokens_seen", start * B * T)) if resumed else 0
+    rows = _read_log(prep.resume.parent / LOG_NAME, start) if resumed and run.main else []
+    tokens_seen = int(trainer.meta.get("tokens_seen", start * step_tokens)) if resumed else 0
     elapsed0 = float(trainer.meta.get("elapsed_s", 0.0)) if resumed else 0.0
 
     def save(elapsed: float) -> None:
+        if not run.main:
+            return
         trainer.save(run.ckpt_path, meta={"run": run.info, "sampler": sampler.state(),
                                           "tokens_seen": tokens_seen, "elapsed_s": elapsed})
         _write_log(run.log_path, rows)
@@ -693,19 +752,22 @@ def _train_loop(run: _Run, progress: bool) -> _Outcome:
     train_time, ema, last_val = 0.0, None, None
     interrupted = False
     with tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, mininterval=0.5,
-              disable=not progress, file=sys.stderr) as bar, _ctrl_c_stops(bar.write) as stop:
+              disable=not (progress and run.main), file=sys.stderr) as bar, \
+            _ctrl_c_stops(bar.write if run.main else lambda _: None) as stop:
         t0 = time.perf_counter()
         for step in range(start + 1, steps + 1):
             if stop.requested:
+                trainer.request_stop()
+            if trainer.stop_agreed:    # data parallel: every rank stops after the same step
                 interrupted = True
                 break
             x, y = sampler.next()
             ts = time.perf_counter()
             loss = trainer.step(x, y)
             train_time += time.perf_counter() - ts
-            tokens_seen += B * T
+            tokens_seen += step_tokens
             ema = loss if ema is None else 0.9 * ema + 0.1 * loss
-            tps = (step - start) * B * T / max(train_time, 1e-9)
+            tps = (step - start) * step_tokens / max(train_time, 1e-9)
             row = {"step": step, "tokens": tokens_seen, "lr": _fmt(trainer.last_stats.get("lr")),
                    "train_loss": _fmt(loss), "grad_norm": _fmt(trainer.last_stats.get("grad_norm")),
                    "tokens_per_s": _fmt(tps, 5)}
@@ -723,9 +785,11 @@ def _train_loop(run: _Run, progress: bool) -> _Outcome:
                 save(elapsed0 + time.perf_counter() - t0)
     save(elapsed0 + time.perf_counter() - t0)
     cfg = prep.cfg
+    ranks = "" if tr["world_size"] == 1 else f"{tr['world_size']} x "
     title = (f"rwkvx {prep.preset}: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} "
-             f"M={cfg.n_attn_layer}, B={B} T={T}, {trainer.device}")
-    write_plot(run.plot_path, rows, title, run.entropy)
+             f"M={cfg.n_attn_layer}, B={ranks}{B} T={T}, {trainer.device}")
+    if run.main:
+        write_plot(run.plot_path, rows, title, run.entropy)
     return _Outcome(
         step=trainer.step_count, interrupted=interrupted, ema=ema,
         final_train=next((float(r["train_loss"]) for r in reversed(rows) if r.get("train_loss")), None),
@@ -744,7 +808,7 @@ def _print_outcome(run: _Run, outcome: _Outcome) -> None:
     if run.entropy is not None:
         summary += f" [unigram entropy {run.entropy:.4f}]"
     print(("interrupted at " if outcome.interrupted else "done: ") + summary)
-    trained = (outcome.step - run.start) * tr["batch_size"] * tr["seq_len"]
+    trained = (outcome.step - run.start) * tr["world_size"] * tr["batch_size"] * tr["seq_len"]
     print(f"time: {outcome.wall_time:.1f} s this run, "
           f"{trained / max(outcome.train_time, 1e-9):,.0f} tokens/s training")
     print(f"checkpoint: {run.ckpt_path}")
@@ -758,22 +822,87 @@ def _print_outcome(run: _Run, outcome: _Outcome) -> None:
           + (f" --prompt {prompt!r}" if prompt else ""))
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    """``python -m rwkvx train``: resolve the run, train it, report. Returns the exit status: 0, or
-    130 when Ctrl-C stopped the run (checkpointed, resumable)."""
-    run = _resolve_run(args)
-    _print_run(run)
+def _train(args: argparse.Namespace, world: Any) -> int:
+    """Resolve the run, train it, report (rank 0 prints and writes); the exit status."""
+    run = _resolve_run(args, world)
+    if run.main:
+        _print_run(run)
     steps = run.prep.train["steps"]
     if run.start >= steps:
-        print(f"checkpoint is at step {run.start} >= --steps {steps}: nothing to train "
-              "(pass a larger --steps to continue)")
+        if run.main:
+            print(f"checkpoint is at step {run.start} >= --steps {steps}: nothing to train "
+                  "(pass a larger --steps to continue)")
         return 0
-    run.out.mkdir(parents=True, exist_ok=True)
-    _write_bytes(run.out / RUN_NAME,
-                 json.dumps({"config": run.prep.cfg.to_dict(), "run": run.info}, indent=2).encode())
+    if run.main:
+        run.out.mkdir(parents=True, exist_ok=True)
+        _write_bytes(run.out / RUN_NAME,
+                     json.dumps({"config": run.prep.cfg.to_dict(), "run": run.info}, indent=2).encode())
     outcome = _train_loop(run, progress=not args.no_progress)
-    _print_outcome(run, outcome)
+    if run.main:
+        _print_outcome(run, outcome)
     return 130 if outcome.interrupted else 0
+
+
+def _spawn(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``--gpus N``: check the arguments here (nothing is written, no GPU is opened), then run N ranks."""
+    from .dist import env, launch
+
+    n = args.gpus
+    found = env.launched_by(os.environ)
+    if found:
+        raise UsageError(f"--gpus {n} starts its own {n} ranks, but this process was started by a launcher "
+                         f"({found} set): leave --gpus out, each launched process is one rank")
+    if args.device == "cpu":
+        kind = "cpu"
+    else:
+        visible = launch.visible_gpus()
+        if visible < n:
+            raise UsageError(f"--gpus {n}: only {visible} GPU(s) visible here"
+                             + ("; --device cpu runs the ranks on the CPU oracle" if not visible else ""))
+        kind = "gpu"
+    _prepare_train(args, 0, n, kind=kind)
+    return launch.spawn(n, launch.train_command(argv))
+
+
+def _join(args: argparse.Namespace, info: Any) -> Any:
+    """Join the data-parallel job ``info`` describes and pick this rank's GPU."""
+    from .dist import env, init_world, launch
+    from .runtime.device import Device
+
+    world = init_world(info, args.dist_timeout)
+    if args.device != "cpu":
+        visible = launch.visible_gpus()
+        if visible:
+            try:
+                Device.select(env.device_ordinal(world.local_rank, visible))
+            except ValueError as exc:
+                world.abort(str(exc))
+                raise UsageError(f"rank {world.rank}: {exc}") from None
+    return world
+
+
+def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """``python -m rwkvx train``: resolve the run, train it, report. Returns the exit status: 0, or
+    130 when Ctrl-C stopped the run (checkpointed, resumable). ``argv``: the train arguments as given
+    (``--gpus N`` starts N processes of them); a process of a launched job trains as its rank."""
+    from .dist import env
+
+    try:
+        info = env.launch_info(os.environ)
+    except ValueError as exc:
+        raise UsageError(f"data-parallel launch: {exc}") from None
+    if args.gpus > 1:
+        return _spawn(args, argv)
+    if info is None:
+        return _train(args, None)
+    world = _join(args, info)
+    try:
+        status = _train(args, world)
+    except BaseException as exc:
+        world.abort("interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+        raise
+    world.close()
+    return status
 
 
 # ---------------------------------------------------------------------------------------------
@@ -985,11 +1114,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``); returns the exit status. Bad arguments or
     data exit with status 2 and an ``error:`` line, having written nothing."""
+    from .dist.store import DistributedError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
-            return cmd_train(args)
+            return cmd_train(args, argv[argv.index("train") + 1:])
         if args.command == "export":
             return cmd_export(args)
         if args.command == "prepare":
@@ -997,6 +1129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_sample(args)
     except UsageError as exc:
         parser.exit(2, f"{parser.prog} {args.command}: error: {exc}\n")
+    except DistributedError as exc:
+        parser.exit(1, f"{parser.prog} {args.command}: error: {exc}\n")
     return 0  # pragma: no cover
 
 

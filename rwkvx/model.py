@@ -10,7 +10,7 @@ the ops through :class:`rwkvx.runtime.Plan`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -171,7 +171,11 @@ class Layout:
 class StepOps:
     """The op lists of one step. ``forward`` ends with the final LayerNorm's output; ``loss`` runs the
     head and cross-entropy chunk by chunk of rows (logits, loss, dlogits in place, the head's gradients);
-    ``evaluate`` is ``loss`` without gradients; ``head[c]`` computes the logits of chunk c alone."""
+    ``evaluate`` is ``loss`` without gradients; ``head[c]`` computes the logits of chunk c alone.
+
+    ``grad_ready``: ``(k, names)`` pairs in backward order: after ``backward[:k]`` the gradients of
+    ``names`` are final (no later op of the step touches them) — where a data-parallel step starts
+    reducing them (:mod:`rwkvx.dist.step`). Every parameter is named exactly once."""
     stage_tokens: list
     stage_targets: list
     forward: list
@@ -179,6 +183,7 @@ class StepOps:
     backward: list
     evaluate: list
     head: list
+    grad_ready: list = field(default_factory=list)
 
     @property
     def step(self) -> list:
@@ -229,8 +234,10 @@ class StepBuilder:
     def build(self) -> StepOps:
         stage = {n: CopyHtoD(self.buf(n), self.host[n], self.L.nbytes(n)) for n in self.L.host_inputs(self.R)}
         stage_tokens = [stage.pop("tokens")]
-        return StepOps(stage_tokens, list(stage.values()), self.forward(), self.loss(), self.backward(),
-                       self.loss(with_grad=False), [self.head_logits(r0) for r0 in self.head_chunks()])
+        forward, loss_ops, backward = self.forward(), self.loss(), self.backward()
+        return StepOps(stage_tokens, list(stage.values()), forward, loss_ops, backward,
+                       self.loss(with_grad=False), [self.head_logits(r0) for r0 in self.head_chunks()],
+                       self.grad_ready)
 
     def forward(self) -> list:
         cfg, R, C, V, dev = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size, self.dev
@@ -297,6 +304,9 @@ class StepBuilder:
                                   self.gp("rwkv.ln_out.weight"), self.gp("rwkv.ln_out.bias"),
                                   self.buf("lnout_mean"), self.buf("lnout_rstd"), self.buf("partials"),
                                   R, C, dev)
+        self.grad_ready = []
+        self._grads_ready(ops, "rwkv.head.", "rwkv.ln_out.")
+        ln0 = ("rwkv.blocks.0.ln0.weight", "rwkv.blocks.0.ln0.bias") if cfg.ln0 else ()
         ops.append(Memset(self.buf("dv_first"), self.L.nbytes("dv_first")))
         for pos, (kind, idx) in reversed(list(enumerate(cfg.block_order()))):
             self.block_pos = pos
@@ -310,6 +320,7 @@ class StepBuilder:
                 ops += self.channel_mix_forward(prefix, None)
             ops += self.channel_mix_backward(prefix)
             ops += self.rwkv_backward(idx, xin) if kind == "rwkv" else self.attn_backward(idx, xin)
+            self._grads_ready(ops, prefix, exclude=ln0)   # block 0's ln0 comes after the last block
         self.block_pos = None
         demb_in = dx
         if cfg.ln0:
@@ -321,7 +332,13 @@ class StepBuilder:
         ops += embedding.backward(demb_in, self.buf("tokens"), self.buf("emb_order"),
                                   self.buf("emb_seg_start"), self.buf("emb_n_seg"),
                                   self.gp("rwkv.emb.weight"), R, C, V)
+        self._grads_ready(ops, "rwkv.emb.", *ln0)
         return ops
+
+    def _grads_ready(self, ops: list, *prefixes: str, exclude: tuple = ()) -> None:
+        """Mark the gradients of the parameters named by ``prefixes`` final after ``ops`` so far."""
+        names = tuple(n for n in self.L.param_offsets if n.startswith(prefixes) and n not in exclude)
+        self.grad_ready.append((len(ops), names))
 
     def optimizer(self, weight_decay: float, clip: bool) -> list:
         """One fused AdamW update of every parameter (rwkvx/optim.py's formulas; state on device)."""
@@ -630,11 +647,14 @@ class Model:
         pin["emb_n_seg"].array(np.int32, (1,))[:] = n_seg
         pin["inv_count"].array(np.float64, (1,))[:] = loss.inv_count(flat)
 
+    def inv_count(self) -> float:
+        """1 / the number of targets != ignore_index in the staged batch (float64, as the loss uses it)."""
+        return float(self._pinned["inv_count"].array(np.float64, (1,))[0])
+
     def mean_loss(self) -> float:
         """The mean loss of the last step, from the pinned per-token losses, reduced in double."""
         from .runtime import sum_float64
-        inv = float(self._pinned["inv_count"].array(np.float64, (1,))[0])
-        return sum_float64(self._pinned["loss_t"].array(np.float64, (self.B * self.T,))) * inv
+        return sum_float64(self._pinned["loss_t"].array(np.float64, (self.B * self.T,))) * self.inv_count()
 
     def run_step(self) -> None:
         """Enqueue one forward + loss + backward on the staged batch (no synchronisation)."""

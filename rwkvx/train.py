@@ -12,6 +12,12 @@ The Trainer, checkpoints and the CLI are shared; :func:`resolve_device` picks th
 :func:`forward_padded` fit smaller batches to it (for GPUBackend's ``evaluate``/``forward`` and the
 CLI's forward-only sampling).
 
+Data parallel: given a :class:`rwkvx.dist.World`, each rank's Trainer steps on its shard of the
+global batch and the gradients are averaged over the ranks before the (clipped) update — through
+NCCL inside the step's CUDA graph on the GPU backend (:mod:`rwkvx.dist.step`), through the host
+collectives of the world on the CPU backend. Losses are means over all ranks; every rank ends each
+step with the same parameters. Without a world (the default) nothing of this runs.
+
 Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
 parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
 metadata: the step count, the optimizer and schedule settings, the trainer settings and whatever
@@ -54,14 +60,17 @@ class Backend(abc.ABC):
       dict of :meth:`rwkvx.optim.AdamW.state_dict` (host float32 moments).
     * ``step_count``: updates done; ``last_stats``: ``{"lr", "grad_norm", "clip"}`` of the last step
       (the GPU backend may report NaN for values it does not read back).
+    * data parallel (built with a world): ``train_step(..., stop=True)`` tells the other ranks that
+      this one wants to stop; ``stop_agreed`` is then True on every rank after that same step.
     """
 
     name = "abstract"
     step_count: int
     last_stats: dict[str, float]
+    stop_agreed: bool = False
 
     @abc.abstractmethod
-    def train_step(self, tokens: np.ndarray, targets: np.ndarray) -> float: ...
+    def train_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> float: ...
 
     @abc.abstractmethod
     def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float: ...
@@ -99,7 +108,7 @@ class CPUBackend(Backend):
     name = "cpu"
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
-                 grad_clip: float | None, dtype: Any = np.float32) -> None:
+                 grad_clip: float | None, dtype: Any = np.float32, world: Any = None) -> None:
         try:
             from .oracle import Oracle
         except ImportError as exc:  # the Cython extension is not built
@@ -115,6 +124,7 @@ class CPUBackend(Backend):
         self.params = {n: np.array(p, dtype=np.float32, copy=True) for n, p in params.items()}
         self.opt = AdamW(self.params, schedule, weight_decay=weight_decay, grad_clip=grad_clip)
         self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
+        self.world = world
 
     @property
     def step_count(self) -> int:  # type: ignore[override]
@@ -126,13 +136,29 @@ class CPUBackend(Backend):
         # small next to a forward/backward.
         return self._Oracle(self.cfg, self.params, dtype=self.dtype)
 
-    def train_step(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+    def train_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> float:
         loss, grads = self._oracle().loss_and_grads(tokens, targets)
         loss = float(loss)
+        if self.world is not None:
+            loss, grads = self._average(loss, grads, stop)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {self.step_count + 1}")
         self.last_stats = self.opt.step(grads)
         return loss
+
+    def _average(self, loss: float, grads: ParamDict, stop: bool) -> tuple[float, ParamDict]:
+        """Loss and gradients averaged over the world's ranks (in rank order, in the gradients' dtype);
+        sets ``stop_agreed``."""
+        names = list(grads)
+        flat = self.world.mean(np.concatenate([np.ravel(grads[n]) for n in names]))
+        loss, stops = self.world.mean(np.array([loss, float(stop)]))
+        self.stop_agreed = bool(stops > 0)
+        out, pos = {}, 0
+        for n in names:
+            size = np.size(grads[n])
+            out[n] = flat[pos:pos + size].reshape(np.shape(grads[n]))
+            pos += size
+        return float(loss), out
 
     def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float:
         # Forward only (no backward), the cross-entropy in float64 as the oracle computes it.
@@ -184,14 +210,15 @@ class GPUBackend(Backend):
     forward, loss, backward and the fused AdamW update (step count and learning rate on the device).
 
     Training batches are exactly ``[batch_size, seq_len]``; ``evaluate``/``forward`` take any
-    ``[B, T]`` with B <= batch_size and T <= seq_len, padded by :func:`pad_batch`.
+    ``[B, T]`` with B <= batch_size and T <= seq_len, padded by :func:`pad_batch`. With a ``world``
+    the step is :class:`rwkvx.dist.step.DistributedStep` (NCCL all-reduces inside the graph).
     """
 
     name = "gpu"
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
-                 recompute: bool = True) -> None:
+                 recompute: bool = True, world: Any = None) -> None:
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
@@ -199,13 +226,22 @@ class GPUBackend(Backend):
         from .model import Model
         self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute)
         self.model.configure_optimizer(schedule, weight_decay, grad_clip)
+        self.dist_step = None
+        if world is not None:
+            from .dist.nccl import NcclCommunicator
+            from .dist.step import DistributedStep
+            self.dist_step = DistributedStep(self.model, NcclCommunicator(world, self.model.dev))
         self.step_count = 0
         self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
 
-    def train_step(self, tokens: np.ndarray, targets: np.ndarray) -> float:
+    def train_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> float:
         if tokens.shape != (self.model.B, self.model.T):
             raise ValueError(f"training batches must be {(self.model.B, self.model.T)}, got {tokens.shape}")
-        loss = self.model.train_step(tokens, targets)
+        if self.dist_step is None:
+            loss = self.model.train_step(tokens, targets)
+        else:
+            loss = self.dist_step.train_step(tokens, targets, stop)
+            self.stop_agreed = self.dist_step.stop_agreed
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {self.step_count + 1}")
         self.step_count += 1
@@ -264,13 +300,14 @@ class Trainer:
     ``lr_min``, ``warmup``, ``total_steps``). ``precision`` and ``recompute`` (see :class:`rwkvx.Model`)
     apply to the GPU backend; the CPU backend computes in ``cpu_dtype`` (float32 default, float64 for the
     reference).
+    ``world`` (a :class:`rwkvx.dist.World`): data-parallel training, ``batch_size`` rows per rank.
     """
 
     def __init__(self, cfg: Config, params: ParamDict, backend: str = "auto", batch_size: int = 8,
                  seq_len: int = 64, lr: float = 1e-3, lr_min: float | None = None, warmup: int = 0,
                  total_steps: int | None = None, weight_decay: float = 0.0,
                  grad_clip: float | None = 1.0, precision: str = "fp32", seed: int = 0,
-                 cpu_dtype: Any = np.float32, recompute: bool = True) -> None:
+                 cpu_dtype: Any = np.float32, recompute: bool = True, world: Any = None) -> None:
         if not isinstance(cfg, Config):
             raise TypeError("cfg must be an rwkvx.Config")
         check_params(cfg, params)
@@ -291,14 +328,16 @@ class Trainer:
         self.recompute = recompute
         self.seed = int(seed)
         self.cpu_dtype = np.dtype(cpu_dtype)
+        self.world = world
+        self._stop_requested = False
         kind, self.device_note = resolve_device(backend)
         if kind == "gpu":
             self.backend: Backend = GPUBackend(
                 cfg, params, self.schedule, self.weight_decay, self.grad_clip,
-                self.batch_size, self.seq_len, precision, recompute)
+                self.batch_size, self.seq_len, precision, recompute, world=world)
         else:
             self.backend = CPUBackend(cfg, params, self.schedule, self.weight_decay, self.grad_clip,
-                                      dtype=self.cpu_dtype)
+                                      dtype=self.cpu_dtype, world=world)
         # what Trainer.load reads back of the caller's save(meta=..., tensors=...)
         self.meta: dict[str, Any] = {}
         self.extra_tensors: dict[str, np.ndarray] = {}
@@ -335,14 +374,29 @@ class Trainer:
         return tokens, targets
 
     def step(self, tokens: np.ndarray, targets: np.ndarray) -> float:
-        """One training step (forward, loss, backward, AdamW); returns the mean loss before the update."""
+        """One training step (forward, loss, backward, AdamW); returns the mean loss before the update
+        (data parallel: this rank's shard in, the mean over every rank's shard out)."""
         tokens, targets = self._inputs(tokens, targets)
-        return self.backend.train_step(tokens, targets)
+        return self.backend.train_step(tokens, targets, stop=self._stop_requested)
+
+    def request_stop(self) -> None:
+        """Ask to stop training (e.g. on Ctrl-C). Alone, :attr:`stop_agreed` is True at once; data
+        parallel, the request travels with the next step and every rank stops after that same step."""
+        self._stop_requested = True
+
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether training should stop now (see :meth:`request_stop`); the same on every rank."""
+        return self.backend.stop_agreed if self.world is not None else self._stop_requested
 
     def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float:
-        """Mean loss on a batch, parameters unchanged."""
+        """Mean loss on a batch, parameters unchanged (data parallel: the mean over the ranks' shards,
+        a collective)."""
         tokens, targets = self._inputs(tokens, targets)
-        return self.backend.evaluate(tokens, targets)
+        loss = self.backend.evaluate(tokens, targets)
+        if self.world is not None:
+            loss = float(self.world.mean(np.array([loss]))[0])
+        return loss
 
     def forward(self, tokens: np.ndarray) -> np.ndarray:
         """Logits ``[B, T, V]`` for ``tokens`` ``[B, T]``, no update (on the GPU backend B and T are
@@ -373,13 +427,15 @@ class Trainer:
                         extra={"tensors": all_tensors, "meta": full_meta})
 
     @classmethod
-    def load(cls, path: str | os.PathLike, backend: str = "auto", **overrides: Any) -> "Trainer":
+    def load(cls, path: str | os.PathLike, backend: str = "auto", world: Any = None,
+             **overrides: Any) -> "Trainer":
         """A Trainer restored from :meth:`save`: parameters, optimizer moments and step exactly.
 
         Settings are those saved unless given in ``overrides`` (``batch_size``, ``seq_len``, ``lr``,
         ``lr_min``, ``warmup``, ``total_steps``, ``weight_decay``, ``grad_clip``, ``precision``,
-        ``recompute``, ``seed``, ``cpu_dtype``; None values are ignored). The caller's ``meta`` is ``trainer.meta``,
-        its extra tensors ``trainer.extra_tensors``."""
+        ``recompute``, ``seed``, ``cpu_dtype``; None values are ignored). The caller's ``meta`` is
+        ``trainer.meta``, its extra tensors ``trainer.extra_tensors``. ``world``: as for the constructor
+        (the checkpoint may come from a job with another number of ranks)."""
         cfg, params, extra = load_checkpoint(path)
         meta = extra.get("meta") or {}
         if meta.get("kind") != CHECKPOINT_KIND:
@@ -399,7 +455,7 @@ class Trainer:
         if unknown:
             raise TypeError(f"unknown Trainer.load override(s): {', '.join(sorted(unknown))}")
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        trainer = cls(cfg, params, backend=backend, **kwargs)
+        trainer = cls(cfg, params, backend=backend, world=world, **kwargs)
         tensors = extra.get("tensors") or {}
         trainer.backend.load_optimizer_state(
             {"tensors": {k: v for k, v in tensors.items() if k.startswith("optim.")},

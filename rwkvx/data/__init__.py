@@ -408,22 +408,32 @@ class BatchSampler:
 
     ``next()`` returns ``(tokens, targets)``, both int64 ``[B, T]``: window start s is uniform in
     ``[0, n - T - 1]``; tokens = stream[s : s+T], targets = stream[s+1 : s+T+1].
+
+    Data parallel: with ``world_size`` N, every rank draws the starts of the whole global batch of
+    N*B windows (the same generator calls as one process with batch N*B) and reads only its rows
+    ``[rank*B, (rank+1)*B)``: the ranks together see exactly the batches of one process with N times
+    the batch, and the generator state (the data position) is the same on every rank.
     """
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0) -> None:
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of size {world_size}")
         n = int(tokens.shape[0])
         if n < seq_len + 1:
             raise ValueError(f"data has {n} tokens, shorter than one training sequence "
                              f"(seq_len + 1 = {seq_len + 1} tokens)")
         self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.rank, self.world_size = rank, world_size
         self.rng = np.random.Generator(np.random.PCG64(seed))
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
-        T = self.seq_len
-        starts = self.rng.integers(0, self.tokens.shape[0] - T, size=self.batch_size)
-        windows = np.stack([np.asarray(self.tokens[s:s + T + 1], dtype=np.int64) for s in starts])
+        T, B = self.seq_len, self.batch_size
+        starts = self.rng.integers(0, self.tokens.shape[0] - T, size=B * self.world_size)
+        mine = starts[self.rank * B:(self.rank + 1) * B]
+        windows = np.stack([np.asarray(self.tokens[s:s + T + 1], dtype=np.int64) for s in mine])
         return windows[:, :-1].copy(), windows[:, 1:].copy()
 
     __next__ = next
@@ -441,13 +451,21 @@ class BatchSampler:
         self.rng.bit_generator.state = dict(state)
 
 
-def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int = 4
-                 ) -> list[tuple[np.ndarray, np.ndarray]]:
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int = 4,
+                 rank: int = 0, world_size: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
     """Fixed validation batches of exactly ``batch_size`` evenly spaced windows each.
 
     As many batches (at most ``max_batches``) as non-overlapping windows fill; at least one, whose
     windows overlap when the region is shorter than ``batch_size`` windows. Deterministic (no
-    randomness), so every evaluation of a run scores the same text."""
+    randomness), so every evaluation of a run scores the same text. With ``world_size`` N the
+    batches are those of one process with batch N*B, and this rank gets rows ``[rank*B, (rank+1)*B)``
+    of each (as :class:`BatchSampler`)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+    if world_size > 1:
+        B = batch_size
+        return [(x[rank * B:(rank + 1) * B], y[rank * B:(rank + 1) * B])
+                for x, y in eval_batches(tokens, B * world_size, seq_len, max_batches)]
     n, T = int(tokens.shape[0]), seq_len
     if n < T + 1:
         return []

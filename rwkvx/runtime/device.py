@@ -1,6 +1,7 @@
-"""The device: primary context of GPU 0, one non-blocking stream, memory, kernels, cuBLAS.
+"""The device: primary context of one GPU, one non-blocking stream, memory, kernels, cuBLAS.
 
-``Device.get()`` is a process-wide singleton. Every driver call's status is checked (CudaError names the
+``Device.get()`` is a process-wide singleton, on GPU 0 unless ``Device.select(n)`` chose another
+first (a data-parallel rank's GPU). Every driver call's status is checked (CudaError names the
 call). ``upload``/``download``/``synchronize`` block the host: use them outside the step, never while a
 graph is being captured.
 """
@@ -150,6 +151,7 @@ class Device:
     """Primary context of device 0 plus one non-blocking stream; see module docstring."""
 
     _instance: "Device | None" = None
+    _ordinal = 0
     _lock = threading.Lock()
 
     @classmethod
@@ -160,8 +162,17 @@ class Device:
             return inst
         with cls._lock:
             if cls._instance is None:
-                cls._instance = cls._create(0)
+                cls._instance = cls._create(cls._ordinal)
             return cls._instance
+
+    @classmethod
+    def select(cls, ordinal: int) -> None:
+        """Make :meth:`get` open GPU ``ordinal`` (a data-parallel rank's GPU); before the first ``get``."""
+        with cls._lock:
+            if cls._instance is not None and cls._instance.ordinal != ordinal:
+                raise RuntimeError(f"Device.select({ordinal}): this process already uses GPU "
+                                   f"{cls._instance.ordinal}")
+            cls._ordinal = int(ordinal)
 
     @classmethod
     def _create(cls, ordinal: int) -> "Device":
@@ -178,6 +189,8 @@ class Device:
         count = check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
         if not count:
             raise RuntimeError(NO_GPU_HELP.format(reason="the driver reports 0 devices"))
+        if ordinal >= count:
+            raise RuntimeError(f"GPU {ordinal} was asked for, the driver reports {count} device(s)")
         return cls(ordinal)
 
     def __init__(self, ordinal: int = 0):
