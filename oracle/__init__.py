@@ -12,6 +12,7 @@ Built by setup.py from ``oracle/*.pyx``; installed as ``rwkvx.oracle``.
 from ._common import DECAY_SCALE, GN_EPS, L2_EPS, LN_EPS, rel_err
 from .channelmix import (channel_mix_shift_backward, channel_mix_shift_forward, relu_sq_backward,
                          relu_sq_forward)
+from .decode import decode_moba, decode_shift, decode_wkv7
 from .embedding import embedding_backward, embedding_forward
 from .layernorm import group_norm_backward, group_norm_forward, layernorm_backward, layernorm_forward
 from .loss import cross_entropy, cross_entropy_rows
@@ -39,4 +40,5 @@ __all__ = [
     "channel_mix_shift_forward", "channel_mix_shift_backward", "relu_sq_forward", "relu_sq_backward",
     "cross_entropy_rows", "cross_entropy",
     "column_sums",
+    "decode_shift", "decode_wkv7", "decode_moba",
 ]

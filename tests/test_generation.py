@@ -156,12 +156,11 @@ def test_moba_attention_cached_is_the_forward_at_the_last_positions(chunk, top_k
 
 # ------------------------------------------------------------------ rwkvx.generate
 
-@pytest.fixture(scope="module")
-def small():
+@pytest.fixture
+def small(random_params):
     cfg = Config(vocab_size=40, n_embd=32, head_size=8, n_rwkv_layer=2, n_attn_layer=1,
                  moba_chunk_size=4, moba_top_k=2)
-    from conftest import make_random_params
-    return cfg, make_random_params(cfg, 7)
+    return cfg, random_params(cfg, 7)
 
 
 def test_greedy_generation_is_the_argmax_of_a_full_forward_rerun(small):
@@ -222,3 +221,39 @@ def test_sample_next():
     assert all(sample_next(logits, 1.0, 0.5, rng) == 1 for _ in range(20))    # nucleus = top token
     draws = {sample_next(logits, 5.0, 1.0, rng) for _ in range(300)}
     assert draws == {0, 1, 2, 3}
+
+
+# ------------------------------------------------------------------ the twins of decode.cu
+
+def test_decode_twins_step_through_a_sequence_as_the_forward_twins():
+    from rwkvx.oracle import decode_moba, decode_shift, decode_wkv7
+    rng = np.random.default_rng(4)
+    B, T, H, N, chunk, top_k = 2, 14, 2, 4, 3, 3
+    C = H * N
+    x = rng.standard_normal((B, T, C))
+    mixes = rng.uniform(size=(6, C))
+    prev = np.zeros((B, C))
+    want = time_shift_forward(x.reshape(B * T, C), mixes, T).reshape(6, B, T, C)
+    for t in range(T):
+        outs, prev = decode_shift(x[:, t], prev, mixes)
+        np.testing.assert_array_equal(outs, want[:, :, t])
+
+    r, k, v, a, b = (rng.standard_normal((B, T, H, N)) for _ in range(5))
+    w = np.exp(-0.6 * rng.uniform(size=(B, T, H, N)))
+    y_full, s_full = wkv7_forward(r, w, k, v, a, b, return_state=True)
+    state = np.zeros((B, H, N, N))
+    for t in range(T):
+        y, state = decode_wkv7(r[:, t], w[:, t], k[:, t], v[:, t], a[:, t], b[:, t], state)
+        np.testing.assert_array_equal(y, y_full[:, t])
+    np.testing.assert_array_equal(state, s_full)
+
+    q = rng.standard_normal((B, T, H, N))
+    o_full, sel_full = moba_attention_forward(q, k, v, chunk, top_k)
+    kc = vc = np.zeros((B, 0, H, N))
+    kmean = np.zeros((B, H, 0, N))
+    for t in range(T):
+        o, sel, kc, vc, kmean = decode_moba(q[:, t], k[:, t], v[:, t], kc, vc, kmean, t, chunk, top_k)
+        np.testing.assert_array_equal(o, o_full[:, t])
+        np.testing.assert_array_equal(sel, sel_full[:, :, t])
+        assert kmean.shape[2] == (t + 1) // chunk
+    np.testing.assert_array_equal(kmean, moba_block_means(k[:, :(T // chunk) * chunk], chunk))
