@@ -370,7 +370,7 @@ def moba_attention_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, kmean: np
     q [B, Tq, H, N]: the queries of positions Tk-Tq .. Tk-1; k, v [B, Tk, H, N]: every key and value
     of positions 0 .. Tk-1 (those of the queries' own positions included); kmean [B, H, nb, N] (any
     float dtype, used as given): the means of the complete blocks, nb >= (Tk-1) // chunk (what
-    ``moba_block_means`` gives for them; more blocks are ignored). The same selection and attention as
+    ``moba_block_means`` gives for them; more blocks are ignored; none needed when top_k == 1). The same selection and attention as
     ``moba_attention_forward`` on the whole sequence: (o [B, Tq, H, N], sel int32 [B, H, Tq, top_k-1]),
     o in the dtype of q, k, v (float32 only when all three are)."""
     dtype = result_dtype(q, k, v)
@@ -382,7 +382,7 @@ def moba_attention_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, kmean: np
     if k.shape != (B, Tk, H, N) or Tk < Tq:
         raise ValueError(f"k, v: expected [B, Tk >= {Tq}, H, N] = [{B}, >= {Tq}, {H}, {N}], got {k.shape}")
     km = np.ascontiguousarray(kmean, dtype=np.float64)
-    need = (Tk - 1) // chunk if Tk else 0
+    need = (Tk - 1) // chunk if Tk and top_k > 1 else 0      # top_k == 1 gates nothing
     if km.ndim != 4 or km.shape[:2] != (B, H) or km.shape[3] != N or km.shape[2] < need:
         raise ValueError(f"kmean: expected [B, H, >= {need}, N] = [{B}, {H}, >= {need}, {N}], got {km.shape}")
     sel = _select_and_gap(q, km, chunk, top_k, Tk - Tq)[0]

@@ -127,6 +127,22 @@ class DecodeStepBuilder(StepBuilder):
                                 cfg.moba_top_k, self.dev, sel=s[f"sel.{j}"])
 
 
+def decoder_ops(layout: Layout, base: int, precision: str, state: dict[str, DevPtr | None], max_len: int,
+                stage_tokens: list, host_inputs: int, host_logits: int) -> tuple[list, list]:
+    """(prefill ops, step ops) of a model of ``layout`` at ``base`` with the state arena ``state``
+    (needs no GPU). ``stage_tokens``: the model's copy of the prompt from pinned memory; pinned
+    ``host_inputs`` int32 [B + 1] (the step's tokens, then its position) and ``host_logits`` [B, V]
+    (the step's logits, in the activation type)."""
+    built = (layout, base, precision, state, max_len)
+    step = DecodeStepBuilder(*built)
+    B, V = layout.B, layout.cfg.vocab_size
+    step_ops = [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
+                CopyHtoD(state["pos"], host_inputs + 4 * B, 4),
+                *step.forward(),
+                CopyDtoH(host_logits, step.buf("logits"), B * V * ELEM_BYTES[layout.xtype])]
+    return stage_tokens + PrefillBuilder(*built).forward(), step_ops
+
+
 class Decoder:
     """Stateful generation of ``model.B`` sequences on the GPU (see the module docstring).
 
@@ -151,16 +167,13 @@ class Decoder:
         self._pinned_in = self.dev.alloc_pinned(4 * (B + 1))                 # tokens, then the position
         self._pinned_logits = self.dev.alloc_pinned(B * V * ELEM_BYTES[X])
         Plan(self.dev, [Memset(self.arena.ptr, self.arena.nbytes)]).run()      # no garbage in the state
-        built = (model.layout, model.arena.ptr, model.precision, self.state, self.max_len)
-        self._prefill_plan = Plan(self.dev, model.ops.stage_tokens + PrefillBuilder(*built).forward())
+        prefill_ops, step_ops = decoder_ops(model.layout, model.arena.ptr, model.precision, self.state,
+                                            self.max_len, model.ops.stage_tokens, self._pinned_in.ptr,
+                                            self._pinned_logits.ptr)
+        self._prefill_plan = Plan(self.dev, prefill_ops)
         self._graph = None
         if self.max_len > self.P:
-            step = DecodeStepBuilder(*built)
-            self._step_plan = Plan(self.dev, [
-                CopyHtoD(step.buf("tokens"), self._pinned_in.ptr, 4 * B),
-                CopyHtoD(self.state["pos"], self._pinned_in.ptr + 4 * B, 4),
-                *step.forward(),
-                CopyDtoH(self._pinned_logits.ptr, step.buf("logits"), B * V * ELEM_BYTES[X])])
+            self._step_plan = Plan(self.dev, step_ops)
             # one eager step (modules, cuBLAS) before the capture, on a position the prefill and the
             # first step overwrite before anything reads it
             self._stage(np.zeros(B, np.int64), self.P)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import check, tolerance
+from harness import KernelCase, check, tolerance
 from rwkvx import Config, init_params
 from rwkvx.config import DECAY_SCALE
 from rwkvx.oracle import Oracle, decode_moba, decode_shift, decode_wkv7, moba_block_means, rel_err
@@ -73,7 +73,6 @@ def _clear_gaps(q, kmean, t, chunk, top_k, margin=1e-4):
 
 @pytest.mark.parametrize("B, H, N, chunk, top_k, positions", MOBA)
 def test_dec_moba(dev, xtype, B, H, N, chunk, top_k, positions):
-    from harness import KernelCase
     Tmax = positions[-1] + 1 + chunk
     for t in positions:
         rng = np.random.default_rng()
