@@ -1,6 +1,8 @@
 """Generation speed at batch 1 after a 512-token prompt: stateful (the prompt once, then one step per
 token) against the window re-run ``sample`` did before (a whole forward over the last ``ctx`` tokens for
-every new token). Report, don't assert: ``extra_info["tokens_per_s"]`` of each row.
+every new token). Report, don't assert: ``extra_info["tokens_per_s"]`` of each row. Every token is
+sampled from its logits as ``sample`` does (temperature 0.8, top-p 0.9: the CLI's defaults); the tokens
+fed are a fixed random sequence, so every row does the same work.
 
 * CPU: the tiny default model (the ``tiny`` preset), float32 oracle; the window re-run with the tiny
   run's context (its seq_len, 128: what ``sample`` used by default) and with the whole sequence (the
@@ -20,9 +22,15 @@ import numpy as np
 import pytest
 
 from rwkvx import Config, init_params
+from rwkvx.generation import sample_next
 from rwkvx.presets import get_preset
 
 PROMPT = 512
+RNG = np.random.default_rng(0)
+
+
+def sample(logits: np.ndarray) -> int:
+    return sample_next(logits, 0.8, 0.9, RNG)
 
 
 def tokens_per_s(benchmark, fn, tokens: int, rounds: int) -> float:
@@ -53,7 +61,8 @@ def test_cpu_stateful(benchmark, tiny):
     def decode():
         state = prompt_state
         for t in range(PROMPT, PROMPT + n):
-            _, state = oracle.stateful_forward(tokens[:, t:t + 1], state)
+            logits, state = oracle.stateful_forward(tokens[:, t:t + 1], state)
+            sample(logits[0, -1])
 
     tokens_per_s(benchmark, decode, n, rounds=5)
     t0 = time.perf_counter()
@@ -69,7 +78,7 @@ def test_cpu_window_rerun(benchmark, tiny, window):
     def rerun():
         for t in range(PROMPT, PROMPT + n):
             start = t - seq_len if window == "run_seq_len" else 0
-            oracle.forward(tokens[:, start:t])[0, -1]
+            sample(oracle.forward(tokens[:, start:t])[0, -1])
 
     tokens_per_s(benchmark, rerun, n, rounds=3)
     benchmark.extra_info["ctx"] = seq_len if window == "run_seq_len" else f"{PROMPT}..{PROMPT + n - 1}"
@@ -104,7 +113,7 @@ def test_gpu_stateful(benchmark, dev, base_params, precision):
         steps = iter(range(PROMPT, PROMPT + n))
 
         def one_token():
-            decoder.step(tokens[:, next(steps)])
+            sample(decoder.step(tokens[:, next(steps)])[0])
 
         benchmark.pedantic(one_token, rounds=n - 8, iterations=1, warmup_rounds=4)
         benchmark.extra_info["tokens_per_s"] = round(1.0 / benchmark.stats.stats.mean, 1)
@@ -126,7 +135,7 @@ def test_gpu_window_rerun(benchmark, dev, base_params, precision):
 
     def one_token():
         t = next(steps)
-        forward_padded(model, tokens[:, t - PROMPT:t])[0, -1]
+        sample(forward_padded(model, tokens[:, t - PROMPT:t])[0, -1])
 
     benchmark.pedantic(one_token, rounds=8, iterations=1, warmup_rounds=2)
     benchmark.extra_info["tokens_per_s"] = round(1.0 / benchmark.stats.stats.mean, 2)

@@ -61,20 +61,36 @@ class OracleSession:
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """One token from ``logits`` [V]: greedy at temperature 0, else nucleus (top-p) sampling, in float64."""
+    """One token from ``logits`` [V], in float64: greedy at temperature 0; else from softmax(logits /
+    temperature) restricted, when top_p < 1, to the nucleus: the smallest set of most likely tokens
+    (ties: the lower id first) whose mass reaches top_p, drawn in that order."""
     z = np.asarray(logits, dtype=np.float64)
     if temperature == 0:
         return int(np.argmax(z))
     z = z / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    cum = np.cumsum(p[order])
-    keep = int(np.searchsorted(cum, top_p) + 1)  # smallest prefix whose mass reaches top_p
-    keep = max(1, min(keep, len(order)))
+    if top_p >= 1:
+        return int(rng.choice(len(p), p=p))
+    order, cum = _nucleus_order(p, top_p)
+    keep = max(1, min(int(np.searchsorted(cum, top_p) + 1), len(order)))
     chosen = order[:keep]
-    q = p[chosen] / p[chosen].sum()
-    return int(chosen[rng.choice(keep, p=q)])
+    return int(chosen[rng.choice(keep, p=p[chosen] / p[chosen].sum())])
+
+
+def _nucleus_order(p: np.ndarray, mass: float) -> tuple[np.ndarray, np.ndarray]:
+    """(order, cumulative mass): the most likely entries of p, most likely first (ties: lower index
+    first), enough of them to hold ``mass`` (all if need be). Only a candidate set is sorted (the k
+    largest and their ties, k growing 8x until it holds the mass), so a large vocabulary costs about a
+    partition, and the result is the prefix of the full sort."""
+    V, k = len(p), 64
+    while True:
+        cand = np.flatnonzero(p >= np.partition(p, V - k)[V - k]) if k < V else np.arange(V)
+        order = cand[np.lexsort((cand, -p[cand]))]
+        cum = np.cumsum(p[order])
+        if k >= V or cum[-1] >= mass:
+            return order, cum
+        k = min(V, 8 * k)
 
 
 def _config_of(source: Any):
