@@ -1,7 +1,8 @@
 """rwkvx.oracle: the CPU reference implementation of the RWKV-X model (Cython + numpy).
 
 ``Oracle`` runs the full forward, the cross-entropy loss and a hand-written backward, in float64
-(the ground truth) or float32. The op-level functions are the float64 twins of the GPU kernel
+(the ground truth) or float32, and the stateful forward of generation (``Oracle.stateful_forward``
+with its ``DecodeState``). The op-level functions are the float64 twins of the GPU kernel
 families, one module per ``rwkvx/cu/<family>.cu`` (adamw's twin is rwkvx.optim.AdamW); the GPU unit
 tests compare the kernels to them and ``Oracle`` is built from them. Every twin accepts float32 or
 float64 arrays, computes in float64 and returns float outputs in its inputs' dtype (float64 unless
@@ -11,12 +12,13 @@ Built by setup.py from ``oracle/*.pyx``; installed as ``rwkvx.oracle``.
 from ._common import DECAY_SCALE, GN_EPS, L2_EPS, LN_EPS, rel_err
 from .channelmix import (channel_mix_shift_backward, channel_mix_shift_forward, relu_sq_backward,
                          relu_sq_forward)
+from .decode import decode_moba, decode_shift, decode_wkv7
 from .embedding import embedding_backward, embedding_forward
 from .layernorm import group_norm_backward, group_norm_forward, layernorm_backward, layernorm_forward
 from .loss import cross_entropy, cross_entropy_rows
-from .moba import (moba_attention_backward, moba_attention_forward, moba_block_means,
-                   moba_gate_gaps, moba_gates, moba_logsumexp, moba_select)
-from .model import Oracle
+from .moba import (moba_attention_backward, moba_attention_cached, moba_attention_forward,
+                   moba_block_means, moba_gate_gaps, moba_gates, moba_logsumexp, moba_select)
+from .model import DecodeState, Oracle
 from .reduce import column_sums
 from .timemix import (sigmoid_backward, sigmoid_forward, tanh_backward, tanh_forward,
                       time_mix_gn_backward, time_mix_gn_forward, time_mix_prep_backward,
@@ -24,7 +26,7 @@ from .timemix import (sigmoid_backward, sigmoid_forward, tanh_backward, tanh_for
 from .wkv7 import wkv7_backward, wkv7_forward
 
 __all__ = [
-    "Oracle", "rel_err",
+    "Oracle", "DecodeState", "rel_err",
     "LN_EPS", "GN_EPS", "DECAY_SCALE", "L2_EPS",
     "embedding_forward", "embedding_backward",
     "layernorm_forward", "layernorm_backward", "group_norm_forward", "group_norm_backward",
@@ -32,9 +34,11 @@ __all__ = [
     "sigmoid_forward", "sigmoid_backward", "time_mix_prep_forward", "time_mix_prep_backward",
     "time_mix_gn_forward", "time_mix_gn_backward",
     "wkv7_forward", "wkv7_backward",
-    "moba_attention_forward", "moba_attention_backward", "moba_logsumexp", "moba_select",
+    "moba_attention_forward", "moba_attention_backward", "moba_attention_cached", "moba_logsumexp",
+    "moba_select",
     "moba_gate_gaps", "moba_block_means", "moba_gates",
     "channel_mix_shift_forward", "channel_mix_shift_backward", "relu_sq_forward", "relu_sq_backward",
     "cross_entropy_rows", "cross_entropy",
     "column_sums",
+    "decode_shift", "decode_wkv7", "decode_moba",
 ]

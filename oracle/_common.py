@@ -75,11 +75,20 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return np.where(x >= 0, s, e * s)
 
 
-def shift(x: np.ndarray, T: int) -> np.ndarray:
-    """Token shift of rows x [R, C] (R = B*T): out[r] = x[r-1], zero at the first token of a sequence."""
+def shift(x: np.ndarray, T: int, prev: np.ndarray | None = None) -> np.ndarray:
+    """Token shift of rows x [R, C] (R = B*T): out[r] = x[r-1]; at the first token of sequence b,
+    prev[b] (prev [B, C]: the row before, carried from an earlier call) or zero."""
     out = np.zeros_like(x)
-    out.reshape(-1, T, x.shape[-1])[:, 1:] = x.reshape(-1, T, x.shape[-1])[:, :-1]
+    seq = out.reshape(-1, T, x.shape[-1])
+    seq[:, 1:] = x.reshape(-1, T, x.shape[-1])[:, :-1]
+    if prev is not None:
+        seq[:, 0] = prev
     return out
+
+
+def last_rows(x: np.ndarray, T: int) -> np.ndarray:
+    """[B, C]: the last row of each sequence of rows x [B*T, C] (what the next call's shift needs)."""
+    return x.reshape(-1, T, x.shape[-1])[:, -1].copy()
 
 
 def shift_adjoint(d: np.ndarray, T: int) -> np.ndarray:
@@ -89,10 +98,11 @@ def shift_adjoint(d: np.ndarray, T: int) -> np.ndarray:
     return out
 
 
-def shift_mix_forward(x: np.ndarray, mixes: np.ndarray, T: int) -> np.ndarray:
+def shift_mix_forward(x: np.ndarray, mixes: np.ndarray, T: int,
+                      prev: np.ndarray | None = None) -> np.ndarray:
     """The token-shift mixes of channel and time mix: [n, R, C], out[j] = x + (shift(x) - x) * mixes[j]
-    for x [R, C] and mixes [n, C]."""
-    return x + (shift(x, T) - x) * mixes[:, None, :]
+    for x [R, C] and mixes [n, C]; ``prev`` [B, C] as in :func:`shift`."""
+    return x + (shift(x, T, prev) - x) * mixes[:, None, :]
 
 
 def shift_mix_backward(x: np.ndarray, mixes: np.ndarray, douts: np.ndarray,

@@ -11,9 +11,11 @@ from ._common import float64_op, shift_mix_backward, shift_mix_forward
 
 
 @float64_op
-def channel_mix_shift_forward(x: np.ndarray, mix: np.ndarray, T: int) -> np.ndarray:
-    """xk [R, C] = x + (shift(x) - x) * mix for x [R, C], mix [C] (any shape with C elements)."""
-    return shift_mix_forward(x, mix.reshape(1, -1), T)[0]
+def channel_mix_shift_forward(x: np.ndarray, mix: np.ndarray, T: int,
+                              prev: np.ndarray | None = None) -> np.ndarray:
+    """xk [R, C] = x + (shift(x) - x) * mix for x [R, C], mix [C] (any shape with C elements);
+    ``prev`` [B, C]: the row before each sequence (a stateful forward's carry), default zero."""
+    return shift_mix_forward(x, mix.reshape(1, -1), T, prev)[0]
 
 
 @float64_op

@@ -16,6 +16,10 @@ block(t) = t // chunk):
 
 Selection format (shared with the GPU kernels): int32 [B, H, T, top_k - 1], the selected block indices
 of query t in ascending order, padded at the end with -1.
+
+A stateful forward (generation) attends with the queries of the newest positions only, over a cache of
+every key and value so far and the means of the cache's complete blocks: ``moba_attention_cached``. It
+runs the same selection and attention loops, with the queries' positions offset by the cached length.
 """
 from __future__ import annotations
 
@@ -23,10 +27,10 @@ import numpy as np
 
 from libc.math cimport INFINITY, exp, log, sqrt
 
-from ._common import float64_op
+from ._common import float64_op, result_dtype
 
-__all__ = ["moba_attention_forward", "moba_attention_backward", "moba_logsumexp", "moba_select",
-           "moba_gate_gaps", "moba_block_means", "moba_gates"]
+__all__ = ["moba_attention_forward", "moba_attention_backward", "moba_attention_cached", "moba_logsumexp",
+           "moba_select", "moba_gate_gaps", "moba_block_means", "moba_gates"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,8 +111,10 @@ cdef void _block_means(const double[:, :, :, ::1] k, double[:, :, :, ::1] km, in
 
 
 cdef void _select(const double[:, :, :, ::1] q, const double[:, :, :, ::1] km, int chunk, int K1,
-                  int[:, :, :, ::1] sel, double[:, :, ::1] gap, double[::1] topg, int[::1] topj) noexcept nogil:
+                  Py_ssize_t t0, int[:, :, :, ::1] sel, double[:, :, ::1] gap, double[::1] topg,
+                  int[::1] topj) noexcept nogil:
     """Top-(K1) past blocks by gate for every query (ties: lower j); gap = K1-th minus (K1+1)-th gate.
+    Query tq sits at position t = t0 + tq.
 
     topg/topj: scratch of length K1 + 1 holding the running best list, sorted by descending gate; a
     candidate only moves ahead of an entry with a strictly smaller gate, and candidates arrive in
@@ -120,7 +126,7 @@ cdef void _select(const double[:, :, :, ::1] q, const double[:, :, :, ::1] km, i
     for b in range(B):
         for h in range(H):
             for t in range(T):
-                bt = t // chunk
+                bt = (t0 + t) // chunk
                 nf = 0
                 for j in range(bt):
                     g = 0.0
@@ -184,14 +190,14 @@ def moba_gates(q: np.ndarray, k: np.ndarray, chunk: int) -> np.ndarray:
     return np.where(past[None, None], g, -np.inf)
 
 
-def _select_and_gap(q, k, int chunk, int top_k):
+def _select_and_gap(q, km, int chunk, int top_k, Py_ssize_t t0=0):
+    """(sel, gap) of the queries q at positions t0 .. t0+T-1 from the block means km."""
     B, T, H, N = q.shape
     cdef int K1 = top_k - 1
     sel = np.full((B, H, T, K1), -1, dtype=np.int32)
     gap = np.full((B, H, T), np.inf)
     if K1 == 0 or T == 0:
         return sel, gap
-    km = _means(k, chunk)
     cdef const double[:, :, :, ::1] q_v = q
     cdef const double[:, :, :, ::1] km_v = km
     cdef int[:, :, :, ::1] sel_v = sel
@@ -199,7 +205,7 @@ def _select_and_gap(q, k, int chunk, int top_k):
     cdef double[::1] topg = np.zeros(K1 + 1)
     cdef int[::1] topj = np.zeros(K1 + 1, dtype=np.int32)
     with nogil:
-        _select(q_v, km_v, chunk, K1, sel_v, gap_v, topg, topj)
+        _select(q_v, km_v, chunk, K1, t0, sel_v, gap_v, topg, topj)
     return sel, gap
 
 
@@ -207,7 +213,7 @@ def moba_select(q: np.ndarray, k: np.ndarray, chunk: int, top_k: int) -> np.ndar
     """The MoBA block selection, int32 [B, H, T, top_k-1] (ascending, -1 padded); gate in float64."""
     q, k = _check_qkv(q, k)
     chunk, top_k = _check_chunk_topk(chunk, top_k)
-    return _select_and_gap(q, k, chunk, top_k)[0]
+    return _select_and_gap(q, _means(k, chunk), chunk, top_k)[0]
 
 
 def moba_gate_gaps(q: np.ndarray, k: np.ndarray, chunk: int, top_k: int) -> np.ndarray:
@@ -217,19 +223,20 @@ def moba_gate_gaps(q: np.ndarray, k: np.ndarray, chunk: int, top_k: int) -> np.n
     legitimately differ from the oracle's where this gap is tiny (e.g. < 1e-4)."""
     q, k = _check_qkv(q, k)
     chunk, top_k = _check_chunk_topk(chunk, top_k)
-    return _select_and_gap(q, k, chunk, top_k)[1]
+    return _select_and_gap(q, _means(k, chunk), chunk, top_k)[1]
 
 
 # ----------------------------------------------------------------------------------------------
 # attention over the visible keys
 # ----------------------------------------------------------------------------------------------
 
-cdef Py_ssize_t _visible(const int[:, :, :, ::1] sel, Py_ssize_t b, Py_ssize_t h, Py_ssize_t t,
-                         int chunk, int K1, int[::1] pos) noexcept nogil:
-    """Fill pos with the key positions visible to query t (ascending); return their count."""
+cdef Py_ssize_t _visible(const int[:, :, :, ::1] sel, Py_ssize_t b, Py_ssize_t h, Py_ssize_t tq,
+                         Py_ssize_t t, int chunk, int K1, int[::1] pos) noexcept nogil:
+    """Fill pos with the key positions visible to query tq at position t (ascending); return their
+    count."""
     cdef Py_ssize_t cnt = 0, s, u, j, bt = t // chunk
     for s in range(K1):
-        j = sel[b, h, t, s]
+        j = sel[b, h, tq, s]
         if j < 0:
             break
         for u in range(j * chunk, (j + 1) * chunk):
@@ -265,15 +272,15 @@ cdef double _softmax(const double[:, :, :, ::1] q, const double[:, :, :, ::1] k,
 
 cdef void _forward(const double[:, :, :, ::1] q, const double[:, :, :, ::1] k,
                    const double[:, :, :, ::1] v, const int[:, :, :, ::1] sel, double[:, :, :, ::1] o,
-                   double[:, :, ::1] lse, int chunk, int K1, double scale, double[::1] p,
+                   double[:, :, ::1] lse, int chunk, int K1, double scale, Py_ssize_t t0, double[::1] p,
                    int[::1] pos) noexcept nogil:
-    """o (and lse [B, H, T]) of every query."""
+    """o (and lse [B, H, T]) of every query; query t sits at position t0 + t of k and v."""
     cdef Py_ssize_t B = q.shape[0], T = q.shape[1], H = q.shape[2], N = q.shape[3]
     cdef Py_ssize_t b, h, t, n, i, nv, u
     for b in range(B):
         for h in range(H):
             for t in range(T):
-                nv = _visible(sel, b, h, t, chunk, K1, pos)
+                nv = _visible(sel, b, h, t, t0 + t, chunk, K1, pos)
                 lse[b, h, t] = _softmax(q, k, b, h, t, pos, nv, scale, p)
                 for n in range(N):
                     o[b, t, h, n] = 0
@@ -297,7 +304,7 @@ cdef void _backward(const double[:, :, :, ::1] q, const double[:, :, :, ::1] k,
     for b in range(B):
         for h in range(H):
             for t in range(T):
-                nv = _visible(sel, b, h, t, chunk, K1, pos)
+                nv = _visible(sel, b, h, t, t, chunk, K1, pos)
                 _softmax(q, k, b, h, t, pos, nv, scale, p)
                 D = 0
                 for i in range(nv):
@@ -319,12 +326,12 @@ cdef void _backward(const double[:, :, :, ::1] q, const double[:, :, :, ::1] k,
 def _resolve_selection(q, k, chunk, top_k, selection):
     B, T, H, N = q.shape
     if selection is None:
-        return _select_and_gap(q, k, chunk, top_k)[0]
+        return _select_and_gap(q, _means(k, chunk), chunk, top_k)[0]
     return _check_selection(selection, B, H, T, chunk, top_k - 1)
 
 
-def _attend(q, k, v, sel, int chunk, int top_k):
-    """(o [B,T,H,N], lse [B,H,T]) for a checked selection."""
+def _attend(q, k, v, sel, int chunk, int top_k, Py_ssize_t t0=0):
+    """(o [B,T,H,N], lse [B,H,T]) for a checked selection; query t at position t0 + t of k, v."""
     B, T, H, N = q.shape
     o = np.zeros_like(q)
     lse = np.zeros((B, H, T))
@@ -338,7 +345,7 @@ def _attend(q, k, v, sel, int chunk, int top_k):
     cdef double[:, :, ::1] lse_v = lse
     cdef double scale = 1.0 / sqrt(<double>N)
     with nogil:
-        _forward(q_v, k_v, v_v, sel_v, o_v, lse_v, chunk, top_k - 1, scale, p, pos)
+        _forward(q_v, k_v, v_v, sel_v, o_v, lse_v, chunk, top_k - 1, scale, t0, p, pos)
     return o, lse
 
 
@@ -354,6 +361,33 @@ def moba_attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray, chunk: i
     chunk, top_k = _check_chunk_topk(chunk, top_k)
     sel = _resolve_selection(q, k, chunk, top_k, selection)
     return _attend(q, k, v, sel, chunk, top_k)[0], sel
+
+
+def moba_attention_cached(q: np.ndarray, k: np.ndarray, v: np.ndarray, kmean: np.ndarray, chunk: int,
+                          top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """MoBA attention of the newest positions over a key/value cache (a stateful forward).
+
+    q [B, Tq, H, N]: the queries of positions Tk-Tq .. Tk-1; k, v [B, Tk, H, N]: every key and value
+    of positions 0 .. Tk-1 (those of the queries' own positions included); kmean [B, H, nb, N] (any
+    float dtype, used as given): the means of the complete blocks, nb >= (Tk-1) // chunk (what
+    ``moba_block_means`` gives for them; more blocks are ignored; none needed when top_k == 1). The same selection and attention as
+    ``moba_attention_forward`` on the whole sequence: (o [B, Tq, H, N], sel int32 [B, H, Tq, top_k-1]),
+    o in the dtype of q, k, v (float32 only when all three are)."""
+    dtype = result_dtype(q, k, v)
+    (q,) = _check_qkv(q)
+    k, v = _check_qkv(k, v)
+    chunk, top_k = _check_chunk_topk(chunk, top_k)
+    B, Tq, H, N = q.shape
+    Tk = k.shape[1]
+    if k.shape != (B, Tk, H, N) or Tk < Tq:
+        raise ValueError(f"k, v: expected [B, Tk >= {Tq}, H, N] = [{B}, >= {Tq}, {H}, {N}], got {k.shape}")
+    km = np.ascontiguousarray(kmean, dtype=np.float64)
+    need = (Tk - 1) // chunk if Tk and top_k > 1 else 0      # top_k == 1 gates nothing
+    if km.ndim != 4 or km.shape[:2] != (B, H) or km.shape[3] != N or km.shape[2] < need:
+        raise ValueError(f"kmean: expected [B, H, >= {need}, N] = [{B}, {H}, >= {need}, {N}], got {km.shape}")
+    sel = _select_and_gap(q, km, chunk, top_k, Tk - Tq)[0]
+    o = _attend(q, k, v, sel, chunk, top_k, Tk - Tq)[0]
+    return o.astype(dtype, copy=False), sel
 
 
 def moba_logsumexp(q: np.ndarray, k: np.ndarray, chunk: int, selection: np.ndarray) -> np.ndarray:

@@ -16,6 +16,12 @@ Memory follows the seed's scheme: the forward keeps only each block's input (plu
 backward recomputes one block's forward from its input, then backpropagates through it. Parameter
 gradients accumulate with ``+=`` into one zeroed dict, so a parameter used twice would still be
 right.
+
+Generation runs the same sub-layers statefully (:meth:`Oracle.stateful_forward`): each block's
+forward takes a ``carry`` dict, the :class:`DecodeState` of that block, reads what the tokens before
+need (the token shifts' previous rows, the WKV state, the MoBA keys, values and block means) and
+writes it back for the next call. A call on T new tokens processes them in parallel; the prompt is
+one call, every generated token another.
 """
 from __future__ import annotations
 
@@ -25,13 +31,14 @@ from rwkvx.config import Config
 from rwkvx.params import check_params
 from rwkvx.validate import check_targets, check_tokens
 
-from ._common import LN_EPS, matmul
+from ._common import LN_EPS, last_rows, matmul
 from .channelmix import (channel_mix_shift_backward, channel_mix_shift_forward, relu_sq_backward,
                          relu_sq_forward)
 from .embedding import embedding_backward, embedding_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .loss import cross_entropy
-from .moba import moba_attention_backward, moba_attention_forward, moba_gate_gaps
+from .moba import (moba_attention_backward, moba_attention_cached, moba_attention_forward,
+                   moba_block_means, moba_gate_gaps)
 from .timemix import (sigmoid_backward, sigmoid_forward, tanh_backward, tanh_forward,
                       time_mix_gn_backward, time_mix_gn_forward, time_mix_prep_backward,
                       time_mix_prep_forward, time_shift_backward, time_shift_forward)
@@ -85,10 +92,14 @@ def _layernorm_backward(P, G, name, x, dy):
 # ---------------------------------------------------------------- ChannelMix
 # k = relu(Lin(x + (shift(x)-x)*x_k; key))^2 ; out = Lin(k; value)
 
-def channel_mix_forward(P: dict, pre: str, x: np.ndarray, T: int) -> tuple[np.ndarray, tuple]:
-    """ChannelMix of block ``pre`` on x = LN2 output [R, C]; returns (out, cache)."""
+def channel_mix_forward(P: dict, pre: str, x: np.ndarray, T: int,
+                        carry: dict | None = None) -> tuple[np.ndarray, tuple]:
+    """ChannelMix of block ``pre`` on x = LN2 output [R, C]; returns (out, cache). ``carry``
+    (stateful forward): cm_x [B, C], the LN2 output before these tokens, replaced by their last."""
     f = pre + "ffn."
-    xk = channel_mix_shift_forward(x, P[f + "x_k"], T)
+    xk = channel_mix_shift_forward(x, P[f + "x_k"], T, None if carry is None else carry["cm_x"])
+    if carry is not None:
+        carry["cm_x"] = last_rows(x, T)
     h = _linear(xk, P[f + "key.weight"])
     k = relu_sq_forward(h)
     return _linear(k, P[f + "value.weight"]), (x, xk, h, k)
@@ -109,14 +120,16 @@ def channel_mix_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndar
 # ---------------------------------------------------------------- TimeMix (RWKV-7 x070)
 
 def time_mix_forward(P: dict, pre: str, layer: int, x: np.ndarray, v_first: np.ndarray | None,
-                     T: int, N: int) -> tuple[np.ndarray, np.ndarray, dict]:
+                     T: int, N: int, carry: dict | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """TimeMix of RWKV block ``layer`` on x = LN1 output [R, C]: token shift, the r/k/v GEMMs and
     LoRAs, the prep, WKV7, GroupNorm + bonus + gate, the output GEMM. Returns (out, v_first, cache);
-    block 0 defines v_first (its value before the residual mix), later blocks pass it on."""
+    block 0 defines v_first (its value before the residual mix), later blocks pass it on.
+    ``carry`` (stateful forward): tm_x [B, C] (the LN1 output before these tokens) and wkv
+    [B, H, N, N] (the WKV state before them), replaced by those after the last token."""
     a = pre + "att."
     C = x.shape[1]
     mixes = np.stack([P[a + m].reshape(C) for m in MIXES])
-    xs = time_shift_forward(x, mixes, T)
+    xs = time_shift_forward(x, mixes, T, None if carry is None else carry["tm_x"])
     xr, xw, xk, xv, xa, xg = xs
     r, k, v = (_linear(xi, P[a + n + ".weight"]) for xi, n in zip((xr, xk, xv), QKV))
     wh = tanh_forward(matmul(xw, P[a + "w1"]))          # decay LoRA hidden layer
@@ -129,7 +142,12 @@ def time_mix_forward(P: dict, pre: str, layer: int, x: np.ndarray, v_first: np.n
                P[a + "k_k"], P[a + "k_a"], N, layer)
     pr = time_mix_prep_forward(*prep_in)
     wkv_in = [_bthn(T, N, t) for t in (r, pr["decay"], pr["kp"], pr["vp"], pr["wa"], pr["wb"])]
-    y = wkv7_forward(*wkv_in).reshape(x.shape)
+    if carry is None:
+        y = wkv7_forward(*wkv_in)
+    else:
+        y, carry["wkv"] = wkv7_forward(*wkv_in, state=carry["wkv"], return_state=True)
+        carry["tm_x"] = last_rows(x, T)
+    y = y.reshape(x.shape)
     gn_in = (y, r, pr["kp"], pr["vp"], matmul(gh, P[a + "g2"]), P[a + "ln_x.weight"],
              P[a + "ln_x.bias"], P[a + "r_k"], N)
     z = time_mix_gn_forward(*gn_in)
@@ -180,12 +198,25 @@ def time_mix_backward(P: dict, G: dict, pre: str, layer: int, cache: dict, dout:
 # ---------------------------------------------------------------- MoBA attention
 
 def attention_forward(P: dict, pre: str, x: np.ndarray, T: int, N: int, chunk: int, top_k: int,
-                      selection: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, tuple]:
-    """Attention of block ``pre`` (moba.j.) on x = LN1 output [R, C]; returns (out, sel, cache)."""
+                      selection: np.ndarray | None,
+                      carry: dict | None = None) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """Attention of block ``pre`` (moba.j.) on x = LN1 output [R, C]; returns (out, sel, cache).
+    ``carry`` (stateful forward; no forced selection): k, v [B, t0, H, N] (every key and value
+    before these tokens) and kmean [B, H, t0 // chunk, N] (the means of their complete blocks),
+    extended by these tokens."""
     a = pre + "att."
     q, k, v = (_linear(x, P[a + n + ".weight"]) for n in QKV)
-    o, sel = moba_attention_forward(_bthn(T, N, q), _bthn(T, N, k), _bthn(T, N, v), chunk, top_k,
-                                    selection=selection)
+    if carry is None:
+        o, sel = moba_attention_forward(_bthn(T, N, q), _bthn(T, N, k), _bthn(T, N, v), chunk, top_k,
+                                        selection=selection)
+    else:
+        k_all = np.concatenate([carry["k"], _bthn(T, N, k)], axis=1)
+        v_all = np.concatenate([carry["v"], _bthn(T, N, v)], axis=1)
+        done, full = carry["kmean"].shape[2], k_all.shape[1] // chunk   # complete blocks before, after
+        kmean = np.concatenate([carry["kmean"],
+                                moba_block_means(k_all[:, done * chunk:full * chunk], chunk)], axis=2)
+        o, sel = moba_attention_cached(_bthn(T, N, q), k_all, v_all, kmean, chunk, top_k)
+        carry.update(k=k_all, v=v_all, kmean=kmean)
     o = o.reshape(x.shape)
     return _linear(o, P[a + "output.weight"]), sel, (x, q, k, v, o, sel)
 
@@ -208,6 +239,22 @@ def attention_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndarra
 
 
 # ---------------------------------------------------------------- the Oracle
+
+class DecodeState:
+    """What :meth:`Oracle.stateful_forward` carries from one call to the next: ``batch`` sequences
+    that have seen ``length`` tokens each, and per block ``blocks[(kind, idx)]`` (the order of
+    ``Config.block_order``) a dict of arrays in the oracle's dtype:
+
+    * every block: ``cm_x`` [B, C], the last LN2 output (the channel mix's token shift);
+    * RWKV blocks: ``tm_x`` [B, C], the last LN1 output (the time mix's token shift), and ``wkv``
+      [B, H, N, N], the WKV state (row = value index, column = key index);
+    * MoBA blocks: ``k``, ``v`` [B, length, H, N], every key and value so far, and ``kmean``
+      [B, H, length // chunk, N] (float64, as the gate), the means of the complete key blocks.
+    """
+
+    def __init__(self, batch: int, length: int, blocks: dict) -> None:
+        self.batch, self.length, self.blocks = batch, length, blocks
+
 
 class Oracle:
     """CPU reference of the RWKV-X model: forward, loss and every parameter gradient.
@@ -249,22 +296,23 @@ class Oracle:
             out.append(np.ascontiguousarray(s, dtype=np.int32))
         return out
 
-    def _block_forward(self, kind, idx, x, v_first, sel, T, cache=False):
-        """One block on x [R, C]; returns (x_out, v_first, sel, caches or None)."""
+    def _block_forward(self, kind, idx, x, v_first, sel, T, cache=False, carry=None):
+        """One block on x [R, C]; returns (x_out, v_first, sel, caches or None). ``carry``: the
+        block's DecodeState entry (stateful forward), updated in place."""
         cfg, P = self.cfg, self.params
         N = cfg.head_size
         if kind == "rwkv":
             pre = f"rwkv.blocks.{idx}."
             h1 = _layernorm_forward(P, pre + "ln1", x)
-            tm, v_first, tm_cache = time_mix_forward(P, pre, idx, h1, v_first, T, N)
+            tm, v_first, tm_cache = time_mix_forward(P, pre, idx, h1, v_first, T, N, carry)
         else:
             pre = f"moba.{idx}."
             h1 = _layernorm_forward(P, pre + "ln1", x)
             tm, sel, tm_cache = attention_forward(P, pre, h1, T, N, cfg.moba_chunk_size,
-                                                  cfg.moba_top_k, sel)
+                                                  cfg.moba_top_k, sel, carry)
         x1 = x + tm
         h2 = _layernorm_forward(P, pre + "ln2", x1)
-        cm, cm_cache = channel_mix_forward(P, pre, h2, T)
+        cm, cm_cache = channel_mix_forward(P, pre, h2, T, carry)
         caches = (pre, x1, tm_cache, cm_cache) if cache else None
         return x1 + cm, v_first, sel, caches
 
@@ -283,13 +331,18 @@ class Oracle:
                                      cfg.moba_top_k)
         return dx1 + _layernorm_backward(P, G, pre + "ln1", x, dh1)
 
+    def _embed(self, tokens):
+        """(emb, x): the embedding rows of tokens and the first block's input."""
+        P = self.params
+        emb = embedding_forward(tokens, P["rwkv.emb.weight"])
+        return emb, (_layernorm_forward(P, "rwkv.blocks.0.ln0", emb) if self.cfg.ln0 else emb)
+
     def _forward(self, tokens, selection):
         """Forward to the final hidden state [R, C]; keeps what the backward needs."""
-        cfg, P = self.cfg, self.params
+        cfg = self.cfg
         B, T = tokens.shape
         sels = self._check_selection(selection, B, T)
-        emb = embedding_forward(tokens, P["rwkv.emb.weight"])
-        x = _layernorm_forward(P, "rwkv.blocks.0.ln0", emb) if cfg.ln0 else emb
+        emb, x = self._embed(tokens)
         v_first = None
         inputs = []                                   # (kind, idx, block input)
         out_sels = []
@@ -313,6 +366,48 @@ class Oracle:
         tokens = check_tokens(tokens, self.cfg.vocab_size)
         logits = self._head_forward(self._forward(tokens, selection)["x"])[0]
         return logits.reshape(*tokens.shape, -1)
+
+    def initial_state(self, batch: int) -> "DecodeState":
+        """The state before any token of ``batch`` sequences (zeros; empty caches)."""
+        cfg, dt = self.cfg, self.dtype
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        B, C, H, N = int(batch), cfg.n_embd, cfg.n_head, cfg.head_size
+        blocks = {}
+        for kind, idx in cfg.block_order():
+            carry = {"cm_x": np.zeros((B, C), dt)}
+            if kind == "rwkv":
+                carry.update(tm_x=np.zeros((B, C), dt), wkv=np.zeros((B, H, N, N), dt))
+            else:
+                carry.update(k=np.zeros((B, 0, H, N), dt), v=np.zeros((B, 0, H, N), dt),
+                             kmean=np.zeros((B, H, 0, N)))
+            blocks[(kind, idx)] = carry
+        return DecodeState(B, 0, blocks)
+
+    def stateful_forward(self, tokens: np.ndarray, state: "DecodeState | None" = None
+                         ) -> tuple[np.ndarray, "DecodeState"]:
+        """(logits [B,T,V], the state after them) for int tokens [B,T] that follow ``state`` (None:
+        the start of the sequences). The T tokens are processed in parallel; the result equals
+        :meth:`forward` on the whole sequence so far, at the T new positions. ``state`` is not
+        modified (the returned one is new), so one prompt's state can start several continuations."""
+        cfg = self.cfg
+        tokens = check_tokens(tokens, cfg.vocab_size)
+        B, T = tokens.shape
+        if state is None:
+            state = self.initial_state(B)
+        elif not isinstance(state, DecodeState):
+            raise TypeError(f"state must be a DecodeState, got {type(state).__name__}")
+        elif state.batch != B:
+            raise ValueError(f"state holds {state.batch} sequences, tokens {B}")
+        x = self._embed(tokens)[1]
+        v_first = None
+        blocks = {}
+        for kind, idx in cfg.block_order():
+            carry = dict(state.blocks[(kind, idx)])
+            x, v_first, _, _ = self._block_forward(kind, idx, x, v_first, None, T, carry=carry)
+            blocks[(kind, idx)] = carry
+        logits = self._head_forward(x)[0].reshape(B, T, -1)
+        return logits, DecodeState(B, state.length + T, blocks)
 
     def moba_selection(self, tokens: np.ndarray) -> list:
         """The MoBA block selection of every attention block: list of int32 [B,H,T,top_k-1]."""

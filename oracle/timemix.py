@@ -22,9 +22,11 @@ from .reduce import column_sums
 # ------------------------------------------------------------------ token shift (six mixes)
 
 @float64_op
-def time_shift_forward(x: np.ndarray, mixes: np.ndarray, T: int) -> np.ndarray:
-    """[6, R, C]: x + (shift(x) - x) * mixes[j] for mixes [6, C] (x_r, x_w, x_k, x_v, x_a, x_g)."""
-    return shift_mix_forward(x, mixes, T)
+def time_shift_forward(x: np.ndarray, mixes: np.ndarray, T: int,
+                       prev: np.ndarray | None = None) -> np.ndarray:
+    """[6, R, C]: x + (shift(x) - x) * mixes[j] for mixes [6, C] (x_r, x_w, x_k, x_v, x_a, x_g);
+    ``prev`` [B, C]: the row before each sequence (a stateful forward's carry), default zero."""
+    return shift_mix_forward(x, mixes, T, prev)
 
 
 @float64_op

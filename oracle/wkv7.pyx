@@ -2,7 +2,8 @@
 # Python-level code keeps normal indexing; the loop kernels opt out of the checks one by one.
 """Twin of rwkvx/cu/wkv7.cu: the WKV7 recurrence, forward and backward, in double.
 
-Per (batch, head), state S N x N (row i = value index, column j = key index), S = 0 before t = 0:
+Per (batch, head), state S N x N (row i = value index, column j = key index), S = 0 before t = 0
+(or, for a stateful forward, the state a previous call ended with):
   sa_t = S_{t-1} a_t ;  S_t = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T ;  y_t = S_t r_t
 (the model passes a = -kk, b = kk * a_rate).
 """
@@ -20,10 +21,11 @@ from ._common import float64_op
 def _wkv7_fwd(const double[:, :, :, ::1] r, const double[:, :, :, ::1] w,
               const double[:, :, :, ::1] k, const double[:, :, :, ::1] v,
               const double[:, :, :, ::1] a, const double[:, :, :, ::1] b,
-              double[:, :, :, ::1] y, double[:, ::1] St, double[::1] sa):
+              double[:, :, :, ::1] y, const double[:, :, :, ::1] s0, double[:, :, :, ::1] s1,
+              double[:, ::1] St, double[::1] sa):
     # The state is kept transposed, St[j, i] = S[i, j], so the innermost loops run over contiguous
     # value indices i with one accumulator each (the compiler vectorises them); every sum is still
-    # over j in ascending order.
+    # over j in ascending order. It starts from s0 [B,H,N,N] and ends in s1 (both S[i, j]).
     cdef Py_ssize_t B = r.shape[0], T = r.shape[1], H = r.shape[2], N = r.shape[3]
     cdef Py_ssize_t bb, h, t, i, j
     cdef double s, aj, wj, bj, kj, rj
@@ -32,7 +34,7 @@ def _wkv7_fwd(const double[:, :, :, ::1] r, const double[:, :, :, ::1] w,
             for h in range(H):
                 for j in range(N):
                     for i in range(N):
-                        St[j, i] = 0
+                        St[j, i] = s0[bb, h, i, j]
                 for t in range(T):
                     for i in range(N):
                         sa[i] = 0
@@ -50,6 +52,9 @@ def _wkv7_fwd(const double[:, :, :, ::1] r, const double[:, :, :, ::1] w,
                             s = St[j, i] * wj + sa[i] * bj + v[bb, t, h, i] * kj
                             St[j, i] = s
                             y[bb, t, h, i] = y[bb, t, h, i] + s * rj
+                for j in range(N):
+                    for i in range(N):
+                        s1[bb, h, i, j] = St[j, i]
 
 
 @cython.boundscheck(False)
@@ -136,12 +141,22 @@ def _check_shapes(arrays: tuple) -> tuple:
 
 @float64_op
 def wkv7_forward(r: np.ndarray, w: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.ndarray,
-                 b: np.ndarray) -> np.ndarray:
-    """WKV7 outputs y [B,T,H,N]; all inputs [B,T,H,N], w = decay in (0, 1), S = 0 before t = 0."""
-    N = _check_shapes((r, w, k, v, a, b))[3]
+                 b: np.ndarray, state: np.ndarray | None = None,
+                 return_state: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """WKV7 outputs y [B,T,H,N]; all inputs [B,T,H,N], w = decay in (0, 1).
+
+    ``state`` [B,H,N,N] (S[i, j], row = value index) is the state before t = 0 (default zero: a
+    sequence's start; given: where a previous call left off). With ``return_state`` the result is
+    (y, the state after the last token)."""
+    B, _, H, N = _check_shapes((r, w, k, v, a, b))
+    if state is None:
+        state = np.zeros((B, H, N, N))
+    elif state.shape != (B, H, N, N):
+        raise ValueError(f"wkv7 state must have shape {(B, H, N, N)}, got {state.shape}")
     y = np.empty_like(r)
-    _wkv7_fwd(r, w, k, v, a, b, y, np.empty((N, N)), np.empty(N))
-    return y
+    final = np.empty((B, H, N, N))
+    _wkv7_fwd(r, w, k, v, a, b, y, state, final, np.empty((N, N)), np.empty(N))
+    return (y, final) if return_state else y
 
 
 @float64_op

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import functools
 import io
 import json
 import math
@@ -194,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Defaults are written into the help texts: ArgumentDefaultsHelpFormatter would also print
     # "(default: None)" after the options whose default is worked out from the checkpoint.
-    sp = sub.add_parser("sample", help="generate text from a checkpoint")
+    sp = sub.add_parser("sample", help="generate text from a checkpoint",
+                        description="Continue a prompt: the prompt is processed once, then every new "
+                                    "token is one stateful step (no context window).")
     sp.add_argument("--ckpt", required=True, help="checkpoint file (or run directory)")
     sp.add_argument("--prompt", default="",
                     help="text to continue, encoded with the model's tokenizer; token ids separated "
@@ -211,8 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--top-p", type=float, default=0.9,
                     help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
     sp.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (default: %(default)s)")
-    sp.add_argument("--ctx", type=_positive_int, default=None,
-                    help="context window fed to the model (default: the run's --seq-len, else 256)")
     sp.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                     help="auto: the GPU when usable, else the CPU oracle (default: %(default)s)")
     sp.add_argument("--precision", choices=PRECISIONS, default=None,
@@ -397,10 +396,6 @@ def _train_tokenizer(args: argparse.Namespace, resume: Path | None, saved_run: d
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return "bytes" if fmt in TEXT_FORMATS else None
-
-
-def _prepare_train(args: argparse.Namespace) -> _Prepared:
-    """Everything a run needs, validated; raises UsageError. Writes nothing."""
 
 
 def _prepare_train(args: argparse.Namespace, rank: int = 0, ranks: int = 1,
@@ -909,49 +904,22 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 # sample
 # ---------------------------------------------------------------------------------------------
 
-def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """One token from ``logits`` [V]: greedy at temperature 0, else nucleus (top-p) sampling."""
-    z = np.asarray(logits, dtype=np.float64)
-    if temperature == 0:
-        return int(np.argmax(z))
-    z = z / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    cum = np.cumsum(p[order])
-    keep = int(np.searchsorted(cum, top_p) + 1)  # smallest prefix whose mass reaches top_p
-    keep = max(1, min(keep, len(order)))
-    chosen = order[:keep]
-    q = p[chosen] / p[chosen].sum()
-    return int(chosen[rng.choice(keep, p=q)])
-
-
-def _gpu_forward(cfg: Config, params: ParamDict, ctx: int, precision: str
-                 ) -> Callable[[np.ndarray], np.ndarray]:
-    """A forward-only GPU model (no optimizer configured): ``tokens [1, T <= ctx] -> logits [1, T, V]``."""
-    from .model import Model
-    from .train import forward_padded
-
-    model = Model(cfg, params, batch_size=1, seq_len=ctx, precision=precision)
-    return functools.partial(forward_padded, model)
-
-
-def _forward_fn(cfg: Config, params: ParamDict, device: str, ctx: int, precision: str
-                ) -> tuple[Callable[[np.ndarray], np.ndarray], str | None]:
-    """``tokens [1, T <= ctx] -> logits [1, T, V]`` on the chosen device, plus the fallback note.
-    ``precision`` is the GPU's GEMM precision; the CPU oracle computes in float32."""
+def _generation_source(cfg: Config, params: ParamDict, device: str, prompt_len: int, precision: str
+                       ) -> tuple[Any, str | None]:
+    """What :func:`rwkvx.generation.stream` generates with on the chosen device, plus the fallback
+    note: a GPU Model built for the prompt (``precision`` GEMMs), or the float32 CPU oracle."""
     kind, note = _resolve_device(device, "sampling")
     if kind == "gpu":
+        from .model import Model
         try:
-            return _gpu_forward(cfg, params, ctx, precision), note
+            return Model(cfg, params, batch_size=1, seq_len=prompt_len, precision=precision), note
         except (ValueError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
     try:
         from .oracle import Oracle
     except ImportError as exc:
         raise UsageError(f"sampling on the CPU needs the compiled oracle (rwkvx.oracle): {exc}") from None
-    oracle = Oracle(cfg, params, dtype=np.float32)
-    return oracle.forward, note
+    return Oracle(cfg, params, dtype=np.float32), note
 
 
 def _sample_tokenizer(name: str | None, run: dict[str, Any], vocab_size: int) -> Tokenizer | None:
@@ -1040,22 +1008,20 @@ def cmd_sample(args: argparse.Namespace) -> int:
     run = (meta.get("user") or {}).get("run") or {}
     tokenizer = _sample_tokenizer(args.tokenizer, run, cfg.vocab_size)
     prompt = encode_prompt(args.prompt, tokenizer, cfg.vocab_size)
-    ctx = args.ctx or int(run.get("seq_len") or 256)
     precision = (args.precision or run.get("precision")
                  or (meta.get("trainer") or {}).get("precision") or "fp32")
-    forward, note = _forward_fn(cfg, params, args.device, ctx, precision)
+    source, note = _generation_source(cfg, params, args.device, len(prompt), precision)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    rng = np.random.default_rng(args.seed)
-    tokens = list(prompt)
+    from .generation import stream
+    try:
+        new_tokens = stream(source, prompt, args.tokens, args.temperature, args.top_p, args.seed)
+    except ValueError as exc:          # e.g. a model too large for the decoder's buffers
+        raise UsageError(str(exc)) from None
     echo = TokenEcho(sys.stdout, tokenizer)
     echo.prompt(args.prompt, prompt)
-    for _ in range(args.tokens):
-        window = np.array([tokens[-ctx:]], dtype=np.int64)
-        logits = np.asarray(forward(window))[0, -1]
-        nxt = sample_next(logits, args.temperature, args.top_p, rng)
-        tokens.append(nxt)
-        echo.write([nxt])
+    for step in new_tokens:
+        echo.write([int(step[0])])
     echo.close()
     return 0
 

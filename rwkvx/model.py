@@ -70,11 +70,15 @@ class Layout:
     """
 
     def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: str = "fp32",
-                 recompute: bool = True):
+                 recompute: bool = True, methods: dict[str, str] | None = None):
         xtype = XTYPES[precision]
         self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
         self.precision, self.recompute = precision, recompute
         self.methods = kernel_methods(cfg, precision)
+        if methods is not None:
+            if set(methods) - set(self.methods):
+                raise ValueError(f"methods: unknown kernel families {sorted(set(methods) - set(self.methods))}")
+            self.methods.update(methods)
         self.offsets: dict[str, int] = {}
         self.elems: dict[str, str] = {}
         self.counts: dict[str, int] = {}
@@ -355,16 +359,44 @@ class StepBuilder:
     def _residual_out(self, x_res, act, weight, out, n_in: int) -> list:
         """out = x_res + act @ weight^T (copy, then a GEMM accumulating with beta = 1)."""
         R, C = self.R, self.cfg.n_embd
-        return [Copy(out, x_res, self.L.nbytes("x1")),
+        return [Copy(out, x_res, R * C * ELEM_BYTES[out.elem]),
                 gemm.linear(act, weight, out, R, n_in, C, beta=1.0, precision=self.mm)]
+
+    # The token shifts, the WKV recurrence and the MoBA attention are the parts of a block that look
+    # at other tokens; each is one method, so that rwkvx.decoder's stateful builders can replace them.
+    def channel_shift(self, prefix: str) -> list:
+        """xk2 = h2 + (shift(h2) - h2) * ffn.x_k of block ``prefix``."""
+        return channelmix.shift_mix(self.buf("h2"), self.p(prefix + "ffn.x_k"), self.buf("xk2"), self.R,
+                                    self.T, self.cfg.n_embd, self.dev)
+
+    def time_shift(self, i: int) -> list:
+        """The six token-shift mixes xr .. xg of h1 in RWKV block i."""
+        att, b = f"rwkv.blocks.{i}.att.", self.buf
+        mixes = tuple(self.p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
+        return timemix.shift_forward(b("h1"), mixes, tuple(b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")),
+                                     self.R, self.cfg.n_embd, self.T, self.dev)
+
+    def wkv(self, i: int, for_backward: bool) -> list:
+        """y = WKV7(r, decay, kp, v', wa, wb) of RWKV block i (v' = vp, or v in block 0); with
+        ``for_backward`` it also saves what wkv7's backward reads (sa and the state checkpoints)."""
+        b, cfg = self.buf, self.cfg
+        saved = dict(sa=b("wkv_sa"), ckpt=b("wkv_ckpt")) if for_backward else {}
+        return wkv7.forward(b("r"), b("decay"), b("kp"), self._value(i), b("wa"), b("wb"), b("y"),
+                            self.B, self.T, cfg.n_head, cfg.head_size, self.dev, **saved,
+                            method=self.methods["wkv7"], partials=b("wkv_partials"))
+
+    def attention(self, j: int) -> list:
+        """y = MoBA attention of (q, k, v) = (r, k, v) in attention block j."""
+        b = self.buf
+        return moba.forward(b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
 
     def channel_mix_forward(self, prefix: str, xout) -> list:
         """h2 = LN2(x1); kf = relu(xk2 @ key^T)^2; xout = x1 + kf @ value^T (skipped when None)."""
-        R, C, F, T, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev
+        R, C, F, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.dev
         b = self.buf
         ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
                                 b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
-        ops += channelmix.shift_mix(b("h2"), self.p(prefix + "ffn.x_k"), b("xk2"), R, T, C, dev)
+        ops += self.channel_shift(prefix)
         ops.append(gemm.linear(b("xk2"), self.w(prefix + "ffn.key.weight"), b("kf"), R, C, F, precision=self.mm))
         ops += channelmix.relu_sq(b("kf"), b("kf"), R * F, dev)
         if xout is not None:
@@ -416,10 +448,14 @@ class StepBuilder:
                     k_k=p(att + "k_k"), k_a=p(att + "k_a"), R=self.R, C=self.cfg.n_embd,
                     N=self.cfg.head_size, layer=i, dev=self.dev)
 
+    def _value(self, i: int) -> DevPtr:
+        """v' of RWKV block i, the WKV's value: vp after the value residual, or v itself in block 0."""
+        return self.buf("vp") if i else self.buf("v")
+
     def _gn_inputs(self, i: int) -> dict:
         """The arguments gn_forward and gn_backward share for RWKV block i."""
         b, p, att = self.buf, self.p, f"rwkv.blocks.{i}.att."
-        return dict(y=b("y"), r=b("r"), kp=b("kp"), vp=b("vp") if i else b("v"), g=b("g"),
+        return dict(y=b("y"), r=b("r"), kp=b("kp"), vp=self._value(i), g=b("g"),
                     ln_w=p(att + "ln_x.weight"), ln_b=p(att + "ln_x.bias"), r_k=p(att + "r_k"),
                     R=self.R, C=self.cfg.n_embd, N=self.cfg.head_size, dev=self.dev)
 
@@ -427,14 +463,11 @@ class StepBuilder:
         """x1 = xin + TimeMix(LN1(xin)) (SPEC §2.3), leaving every transient the backward needs; only
         ``for_backward`` (the forward the backward reads: the recompute, or the forward itself without
         recompute) saves the WKV state for it."""
-        R, C, T, N, H, dev, mm = (self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head,
-                                  self.dev, self.mm)
-        pre, b, p = f"rwkv.blocks.{i}.", self.buf, self.p
+        R, C, dev, mm = self.R, self.cfg.n_embd, self.dev, self.mm
+        pre, b = f"rwkv.blocks.{i}.", self.buf
         att = pre + "att."
         ops = self._ln1_forward(pre, xin)
-        mixes = tuple(p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
-        ops += timemix.shift_forward(b("h1"), mixes, tuple(b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")),
-                                     R, C, T, dev)
+        ops += self.time_shift(i)
         for src, dst, name in (("xr", "r", "receptance"), ("xk", "k", "key"), ("xv", "v", "value")):
             ops.append(gemm.linear(b(src), self.w(f"{att}{name}.weight"), b(dst), R, C, C, precision=mm))
         for src, hid, out, letter, rank in self._lora(i):
@@ -446,11 +479,8 @@ class StepBuilder:
             ops.append(gemm.matmul(b(hid), self.w(f"{att}{letter}2"), b(out), R, rank, C, precision=mm))
         ops += timemix.prep_forward(**self._prep_inputs(i), decay=b("decay"), kp=b("kp"), vp=b("vp"),
                                     wa=b("wa"), wb=b("wb"))
-        gn = self._gn_inputs(i)
-        saved = dict(sa=b("wkv_sa"), ckpt=b("wkv_ckpt")) if for_backward else {}
-        ops += wkv7.forward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("y"),
-                            self.B, T, H, N, dev, **saved, method=self.methods["wkv7"], partials=b("wkv_partials"))
-        ops += timemix.gn_forward(**gn, z=b("z"))
+        ops += self.wkv(i, for_backward)
+        ops += timemix.gn_forward(**self._gn_inputs(i), z=b("z"))
         ops += self._residual_out(xin, b("z"), self.w(att + "output.weight"), b("x1"), C)
         return ops
 
@@ -513,18 +543,18 @@ class StepBuilder:
 
     def attn_forward(self, j: int, xin) -> list:
         """x1 = xin + Attn_j(LN1(xin)) (SPEC §2.3, MoBA)."""
-        R, C, b, p = self.R, self.cfg.n_embd, self.buf, self.p
+        R, C, b = self.R, self.cfg.n_embd, self.buf
         pre = f"moba.{j}."
         ops = self._ln1_forward(pre, xin)
         for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
             ops.append(gemm.linear(b("h1"), self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
-        ops += moba.forward(b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
+        ops += self.attention(j)
         ops += self._residual_out(xin, b("y"), self.w(pre + "att.output.weight"), b("x1"), C)
         return ops
 
     def attn_backward(self, j: int, xin) -> list:
         """From dx = d x1 to dx = d xin (in place), with the attention and ln1 gradients."""
-        R, C, b, p, gp, mm = self.R, self.cfg.n_embd, self.buf, self.p, self.gp, self.mm
+        R, C, b, gp, mm = self.R, self.cfg.n_embd, self.buf, self.gp, self.mm
         pre = f"moba.{j}."
         dx = b("dx")
         ops = [gemm.linear_dw(b("y"), dx, gp(pre + "att.output.weight"), R, C, C, precision=mm),
@@ -550,11 +580,12 @@ class Model:
     ``precision`` (SPEC §4): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM operands and
     activations; fp32 master weights, gradients, optimizer state, WKV state and statistics).
     ``recompute`` (default True): the backward recomputes each block's forward from its saved input;
-    False keeps every block's transients instead (more memory, no second forward).
+    False keeps every block's transients instead (more memory, no second forward). ``methods``
+    overrides kernel methods of :func:`kernel_methods` (e.g. ``{"wkv7": "sequential"}``).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
-                 precision: str = "fp32", recompute: bool = True):
+                 precision: str = "fp32", recompute: bool = True, methods: dict[str, str] | None = None):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -568,7 +599,7 @@ class Model:
         from .runtime import Device, Plan  # raises RuntimeError without a GPU
         self.cfg, self.B, self.T, self.precision, self.recompute = cfg, batch_size, seq_len, precision, recompute
         self.dev = Device.get()
-        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute)
+        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods)
         self.arena = self.dev.alloc(self.layout.total)
         R = batch_size * seq_len
         self._pinned = {name: self.dev.alloc_pinned(self.layout.nbytes(name))
@@ -610,7 +641,8 @@ class Model:
         return self._region("grads")
 
     # -- steps ---------------------------------------------------------------------------------
-    def _stage_tokens(self, tokens) -> np.ndarray:
+    def stage_tokens(self, tokens) -> np.ndarray:
+        """Validate ``tokens`` [B, T] and write them into the pinned buffer the forward reads."""
         tokens = validate.check_tokens(tokens, self.cfg.vocab_size)
         if tokens.shape != (self.B, self.T):
             raise ValueError(f"tokens have shape {tokens.shape}, this Model was built for "
@@ -620,23 +652,28 @@ class Model:
 
     def forward(self, tokens) -> np.ndarray:
         """Logits ``[B, T, V]`` (float32) for int tokens ``[B, T]``."""
-        self._stage_tokens(tokens)
+        self.stage_tokens(tokens)
+        self._forward_plan.run()
+        return self.logits().reshape(self.B, self.T, self.cfg.vocab_size)
+
+    def logits(self) -> np.ndarray:
+        """Logits ``[B*T, V]`` (float32) of the last forward (its final LayerNorm's output), through the
+        head chunk by chunk of rows."""
         from .runtime import Plan
         if getattr(self, "_head_plans", None) is None:
             self._head_plans = [Plan(self.dev, ops) for ops in self.ops.head]
-        self._forward_plan.run()
         V, rows, buf = self.cfg.vocab_size, self.layout.head_rows, self.builder.buf("logits")
         out = np.empty((self.B * self.T, V), np.float32)
         for plan, r0 in zip(self._head_plans, self.builder.head_chunks()):
             plan.run()
             n = min(rows, self.B * self.T - r0)
             out[r0:r0 + n] = from_storage(buf.elem, self.dev.download(buf, (n, V), storage_dtype(buf.elem)))
-        return out.reshape(self.B, self.T, V)
+        return out
 
     def stage_batch(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> None:
         """Validate a batch and write it into the pinned buffers the step reads (ignored targets are
         stored as validate.IGNORE_INDEX, the value the loss kernel was built with)."""
-        tokens = self._stage_tokens(tokens)
+        tokens = self.stage_tokens(tokens)
         targets = validate.check_targets(targets, tokens.shape, self.cfg.vocab_size, ignore_index)
         flat = np.where(targets == ignore_index, validate.IGNORE_INDEX, targets).astype(np.int32).ravel()
         order, seg_start, n_seg = embedding.sort_tokens(tokens)

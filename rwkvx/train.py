@@ -9,8 +9,7 @@ A backend owns the parameters and the optimizer state and does whole steps:
 
 The Trainer, checkpoints and the CLI are shared; :func:`resolve_device` picks the backend for
 ``auto``. The GPU :class:`~rwkvx.model.Model` is built for one batch shape: :func:`pad_batch` and
-:func:`forward_padded` fit smaller batches to it (for GPUBackend's ``evaluate``/``forward`` and the
-CLI's forward-only sampling).
+:func:`forward_padded` fit smaller batches to it (for GPUBackend's ``evaluate``/``forward``).
 
 Data parallel: given a :class:`rwkvx.dist.World`, each rank's Trainer steps on its shard of the
 global batch and the gradients are averaged over the ranks before the (clipped) update — through

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rwkvx.cli import main, sample_next
+from rwkvx.cli import main
 from rwkvx.train import gpu_unavailable_reason
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,69 +176,81 @@ def test_device_gpu_without_gpu_is_a_clear_error(tmp_path, capsys):
     _fails(capsys, tmp_path, ["train", "--device", "gpu", "--steps", "1"], "GPU backend cannot be used")
 
 
-def test_sample_next():
-    rng = np.random.default_rng(0)
-    logits = np.array([0.0, 5.0, 1.0, -2.0])
-    assert sample_next(logits, 0.0, 1.0, rng) == 1
-    assert all(sample_next(logits, 1.0, 0.5, rng) == 1 for _ in range(20))    # nucleus = top token
-    draws = {sample_next(logits, 5.0, 1.0, rng) for _ in range(300)}
-    assert draws == {0, 1, 2, 3}
-
-
 class _FakeGPUModel:
-    """Stands in for rwkvx.model.Model (which needs a GPU): records how it was built and what it
-    was fed. Its logits put all the mass on ``token + 1``, so greedy sampling shows which position's
-    logits were read."""
+    """Stands in for rwkvx.model.Model (which needs a GPU): records how it was built."""
 
     built: list = []
 
     def __init__(self, cfg, params, **kwargs):
         assert set(kwargs) == {"batch_size", "seq_len", "precision"}, kwargs   # keywords only
-        self.cfg, self.B, self.T = cfg, kwargs["batch_size"], kwargs["seq_len"]
-        self.kwargs, self.fed = kwargs, []
+        self.cfg, self.kwargs = cfg, kwargs
         _FakeGPUModel.built.append(self)
 
-    def forward(self, tokens):
-        assert tokens.shape == (self.B, self.T)
-        self.fed.append(tokens.copy())
-        logits = np.zeros((*tokens.shape, self.cfg.vocab_size), np.float32)
-        np.put_along_axis(logits, ((tokens + 1) % self.cfg.vocab_size)[..., None], 10.0, axis=-1)
+
+class _FakeDecoder:
+    """Stands in for rwkvx.decoder.Decoder: records what it was fed. Its logits put all the mass on
+    ``token + 1`` of the last token fed, so greedy sampling shows which position's logits were read."""
+
+    def __init__(self, model, batch, prompt_len, max_len):
+        self.model, self.shape, self.fed = model, (batch, prompt_len, max_len), []
+        model.decoder = self
+
+    @classmethod
+    def from_model(cls, model, batch, prompt_len, max_len):
+        return cls(model, batch, prompt_len, max_len)
+
+    def _logits(self, last):
+        logits = np.zeros((len(last), self.model.cfg.vocab_size), np.float32)
+        logits[np.arange(len(last)), (last + 1) % self.model.cfg.vocab_size] = 10.0
         return logits
+
+    def prefill(self, tokens, all_logits=False):
+        self.fed.append(tokens.copy())
+        return self._logits(tokens[:, -1])
+
+    def step(self, tokens):
+        self.fed.append(tokens.copy())
+        return self._logits(tokens)
+
+    def close(self):
+        self.closed = True
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """``--device gpu`` builds a _FakeGPUModel: the GPU counts as usable and ``rwkvx.model`` is a
-    stand-in module (the real one is not even imported), so the CLI's own GPU path runs here."""
+    """``--device gpu`` builds a _FakeGPUModel and generates through a _FakeDecoder: the GPU counts as
+    usable and ``rwkvx.model`` / ``rwkvx.decoder`` are stand-in modules (the real ones are not even
+    imported), so the CLI's own GPU path runs here."""
     import types
 
     import rwkvx.train
 
     monkeypatch.setattr(rwkvx.train, "gpu_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "rwkvx.model", types.SimpleNamespace(Model=_FakeGPUModel))
+    monkeypatch.setitem(sys.modules, "rwkvx.decoder", types.SimpleNamespace(Decoder=_FakeDecoder))
     monkeypatch.setattr(_FakeGPUModel, "built", [])
     return _FakeGPUModel.built
 
 
-def test_sample_on_gpu_is_forward_only_with_the_run_precision(tmp_path, capsys, fake_gpu):
+def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake_gpu):
     out = tmp_path / "r"
     assert main(["train", *TINY, "--precision", "tf32", "--steps", "1", "--out", str(out)]) == 0
     capsys.readouterr()
     sample = ["sample", "--ckpt", str(out), "--prompt", "ROMEO:", "--tokens", "5",
               "--temperature", "0", "--device", "gpu"]
 
-    assert main(sample) == 0                            # precision and context from the run
-    assert capsys.readouterr().out == "ROMEO:;<=>?\n"    # the logits of the last real position
+    assert main(sample) == 0                            # precision from the run
+    assert capsys.readouterr().out == "ROMEO:;<=>?\n"   # each step's logits follow the token fed
     (model,) = fake_gpu
-    assert model.kwargs == {"batch_size": 1, "seq_len": 32, "precision": "tf32"}
-    first = model.fed[0]
-    assert list(first[0, :6]) == list(b"ROMEO:") and not first[0, 6:].any()   # padded with 0
-    assert len(model.fed) == 5
+    assert model.kwargs == {"batch_size": 1, "seq_len": 6, "precision": "tf32"}   # built for the prompt
+    decoder = model.decoder
+    assert decoder.shape == (1, 6, 10) and decoder.closed
+    assert list(decoder.fed[0][0]) == list(b"ROMEO:")   # the prompt once, in parallel ...
+    assert [int(t[0]) for t in decoder.fed[1:]] == list(b";<=>")   # ... then one token per step
 
-    assert main([*sample, "--precision", "fp32", "--ctx", "8"]) == 0
-    assert capsys.readouterr().out == "ROMEO:;<=>?\n"    # the window slides at 8 tokens
-    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 8, "precision": "fp32"}
-    assert list(fake_gpu[1].fed[-1][0]) == list(b"MEO:;<=>")
+    assert main([*sample, "--precision", "fp32"]) == 0
+    assert capsys.readouterr().out == "ROMEO:;<=>?\n"
+    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 6, "precision": "fp32"}
 
 
 def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
@@ -254,8 +266,26 @@ def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
     for name, precision in (("t", "tf32"), ("w", "fp32")):
         assert main(["sample", "--ckpt", str(tmp_path / f"{name}.safetensors"), "--tokens", "1",
                      "--device", "gpu"]) == 0
-        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 256, "precision": precision}
+        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision}
     capsys.readouterr()
+
+
+def test_sample_is_stateful_on_the_cpu(tmp_path, capsys, random_params):
+    """The CPU path prints exactly the tokens rwkvx.generate gives on the float32 oracle."""
+    import rwkvx
+    from rwkvx import Config, save_checkpoint
+    from rwkvx.oracle import Oracle
+
+    cfg = Config(vocab_size=300, n_embd=32, n_rwkv_layer=2, n_attn_layer=1, head_size=16, moba_chunk_size=4,
+                 moba_top_k=2)
+    params = {n: p.astype(np.float32) for n, p in random_params(cfg, 5).items()}
+    save_checkpoint(tmp_path / "w.safetensors", cfg, params)
+    assert main(["sample", "--ckpt", str(tmp_path / "w.safetensors"), "--prompt", "5 7 11", "--tokens", "30",
+                 "--temperature", "0.7", "--seed", "4", "--device", "cpu"]) == 0
+    ids = [int(t) for t in capsys.readouterr().out.split()]
+    new = rwkvx.generate(Oracle(cfg, params, dtype=np.float32), [5, 7, 11], 30, temperature=0.7, top_p=0.9,
+                         seed=4)
+    assert ids == [5, 7, 11, *new.tolist()]
 
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU backend is usable here")

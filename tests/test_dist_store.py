@@ -111,7 +111,9 @@ def test_losing_rank_0_stops_the_others():
     server._sock.close()
     for conn in list(server._conns.values()):
         conn.shutdown(socket.SHUT_RDWR)         # as when rank 0's process dies
-    with pytest.raises(DistributedError, match="lost the connection to the rendezvous on rank 0"):
+    # which of the two notices rank 1 reads first depends on timing; both name rank 0's loss
+    with pytest.raises(DistributedError, match="lost the connection to the rendezvous on rank 0|"
+                                               "rank 0 exited without finishing"):
         worlds[1].barrier()
 
 

@@ -42,22 +42,15 @@
 #if !defined(HEAD_SIZE) || !defined(WKV_Q) || !defined(WKV_CHUNK) || !defined(WKV_BWD_MAXT)
 #error "wkv7.cu: HEAD_SIZE, WKV_Q, WKV_CHUNK and WKV_BWD_MAXT come from rwkvx/ops/wkv7.py"
 #endif
+#include "wkv7_state.cuh"
 
 namespace wkv7 {
 
-constexpr int HN = HEAD_SIZE;
-constexpr int Q = WKV_Q;                                    // lanes per state row
-constexpr int M = HN / Q;                                   // elements per lane and role
 constexpr int CHUNK = WKV_CHUNK;                            // checkpoint interval (tokens)
 constexpr int LS = HN >= 128 ? 4 : (HN >= 64 ? 8 : 16);     // tokens per staged block
-constexpr int VW = (M % 4 == 0) ? 4 : ((M % 2 == 0) ? 2 : 1);   // vector width for M-runs
 constexpr int FWD_MAXT = HN * Q;                            // forward block size with P = 1
 constexpr int BWD_MAXT = (HN * Q < WKV_BWD_MAXT) ? HN * Q : WKV_BWD_MAXT;   // N = 128 needs P >= 2
 constexpr int BWD_MINB = HN >= 128 ? 1 : 2;                 // 2 blocks/SM (<= 128 regs) for N <= 64
-
-static_assert(HN == 4 || HN == 8 || HN == 16 || HN == 32 || HN == 64 || HN == 128,
-              "HEAD_SIZE must be one of 4, 8, 16, 32, 64, 128");
-static_assert(Q == 4, "WKV_Q must be 4 (shuffle masks assume quads)");
 
 // ---- small helpers ---------------------------------------------------------------------------
 
@@ -78,63 +71,6 @@ __device__ __forceinline__ void cp_async4(__nv_bfloat16* dst_smem, const __nv_bf
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int K>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(K) : "memory"); }
-
-// load / store VW consecutive floats (16/8/4-byte aligned by construction)
-__device__ __forceinline__ void ldv(const float* p, float* o) {
-    if constexpr (VW == 4) { float4 t = *reinterpret_cast<const float4*>(p); o[0] = t.x; o[1] = t.y; o[2] = t.z; o[3] = t.w; }
-    else if constexpr (VW == 2) { float2 t = *reinterpret_cast<const float2*>(p); o[0] = t.x; o[1] = t.y; }
-    else { o[0] = p[0]; }
-}
-__device__ __forceinline__ void ldv(const __nv_bfloat16* p, float* o) {
-    if constexpr (VW == 4) {
-        const f4 t = load4(p); o[0] = t.v[0]; o[1] = t.v[1]; o[2] = t.v[2]; o[3] = t.v[3];
-    } else if constexpr (VW == 2) {
-        const float2 t = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p)); o[0] = t.x; o[1] = t.y;
-    } else { o[0] = __bfloat162float(p[0]); }
-}
-__device__ __forceinline__ void stv(float* p, const float* o) {
-    if constexpr (VW == 4) { *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]); }
-    else if constexpr (VW == 2) { *reinterpret_cast<float2*>(p) = make_float2(o[0], o[1]); }
-    else { p[0] = o[0]; }
-}
-
-// Sum over the `width` adjacent lanes of a group (width in {1,2,4}); every lane gets the total.
-// The mask names the lane's quad: all four lanes of a quad always execute this together.
-__device__ __forceinline__ float group_sum(float x, int width) {
-    const unsigned lane = threadIdx.x & 31u;
-    const unsigned mask = 0xFu << (lane & ~3u);
-    if (width >= 2) x += __shfl_xor_sync(mask, x, 1);
-    if (width >= 4) x += __shfl_xor_sync(mask, x, 2);
-    return x;
-}
-
-__device__ __forceinline__ float vw_sum(const float* acc) {
-    if constexpr (VW == 4) return (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    else if constexpr (VW == 2) return acc[0] + acc[1];
-    else return acc[0];
-}
-// Partial row dot sum_m S[m] * vec[j0 + m] over this lane's M columns, with VW independent accumulator
-// chains (shorter dependency chain); fixed summation order.
-__device__ __forceinline__ float row_dot(const float* S, const floatX* vec) {
-    float acc[VW];
-#pragma unroll
-    for (int u = 0; u < VW; ++u) acc[u] = 0.f;
-#pragma unroll
-    for (int m = 0; m < M; m += VW) {
-        float x[VW];
-        ldv(vec + m, x);
-#pragma unroll
-        for (int u = 0; u < VW; ++u) acc[u] = fmaf(S[m + u], x[u], acc[u]);
-    }
-    return vw_sum(acc);
-}
-// The token's addition to S[row, j]: sa b_j + v_row k_j. One function for the forward's update and the
-// backward's step back, so the backward subtracts exactly what the forward added.
-__device__ __forceinline__ float state_add(float sa, float bj, float vi, float kj) { return fmaf(sa, bj, vi * kj); }
-// S[row, j] <- S[row, j] w_j + sa b_j + v_row k_j
-__device__ __forceinline__ float state_update(float s, float wj, float sa, float bj, float vi, float kj) {
-    return fmaf(s, wj, state_add(sa, bj, vi, kj));
-}
 
 // Stage `cnt` tokens (from token tstart) of one [B,T,H,N] tensor into dst [LS][HN] with cp.async.
 // src points at X + h*HN; token t of sequence bb lives at src + ((bb*T + t)*H)*HN.
@@ -217,29 +153,10 @@ wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const f
         for (int sl = 0; sl < cnt; ++sl) {
             const int t = ts + sl;
             const long long gout = (tokbase + t) * (long long)H * HN + hoff;
-            // sa_row = sum_j S[row,j] a_j
-            const float sa = group_sum(row_dot(S, &sb[4][sl][j0]), Q);
+            const float sa = token_sa(S, &sb[4][sl][j0]);
             if (save && rq == 0) sa_out[gout + row] = sa;
-            const float vi = to_f32(sb[3][sl][row]);
-            // S = S diag(w) + sa b^T + v k^T ; y_row = sum_j S[row,j] r_j
-            float ya[VW];
-#pragma unroll
-            for (int u = 0; u < VW; ++u) ya[u] = 0.f;
-#pragma unroll
-            for (int m = 0; m < M; m += VW) {
-                float wv[VW], bv[VW], kv[VW], rv[VW];
-                ldv(&sb[1][sl][j0 + m], wv);
-                ldv(&sb[5][sl][j0 + m], bv);
-                ldv(&sb[2][sl][j0 + m], kv);
-                ldv(&sb[0][sl][j0 + m], rv);
-#pragma unroll
-                for (int u = 0; u < VW; ++u) {
-                    const float s = state_update(S[m + u], wv[u], sa, bv[u], vi, kv[u]);
-                    S[m + u] = s;
-                    ya[u] = fmaf(s, rv[u], ya[u]);
-                }
-            }
-            const float yy = group_sum(vw_sum(ya), Q);
+            const float yy = token_update(S, &sb[0][sl][j0], &sb[1][sl][j0], &sb[2][sl][j0], to_f32(sb[3][sl][row]),
+                                          &sb[5][sl][j0], sa);
             if (rq == 0) y[gout + row] = from_f32(yy);
             if (save && (t % CHUNK == CHUNK - 1 || t == T - 1)) {
                 float* dst = ck + (long long)(t / CHUNK) * HN * HN;

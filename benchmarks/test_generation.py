@@ -1,0 +1,140 @@
+"""Generation speed at batch 1 after a 512-token prompt: stateful (the prompt once, then one step per
+token) against the window re-run ``sample`` did before (a whole forward over the last ``ctx`` tokens for
+every new token). Report, don't assert: ``extra_info["tokens_per_s"]`` of each row. Every token is
+sampled from its logits as ``sample`` does (temperature 0.8, top-p 0.9: the CLI's defaults); the tokens
+fed are a fixed random sequence, so every row does the same work.
+
+* CPU: the tiny default model (the ``tiny`` preset), float32 oracle; the window re-run with the tiny
+  run's context (its seq_len, 128: what ``sample`` used by default) and with the whole sequence (the
+  same tokens as the stateful path).
+* GPU: the 0.22B config (the ``base`` preset's model) in tf32 (and bf16, once the model has it): the
+  decoder's graph-replayed step (wall clock per ``step``, the host's sync and logits read included, and
+  CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window.
+
+Run: ``python -m pytest benchmarks/test_generation.py --benchmark-columns=mean,rounds`` (GPU rows skip
+without a GPU).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from rwkvx import Config, init_params
+from rwkvx.generation import sample_next
+from rwkvx.presets import get_preset
+
+PROMPT = 512
+RNG = np.random.default_rng(0)
+
+
+def sample(logits: np.ndarray) -> int:
+    return sample_next(logits, 0.8, 0.9, RNG)
+
+
+def tokens_per_s(benchmark, fn, tokens: int, rounds: int) -> float:
+    """Time ``fn`` (producing ``tokens`` tokens) ``rounds`` times; store and return tokens/s of the mean."""
+    benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
+    rate = tokens / benchmark.stats.stats.mean
+    benchmark.extra_info["tokens_per_s"] = round(rate, 1)
+    return rate
+
+
+# ------------------------------------------------------------------ CPU: the tiny default model
+
+@pytest.fixture(scope="module")
+def tiny():
+    from rwkvx.oracle import Oracle
+    preset = get_preset("tiny")
+    cfg = Config(**preset["model"])
+    oracle = Oracle(cfg, init_params(cfg, 0), dtype=np.float32)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, PROMPT + 64))
+    return oracle, tokens, preset["train"]["seq_len"]
+
+
+def test_cpu_stateful(benchmark, tiny):
+    oracle, tokens, _ = tiny
+    _, prompt_state = oracle.stateful_forward(tokens[:, :PROMPT])
+    n = tokens.shape[1] - PROMPT
+
+    def decode():
+        state = prompt_state
+        for t in range(PROMPT, PROMPT + n):
+            logits, state = oracle.stateful_forward(tokens[:, t:t + 1], state)
+            sample(logits[0, -1])
+
+    tokens_per_s(benchmark, decode, n, rounds=5)
+    t0 = time.perf_counter()
+    oracle.stateful_forward(tokens[:, :PROMPT])
+    benchmark.extra_info["prefill_s"] = round(time.perf_counter() - t0, 4)
+
+
+@pytest.mark.parametrize("window", ["run_seq_len", "whole_sequence"])
+def test_cpu_window_rerun(benchmark, tiny, window):
+    oracle, tokens, seq_len = tiny
+    n = 8
+
+    def rerun():
+        for t in range(PROMPT, PROMPT + n):
+            start = t - seq_len if window == "run_seq_len" else 0
+            sample(oracle.forward(tokens[:, start:t])[0, -1])
+
+    tokens_per_s(benchmark, rerun, n, rounds=3)
+    benchmark.extra_info["ctx"] = seq_len if window == "run_seq_len" else f"{PROMPT}..{PROMPT + n - 1}"
+
+
+# ------------------------------------------------------------------ GPU: the 0.22B config
+
+@pytest.fixture(scope="module")
+def base_params():
+    cfg = Config(**get_preset("base")["model"])
+    return cfg, init_params(cfg, 0), np.random.default_rng(0).integers(0, cfg.vocab_size, (1, PROMPT + 128))
+
+
+def _model(dev, cfg, params, T, precision):
+    from rwkvx.decoder import PREFILL_METHODS
+    from rwkvx.model import Model
+    return Model(cfg, params, 1, T, precision=precision, methods=PREFILL_METHODS)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
+def test_gpu_stateful(benchmark, dev, base_params, precision):
+    from rwkvx.decoder import Decoder
+    from rwkvx.runtime import EventTimer
+    cfg, params, tokens = base_params
+    n = tokens.shape[1] - PROMPT
+    decoder = Decoder(_model(dev, cfg, params, PROMPT, precision), PROMPT + n)
+    try:
+        t0 = time.perf_counter()
+        decoder.prefill(tokens[:, :PROMPT])
+        prefill_s = time.perf_counter() - t0
+        steps = iter(range(PROMPT, PROMPT + n))
+
+        def one_token():
+            sample(decoder.step(tokens[:, next(steps)])[0])
+
+        benchmark.pedantic(one_token, rounds=n - 8, iterations=1, warmup_rounds=4)
+        benchmark.extra_info["tokens_per_s"] = round(1.0 / benchmark.stats.stats.mean, 1)
+        timer = EventTimer(dev)
+        graph_ms = timer.time_ms(decoder.graph.launch, 20)    # device time of the step alone
+        timer.close()
+        benchmark.extra_info.update(prefill_s=round(prefill_s, 4), graph_ms_per_token=round(graph_ms, 4),
+                                    graph_tokens_per_s=round(1e3 / graph_ms, 1))
+    finally:
+        decoder.close()
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
+def test_gpu_window_rerun(benchmark, dev, base_params, precision):
+    from rwkvx.train import forward_padded
+    cfg, params, tokens = base_params
+    model = _model(dev, cfg, params, PROMPT, precision)
+    steps = iter(range(PROMPT, PROMPT + 64))
+
+    def one_token():
+        t = next(steps)
+        sample(forward_padded(model, tokens[:, t - PROMPT:t])[0, -1])
+
+    benchmark.pedantic(one_token, rounds=8, iterations=1, warmup_rounds=2)
+    benchmark.extra_info["tokens_per_s"] = round(1.0 / benchmark.stats.stats.mean, 2)

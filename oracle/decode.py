@@ -1,0 +1,45 @@
+"""Twin of rwkvx/cu/decode.cu: the single-token step kernels of generation.
+
+Each is the forward twin of its family run on one token that continues a carried state (a sequence of
+length 1 after the state's tokens), so no formula is written twice. Shapes: one row per sequence,
+x [B, C] or [B, H, N]; caches [B, T, H, N].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import float64_op, shift_mix_forward
+from .moba import moba_attention_cached, moba_block_means
+from .wkv7 import wkv7_forward
+
+
+@float64_op
+def decode_shift(x: np.ndarray, prev: np.ndarray, mixes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(outs [n, B, C], new prev [B, C]): outs[j] = x + (prev - x) * mixes[j] for x, prev [B, C] and
+    mixes [n, C]; the new prev is x."""
+    return shift_mix_forward(x, mixes, 1, prev), x.copy()
+
+
+def decode_wkv7(r: np.ndarray, w: np.ndarray, k: np.ndarray, v: np.ndarray, a: np.ndarray, b: np.ndarray,
+                state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(y [B, H, N], new state [B, H, N, N]): one token of WKV7 (inputs [B, H, N]) from ``state``."""
+    y, new = wkv7_forward(*(t[:, None] for t in (r, w, k, v, a, b)), state=state, return_state=True)
+    return y[:, 0], new
+
+
+def decode_moba(q: np.ndarray, k: np.ndarray, v: np.ndarray, kc: np.ndarray, vc: np.ndarray, kmean: np.ndarray,
+                pos: int, chunk: int, top_k: int) -> tuple[np.ndarray, ...]:
+    """MoBA step of the token at position ``pos``: q, k, v [B, H, N] its query, key and value; kc, vc
+    [B, >= pos, H, N] the cached keys and values (positions < pos are read); kmean [B, H, >= pos // chunk,
+    N] the means of the complete blocks before pos.
+
+    Returns (o [B, H, N], sel int32 [B, H, top_k-1], kc and vc [B, pos+1, H, N] with the new key and
+    value, kmean float64 [B, H, (pos+1) // chunk, N] with the block that pos completes, if any)."""
+    kc = np.concatenate([kc[:, :pos], k[:, None]], axis=1)
+    vc = np.concatenate([vc[:, :pos], v[:, None]], axis=1)
+    full = (pos + 1) // chunk
+    kmean = np.asarray(kmean, np.float64)[:, :, :pos // chunk]
+    if full > pos // chunk:
+        kmean = np.concatenate([kmean, moba_block_means(kc[:, -chunk:], chunk)], axis=2)
+    o, sel = moba_attention_cached(q[:, None], kc, vc, kmean, chunk, top_k)
+    return o[:, 0], sel[:, :, 0], kc, vc, kmean

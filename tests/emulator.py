@@ -1,0 +1,234 @@
+"""Runs GPU op lists on the CPU: device memory is numpy, each kernel launch is its oracle twin applied to
+the buffers its arguments point at, GEMMs are column-major float64 products, copies are copies.
+
+What this checks is the plumbing of a plan (which buffer each op reads and writes, offsets, strides,
+sizes, the order of ops), not the CUDA code: the kernels' own tests (tests/gpu) compare them to the same
+twins. Only the kernels the forward and the decoder's step use are emulated; an unknown kernel raises.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import rwkvx.ops  # noqa: F401  (declares every kernel)
+from rwkvx import oracle as O
+from rwkvx.runtime.dtypes import ELEM_BYTES
+from rwkvx.runtime.kernel import KernelFile
+from rwkvx.runtime.ops import Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
+
+_NP = {"f32": np.float32, "i32": np.int32, "f64": np.float64}
+
+
+class Memory:
+    """Address ranges backed by numpy byte arrays (device arenas and pinned host buffers alike)."""
+
+    def __init__(self):
+        self.regions: list[tuple[int, np.ndarray]] = []
+
+    def add(self, base: int, nbytes: int) -> np.ndarray:
+        buf = np.zeros(nbytes, np.uint8)
+        self.regions.append((int(base), buf))
+        return buf
+
+    def bytes(self, addr: int, nbytes: int) -> np.ndarray:
+        for base, buf in self.regions:
+            if base <= addr and addr + nbytes <= base + buf.size:
+                return buf[addr - base:addr - base + nbytes]
+        raise IndexError(f"no memory at 0x{addr:x} (+{nbytes})")
+
+    def array(self, addr: int, elem: str, count: int) -> np.ndarray:
+        """A writable view of ``count`` ``elem`` elements at ``addr``."""
+        return self.bytes(addr, count * ELEM_BYTES[elem]).view(_NP[elem])
+
+    def read(self, addr: int, count: int, shape=None, elem: str = "f32") -> np.ndarray:
+        a = self.array(addr, elem, count).astype(np.float64 if elem != "i32" else np.int64)
+        return a.reshape(shape) if shape is not None else a
+
+    def write(self, addr: int, values, elem: str = "f32") -> None:
+        values = np.asarray(values)
+        self.array(addr, elem, values.size)[:] = values.ravel()
+
+
+def _args(op: Launch) -> dict:
+    kernel = KernelFile.registry[op.module].kernels[op.name]
+    return {name: value for (name, _), (_, value) in zip(kernel.params, op.args)}
+
+
+def _head_size(op: Launch) -> int:
+    return int(dict(op.defines)["HEAD_SIZE"])
+
+
+def run(mem: Memory, ops) -> None:
+    """Execute ``ops`` in order on ``mem``."""
+    for op in flatten_ops(ops):
+        if isinstance(op, (Copy, CopyHtoD, CopyDtoH)):
+            src = op.host_ptr if isinstance(op, CopyHtoD) else op.src
+            dst = op.host_ptr if isinstance(op, CopyDtoH) else op.dst
+            mem.bytes(dst, op.nbytes)[:] = mem.bytes(src, op.nbytes).copy()
+        elif isinstance(op, Memset):
+            mem.bytes(op.ptr, op.nbytes)[:] = 0
+        elif isinstance(op, Gemm):
+            _gemm(mem, op)
+        elif isinstance(op, Launch):
+            KERNELS[op.name](mem, _args(op), op)
+        else:
+            raise TypeError(f"cannot emulate {op!r}")
+
+
+def _colmajor(mem, ptr, rows, cols, ld):
+    flat = mem.array(ptr, "f32", ld * (cols - 1) + rows)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (4, 4 * ld))
+
+
+def _gemm(mem, g: Gemm) -> None:
+    if g.precision.a != "f32":
+        raise NotImplementedError("emulated GEMMs are fp32")
+    A = _colmajor(mem, g.A, g.k, g.m, g.lda).T if g.transa else _colmajor(mem, g.A, g.m, g.k, g.lda)
+    B = _colmajor(mem, g.B, g.n, g.k, g.ldb).T if g.transb else _colmajor(mem, g.B, g.k, g.n, g.ldb)
+    C = _colmajor(mem, g.C, g.m, g.n, g.ldc)
+    out = g.alpha * (A.astype(np.float64) @ B.astype(np.float64))
+    if g.beta:
+        out += g.beta * C
+    C[...] = out
+
+
+# ---------------------------------------------------------------- kernels, by name
+
+def _embedding_forward(mem, a, op):
+    R, C, V = a["R"], a["C"], a["V"]
+    tok = mem.read(a["tok"], R, elem="i32")
+    mem.write(a["x"], mem.read(a["emb"], V * C, (V, C))[tok])
+
+
+def _ln_forward(mem, a, op):
+    R, C = a["R"], a["C"]
+    if a["y"]:
+        mem.write(a["y"], O.layernorm_forward(mem.read(a["x"], R * C, (R, C)), mem.read(a["w"], C),
+                                              mem.read(a["b"], C), a["eps"]))
+
+
+def _tm_shift_fwd(mem, a, op):
+    R, C, T = a["R"], a["C"], a["T"]
+    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(6)])
+    outs = O.time_shift_forward(mem.read(a["x"], R * C, (R, C)), mixes, T)
+    for j in range(6):
+        mem.write(a[f"o{j}"], outs[j])
+
+
+def _elementwise(fn):
+    def kernel(mem, a, op):
+        mem.write(a["out"], fn(mem.read(a["a"], a["n"])))
+    return kernel
+
+
+def _tm_prep_fwd(mem, a, op):
+    R, C, N, layer = a["R"], a["C"], _head_size(op), a["layer"]
+    rows = lambda name: mem.read(a[name], R * C, (R, C))          # noqa: E731
+    vec = lambda name: mem.read(a[name], C)                       # noqa: E731
+    out = O.time_mix_prep_forward(rows("k"), rows("v"), rows("wl"), rows("al"), rows("vl") if layer else None,
+                                  rows("vf") if layer else None, vec("w0"), vec("a0"),
+                                  vec("v0") if layer else None, vec("k_k"), vec("k_a"), N, layer)
+    for name in ("decay", "kp", "wa", "wb"):
+        mem.write(a[name], out[name])
+    if layer:
+        mem.write(a["vp"], out["vp"])
+    else:
+        mem.write(a["vf"], out["v_first"])
+
+
+def _bthn(mem, ptr, B, T, H, N):
+    return mem.read(ptr, B * T * H * N, (B, T, H, N))
+
+
+def _wkv7_forward(mem, a, op):
+    N, H, T = _head_size(op), a["H"], a["T"]
+    B = op.grid[2]
+    x = [_bthn(mem, a[n], B, T, H, N) for n in "rwkvab"]
+    mem.write(a["y"], O.wkv7_forward(*x))
+    if a["ckpt"]:                    # the state after the last token of each chunk of CHUNK tokens
+        from rwkvx.ops.wkv7 import CHUNK, n_chunks
+        nC = n_chunks(T)
+        ck = np.zeros((B, H, nC, N, N))
+        for c in range(nC):
+            end = min((c + 1) * CHUNK, T)
+            ck[:, :, c] = O.wkv7_forward(*(t[:, :end] for t in x), return_state=True)[1]
+        mem.write(a["ckpt"], ck)
+
+
+def _tm_gn_fwd(mem, a, op):
+    R, C, N = a["R"], a["C"], _head_size(op)
+    rows = [mem.read(a[n], R * C, (R, C)) for n in ("y", "r", "kp", "vp", "g")]
+    mem.write(a["z"], O.time_mix_gn_forward(*rows, mem.read(a["lnw"], C), mem.read(a["lnb"], C),
+                                            mem.read(a["rk"], C), N))
+
+
+def _cm_shift_mix(mem, a, op):
+    R, C, T = a["R"], a["C"], a["T"]
+    mem.write(a["xk"], O.channel_mix_shift_forward(mem.read(a["x"], R * C, (R, C)), mem.read(a["mix"], C), T))
+
+
+def _cm_relu_sq_forward(mem, a, op):
+    mem.write(a["k"], O.relu_sq_forward(mem.read(a["h"], a["n"])))
+
+
+def _moba_kmean(mem, a, op):
+    T, H, chunk, N, B = a["T"], a["H"], a["chunk"], _head_size(op), op.grid[2]
+    mem.write(a["kmean"], O.moba_block_means(_bthn(mem, a["k"], B, T, H, N), chunk))
+
+
+def _moba_fwd_own(mem, a, op):
+    # the whole attention, selection included, from q, k, v (the other forward kernels are its parts);
+    # K1 is 0 here also when no query has a past block: own blocks only, as with top_k = 1
+    T, H, chunk, N, B = a["T"], a["H"], a["chunk"], _head_size(op), op.grid[2]
+    qkv = (_bthn(mem, a[n], B, T, H, N) for n in "qkv")
+    mem.write(a["o"], O.moba_attention_forward(*qkv, chunk, a["K1"] + 1)[0])
+
+
+def _done_by_moba_fwd_own(mem, a, op):
+    pass
+
+
+def _dec_shift(mem, a, op):
+    B, C, n = a["B"], a["C"], a["nmix"]
+    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(n)])
+    outs, prev = O.decode_shift(mem.read(a["x"], B * C, (B, C)), mem.read(a["prev"], B * C, (B, C)), mixes)
+    for j in range(n):
+        mem.write(a[f"o{j}"], outs[j])
+    mem.write(a["prev"], prev)
+
+
+def _dec_wkv7(mem, a, op):
+    N, H, B = _head_size(op), a["H"], op.grid[1]
+    x = [mem.read(a[n], B * H * N, (B, H, N)) for n in "rwkvab"]
+    y, state = O.decode_wkv7(*x, mem.read(a["state"], B * H * N * N, (B, H, N, N)))
+    mem.write(a["y"], y)
+    mem.write(a["state"], state)
+
+
+def _dec_moba(mem, a, op):
+    N, H, B, Tmax, chunk, K1, maxblk = (_head_size(op), a["H"], op.grid[1], a["Tmax"], a["chunk"], a["K1"],
+                                        a["maxblk"])
+    t = int(mem.read(a["pos"], 1, elem="i32")[0])
+    q, k, v = (mem.read(a[n], B * H * N, (B, H, N)) for n in "qkv")
+    kc, vc = (_bthn(mem, a[n], B, Tmax, H, N) for n in ("kc", "vc"))
+    kmean = mem.read(a["kmean"], B * H * maxblk * N, (B, H, maxblk, N)) if a["kmean"] else np.zeros((B, H, 0, N))
+    o, sel, kc2, vc2, km2 = O.decode_moba(q, k, v, kc, vc, kmean, t, chunk, K1 + 1)
+    mem.write(a["o"], o)
+    kc[:, :t + 1], vc[:, :t + 1] = kc2, vc2
+    mem.write(a["kc"], kc)
+    mem.write(a["vc"], vc)
+    if a["kmean"]:
+        kmean[:, :, :km2.shape[2]] = km2
+        mem.write(a["kmean"], kmean)
+    if a["sel_out"]:
+        mem.write(a["sel_out"], sel, "i32")
+
+
+KERNELS = {
+    "embedding_forward": _embedding_forward, "ln_forward": _ln_forward, "tm_shift_fwd": _tm_shift_fwd,
+    "tm_tanh_fwd": _elementwise(np.tanh), "tm_sigmoid_fwd": _elementwise(lambda x: 1 / (1 + np.exp(-x))),
+    "tm_prep_fwd": _tm_prep_fwd, "wkv7_forward": _wkv7_forward, "tm_gn_fwd": _tm_gn_fwd,
+    "cm_shift_mix": _cm_shift_mix, "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,
+    "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
+    "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
+    "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba,
+}
