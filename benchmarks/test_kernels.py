@@ -9,7 +9,6 @@ and the share of the ceiling. scripts/gpu_check.sh prints the table. Skipped wit
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest

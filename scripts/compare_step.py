@@ -11,7 +11,6 @@ so that the installed rwkvx does not shadow it). Needs a GPU.
 """
 import json
 import sys
-import time
 
 import numpy as np
 

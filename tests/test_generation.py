@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import rwkvx
-from rwkvx import Config, init_params
+from rwkvx import Config
 from rwkvx.generation import sample_next, stream
 from rwkvx.oracle import (Oracle, channel_mix_shift_forward, moba_attention_cached, moba_attention_forward,
                           moba_block_means, rel_err, time_shift_forward, wkv7_forward)
@@ -24,16 +24,6 @@ CASES = {   # name: (config, B, T, prompt lengths)
 TOL = {np.float32: 1e-5, np.float64: 1e-13}
 
 
-def training_like(cfg, seed):
-    """SPEC §4's training-like model: init_params with the zero-initialised matrices ~ N(0, 0.02^2)."""
-    rng = np.random.default_rng(seed)
-    params = init_params(cfg, seed)
-    for name, p in params.items():
-        if not p.any():
-            params[name] = (0.02 * rng.standard_normal(p.shape)).astype(np.float32)
-    return params
-
-
 def stateful_logits(oracle, tokens, prompt_len):
     """Logits of every position: the prompt in one call, then one call per token."""
     logits, state = oracle.stateful_forward(tokens[:, :prompt_len])
@@ -47,7 +37,7 @@ def stateful_logits(oracle, tokens, prompt_len):
 
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_stateful_logits_equal_full_forward_at_every_position(name, dtype, random_params):
+def test_stateful_logits_equal_full_forward_at_every_position(name, dtype, random_params, training_like):
     kwargs, B, T, prompt_lens = CASES[name]
     cfg = Config(**kwargs)
     rng = np.random.default_rng()

@@ -2,7 +2,6 @@
 declaration (rwkvx/ops) launches it with: each variant (head size ...) x each element type (float, bf16).
 Also: the CUBIN disk cache works.
 """
-from pathlib import Path
 
 import pytest
 

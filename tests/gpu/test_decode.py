@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from harness import KernelCase, check, tolerance
-from rwkvx import Config, init_params
+from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
 from rwkvx.oracle import Oracle, decode_moba, decode_shift, decode_wkv7, moba_block_means, rel_err
 from rwkvx.ops import decode as D
@@ -113,16 +113,6 @@ def test_dec_moba(dev, xtype, B, H, N, chunk, top_k, positions):
 
 # ------------------------------------------------------------------ the decoder against the forward
 
-def training_like(cfg, seed):
-    """SPEC §4's training-like model: init_params with the zero-initialised matrices ~ N(0, 0.02^2)."""
-    rng = np.random.default_rng(seed)
-    params = init_params(cfg, seed)
-    for name, p in params.items():
-        if not p.any():
-            params[name] = (0.02 * rng.standard_normal(p.shape)).astype(np.float32)
-    return params
-
-
 DECODE = {   # name: (config, B, T, prompt length)
     "moba": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=2, moba_chunk_size=8,
                   moba_top_k=3), 2, 64, 5),
@@ -153,7 +143,7 @@ def clear_tokens(cfg, params, B, T, rng, margin):
 
 
 @pytest.mark.parametrize("name, precision", [(n, "fp32") for n in DECODE] + [("moba", "tf32")])
-def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision):
+def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision, training_like):
     from rwkvx.decoder import PREFILL_METHODS, Decoder
     from rwkvx.model import Model
     kwargs, B, T, P = DECODE[name]
@@ -183,8 +173,8 @@ def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision
     assert errs[worst] <= LOGIT_TOL[precision], f"seed {seed}: position {worst}: {errs[worst]:.2e}"
 
 
-def test_decoder_prefill_again_starts_over(dev):
-    from rwkvx.decoder import PREFILL_METHODS, Decoder
+def test_decoder_prefill_again_starts_over(dev, training_like):
+    from rwkvx.decoder import Decoder
     from rwkvx.model import Model
     kwargs, B, T, P = DECODE["moba"]
     cfg = Config(**kwargs)
@@ -204,7 +194,7 @@ def test_decoder_prefill_again_starts_over(dev):
         decoder.close()
 
 
-def test_greedy_generate_on_gpu_is_the_argmax_of_forward_reruns(dev):
+def test_greedy_generate_on_gpu_is_the_argmax_of_forward_reruns(dev, training_like):
     import rwkvx
     from rwkvx.model import Model
     kwargs, _, _, _ = DECODE["moba"]

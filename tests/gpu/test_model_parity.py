@@ -9,7 +9,7 @@ Fresh random parameters and inputs every run; the device outputs are poisoned be
 import numpy as np
 import pytest
 
-from rwkvx import Config, init_params
+from rwkvx import Config
 from rwkvx.model import Model
 from rwkvx.oracle import Oracle, rel_err
 
@@ -62,21 +62,13 @@ def test_model_matches_oracle(name, precision, random_params, record_property):
                           ignore_some=name in ("batch_3", "odd_T", "rwkv_only"))
 
 
-def training_like_params(cfg: Config, seed: int) -> dict:
-    """SPEC §4's training-like model: init_params with its zero-initialised matrices ~ N(0, 0.02^2)."""
-    rng = np.random.default_rng(seed)
-    params = init_params(cfg, seed)
-    return {k: (0.02 * rng.standard_normal(v.shape)).astype(np.float32) if v.ndim == 2 and not v.any()
-            else v.astype(np.float32) for k, v in params.items()}
-
-
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 @pytest.mark.parametrize("name", ["sparse_hybrid", "C256_N64", "T1024"])
-def test_reduced_precision_matches_oracle(name, precision, record_property):
+def test_reduced_precision_matches_oracle(name, precision, training_like, record_property):
     kwargs, B, T = CASES[name]
     cfg = Config(**kwargs)
     rng = np.random.default_rng()
-    params = training_like_params(cfg, int(rng.integers(1 << 31)))
+    params = training_like(cfg, int(rng.integers(1 << 31)))
     _check_against_oracle(cfg, params, B, T, precision, *TRAINING_LIKE_TOLERANCES[precision], rng,
                           record_property, ignore_some=True)
 
