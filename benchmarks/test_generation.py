@@ -7,7 +7,7 @@ fed are a fixed random sequence, so every row does the same work.
 * CPU: the tiny default model (the ``tiny`` preset), float32 oracle; the window re-run with the tiny
   run's context (its seq_len, 128: what ``sample`` used by default) and with the whole sequence (the
   same tokens as the stateful path).
-* GPU: the 0.22B config (the ``base`` preset's model) in tf32 (and bf16, once the model has it): the
+* GPU: the 0.22B config (the ``base`` preset's model) in fp32, tf32 and bf16: the
   decoder's graph-replayed step (wall clock per ``step``, the host's sync and logits read included, and
   CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window.
 
