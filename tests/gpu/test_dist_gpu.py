@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rwkvx import Config
 from rwkvx.dist import World
 from rwkvx.dist.launch import spawn, visible_gpus
 from rwkvx.dist.nccl import NcclCommunicator, nccl_unavailable_reason
@@ -21,24 +20,14 @@ from rwkvx.optim import Schedule
 from rwkvx.oracle import rel_err
 from rwkvx.train import Trainer
 
+from test_train_gpu import CFG, B, T, batches   # the one-GPU training tests' model and batches
+
 REPO = Path(__file__).resolve().parents[2]
-CFG = Config(vocab_size=97, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=1,
-             moba_chunk_size=16, moba_top_k=3)
-B, T = 2, 48
 
 needs_nccl = pytest.mark.skipif(nccl_unavailable_reason() is not None,
                                 reason=f"no NCCL: {nccl_unavailable_reason()}")
 needs_two_gpus = pytest.mark.skipif(visible_gpus() < 2 or nccl_unavailable_reason() is not None,
                                     reason=f"needs 2 GPUs and NCCL ({visible_gpus()} GPU(s) visible)")
-
-
-def batches(n, seed):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        x = rng.integers(0, CFG.vocab_size, (B, T + 1))
-        out.append((x[:, :-1], x[:, 1:]))
-    return out
 
 
 @needs_nccl
