@@ -78,6 +78,17 @@ static __device__ __forceinline__ float moba_row_sum(float v)
     return v;
 }
 
+// Merge a partial output of logsumexp lp into the running (max m, sum l): the weights of the running
+// output (alpha) and of the partial (beta), both relative to the new max.
+static __device__ __forceinline__ void moba_lse_merge(float& m, float& l, float lp, float& alpha, float& beta)
+{
+    const float mnew = fmaxf(m, lp);
+    alpha = expf(m - mnew);
+    beta = expf(lp - mnew);
+    l = l * alpha + beta;
+    m = mnew;
+}
+
 static __device__ __forceinline__ bool moba_col_ok(int col)
 {
     return (HS % 16 == 0) || col < HS;
@@ -600,10 +611,8 @@ moba_fwd_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const f
         for (int s = 0; s < K1; ++s) {
             if (sel[e0 + s] < 0) break;
             const float lp = lpart[e0 + s];
-            const float mnew = fmaxf(mi, lp);
-            const float alpha = expf(mi - mnew), beta = expf(lp - mnew);
-            li = li * alpha + beta;
-            mi = mnew;
+            float alpha, beta;
+            moba_lse_merge(mi, li, lp, alpha, beta);
             const float* pr = part + (e0 + s) * HS;
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
@@ -1264,10 +1273,8 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
         for (int s = 0; s < K1; ++s) {
             if (sel[e0 + s] < 0) break;
             const float lp = lpart[e0 + s];
-            const float mnew = fmaxf(mi, lp);
-            const float alpha = expf(mi - mnew), beta = expf(lp - mnew);
-            li = li * alpha + beta;
-            mi = mnew;
+            float alpha, beta;
+            moba_lse_merge(mi, li, lp, alpha, beta);
             const float* pr = part + (e0 + s) * HS;
 #pragma unroll
             for (int nt = 0; nt < MNT; ++nt) {
