@@ -28,8 +28,9 @@
 // Deterministic: no atomics, fixed summation orders.
 
 #include "common.cuh"
-#if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC)
-#error "wkv7_chunked.cu: HEAD_SIZE, WKV_L, WKV_STAGES, WKV_FREC and WKV_BREC come from rwkvx/ops/wkv7.py"
+#if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC) \
+    || !defined(WKV_INTRA_THREADS)
+#error "wkv7_chunked.cu: HEAD_SIZE, WKV_L, WKV_STAGES, WKV_FREC, WKV_BREC, WKV_INTRA_THREADS come from rwkvx/ops/wkv7.py"
 #endif
 
 namespace wkv7c {
@@ -146,6 +147,36 @@ __device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4],
 __device__ __forceinline__ int acc_m(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int acc_n(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
 
+// x as a tf32 pair hi + lo (~21 of fp32's 24 bits): three mma per step (lo hi + hi lo + hi hi, "3xTF32")
+// give products of fp32 class on tensor cores
+__device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+// d[nt] (the 16x8 tiles of a 16x16 result) += X Y^T over K, X(m, kk), Y(n, kk) row accessors, 3xTF32:
+// the [L, L] Gram matrices whose entries are whole coefficients of outputs (no single-tf32 rounding)
+template <int K, class FX, class FY>
+__device__ __forceinline__ void gram3(float (&d)[2][4], FX X, FY Y) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned ah[4], al[4];
+        split_tf32(X(g, k0 + q), ah[0], al[0]);
+        split_tf32(X(g + 8, k0 + q), ah[1], al[1]);
+        split_tf32(X(g, k0 + q + 4), ah[2], al[2]);
+        split_tf32(X(g + 8, k0 + q + 4), ah[3], al[3]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            unsigned bh[2], bl[2];
+            split_tf32(Y(8 * nt + g, k0 + q), bh[0], bl[0]);
+            split_tf32(Y(8 * nt + g, k0 + q + 4), bh[1], bl[1]);
+            mma_tf32(d[nt], al, bh);
+            mma_tf32(d[nt], ah, bl);
+            mma_tf32(d[nt], ah, bh);
+        }
+    }
+}
+
 // Stage one chunk record (global, dense) into shared memory (padded rows), cp.async.
 template <class R>
 __device__ __forceinline__ void stage_record(float* dst, const float* src, int tid, int nt) {
@@ -180,22 +211,27 @@ __device__ __forceinline__ void stage_rows(floatX* dst, const floatX* src, int b
 using namespace wkv7c;
 
 // =============================================================================================
-// Chunk operators.  grid (n_c, H, B), block 256.  rec [B, H, n_c, REC]: mode 0 the forward record
-// (FRec), mode 1 the backward record (BRec).
+// Chunk operators.  grid (n_c, H, B), block WKV_INTRA_THREADS = 4 warps.  rec [B, H, n_c, REC]: mode 0 the
+// forward record (FRec), mode 1 the backward record (BRec).  Phases: (1) one thread per key column j: the
+// decay products and rt, at, kh, bh; (2) warp m: Gram matrix m (Aab, Aak, Arb, Ark) on tensor cores;
+// (3) warp 0: M = (I - Aab)^-1, the other warps write the sections that need no M; (4) the products with M:
+// one thread per column j of the [L, N] sections, warp 3 one lane per column of the [L, L] ones.
 // =============================================================================================
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(WKV_INTRA_THREADS)
 wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
             const floatX* __restrict__ a, const floatX* __restrict__ b, float* __restrict__ rec,
             int T, int H, int mode)
 {
-    constexpr int SP = HN + 1, LP = L + 1;          // padded strides: column-varying dot products
-    __shared__ float rt[L][SP], at[L][SP], kh[L][SP], bh[L][SP], Qa[L][SP];
-    __shared__ float Aab[L][LP], Aak[L][LP], Arb[L][LP], Ark[L][LP], Mi[L][LP], Ca[L][LP];
+    static_assert(WKV_INTRA_THREADS == 128 && HN <= 64, "wkv7c_intra: one warp per Gram matrix, N <= 64");
+    constexpr int SP = HN + 4, LP = L + 1;          // SP: conflict-free mma fragments; LP: column reads
+    __shared__ __align__(16) float rt[L][SP], at[L][SP], kh[L][SP], bh[L][SP];
+    __shared__ float G[4][L][LP];                    // Aab, Aak (strictly lower), Arb, Ark (lower)
+    __shared__ float Mi[L][LP];
     __shared__ float PL[HN];
-    const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x, nt = blockDim.x;
-    const int nC = gridDim.x;
+    const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x;
+    const int wid = tid >> 5, lane = tid & 31, nC = gridDim.x;
 
-    if (tid < HN) {                                  // one column: the decay products in token order
+    if (tid < HN) {                                  // (1) one column: the decay products in token order
         float p = 1.f;
 #pragma unroll
         for (int t = 0; t < L; ++t) {
@@ -212,81 +248,130 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
         PL[tid] = p;
     }
     __syncthreads();
-    for (int e = tid; e < 4 * LL; e += nt) {         // Aab, Aak (strictly lower), Arb, Ark (lower)
-        const int m = e / LL, t = (e / L) % L, s = e % L;
-        const float(*X)[SP] = m < 2 ? at : rt;
-        const float(*Y)[SP] = (m & 1) ? kh : bh;
-        float acc = 0.f;
-        if (m < 2 ? s < t : s <= t) {
-#pragma unroll 8
-            for (int j = 0; j < HN; ++j) acc = fmaf(X[t][j], Y[s][j], acc);
-        }
-        float(*D)[LP] = m == 0 ? Aab : (m == 1 ? Aak : (m == 2 ? Arb : Ark));
-        D[t][s] = acc;
-    }
-    __syncthreads();
-    if (tid < L) {                                   // column s of M = (I - Aab)^-1: M = I + Aab M
-        const int s = tid;
-        for (int t = 0; t < L; ++t) {
-            float acc = t == s ? 1.f : 0.f;
-            for (int u = s; u < t; ++u) acc = fmaf(Aab[t][u], Mi[u][s], acc);
-            Mi[t][s] = t >= s ? acc : 0.f;
-        }
+    {                                                // (2) warp m: X_m Y_m^T, masked to its triangle
+        const float(*X)[SP] = wid < 2 ? at : rt;
+        const float(*Y)[SP] = (wid & 1) ? kh : bh;
+        float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        gram3<HN>(d, [&](int m, int kk) { return X[m][kk]; }, [&](int n, int kk) { return Y[n][kk]; });
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = acc_m(e), s = 8 * nt + acc_n(e);
+                G[wid][t][s] = (wid < 2 ? s < t : s <= t) ? d[nt][e] : 0.f;
+            }
     }
     __syncthreads();
     float* out = rec + ((long long)(bb * H + h) * nC + c) * (mode == 0 ? FRec::SIZE : BRec::SIZE);
-    if (mode == 0) {
+    const float(*Aab)[LP] = G[0], (*Aak)[LP] = G[1], (*Arb)[LP] = G[2], (*Ark)[LP] = G[3];
+    if (wid == 0) {                                  // (3) column s of M = I + Aab M (rows of M above s are 0)
+        if (lane < L) {
+            float m[L];
+#pragma unroll
+            for (int t = 0; t < L; ++t) {
+                float acc = t == lane ? 1.f : 0.f;
+#pragma unroll
+                for (int u = 0; u < t; ++u) acc = fmaf(Aab[t][u], m[u], acc);
+                m[t] = acc;
+                Mi[t][lane] = acc;
+            }
+        }
+    } else {
+        const int e0 = tid - 32, ne = WKV_INTRA_THREADS - 32;
+        const int PLo = mode == 0 ? FRec::PL : BRec::PL;
+        for (int e = e0; e < HN; e += ne) out[PLo + e] = PL[e];
+        if (mode == 0) {
+            using R = FRec;
+            for (int e = e0; e < LN; e += ne) {      // key-major: e = j L + t
+                const int j = e / L, t = e % L;
+                out[R::KM + e] = kh[t][j] * PL[j];                  // Kt^T
+                out[R::KM + LN + e] = bh[t][j] * PL[j];             // Bt^T
+            }
+        } else {
+            using R = BRec;
+            for (int e = e0; e < LN; e += ne) {
+                const int t = e / HN, j = e % HN;
+                out[R::TM + LN + e] = kh[t][j] * PL[j];             // Kt
+            }
+            for (int e = e0; e < LN; e += ne) {
+                const int j = e / L, t = e % L;
+                out[R::KM + e] = rt[t][j];                          // rt^T
+                out[R::KM + LN + e] = at[t][j];                     // at^T
+            }
+            for (int e = e0; e < LL; e += ne) {
+                const int t = e / L, s = e % L;
+                out[R::LQ + LL + e] = Ark[s][t];                    // Ark^T
+                out[R::LQ + 2 * LL + e] = Aak[s][t];                // Aak^T
+            }
+        }
+    }
+    __syncthreads();
+    if (mode == 0) {                                 // (4)
         using R = FRec;
-        for (int e = tid; e < LN; e += nt) {         // Qa = M at
-            const int t = e / HN, j = e % HN;
-            float acc = 0.f;
-            for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], at[u][j], acc);
-            Qa[t][j] = acc;
-            out[R::TM + e] = acc;
-            out[R::KM + j * L + t] = kh[t][j] * PL[j];              // Kt^T
-            out[R::KM + LN + j * L + t] = bh[t][j] * PL[j];         // Bt^T
+        if (tid < HN) {                              // Qa = M at, Qr = rt + Arb Qa (column j)
+            const int j = tid;
+            float qa[L];
+#pragma unroll
+            for (int t = 0; t < L; ++t) {
+                float acc = 0.f;
+#pragma unroll
+                for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], at[u][j], acc);
+                qa[t] = acc;
+                out[R::TM + t * HN + j] = acc;
+            }
+#pragma unroll
+            for (int t = 0; t < L; ++t) {
+                float acc = rt[t][j];
+#pragma unroll
+                for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], qa[u], acc);
+                out[R::TM + LN + t * HN + j] = acc;
+            }
+        } else if (wid == 3 && lane < L) {           // Ca = M Aak, Cr = Ark + Arb Ca (column s)
+            const int s = lane;
+            float ca[L];
+#pragma unroll
+            for (int t = 0; t < L; ++t) {
+                float acc = 0.f;
+#pragma unroll
+                for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], Aak[u][s], acc);
+                ca[t] = acc;
+                out[R::LQ + t * L + s] = acc;
+            }
+#pragma unroll
+            for (int t = 0; t < L; ++t) {
+                float acc = Ark[t][s];
+#pragma unroll
+                for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], ca[u], acc);
+                out[R::LQ + LL + t * L + s] = acc;
+            }
         }
-        for (int e = tid; e < LL; e += nt) {         // Ca = M Aak
-            const int t = e / L, s = e % L;
-            float acc = 0.f;
-            for (int u = s + 1; u <= t; ++u) acc = fmaf(Mi[t][u], Aak[u][s], acc);
-            Ca[t][s] = acc;
-            out[R::LQ + e] = acc;
-        }
-        __syncthreads();
-        for (int e = tid; e < LN; e += nt) {         // Qr = rt + Arb Qa
-            const int t = e / HN, j = e % HN;
-            float acc = rt[t][j];
-            for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], Qa[u][j], acc);
-            out[R::TM + LN + e] = acc;
-        }
-        for (int e = tid; e < LL; e += nt) {         // Cr = Ark + Arb Ca
-            const int t = e / L, s = e % L;
-            float acc = Ark[t][s];
-            for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], Ca[u][s], acc);
-            out[R::LQ + LL + e] = acc;
-        }
-        for (int e = tid; e < HN; e += nt) out[R::PL + e] = PL[e];
     } else {
         using R = BRec;
-        for (int e = tid; e < LN; e += nt) {
-            const int t = e / HN, j = e % HN;
-            float acc = 0.f;                         // Qb = M^T Bt
-            for (int u = t; u < L; ++u) acc = fmaf(Mi[u][t], bh[u][j], acc);
-            out[R::TM + e] = acc * PL[j];
-            out[R::TM + LN + e] = kh[t][j] * PL[j];                 // Kt
-            out[R::KM + j * L + t] = rt[t][j];                      // rt^T
-            out[R::KM + LN + j * L + t] = at[t][j];                 // at^T
+        if (tid < HN) {                              // Qb = M^T Bt (column j)
+            const int j = tid;
+            float bc[L];
+#pragma unroll
+            for (int u = 0; u < L; ++u) bc[u] = bh[u][j];
+#pragma unroll
+            for (int t = 0; t < L; ++t) {
+                float acc = 0.f;
+#pragma unroll
+                for (int u = t; u < L; ++u) acc = fmaf(Mi[u][t], bc[u], acc);
+                out[R::TM + t * HN + j] = acc * PL[j];
+            }
+        } else if (wid == 3 && lane < L) {           // Db[t][s] = (Arb M)[s][t] (row t = lane)
+            const int t = lane;
+            float mc[L];
+#pragma unroll
+            for (int u = 0; u < L; ++u) mc[u] = Mi[u][t];
+#pragma unroll
+            for (int s = 0; s < L; ++s) {
+                float acc = 0.f;
+#pragma unroll
+                for (int u = 0; u <= s; ++u) acc = fmaf(Arb[s][u], mc[u], acc);
+                out[R::LQ + t * L + s] = acc;
+            }
         }
-        for (int e = tid; e < LL; e += nt) {
-            const int t = e / L, s = e % L;
-            float acc = 0.f;                         // Db[t][s] = (Arb M)[s][t]
-            for (int u = t; u <= s; ++u) acc = fmaf(Arb[s][u], Mi[u][t], acc);
-            out[R::LQ + e] = acc;
-            out[R::LQ + LL + e] = Ark[s][t];                        // Ark^T
-            out[R::LQ + 2 * LL + e] = Aak[s][t];                    // Aak^T
-        }
-        for (int e = tid; e < HN; e += nt) out[R::PL + e] = PL[e];
     }
 }
 
@@ -482,7 +567,8 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
 // Per-chunk key-space gradients.  grid (n_c, H, B), block 4*N (N/8 warps): thread (tq, j) =
 // (tid / N, tid % N) owns column j of tokens 4 tq .. 4 tq + 3 in the element-wise parts; warp wq computes
 // keys 8 wq .. 8 wq + 7 of the products over the value rows dY S0, dX S0, V dS, U dS [L, N] (tensor cores,
-// tf32); dY V^T, dY U^T, dX V^T, dX U^T [L, L] are fp32 dot products.
+// tf32); dY V^T, dY U^T, dX V^T, dX U^T [L, L] take one warp each (3xTF32: at small T each entry is a whole
+// gradient's coefficient).
 // sa = U (forward), s0 (forward), ds and dx (backward_state).
 //   drt = dY S0 + slower(dY V^T) kh + slower(dY U^T) bh,  dat = dX S0 + slower(dX V^T) kh + slower(dX U^T) bh,
 //   dkh = slower(dY V^T)^T rt + slower(dX V^T)^T at + (V dS) PL,  dbh = the same with U,
@@ -559,14 +645,15 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
         sd += __shfl_xor_sync(0xffffffffu, sd, 2);
         if (q == 0) sds[8 * wq + g] = sd;
     }
-    for (int e = tid; e < 4 * LL; e += nt) {         // [L, L] products in fp32: at small T each entry is
-        const int m = e / LL, t = (e / L) % L, s = e % L;   // a whole gradient's coefficient (no tf32 rounding)
-        const float(*X)[SP] = m < 2 ? Ys : Xs;
-        const float(*Y)[SP] = (m & 1) ? Us : Vs;
-        float acc = 0.f;
-#pragma unroll 8
-        for (int i = 0; i < HN; ++i) acc = fmaf(X[t][i], Y[s][i], acc);
-        dA[m][t][s] = acc;
+    if (wq < 4) {                                    // [L, L] products, warp wq the matrix dA[wq]
+        const float(*X)[SP] = wq < 2 ? Ys : Xs;
+        const float(*Y)[SP] = (wq & 1) ? Us : Vs;
+        float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        gram3<HN>(d, [&](int m, int kk) { return X[m][kk]; }, [&](int n, int kk) { return Y[n][kk]; });
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dA[wq][acc_m(e)][8 * nt + acc_n(e)] = d[nt][e];
     }
     __syncthreads();                                 // V, U, dY, dX read: their space takes the products
     float (*dYS)[SP] = Vs, (*dXS)[SP] = Us, (*dKt)[SP] = Ys, (*dBt)[SP] = Xs;

@@ -68,6 +68,7 @@ METHODS = ("sequential", "chunked")
 CHUNKED_L = 16        # tokens per chunk of the chunked method
 CHUNKED_HEAD_SIZES = (32, 64)
 CHUNKED_STAGES = 3    # chunks of inputs in flight in the state passes (hides the record loads' latency)
+INTRA_THREADS = 128   # wkv7c_intra: one warp per Gram matrix of a chunk
 
 
 def _record_floats(N: int, n_square: int) -> int:
@@ -85,7 +86,9 @@ WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, sa_out=F32_OUT.opt(
 WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F32_IN,
                           dr=X_OUT, dw=X_OUT, dk=X_OUT, dv=X_OUT, da=X_OUT, db=X_OUT,
                           part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
-CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES}, variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES},
+CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES,
+                                            "WKV_INTRA_THREADS": INTRA_THREADS},
+                 variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES},
                  derived=lambda v: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
                                     "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD)})
 WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, T=INT, H=INT,
@@ -244,7 +247,7 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
         check_buffers("wkv7.forward", partials=partials)
         P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.forward", N)
         variant, nc = {"HEAD_SIZE": N}, n_chunks(T, method)
-        return [WKV7C_INTRA.launch((nc, H, B), (256, 1, 1), xtype=r.elem, variant=variant,
+        return [WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), xtype=r.elem, variant=variant,
                                    r=r, w=w, k=k, a=a, b=b, rec=partials, T=T, H=H, mode=0),
                 WKV7C_FORWARD_STATE.launch((P, H, B), (4 * N // P, 1, 1), xtype=r.elem, variant=variant,
                                            smem=_state_smem_bytes(N, P, FWD_RECORD, r.elem),
@@ -298,7 +301,7 @@ def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B,
     dx = ds.offset(work["ds"])
     variant, nc = {"HEAD_SIZE": N}, n_chunks(T, "chunked")
     x = dict(xtype=r.elem, variant=variant)
-    return [WKV7C_INTRA.launch((nc, H, B), (256, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec, T=T, H=H, mode=1),
+    return [WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec, T=T, H=H, mode=1),
             WKV7C_BACKWARD_STATE.launch((P, H, B), (4 * N // P, 1, 1), **x,
                                         smem=_state_smem_bytes(N, P, BWD_RECORD, r.elem),
                                         rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),
