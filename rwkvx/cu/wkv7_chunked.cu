@@ -206,6 +206,33 @@ __device__ __forceinline__ void stage_rows(floatX* dst, const floatX* src, int b
     }
 }
 
+// One chunk's [L][HN] tile of a [B,T,H,N] tensor in registers, NT threads, 4 elements per load; tokens
+// past T read as `pad`. A kernel loads all its tiles before storing any (one memory round trip).
+template <int NT>
+struct ChunkTile {
+    static constexpr int V4 = HN / 4, PER = L * V4 / NT;
+    static_assert(L * V4 % NT == 0, "a chunk tile spreads evenly over the threads");
+    f4 x[PER];
+    template <class S>
+    __device__ __forceinline__ void load(const S* src, float pad, int bb, int T, int c, int H, int h, int tid) {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int e = tid + i * NT, t = e / V4, tt = c * L + t;
+            if (tt < T) x[i] = load4(src + tok(bb, T, tt, H, h) + 4 * (e % V4));
+            else x[i].v[0] = x[i].v[1] = x[i].v[2] = x[i].v[3] = pad;
+        }
+    }
+    template <int LD>
+    __device__ __forceinline__ void store(float (*dst)[LD], int tid) const {
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const int e = tid + i * NT, t = e / V4, c4 = e % V4;
+#pragma unroll
+            for (int u = 0; u < 4; ++u) dst[t][4 * c4 + u] = x[i].v[u];
+        }
+    }
+};
+
 }  // namespace wkv7c
 
 using namespace wkv7c;
@@ -225,25 +252,33 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
     static_assert(WKV_INTRA_THREADS == 128 && HN <= 64, "wkv7c_intra: one warp per Gram matrix, N <= 64");
     constexpr int SP = HN + 4, LP = L + 1;          // SP: conflict-free mma fragments; LP: column reads
     __shared__ __align__(16) float rt[L][SP], at[L][SP], kh[L][SP], bh[L][SP];
+    __shared__ float wv[L][HN];
     __shared__ float G[4][L][LP];                    // Aab, Aak (strictly lower), Arb, Ark (lower)
     __shared__ float Mi[L][LP];
     __shared__ float PL[HN];
     const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x;
     const int wid = tid >> 5, lane = tid & 31, nC = gridDim.x;
 
-    if (tid < HN) {                                  // (1) one column: the decay products in token order
+    {                                                // (1) the chunk's inputs (padding: w = 1, the rest 0)
+        ChunkTile<WKV_INTRA_THREADS> xr, xw, xk, xa, xb;
+        xr.load(r, 0.f, bb, T, c, H, h, tid);
+        xw.load(w, 1.f, bb, T, c, H, h, tid);
+        xk.load(k, 0.f, bb, T, c, H, h, tid);
+        xa.load(a, 0.f, bb, T, c, H, h, tid);
+        xb.load(b, 0.f, bb, T, c, H, h, tid);
+        xr.store(rt, tid); xw.store(wv, tid); xk.store(kh, tid); xa.store(at, tid); xb.store(bh, tid);
+    }
+    __syncthreads();
+    if (tid < HN) {                                  // one column: the decay products in token order
         float p = 1.f;
 #pragma unroll
         for (int t = 0; t < L; ++t) {
-            const int tt = c * L + t;
-            const bool in = tt < T;
-            const long long o = in ? tok(bb, T, tt, H, h) + tid : 0;
             const float cx = p;
-            p *= in ? to_f32(w[o]) : 1.f;
-            rt[t][tid] = in ? to_f32(r[o]) * p : 0.f;
-            at[t][tid] = in ? to_f32(a[o]) * cx : 0.f;
-            kh[t][tid] = in ? to_f32(k[o]) / p : 0.f;
-            bh[t][tid] = in ? to_f32(b[o]) / p : 0.f;
+            p *= wv[t][tid];
+            rt[t][tid] *= p;
+            at[t][tid] *= cx;
+            kh[t][tid] /= p;
+            bh[t][tid] /= p;
         }
         PL[tid] = p;
     }
@@ -595,19 +630,30 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
     const int nC = gridDim.x, tq = tid / HN, j = tid % HN;
     const int wq = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
 
-    for (int e = tid; e < LN; e += nt) {
-        const int t = e / HN, i = e % HN, tt = c * L + t;
-        const bool in = tt < T;
-        const long long o = in ? tok(bb, T, tt, H, h) + i : 0;
-        Vs[t][i] = in ? to_f32(v[o]) : 0.f;
-        Us[t][i] = in ? sa[o] : 0.f;
-        Ys[t][i] = in ? to_f32(dy[o]) : 0.f;
-        Xs[t][i] = in ? dx[o] : 0.f;
-        wv[t][i] = in ? to_f32(w[o]) : 1.f;
-        rt[t][i] = in ? to_f32(r[o]) : 0.f;
-        at[t][i] = in ? to_f32(a[o]) : 0.f;
-        kh[t][i] = in ? to_f32(k[o]) : 0.f;
-        bh[t][i] = in ? to_f32(b[o]) : 0.f;
+    {                                                // the chunk's inputs (padding: w = 1, the rest 0)
+        ChunkTile<4 * HN> xv, xu, xy, xx, xw, xr, xa, xk, xb;
+        xv.load(v, 0.f, bb, T, c, H, h, tid);
+        xu.load(sa, 0.f, bb, T, c, H, h, tid);
+        xy.load(dy, 0.f, bb, T, c, H, h, tid);
+        xx.load(dx, 0.f, bb, T, c, H, h, tid);
+        xw.load(w, 1.f, bb, T, c, H, h, tid);
+        xr.load(r, 0.f, bb, T, c, H, h, tid);
+        xa.load(a, 0.f, bb, T, c, H, h, tid);
+        xk.load(k, 0.f, bb, T, c, H, h, tid);
+        xb.load(b, 0.f, bb, T, c, H, h, tid);
+        xv.store(Vs, tid); xu.store(Us, tid); xy.store(Ys, tid); xx.store(Xs, tid); xw.store(wv, tid);
+        xr.store(rt, tid); xa.store(at, tid); xk.store(kh, tid); xb.store(bh, tid);
+    }
+    // the B operands of the [L, N] products, S0[i, 8 wq + g] and dS[i, 8 wq + g], in flight across the barrier
+    float s0f[HN / 4], dsf[HN / 4];
+    {
+        const long long base = ((long long)(bb * H + h) * nC + c) * HN * HN + 8 * wq + g;
+#pragma unroll
+        for (int i = 0; i < HN / 4; ++i) {
+            const int row = 8 * (i >> 1) + q + 4 * (i & 1);
+            s0f[i] = s0[base + row * HN];
+            dsf[i] = ds[base + row * HN];
+        }
     }
     __syncthreads();
     if (tid < HN) {                                  // the same decay products as wkv7c_intra
@@ -624,15 +670,12 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
     }
     float pYS[4] = {0.f, 0.f, 0.f, 0.f}, pXS[4] = {0.f, 0.f, 0.f, 0.f};
     float pKt[4] = {0.f, 0.f, 0.f, 0.f}, pBt[4] = {0.f, 0.f, 0.f, 0.f};
-    {   // [L, N] products: B operands S0[i, 8 wq + n] and dS[i, 8 wq + n] straight from global memory
-        const long long base = ((long long)(bb * H + h) * nC + c) * HN * HN + 8 * wq + g;
-        const float* S0c = s0 + base;
-        const float* dSc = ds + base;
+    {   // [L, N] products: dY S0, dX S0, V dS, U dS (keys 8 wq .. 8 wq + 7)
         float sd = 0.f;
-#pragma unroll 2
+#pragma unroll
         for (int k0 = 0; k0 < HN; k0 += 8) {
-            const float s_0 = S0c[(k0 + q) * HN], s_1 = S0c[(k0 + q + 4) * HN];
-            const float g_0 = dSc[(k0 + q) * HN], g_1 = dSc[(k0 + q + 4) * HN];
+            const float s_0 = s0f[k0 / 4], s_1 = s0f[k0 / 4 + 1];
+            const float g_0 = dsf[k0 / 4], g_1 = dsf[k0 / 4 + 1];
             sd = fmaf(s_1, g_1, fmaf(s_0, g_0, sd));
             const unsigned bs[2] = {to_tf32(s_0), to_tf32(s_1)}, bg[2] = {to_tf32(g_0), to_tf32(g_1)};
             unsigned af[4];
