@@ -45,6 +45,8 @@ static_assert(HN == 32 || HN == 64, "the chunked kernels support head sizes 32 a
 
 // A chunk record: two token-major [L][HN] sections, two key-major [HN][L] sections, NLL [L][L]
 // sections, PL [HN]. Forward: Qa, Qr | Kt^T, Bt^T | Ca, Cr.  Backward: Qb, Kt | rt^T, at^T | Db, Ark^T, Aak^T.
+// Every section but PL is only ever an mma A operand: wkv7c_intra stores it rounded to tf32 (the same bits
+// a conversion at each use would give), and the state passes read the bits as they are.
 template <int NLL>
 struct Rec {
     static constexpr int TM = 0, KM = 2 * LN, LQ = 4 * LN, PL = 4 * LN + NLL * LL, SIZE = PL + HN;
@@ -88,6 +90,10 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return r;
 }
+// A value stored already rounded to tf32 (the chunk records' sections): its bits are the operand
+struct Tf32 { unsigned bits; };
+__device__ __forceinline__ unsigned to_tf32(Tf32 x) { return x.bits; }
+__device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to_tf32(x)); }
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
@@ -147,6 +153,12 @@ __device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4],
 __device__ __forceinline__ int acc_m(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int acc_n(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
 
+// A section of a staged chunk record as an mma A operand: A(m, kk) = p[m ld + kk]
+struct RecOp {
+    const float* p;
+    int ld;
+    __device__ __forceinline__ Tf32 operator()(int m, int kk) const { return Tf32{__float_as_uint(p[m * ld + kk])}; }
+};
 // x as a tf32 pair hi + lo (~21 of fp32's 24 bits): three mma per step (lo hi + hi lo + hi hi, "3xTF32")
 // give products of fp32 class on tensor cores
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
@@ -319,24 +331,24 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
             using R = FRec;
             for (int e = e0; e < LN; e += ne) {      // key-major: e = j L + t
                 const int j = e / L, t = e % L;
-                out[R::KM + e] = kh[t][j] * PL[j];                  // Kt^T
-                out[R::KM + LN + e] = bh[t][j] * PL[j];             // Bt^T
+                out[R::KM + e] = round_tf32(kh[t][j] * PL[j]);  // Kt^T
+                out[R::KM + LN + e] = round_tf32(bh[t][j] * PL[j]);  // Bt^T
             }
         } else {
             using R = BRec;
             for (int e = e0; e < LN; e += ne) {
                 const int t = e / HN, j = e % HN;
-                out[R::TM + LN + e] = kh[t][j] * PL[j];             // Kt
+                out[R::TM + LN + e] = round_tf32(kh[t][j] * PL[j]);  // Kt
             }
             for (int e = e0; e < LN; e += ne) {
                 const int j = e / L, t = e % L;
-                out[R::KM + e] = rt[t][j];                          // rt^T
-                out[R::KM + LN + e] = at[t][j];                     // at^T
+                out[R::KM + e] = round_tf32(rt[t][j]);  // rt^T
+                out[R::KM + LN + e] = round_tf32(at[t][j]);  // at^T
             }
             for (int e = e0; e < LL; e += ne) {
                 const int t = e / L, s = e % L;
-                out[R::LQ + LL + e] = Ark[s][t];                    // Ark^T
-                out[R::LQ + 2 * LL + e] = Aak[s][t];                // Aak^T
+                out[R::LQ + LL + e] = round_tf32(Ark[s][t]);  // Ark^T
+                out[R::LQ + 2 * LL + e] = round_tf32(Aak[s][t]);  // Aak^T
             }
         }
     }
@@ -352,14 +364,14 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
 #pragma unroll
                 for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], at[u][j], acc);
                 qa[t] = acc;
-                out[R::TM + t * HN + j] = acc;
+                out[R::TM + t * HN + j] = round_tf32(acc);
             }
 #pragma unroll
             for (int t = 0; t < L; ++t) {
                 float acc = rt[t][j];
 #pragma unroll
                 for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], qa[u], acc);
-                out[R::TM + LN + t * HN + j] = acc;
+                out[R::TM + LN + t * HN + j] = round_tf32(acc);
             }
         } else if (wid == 3 && lane < L) {           // Ca = M Aak, Cr = Ark + Arb Ca (column s)
             const int s = lane;
@@ -370,14 +382,14 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
 #pragma unroll
                 for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], Aak[u][s], acc);
                 ca[t] = acc;
-                out[R::LQ + t * L + s] = acc;
+                out[R::LQ + t * L + s] = round_tf32(acc);
             }
 #pragma unroll
             for (int t = 0; t < L; ++t) {
                 float acc = Ark[t][s];
 #pragma unroll
                 for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], ca[u], acc);
-                out[R::LQ + LL + t * L + s] = acc;
+                out[R::LQ + LL + t * L + s] = round_tf32(acc);
             }
         }
     } else {
@@ -392,7 +404,7 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
                 float acc = 0.f;
 #pragma unroll
                 for (int u = t; u < L; ++u) acc = fmaf(Mi[u][t], bc[u], acc);
-                out[R::TM + t * HN + j] = acc * PL[j];
+                out[R::TM + t * HN + j] = round_tf32(acc * PL[j]);
             }
         } else if (wid == 3 && lane < L) {           // Db[t][s] = (Arb M)[s][t] (row t = lane)
             const int t = lane;
@@ -404,7 +416,7 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
                 float acc = 0.f;
 #pragma unroll
                 for (int u = 0; u <= s; ++u) acc = fmaf(Arb[s][u], mc[u], acc);
-                out[R::LQ + t * L + s] = acc;
+                out[R::LQ + t * L + s] = round_tf32(acc);
             }
         }
     }
@@ -487,10 +499,10 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
         auto Sb = [&](int kk, int n) { return Sw[n * SP4 + kk]; };                    // S0^T (key, row)
         auto Vb = [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); };  // V (token, row)
         float u[4] = {0.f, 0.f, 0.f, 0.f}, yy[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_acc2<HN>(u, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; },             // Qa S0^T
-                     yy, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Sb);  // Qr S0^T
-        mma_acc2<L, true>(u, [&](int m, int kk) { return Rs[R::S_LQ + m * R::KMP + kk]; },        // Ca V
-                    yy, [&](int m, int kk) { return Rs[R::S_LQ + (L + m) * R::KMP + kk]; }, Vb);  // Cr V
+        mma_acc2<HN>(u, RecOp{Rs + R::S_TM, R::TMP},  // Qa S0^T
+                     yy, RecOp{Rs + R::S_TM + L * R::TMP, R::TMP}, Sb);  // Qr S0^T
+        mma_acc2<L, true>(u, RecOp{Rs + R::S_LQ, R::KMP},  // Ca V
+                    yy, RecOp{Rs + R::S_LQ + L * R::KMP, R::KMP}, Vb);  // Cr V
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int m = acc_m(e), n = acc_n(e), t = c * L + m;
@@ -511,8 +523,8 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
                 const int key = 16 * mt + acc_m(e);
                 d[e] = Rs[R::S_PL + key] * Sw[acc_n(e) * SP4 + key];
             }
-            mma_acc<L, true>(d, [&](int m, int kk) { return Rs[R::S_KM + (16 * mt + m) * R::KMP + kk]; }, Vb);  // Kt^T V
-            mma_acc<L>(d, [&](int m, int kk) { return Rs[R::S_KM + (HN + 16 * mt + m) * R::KMP + kk]; }, Ub);   // Bt^T U
+            mma_acc<L, true>(d, RecOp{Rs + R::S_KM + 16 * mt * R::KMP, R::KMP}, Vb);  // Kt^T V
+            mma_acc<L>(d, RecOp{Rs + R::S_KM + (HN + 16 * mt) * R::KMP, R::KMP}, Ub);  // Bt^T U
 #pragma unroll
             for (int e = 0; e < 4; ++e) Sw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
         }
@@ -562,11 +574,11 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         auto Gb = [&](int kk, int n) { return Gw[n * SP4 + kk]; };                     // dS^T (key, row)
         auto Yb = [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); };  // dY (token, row)
         auto LQ = [&](int sec) {
-            return [=](int m, int kk) { return Rs[R::S_LQ + (sec * L + m) * R::KMP + kk]; };
+            return RecOp{Rs + R::S_LQ + sec * L * R::KMP, R::KMP};
         };
         float xx[4] = {0.f, 0.f, 0.f, 0.f}, vv[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_acc2<HN>(xx, [&](int m, int kk) { return Rs[R::S_TM + m * R::TMP + kk]; },            // Qb dS^T
-                     vv, [&](int m, int kk) { return Rs[R::S_TM + (L + m) * R::TMP + kk]; }, Gb);  // Kt dS^T
+        mma_acc2<HN>(xx, RecOp{Rs + R::S_TM, R::TMP},  // Qb dS^T
+                     vv, RecOp{Rs + R::S_TM + L * R::TMP, R::TMP}, Gb);  // Kt dS^T
         mma_acc2<L, true>(xx, LQ(0), vv, LQ(1), Yb);                                               // Db dY, Ark^T dY
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -590,8 +602,8 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
                 const int key = 16 * mt + acc_m(e);
                 d[e] = Rs[R::S_PL + key] * Gw[acc_n(e) * SP4 + key];
             }
-            mma_acc<L, true>(d, [&](int m, int kk) { return Rs[R::S_KM + (16 * mt + m) * R::KMP + kk]; }, Yb);  // rt^T dY
-            mma_acc<L>(d, [&](int m, int kk) { return Rs[R::S_KM + (HN + 16 * mt + m) * R::KMP + kk]; }, Xb);   // at^T dX
+            mma_acc<L, true>(d, RecOp{Rs + R::S_KM + 16 * mt * R::KMP, R::KMP}, Yb);  // rt^T dY
+            mma_acc<L>(d, RecOp{Rs + R::S_KM + (HN + 16 * mt) * R::KMP, R::KMP}, Xb);  // at^T dX
 #pragma unroll
             for (int e = 0; e < 4; ++e) Gw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
         }
