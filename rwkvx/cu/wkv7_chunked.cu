@@ -45,15 +45,13 @@ static_assert(HN == 32 || HN == 64, "the chunked kernels support head sizes 32 a
 
 // A chunk record: two token-major [L][HN] sections, two key-major [HN][L] sections, NLL [L][L]
 // sections, PL [HN]. Forward: Qa, Qr | Kt^T, Bt^T | Ca, Cr.  Backward: Qb, Kt | rt^T, at^T | Db, Ark^T, Aak^T.
-// Every section but PL is only ever an mma A operand: wkv7c_intra stores it rounded to tf32 (the same bits
-// a conversion at each use would give), and the state passes read the bits as they are.
+// Every section but PL is only ever an mma A operand, so wkv7c_intra stores it in fragment order
+// (frag_pos: each lane's four A values of a k-step side by side, one 16-byte load) and rounded to tf32 (the
+// same bits a conversion at each use would give); the state passes copy records to shared memory as they are.
 template <int NLL>
 struct Rec {
     static constexpr int TM = 0, KM = 2 * LN, LQ = 4 * LN, PL = 4 * LN + NLL * LL, SIZE = PL + HN;
-    // the same sections in shared memory, rows padded by 4 floats (conflict-free fragment loads)
-    static constexpr int TMP = HN + 4, KMP = L + 4;
-    static constexpr int S_TM = 0, S_KM = 2 * L * TMP, S_LQ = S_KM + 2 * HN * KMP, S_PL = S_LQ + NLL * L * KMP,
-                         S_SIZE = S_PL + HN;
+    static_assert(SIZE % 4 == 0 && LN % 128 == 0, "records are copied and read in 16-byte pieces");
 };
 using FRec = Rec<2>;
 using BRec = Rec<3>;
@@ -90,9 +88,6 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
     return r;
 }
-// A value stored already rounded to tf32 (the chunk records' sections): its bits are the operand
-struct Tf32 { unsigned bits; };
-__device__ __forceinline__ unsigned to_tf32(Tf32 x) { return x.bits; }
 __device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to_tf32(x)); }
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -149,16 +144,24 @@ __device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4],
         mma_tf32(d2, a, b);
     }
 }
+// Where element (m, k) of an [M][K] A operand lies in fragment order: 16 x 8 tiles (m-tile major, then
+// k-step), in a tile lane 4 (m % 8) + k % 4 holds its a0..a3 = (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
+// at 4 lane + (m / 8) % 2 + 2 ((k / 4) % 2).
+template <int K>
+__device__ __forceinline__ int frag_pos(int m, int k) {
+    return ((m >> 4) * (K / 8) + (k >> 3)) * 128 + (((m & 7) << 2) + (k & 3)) * 4 + ((m >> 3) & 1)
+           + 2 * ((k >> 2) & 1);
+}
+// One m-tile of a record section in fragment order (tf32 bits) as an mma A operand
+struct FragOp { const float* p; };
+__device__ __forceinline__ void frag_a(unsigned (&a)[4], FragOp A, int k0) {
+    const float4 v = *reinterpret_cast<const float4*>(A.p + ((k0 >> 3) * 32 + (threadIdx.x & 31)) * 4);
+    a[0] = __float_as_uint(v.x); a[1] = __float_as_uint(v.y); a[2] = __float_as_uint(v.z); a[3] = __float_as_uint(v.w);
+}
 // (row, column) of accumulator element e of a 16x8 tile
 __device__ __forceinline__ int acc_m(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int acc_n(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
 
-// A section of a staged chunk record as an mma A operand: A(m, kk) = p[m ld + kk]
-struct RecOp {
-    const float* p;
-    int ld;
-    __device__ __forceinline__ Tf32 operator()(int m, int kk) const { return Tf32{__float_as_uint(p[m * ld + kk])}; }
-};
 // x as a tf32 pair hi + lo (~21 of fp32's 24 bits): three mma per step (lo hi + hi lo + hi hi, "3xTF32")
 // give products of fp32 class on tensor cores
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
@@ -189,20 +192,10 @@ __device__ __forceinline__ void gram3(float (&d)[2][4], FX X, FY Y) {
     }
 }
 
-// Stage one chunk record (global, dense) into shared memory (padded rows), cp.async.
+// Stage one chunk record into shared memory as it is, cp.async.
 template <class R>
 __device__ __forceinline__ void stage_record(float* dst, const float* src, int tid, int nt) {
-    constexpr int TM4 = HN / 4, KM4 = L / 4;
-    for (int e = tid; e < 2 * L * TM4; e += nt) {              // token-major sections
-        const int row = e / TM4, c4 = e - row * TM4;
-        cp16(dst + R::S_TM + row * R::TMP + 4 * c4, src + R::TM + row * HN + 4 * c4);
-    }
-    constexpr int KROWS = 2 * HN + (R::PL - R::LQ) / L;        // key-major rows, then the [L][L] rows
-    for (int e = tid; e < KROWS * KM4; e += nt) {
-        const int row = e / KM4, c4 = e - row * KM4;
-        cp16(dst + R::S_KM + row * R::KMP + 4 * c4, src + R::KM + row * L + 4 * c4);
-    }
-    for (int e = tid; e < HN / 4; e += nt) cp16(dst + R::S_PL + 4 * e, src + R::PL + 4 * e);
+    for (int e = tid; e < R::SIZE / 4; e += nt) cp16(dst + 4 * e, src + 4 * e);
 }
 
 // Stage rows [i0, i0 + NR) of tokens c*L .. c*L+L-1 of one floatX [B,T,H,N] tensor into dst [L][NR + 8]
@@ -331,24 +324,24 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
             using R = FRec;
             for (int e = e0; e < LN; e += ne) {      // key-major: e = j L + t
                 const int j = e / L, t = e % L;
-                out[R::KM + e] = round_tf32(kh[t][j] * PL[j]);  // Kt^T
-                out[R::KM + LN + e] = round_tf32(bh[t][j] * PL[j]);  // Bt^T
+                out[R::KM + frag_pos<L>(j, t)] = round_tf32(kh[t][j] * PL[j]);  // Kt^T
+                out[R::KM + LN + frag_pos<L>(j, t)] = round_tf32(bh[t][j] * PL[j]);  // Bt^T
             }
         } else {
             using R = BRec;
             for (int e = e0; e < LN; e += ne) {
                 const int t = e / HN, j = e % HN;
-                out[R::TM + LN + e] = round_tf32(kh[t][j] * PL[j]);  // Kt
+                out[R::TM + LN + frag_pos<HN>(t, j)] = round_tf32(kh[t][j] * PL[j]);  // Kt
             }
             for (int e = e0; e < LN; e += ne) {
                 const int j = e / L, t = e % L;
-                out[R::KM + e] = round_tf32(rt[t][j]);  // rt^T
-                out[R::KM + LN + e] = round_tf32(at[t][j]);  // at^T
+                out[R::KM + frag_pos<L>(j, t)] = round_tf32(rt[t][j]);  // rt^T
+                out[R::KM + LN + frag_pos<L>(j, t)] = round_tf32(at[t][j]);  // at^T
             }
             for (int e = e0; e < LL; e += ne) {
                 const int t = e / L, s = e % L;
-                out[R::LQ + LL + e] = round_tf32(Ark[s][t]);  // Ark^T
-                out[R::LQ + 2 * LL + e] = round_tf32(Aak[s][t]);  // Aak^T
+                out[R::LQ + LL + frag_pos<L>(t, s)] = round_tf32(Ark[s][t]);  // Ark^T
+                out[R::LQ + 2 * LL + frag_pos<L>(t, s)] = round_tf32(Aak[s][t]);  // Aak^T
             }
         }
     }
@@ -364,14 +357,14 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
 #pragma unroll
                 for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], at[u][j], acc);
                 qa[t] = acc;
-                out[R::TM + t * HN + j] = round_tf32(acc);
+                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(acc);
             }
 #pragma unroll
             for (int t = 0; t < L; ++t) {
                 float acc = rt[t][j];
 #pragma unroll
                 for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], qa[u], acc);
-                out[R::TM + LN + t * HN + j] = round_tf32(acc);
+                out[R::TM + LN + frag_pos<HN>(t, j)] = round_tf32(acc);
             }
         } else if (wid == 3 && lane < L) {           // Ca = M Aak, Cr = Ark + Arb Ca (column s)
             const int s = lane;
@@ -382,14 +375,14 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
 #pragma unroll
                 for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], Aak[u][s], acc);
                 ca[t] = acc;
-                out[R::LQ + t * L + s] = round_tf32(acc);
+                out[R::LQ + frag_pos<L>(t, s)] = round_tf32(acc);
             }
 #pragma unroll
             for (int t = 0; t < L; ++t) {
                 float acc = Ark[t][s];
 #pragma unroll
                 for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], ca[u], acc);
-                out[R::LQ + LL + t * L + s] = round_tf32(acc);
+                out[R::LQ + LL + frag_pos<L>(t, s)] = round_tf32(acc);
             }
         }
     } else {
@@ -404,7 +397,7 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
                 float acc = 0.f;
 #pragma unroll
                 for (int u = t; u < L; ++u) acc = fmaf(Mi[u][t], bc[u], acc);
-                out[R::TM + t * HN + j] = round_tf32(acc * PL[j]);
+                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(acc * PL[j]);
             }
         } else if (wid == 3 && lane < L) {           // Db[t][s] = (Arb M)[s][t] (row t = lane)
             const int t = lane;
@@ -416,7 +409,7 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
                 float acc = 0.f;
 #pragma unroll
                 for (int u = 0; u <= s; ++u) acc = fmaf(Arb[s][u], mc[u], acc);
-                out[R::LQ + t * L + s] = round_tf32(acc);
+                out[R::LQ + frag_pos<L>(t, s)] = round_tf32(acc);
             }
         }
     }
@@ -427,7 +420,7 @@ namespace wkv7c {
 // tiles, and per warp its 8 rows of the carried state [8][HN + 4] and one [L][8] tile.
 template <class R>
 __host__ __device__ constexpr int state_smem_floats(int NR, int nw) {
-    return NS * R::S_SIZE + (NS * L * (NR + 8) * (int)sizeof(floatX) + 3) / 4 + nw * (8 * (HN + 4) + L * 8);
+    return NS * R::SIZE + (NS * L * (NR + 8) * (int)sizeof(floatX) + 3) / 4 + nw * (8 * (HN + 4) + L * 8);
 }
 // The chunk walk of a state pass: body(g, slot) for steps g = 0..G-1 while the inputs of steps
 // g+1 .. g+NS-1 are being copied in; issue(g, slot) starts step g's copies into ring slot g % NS
@@ -473,8 +466,8 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
     const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x, wid = tid >> 5, lane = tid & 31;
     const int nC = (T + L - 1) / L;
     const int i0 = p * NR, ri0 = wid * 8, ig = i0 + ri0;       // block's rows; warp's rows (local, global)
-    float* recs = sm;                                           // [NS][R::S_SIZE]
-    floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::S_SIZE); // [NS][L][NR + 8]
+    float* recs = sm;                                           // [NS][R::SIZE]
+    floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::SIZE); // [NS][L][NR + 8]
     float* Sw = sm + state_smem_floats<R>(NR, 0) + wid * (8 * SP4 + L * 8);   // [8][SP4]
     float* Uw = Sw + 8 * SP4;                                                   // [L][8]
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
@@ -482,11 +475,11 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
 
     for (int e = lane; e < 8 * SP4; e += 32) Sw[e] = 0.f;
     auto issue = [&](int c, int slot) {
-        stage_record<R>(recs + slot * R::S_SIZE, recg + (long long)c * R::SIZE, tid, nt);
+        stage_record<R>(recs + slot * R::SIZE, recg + (long long)c * R::SIZE, tid, nt);
         stage_rows(vs + slot * L * (NR + 8), v, bb, T, c, H, h, i0, NR, tid, nt);
     };
     ring_walk(nC, issue, [&](int c, int slot) {
-        const float* Rs = recs + slot * R::S_SIZE;
+        const float* Rs = recs + slot * R::SIZE;
         const floatX* Vs = vs + slot * L * (NR + 8);
         if (s0 != nullptr) {                                   // the state entering chunk c
             float* dst = s0 + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN;
@@ -499,10 +492,10 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
         auto Sb = [&](int kk, int n) { return Sw[n * SP4 + kk]; };                    // S0^T (key, row)
         auto Vb = [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); };  // V (token, row)
         float u[4] = {0.f, 0.f, 0.f, 0.f}, yy[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_acc2<HN>(u, RecOp{Rs + R::S_TM, R::TMP},  // Qa S0^T
-                     yy, RecOp{Rs + R::S_TM + L * R::TMP, R::TMP}, Sb);  // Qr S0^T
-        mma_acc2<L, true>(u, RecOp{Rs + R::S_LQ, R::KMP},  // Ca V
-                    yy, RecOp{Rs + R::S_LQ + L * R::KMP, R::KMP}, Vb);  // Cr V
+        mma_acc2<HN>(u, FragOp{Rs + R::TM},  // Qa S0^T
+                     yy, FragOp{Rs + R::TM + LN}, Sb);  // Qr S0^T
+        mma_acc2<L, true>(u, FragOp{Rs + R::LQ},  // Ca V
+                    yy, FragOp{Rs + R::LQ + LL}, Vb);  // Cr V
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int m = acc_m(e), n = acc_n(e), t = c * L + m;
@@ -521,10 +514,10 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = 16 * mt + acc_m(e);
-                d[e] = Rs[R::S_PL + key] * Sw[acc_n(e) * SP4 + key];
+                d[e] = Rs[R::PL + key] * Sw[acc_n(e) * SP4 + key];
             }
-            mma_acc<L, true>(d, RecOp{Rs + R::S_KM + 16 * mt * R::KMP, R::KMP}, Vb);  // Kt^T V
-            mma_acc<L>(d, RecOp{Rs + R::S_KM + (HN + 16 * mt) * R::KMP, R::KMP}, Ub);  // Bt^T U
+            mma_acc<L, true>(d, FragOp{Rs + R::KM + 16 * mt * L}, Vb);  // Kt^T V
+            mma_acc<L>(d, FragOp{Rs + R::KM + LN + 16 * mt * L}, Ub);  // Bt^T U
 #pragma unroll
             for (int e = 0; e < 4; ++e) Sw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
         }
@@ -547,7 +540,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
     const int nC = (T + L - 1) / L;
     const int i0 = p * NR, ri0 = wid * 8, ig = i0 + ri0;
     float* recs = sm;
-    floatX* ys = reinterpret_cast<floatX*>(sm + NS * R::S_SIZE);       // dY rows [NS][L][NR + 8]
+    floatX* ys = reinterpret_cast<floatX*>(sm + NS * R::SIZE);       // dY rows [NS][L][NR + 8]
     float* Gw = sm + state_smem_floats<R>(NR, 0) + wid * (8 * SP4 + L * 8);   // dS rows [8][SP4]
     float* Xw = Gw + 8 * SP4;                                                   // dX [L][8]
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
@@ -556,12 +549,12 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
     for (int e = lane; e < 8 * SP4; e += 32) Gw[e] = 0.f;
     auto issue = [&](int g, int slot) {                        // step g = chunk nC - 1 - g
         const int c = nC - 1 - g;
-        stage_record<R>(recs + slot * R::S_SIZE, recg + (long long)c * R::SIZE, tid, nt);
+        stage_record<R>(recs + slot * R::SIZE, recg + (long long)c * R::SIZE, tid, nt);
         stage_rows(ys + slot * L * (NR + 8), dy, bb, T, c, H, h, i0, NR, tid, nt);
     };
     ring_walk(nC, issue, [&](int g, int slot) {
         const int c = nC - 1 - g;
-        const float* Rs = recs + slot * R::S_SIZE;
+        const float* Rs = recs + slot * R::SIZE;
         const floatX* Ys = ys + slot * L * (NR + 8);
         {                                                      // dS at the end of chunk c
             float* dst = ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN;
@@ -574,11 +567,11 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         auto Gb = [&](int kk, int n) { return Gw[n * SP4 + kk]; };                     // dS^T (key, row)
         auto Yb = [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); };  // dY (token, row)
         auto LQ = [&](int sec) {
-            return RecOp{Rs + R::S_LQ + sec * L * R::KMP, R::KMP};
+            return FragOp{Rs + R::LQ + sec * LL};
         };
         float xx[4] = {0.f, 0.f, 0.f, 0.f}, vv[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_acc2<HN>(xx, RecOp{Rs + R::S_TM, R::TMP},  // Qb dS^T
-                     vv, RecOp{Rs + R::S_TM + L * R::TMP, R::TMP}, Gb);  // Kt dS^T
+        mma_acc2<HN>(xx, FragOp{Rs + R::TM},  // Qb dS^T
+                     vv, FragOp{Rs + R::TM + LN}, Gb);  // Kt dS^T
         mma_acc2<L, true>(xx, LQ(0), vv, LQ(1), Yb);                                               // Db dY, Ark^T dY
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -600,10 +593,10 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = 16 * mt + acc_m(e);
-                d[e] = Rs[R::S_PL + key] * Gw[acc_n(e) * SP4 + key];
+                d[e] = Rs[R::PL + key] * Gw[acc_n(e) * SP4 + key];
             }
-            mma_acc<L, true>(d, RecOp{Rs + R::S_KM + 16 * mt * R::KMP, R::KMP}, Yb);  // rt^T dY
-            mma_acc<L>(d, RecOp{Rs + R::S_KM + (HN + 16 * mt) * R::KMP, R::KMP}, Xb);  // at^T dX
+            mma_acc<L, true>(d, FragOp{Rs + R::KM + 16 * mt * L}, Yb);  // rt^T dY
+            mma_acc<L>(d, FragOp{Rs + R::KM + LN + 16 * mt * L}, Xb);  // at^T dX
 #pragma unroll
             for (int e = 0; e < 4; ++e) Gw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
         }

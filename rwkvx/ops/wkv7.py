@@ -194,9 +194,8 @@ def _state_smem_bytes(N: int, P: int, n_square: int, xtype: str) -> int:
     """Dynamic shared memory of wkv7c_forward_state / wkv7c_backward_state (state_smem_floats in
     rwkvx/cu/wkv7_chunked.cu, which traps when given less)."""
     L, NR, NS = CHUNKED_L, N // P, CHUNKED_STAGES
-    staged_record = 2 * L * (N + 4) + 2 * N * (L + 4) + n_square * L * (L + 4) + N
     rows = -(-NS * L * (NR + 8) * ELEM_BYTES[xtype] // 4)
-    return 4 * (NS * staged_record + rows + NR // 8 * (8 * (N + 4) + L * 8))
+    return 4 * (NS * _record_floats(N, n_square) + rows + NR // 8 * (8 * (N + 4) + L * 8))
 
 
 def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None,

@@ -1,0 +1,42 @@
+"""CPU check of the chunk records' fragment order in rwkvx/cu/wkv7_chunked.cu: wkv7c_intra writes element
+(m, k) of an [M][K] A operand at frag_pos<K>(m, k); the state passes' frag_a(FragOp) gives lane l of k-step
+k0 of an m-tile the four floats at ((k0 / 8) * 32 + l) * 4 of that tile. Those must be the lane's a0..a3 of
+mma.m16n8k8 .tf32 as the PTX ISA defines them ("Matrix Fragments for mma.m16n8k8"): with g = l / 4,
+q = l % 4, a0 = A(g, k0 + q), a1 = A(g + 8, k0 + q), a2 = A(g, k0 + q + 4), a3 = A(g + 8, k0 + q + 4).
+
+frag_pos is read from the kernel source and evaluated here (its body is integer arithmetic that means
+the same in Python, / as //), so the test checks the formula the GPU runs.
+"""
+import re
+
+import numpy as np
+import pytest
+
+from rwkvx.runtime.nvrtc import module_path
+
+
+def _frag_pos():
+    src = module_path("wkv7_chunked").read_text()
+    body = re.search(r"int frag_pos\(int m, int k\) \{\s*return (.*?);\s*\}", src, re.S).group(1)
+    expr = " ".join(body.split()).replace("/", "//")         # C's integer division (non-negative operands)
+    return lambda m, k, K: eval(expr, {"K": K, "m": m, "k": k})   # noqa: S307 (the repository's own source)
+
+
+@pytest.mark.parametrize("M, K", [(16, 64), (16, 32), (16, 16), (64, 16), (32, 16)])
+def test_fragment_order_is_the_ptx_a_layout(M, K):
+    pos = _frag_pos()
+    A = np.random.default_rng(M * K).standard_normal((M, K))
+    buf = np.full(M * K, np.nan)
+    for m in range(M):
+        for k in range(K):
+            buf[pos(m, k, K)] = A[m, k]
+    assert not np.isnan(buf).any()                     # a bijection onto the section
+    for mt in range(M // 16):
+        tile = buf[mt * 16 * K:(mt + 1) * 16 * K]      # FragOp{section + 16 mt K}
+        for k0 in range(0, K, 8):
+            for lane in range(32):
+                g, q = lane >> 2, lane & 3
+                got = tile[((k0 >> 3) * 32 + lane) * 4:][:4]
+                r = 16 * mt + g
+                want = [A[r, k0 + q], A[r + 8, k0 + q], A[r, k0 + q + 4], A[r + 8, k0 + q + 4]]
+                np.testing.assert_array_equal(got, want)
