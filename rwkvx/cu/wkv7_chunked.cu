@@ -211,6 +211,18 @@ __device__ __forceinline__ void stage_rows(floatX* dst, const floatX* src, int b
     }
 }
 
+// y[t] = y0(t) + sum_{u <= t} A[t][u] x(u), u ascending: a lower-triangular [L][L] matrix times a column
+template <class X, class Y0>
+__device__ __forceinline__ void lower_times(float (&y)[L], const float (*A)[L + 1], X x, Y0 y0) {
+#pragma unroll
+    for (int t = 0; t < L; ++t) {
+        float acc = y0(t);
+#pragma unroll
+        for (int u = 0; u <= t; ++u) acc = fmaf(A[t][u], x(u), acc);
+        y[t] = acc;
+    }
+}
+
 // One chunk's [L][HN] tile of a [B,T,H,N] tensor in registers, NT threads, 4 elements per load; tokens
 // past T read as `pad`. A kernel loads all its tiles before storing any (one memory round trip).
 template <int NT>
@@ -350,39 +362,23 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
         using R = FRec;
         if (tid < HN) {                              // Qa = M at, Qr = rt + Arb Qa (column j)
             const int j = tid;
-            float qa[L];
+            float qa[L], qr[L];
+            lower_times(qa, Mi, [&](int u) { return at[u][j]; }, [](int) { return 0.f; });
+            lower_times(qr, Arb, [&](int u) { return qa[u]; }, [&](int t) { return rt[t][j]; });
 #pragma unroll
             for (int t = 0; t < L; ++t) {
-                float acc = 0.f;
-#pragma unroll
-                for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], at[u][j], acc);
-                qa[t] = acc;
-                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(acc);
-            }
-#pragma unroll
-            for (int t = 0; t < L; ++t) {
-                float acc = rt[t][j];
-#pragma unroll
-                for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], qa[u], acc);
-                out[R::TM + LN + frag_pos<HN>(t, j)] = round_tf32(acc);
+                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(qa[t]);
+                out[R::TM + LN + frag_pos<HN>(t, j)] = round_tf32(qr[t]);
             }
         } else if (wid == 3 && lane < L) {           // Ca = M Aak, Cr = Ark + Arb Ca (column s)
             const int s = lane;
-            float ca[L];
+            float ca[L], cr[L];
+            lower_times(ca, Mi, [&](int u) { return Aak[u][s]; }, [](int) { return 0.f; });
+            lower_times(cr, Arb, [&](int u) { return ca[u]; }, [&](int t) { return Ark[t][s]; });
 #pragma unroll
             for (int t = 0; t < L; ++t) {
-                float acc = 0.f;
-#pragma unroll
-                for (int u = 0; u <= t; ++u) acc = fmaf(Mi[t][u], Aak[u][s], acc);
-                ca[t] = acc;
-                out[R::LQ + frag_pos<L>(t, s)] = round_tf32(acc);
-            }
-#pragma unroll
-            for (int t = 0; t < L; ++t) {
-                float acc = Ark[t][s];
-#pragma unroll
-                for (int u = 0; u <= t; ++u) acc = fmaf(Arb[t][u], ca[u], acc);
-                out[R::LQ + LL + frag_pos<L>(t, s)] = round_tf32(acc);
+                out[R::LQ + frag_pos<L>(t, s)] = round_tf32(ca[t]);
+                out[R::LQ + LL + frag_pos<L>(t, s)] = round_tf32(cr[t]);
             }
         }
     } else {
@@ -401,16 +397,10 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
             }
         } else if (wid == 3 && lane < L) {           // Db[t][s] = (Arb M)[s][t] (row t = lane)
             const int t = lane;
-            float mc[L];
+            float db[L];
+            lower_times(db, Arb, [&](int u) { return Mi[u][t]; }, [](int) { return 0.f; });
 #pragma unroll
-            for (int u = 0; u < L; ++u) mc[u] = Mi[u][t];
-#pragma unroll
-            for (int s = 0; s < L; ++s) {
-                float acc = 0.f;
-#pragma unroll
-                for (int u = 0; u <= s; ++u) acc = fmaf(Arb[s][u], mc[u], acc);
-                out[R::LQ + frag_pos<L>(t, s)] = round_tf32(acc);
-            }
+            for (int s = 0; s < L; ++s) out[R::LQ + frag_pos<L>(t, s)] = round_tf32(db[s]);
         }
     }
 }
