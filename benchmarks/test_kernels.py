@@ -206,12 +206,13 @@ def test_timemix_prep_forward(benchmark, dev, xtype):
 @pytest.mark.parametrize("xtype", XTYPES)
 def test_timemix_prep_backward(benchmark, dev, xtype):
     b = Buffers(dev, xtype)
-    g = {n: b(R * C) for n in ("d_decay", "dkp", "dvp", "dwa", "dwb", "dkp2", "dvp2", "dr", "dr2", "dk", "dv",
-                               "dwl", "dal", "dvl", "dv_first")}
+    g = {n: b(R * C, "f32" if n in ("d_decay", "dkp", "dvp", "dwa", "dwb") else "x")     # WKV7's f32 grads
+         for n in ("d_decay", "dkp", "dvp", "dwa", "dwb", "dkp2", "dvp2", "dr", "dr2", "dk", "dv", "dwl", "dal",
+                   "dvl", "dv_first")}
     ops = timemix.prep_backward(**_prep(b, 1), **g, dr_out=g["dr"], partials=b(timemix.scratch_elems(R, C, N, dev.info),
                                                                               "f32"),
                                 dparams=[b(C, "f32") for _ in range(5)], dev=dev.info)
-    record(benchmark, dev, ops, nbytes=23 * R * C * _x(xtype))       # 16 read, 7 written
+    record(benchmark, dev, ops, nbytes=(18 * _x(xtype) + 5 * 4) * R * C)   # 16 read (5 of them f32), 7 written
 
 
 def _gn(b):
@@ -276,9 +277,9 @@ def test_wkv7(benchmark, dev, xtype, shape, direction, method):
         record(benchmark, dev, fwd, nbytes=7 * n * _x(xtype) + saved_bytes, flops=_wkv_flops(n))
         return
     Plan(dev, fwd).run()                          # real checkpoints of these inputs
-    ops = wkv7.backward(*inp, b(n), sa, ckpt, *[b(n) for _ in range(6)], Bw, Tw, Hw, N, dev.info, partials=part,
-                        method=method)
-    record(benchmark, dev, ops, nbytes=13 * n * _x(xtype) + saved_bytes, flops=2 * _wkv_flops(n))
+    ops = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], Bw, Tw, Hw, N, dev.info,
+                        partials=part, method=method)
+    record(benchmark, dev, ops, nbytes=(8 * _x(xtype) + 5 * 4) * n + saved_bytes, flops=2 * _wkv_flops(n))
 
 
 # ------------------------------------------------------------------------------------------------ MoBA

@@ -50,6 +50,9 @@ FORWARD_STATE = {
     "attn": ("h1", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist"),
 }
 CHANNEL_MIX_STATE = ("x1", "h2", "xk2", "kf", "ln2_mean", "ln2_rstd")
+# The WKV7 gradients that only feed the time mix's prep backward: f32 in every precision (its parameter
+# gradients sum them over the tokens after near-cancelling projections, where bf16 rounding would show).
+WKV_F32_GRADS = ("ddecay", "dkp", "dvp", "dwa", "dwb")
 
 
 def head_chunk_rows(R: int, V: int, xtype: str) -> int:
@@ -128,7 +131,7 @@ class Layout:
               "dk", "dv", "dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1",
               "dh2", "dxk2")
         for name in rc:
-            self._add(name, R * C, X)
+            self._add(name, R * C, "f32" if name in WKV_F32_GRADS else X)
         for name, d in (("hw", cfg.dim_w), ("ha", cfg.dim_a), ("hv", cfg.dim_v), ("hg", cfg.dim_g)):
             self._add(name, R * d, X)
             self._add("d" + name, R * d, X)

@@ -178,8 +178,8 @@ extern "C" __global__ void __launch_bounds__(BWD_MAXT, BWD_MINB)
 wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
               const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
               const floatX* __restrict__ dy, const float* __restrict__ sa, const float* __restrict__ ckpt,
-              floatX* __restrict__ dr, floatX* __restrict__ dw, floatX* __restrict__ dk,
-              floatX* __restrict__ dv, floatX* __restrict__ da, floatX* __restrict__ db,
+              floatX* __restrict__ dr, float* __restrict__ dw, float* __restrict__ dk,
+              float* __restrict__ dv, float* __restrict__ da, float* __restrict__ db,
               float* __restrict__ part, int T, int H, long long n)
 {
     constexpr int NV = 7;                                        // r w k v a b dy
@@ -269,7 +269,7 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
                 }
                 if (rq == 0) {
                     dsa_sm[t & 1][ri] = dsap;
-                    dv[gout + row] = from_f32(dvp);
+                    dv[gout + row] = dvp;
                 }
             }
             __syncthreads();   // dsa of this step visible to the column role
@@ -310,8 +310,7 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
                 if (cq == 0) {
                     const long long o = gout + cj;
                     if (P == 1) {
-                        dr[o] = from_f32(pr); dw[o] = from_f32(pw); dk[o] = from_f32(pk);
-                        da[o] = from_f32(pa); db[o] = from_f32(pb);
+                        dr[o] = from_f32(pr); dw[o] = pw; dk[o] = pk; da[o] = pa; db[o] = pb;
                     } else {
                         pbase[o] = pr; pbase[xs + o] = pw; pbase[2 * xs + o] = pk;
                         pbase[3 * xs + o] = pa; pbase[4 * xs + o] = pb;
@@ -326,7 +325,8 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
 // Add the splits' partials (part [5][P][n]: dr, dw, dk, da, db) into the outputs:
 // out = ((part_0 + part_1) + part_2) + ...  -- a fixed order. n % 4 == 0 (n = B*T*H*N); grid-stride.
 namespace wkv7 {
-__device__ __forceinline__ void add_parts(floatX* out, const float* src, long long e, long long n4, int P) {
+template <class O>
+__device__ __forceinline__ void add_parts(O* out, const float* src, long long e, long long n4, int P) {
     const float4* s = reinterpret_cast<const float4*>(src) + e;
     float4 acc = s[0];
     for (int q = 1; q < P; ++q) {
@@ -339,8 +339,8 @@ __device__ __forceinline__ void add_parts(floatX* out, const float* src, long lo
 }  // namespace wkv7
 
 extern "C" __global__ void __launch_bounds__(256)
-wkv7_backward_reduce(const float* __restrict__ part, floatX* __restrict__ dr, floatX* __restrict__ dw,
-                     floatX* __restrict__ dk, floatX* __restrict__ da, floatX* __restrict__ db,
+wkv7_backward_reduce(const float* __restrict__ part, floatX* __restrict__ dr, float* __restrict__ dw,
+                     float* __restrict__ dk, float* __restrict__ da, float* __restrict__ db,
                      long long n, int P)
 {
     const long long n4 = n / 4, xs = (long long)P * n;

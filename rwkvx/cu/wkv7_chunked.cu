@@ -520,7 +520,7 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
 // fp32 = dL/dS at the end of each chunk through the later chunks.  Dynamic shared memory: state_smem_floats.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(HN * 4)
-wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ dy, floatX* __restrict__ dv,
+wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ dy, float* __restrict__ dv,
                      float* __restrict__ dx, float* __restrict__ ds, int T, int H)
 {
     using R = BRec;
@@ -575,7 +575,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int t = c * L + acc_m(e);
-            if (t < T) dv[tok(bb, T, t, H, h) + ig + acc_n(e)] = from_f32(vv[e]);
+            if (t < T) dv[tok(bb, T, t, H, h) + ig + acc_n(e)] = vv[e];
         }
 #pragma unroll
         for (int mt = 0; mt < HN / 16; ++mt) {               // dS0^T rows 16 mt .. 16 mt + 15 (keys)
@@ -612,8 +612,8 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
                      const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
                      const floatX* __restrict__ dy, const float* __restrict__ sa, const float* __restrict__ s0,
                      const float* __restrict__ ds, const float* __restrict__ dx,
-                     floatX* __restrict__ dr, floatX* __restrict__ dw, floatX* __restrict__ dk,
-                     floatX* __restrict__ da, floatX* __restrict__ db, int T, int H)
+                     floatX* __restrict__ dr, float* __restrict__ dw, float* __restrict__ dk,
+                     float* __restrict__ da, float* __restrict__ db, int T, int H)
 {
     constexpr int SP = HN + 4, TQ = L / 4, NW = HN / 8;
     __shared__ float rt[L][HN], at[L][HN], kh[L][HN], bh[L][HN], cw[L][HN], wv[L][HN];
@@ -733,9 +733,9 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
             const long long o = tok(bb, T, tt, H, h) + j;
             const float cxt = t > 0 ? cw[t - 1][j] : 1.f;
             dr[o] = from_f32((drt[u] + kht * dyv + bht * dyu) * cwt);
-            dk[o] = from_f32((dkh[u] + rtt * dyv) / cwt);
-            db[o] = from_f32((dbh[u] + rtt * dyu) / cwt);
-            da[o] = from_f32(dat[u] * cxt);
+            dk[o] = (dkh[u] + rtt * dyv) / cwt;
+            db[o] = (dbh[u] + rtt * dyu) / cwt;
+            da[o] = dat[u] * cxt;
         }
     }
     __syncthreads();
@@ -746,7 +746,7 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
         for (int t = L - 1; t >= 0; --t) {
             acc += dlcw[t][tid];
             const int tt = c * L + t;
-            if (tt < T) dw[tok(bb, T, tt, H, h) + tid] = from_f32((acc + accx) / wv[t][tid]);
+            if (tt < T) dw[tok(bb, T, tt, H, h) + tid] = (acc + accx) / wv[t][tid];
             accx += dlcx[t][tid];
         }
     }

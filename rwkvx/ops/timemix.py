@@ -73,7 +73,7 @@ TM_PREP_FWD = CU.kernel("tm_prep_fwd", **_PREP_IN, vf=X_OUT, **_PREP_PARAMS,
                         decay=X_OUT, kp=X_OUT, vp=X_OUT.opt(), wa=X_OUT, wb=X_OUT, R=INT, C=INT, rpt=INT,
                         layer=INT)
 TM_PREP_BWD = CU.kernel("tm_prep_bwd", **_PREP_IN, vf=X_IN.opt(), **_PREP_PARAMS,
-                        dd=X_IN, dkp=X_IN, dvp=X_IN, dwa=X_IN, dwb=X_IN, dkp2=X_IN.opt(), dvp2=X_IN.opt(),
+                        dd=F32_IN, dkp=F32_IN, dvp=F32_IN, dwa=F32_IN, dwb=F32_IN, dkp2=X_IN.opt(), dvp2=X_IN.opt(),
                         dr=X_IN.opt(), dr2=X_IN.opt(), dr_out=X_OUT.opt(),
                         dk=X_OUT, dv=X_OUT, dwl=X_OUT, dal=X_OUT, dvl=X_OUT.opt(), dvf=X_OUT.opt(),
                         partials=F32_OUT, R=INT, C=INT, rpt=INT, layer=INT, vf_acc=INT)
@@ -233,7 +233,7 @@ def prep_backward(*, k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
     """tm_prep_bwd + reduce_partials.
 
     Saved/recomputed inputs as in prep_forward (k, v, wl, al, vl, v_first; v, vl, v_first, v0 only
-    used for layer > 0). Gradient inputs [R,C] from the WKV backward: d_decay, dkp, dvp, dwa, dwb;
+    used for layer > 0). Gradient inputs [R,C] from the WKV backward (f32): d_decay, dkp, dvp, dwa, dwb;
     optional extra grads from gn_backward's bonus term: dkp2, dvp2 (None = none) and dr2 with
     dr_out = dr + dr2 (skipped when dr2 is None; dr_out may alias dr).
     Outputs [R,C] (may alias the gradient inputs): dk, dv (of the key/value GEMM outputs), dwl,

@@ -10,8 +10,9 @@ S = 0 before t = 0::
 
 Buffers (16-byte aligned; outputs must not alias inputs):
 
-* r, w, k, v, a, b, dy, y, dr, dw, dk, dv, da, db: floatX ``[B, T, H, N]`` (= row-major ``[B*T, C]``,
-  c = h*N + n).
+* r, w, k, v, a, b, dy, y, dr: floatX ``[B, T, H, N]`` (= row-major ``[B*T, C]``, c = h*N + n);
+  dw, dk, dv, da, db: f32 of the same shape (they feed the time mix's parameter-gradient sums, in which
+  bf16 rounding of each token's term would not cancel out).
 * ``sa`` f32 ``[B, T, H, N]`` (sa_t = S_{t-1} a_t) and ``ckpt`` f32 ``[B, H, nC, N, N]``, nC = ceil(T/CHUNK)
   (slot c = the state after the last token of chunk c): what the forward saves for the backward,
   written by :func:`forward` when given (pass neither for an inference-only forward) and read by
@@ -84,7 +85,7 @@ _RWKVAB = dict(r=X_IN, w=X_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN)
 WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, sa_out=F32_OUT.opt(), ckpt=F32_OUT.opt(),
                          T=INT, H=INT)
 WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F32_IN,
-                          dr=X_OUT, dw=X_OUT, dk=X_OUT, dv=X_OUT, da=X_OUT, db=X_OUT,
+                          dr=X_OUT, dw=F32_OUT, dk=F32_OUT, dv=F32_OUT, da=F32_OUT, db=F32_OUT,
                           part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
 CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES,
                                             "WKV_INTRA_THREADS": INTRA_THREADS},
@@ -95,12 +96,13 @@ WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, 
                          mode=INT)
 WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),
                                  s0=F32_OUT.opt(), T=INT, H=INT)
-WKV7C_BACKWARD_STATE = CUC.kernel("wkv7c_backward_state", rec=F32_IN, dy=X_IN, dv=X_OUT, dx=F32_OUT, ds=F32_OUT,
+WKV7C_BACKWARD_STATE = CUC.kernel("wkv7c_backward_state", rec=F32_IN, dy=X_IN, dv=F32_OUT, dx=F32_OUT, ds=F32_OUT,
                                   T=INT, H=INT)
 WKV7C_BACKWARD_GRADS = CUC.kernel("wkv7c_backward_grads", **_RWKVAB, dy=X_IN, sa=F32_IN, s0=F32_IN, ds=F32_IN,
-                                  dx=F32_IN, dr=X_OUT, dw=X_OUT, dk=X_OUT, da=X_OUT, db=X_OUT, T=INT, H=INT)
-WKV7_BACKWARD_REDUCE = CU.kernel("wkv7_backward_reduce", part=F32_IN, dr=X_OUT, dw=X_OUT, dk=X_OUT,
-                                 da=X_OUT, db=X_OUT, n=LONG, P=INT)
+                                  dx=F32_IN, dr=X_OUT, dw=F32_OUT, dk=F32_OUT, da=F32_OUT, db=F32_OUT,
+                                  T=INT, H=INT)
+WKV7_BACKWARD_REDUCE = CU.kernel("wkv7_backward_reduce", part=F32_IN, dr=X_OUT, dw=F32_OUT, dk=F32_OUT,
+                                 da=F32_OUT, db=F32_OUT, n=LONG, P=INT)
 
 
 def n_chunks(T: int, method: str = "sequential") -> int:

@@ -152,7 +152,7 @@ def test_prep_backward(case, dev, rng, C, N, rpt, layer, extras, vf_acc):
     none (NULL)."""
     p = _prep_inputs(case, rng, C, layer)
     vf = case.input("vf", rand(rng, (R, C))) if layer > 0 else None
-    grads = {n: case.input(n, rand(rng, (R, C))) for n in ("dd", "dkp", "dvp", "dwa", "dwb")}
+    grads = {n: case.input(n, rand(rng, (R, C)), "f32") for n in ("dd", "dkp", "dvp", "dwa", "dwb")}  # WKV7's f32 grads
     dr = case.inout("dr", rand(rng, (R, C)))
     extra = {n: (case.input(n, rand(rng, (R, C))) if extras else None) for n in ("dkp2", "dvp2", "dr2")}
     if vf_acc:
