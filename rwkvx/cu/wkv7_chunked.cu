@@ -116,6 +116,27 @@ __device__ __forceinline__ void frag_b_split(unsigned (&hi)[2], unsigned (&lo)[2
     hi[0] = to_tf32(x0); hi[1] = to_tf32(x1);
     lo[0] = to_tf32(x0 - __uint_as_float(hi[0])); lo[1] = to_tf32(x1 - __uint_as_float(hi[1]));
 }
+// A B operand's fragments of every k-step, loaded (and split) once for several products
+template <int K>
+struct BFrags { unsigned hi[K / 8][2], lo[K / 8][2]; };
+template <int K, bool SPLIT, class FB>
+__device__ __forceinline__ BFrags<K> load_bfrags(FB B) {
+    BFrags<K> f;
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        if constexpr (SPLIT) frag_b_split(f.hi[k0 / 8], f.lo[k0 / 8], B, k0);
+        else frag_b(f.hi[k0 / 8], B, k0);
+    }
+    return f;
+}
+template <int K>
+__device__ __forceinline__ void frag_b(unsigned (&b)[2], const BFrags<K>& f, int k0) {
+    b[0] = f.hi[k0 / 8][0]; b[1] = f.hi[k0 / 8][1];
+}
+template <int K>
+__device__ __forceinline__ void frag_b_split(unsigned (&hi)[2], unsigned (&lo)[2], const BFrags<K>& f, int k0) {
+    hi[0] = f.hi[k0 / 8][0]; hi[1] = f.hi[k0 / 8][1]; lo[0] = f.lo[k0 / 8][0]; lo[1] = f.lo[k0 / 8][1];
+}
 // d (16 x 8) += A (16 x K) B (K x 8); SPLIT: B in hi + lo parts (two mma per k-step)
 template <int K, bool SPLIT = false, class FA, class FB>
 __device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
@@ -480,7 +501,8 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
             }
         }
         auto Sb = [&](int kk, int n) { return Sw[n * SP4 + kk]; };                    // S0^T (key, row)
-        auto Vb = [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); };  // V (token, row)
+        const BFrags<L> Vb = load_bfrags<L, true>(      // V (token, row), for five products
+            [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); });
         float u[4] = {0.f, 0.f, 0.f, 0.f}, yy[4] = {0.f, 0.f, 0.f, 0.f};
         mma_acc2<HN>(u, FragOp{Rs + R::TM},  // Qa S0^T
                      yy, FragOp{Rs + R::TM + LN}, Sb);  // Qr S0^T
@@ -497,7 +519,7 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
             }
         }
         __syncwarp();
-        auto Ub = [&](int kk, int n) { return Uw[kk * 8 + n]; };                       // U (token, row)
+        const BFrags<L> Ub = load_bfrags<L, false>([&](int kk, int n) { return Uw[kk * 8 + n]; });  // U (token, row)
 #pragma unroll
         for (int mt = 0; mt < HN / 16; ++mt) {               // S_L^T rows 16 mt .. 16 mt + 15 (keys)
             float d[4];
@@ -555,7 +577,8 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
             }
         }
         auto Gb = [&](int kk, int n) { return Gw[n * SP4 + kk]; };                     // dS^T (key, row)
-        auto Yb = [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); };  // dY (token, row)
+        const BFrags<L> Yb = load_bfrags<L, true>(      // dY (token, row), for six products
+            [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); });
         auto LQ = [&](int sec) {
             return FragOp{Rs + R::LQ + sec * LL};
         };
@@ -570,7 +593,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
             if (t < T) dx[tok(bb, T, t, H, h) + ig + n] = xx[e];
         }
         __syncwarp();
-        auto Xb = [&](int kk, int n) { return Xw[kk * 8 + n]; };                       // dX (token, row)
+        const BFrags<L> Xb = load_bfrags<L, false>([&](int kk, int n) { return Xw[kk * 8 + n]; });  // dX (token, row)
         mma_acc<L>(vv, LQ(2), Xb);                                                                 // Aak^T dX
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
