@@ -189,26 +189,52 @@ __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) 
     hi = to_tf32(x);
     lo = to_tf32(x - __uint_as_float(hi));
 }
-// d[nt] (the 16x8 tiles of a 16x16 result) += X Y^T over K, X(m, kk), Y(n, kk) row accessors, 3xTF32:
-// the [L, L] Gram matrices whose entries are whole coefficients of outputs (no single-tf32 rounding)
+// The hi / lo tf32 parts of the A fragment (16 x 8) and the B fragment (8 x 8) at k-step k0, and the three
+// mma of one 3xTF32 step (small terms first)
+template <class FA>
+__device__ __forceinline__ void frag_a3(unsigned (&hi)[4], unsigned (&lo)[4], FA A, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    split_tf32(A(g, k0 + q), hi[0], lo[0]);
+    split_tf32(A(g + 8, k0 + q), hi[1], lo[1]);
+    split_tf32(A(g, k0 + q + 4), hi[2], lo[2]);
+    split_tf32(A(g + 8, k0 + q + 4), hi[3], lo[3]);
+}
+template <class FB>
+__device__ __forceinline__ void frag_b3(unsigned (&hi)[2], unsigned (&lo)[2], FB B, int k0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    split_tf32(B(k0 + q, g), hi[0], lo[0]);
+    split_tf32(B(k0 + q + 4, g), hi[1], lo[1]);
+}
+__device__ __forceinline__ void mma3(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4],
+                                     const unsigned (&bh)[2], const unsigned (&bl)[2]) {
+    mma_tf32(d, al, bh);
+    mma_tf32(d, ah, bl);
+    mma_tf32(d, ah, bh);
+}
+// d (16 x 8) += A (16 x K) B (K x 8), A(m, kk) and B(kk, n) accessors, 3xTF32: products whose entries are
+// whole coefficients of outputs (the chunk operators), fp32-class on tensor cores
+template <int K, class FA, class FB>
+__device__ __forceinline__ void mm3(float (&d)[4], FA A, FB B) {
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned ah[4], al[4], bh[2], bl[2];
+        frag_a3(ah, al, A, k0);
+        frag_b3(bh, bl, B, k0);
+        mma3(d, ah, al, bh, bl);
+    }
+}
+// d[nt] (the 16x8 tiles of a 16x16 result) += X Y^T over K, X(m, kk), Y(n, kk) row accessors, 3xTF32
 template <int K, class FX, class FY>
 __device__ __forceinline__ void gram3(float (&d)[2][4], FX X, FY Y) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 8) {
         unsigned ah[4], al[4];
-        split_tf32(X(g, k0 + q), ah[0], al[0]);
-        split_tf32(X(g + 8, k0 + q), ah[1], al[1]);
-        split_tf32(X(g, k0 + q + 4), ah[2], al[2]);
-        split_tf32(X(g + 8, k0 + q + 4), ah[3], al[3]);
+        frag_a3(ah, al, X, k0);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             unsigned bh[2], bl[2];
-            split_tf32(Y(8 * nt + g, k0 + q), bh[0], bl[0]);
-            split_tf32(Y(8 * nt + g, k0 + q + 4), bh[1], bl[1]);
-            mma_tf32(d[nt], al, bh);
-            mma_tf32(d[nt], ah, bl);
-            mma_tf32(d[nt], ah, bh);
+            frag_b3(bh, bl, [&](int kk, int n) { return Y(8 * nt + n, kk); }, k0);
+            mma3(d[nt], ah, al, bh, bl);
         }
     }
 }
@@ -229,18 +255,6 @@ __device__ __forceinline__ void stage_rows(floatX* dst, const floatX* src, int b
         floatX* d = dst + sl * (NR + 8) + 4 * c4;
         if (t < T) cp4x(d, src + tok(bb, T, t, H, h) + i0 + 4 * c4);
         else { d[0] = from_f32(0.f); d[1] = from_f32(0.f); d[2] = from_f32(0.f); d[3] = from_f32(0.f); }
-    }
-}
-
-// y[t] = y0(t) + sum_{u <= t} A[t][u] x(u), u ascending: a lower-triangular [L][L] matrix times a column
-template <class X, class Y0>
-__device__ __forceinline__ void lower_times(float (&y)[L], const float (*A)[L + 1], X x, Y0 y0) {
-#pragma unroll
-    for (int t = 0; t < L; ++t) {
-        float acc = y0(t);
-#pragma unroll
-        for (int u = 0; u <= t; ++u) acc = fmaf(A[t][u], x(u), acc);
-        y[t] = acc;
     }
 }
 
@@ -279,8 +293,8 @@ using namespace wkv7c;
 // Chunk operators.  grid (n_c, H, B), block WKV_INTRA_THREADS = 4 warps.  rec [B, H, n_c, REC]: mode 0 the
 // forward record (FRec), mode 1 the backward record (BRec).  Phases: (1) one thread per key column j: the
 // decay products and rt, at, kh, bh; (2) warp m: Gram matrix m (Aab, Aak, Arb, Ark) on tensor cores;
-// (3) warp 0: M = (I - Aab)^-1, the other warps write the sections that need no M; (4) the products with M:
-// one thread per column j of the [L, N] sections, warp 3 one lane per column of the [L, L] ones.
+// (3) warp 0: M = (I - Aab)^-1, the other warps write the sections that need no M; (4) the products with M
+// on tensor cores, every warp a few 16 x 8 tiles.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(WKV_INTRA_THREADS)
 wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
@@ -293,6 +307,7 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
     __shared__ float wv[L][HN];
     __shared__ float G[4][L][LP];                    // Aab, Aak (strictly lower), Arb, Ark (lower)
     __shared__ float Mi[L][LP];
+    __shared__ float Wt[4][L][8];                    // per warp: one 16 x 8 tile, accumulator -> B operand
     __shared__ float PL[HN];
     const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x;
     const int wid = tid >> 5, lane = tid & 31, nC = gridDim.x;
@@ -379,49 +394,62 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
         }
     }
     __syncthreads();
-    if (mode == 0) {                                 // (4)
+    // (4) the products with M, 3xTF32: warp w the column tiles w, w + 4 of the [L, N] sections, warps 2
+    //     and 3 one column tile each of the [L, L] ones; a warp's tile of Qa / Ca passes through Wt[w]
+    //     on its way from accumulator to B operand
+    auto Mat = [](const float(*A)[LP]) { return [=](int m, int kk) { return A[m][kk]; }; };
+    float(*W)[8] = Wt[wid];
+    if (mode == 0) {
         using R = FRec;
-        if (tid < HN) {                              // Qa = M at, Qr = rt + Arb Qa (column j)
-            const int j = tid;
-            float qa[L], qr[L];
-            lower_times(qa, Mi, [&](int u) { return at[u][j]; }, [](int) { return 0.f; });
-            lower_times(qr, Arb, [&](int u) { return qa[u]; }, [&](int t) { return rt[t][j]; });
+        for (int nt = wid; nt < HN / 8; nt += 4) {   // Qa = M at, Qr = rt + Arb Qa
+            float qa[4] = {0.f, 0.f, 0.f, 0.f}, qr[4];
+            mm3<L>(qa, Mat(Mi), [&](int kk, int n) { return at[kk][8 * nt + n]; });
 #pragma unroll
-            for (int t = 0; t < L; ++t) {
-                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(qa[t]);
-                out[R::TM + LN + frag_pos<HN>(t, j)] = round_tf32(qr[t]);
+            for (int e = 0; e < 4; ++e) {
+                const int t = acc_m(e), j = 8 * nt + acc_n(e);
+                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(qa[e]);
+                W[t][acc_n(e)] = qa[e];
+                qr[e] = rt[t][j];
             }
-        } else if (wid == 3 && lane < L) {           // Ca = M Aak, Cr = Ark + Arb Ca (column s)
-            const int s = lane;
-            float ca[L], cr[L];
-            lower_times(ca, Mi, [&](int u) { return Aak[u][s]; }, [](int) { return 0.f; });
-            lower_times(cr, Arb, [&](int u) { return ca[u]; }, [&](int t) { return Ark[t][s]; });
+            __syncwarp();
+            mm3<L>(qr, Mat(Arb), [&](int kk, int n) { return W[kk][n]; });
 #pragma unroll
-            for (int t = 0; t < L; ++t) {
-                out[R::LQ + frag_pos<L>(t, s)] = round_tf32(ca[t]);
-                out[R::LQ + LL + frag_pos<L>(t, s)] = round_tf32(cr[t]);
+            for (int e = 0; e < 4; ++e) out[R::TM + LN + frag_pos<HN>(acc_m(e), 8 * nt + acc_n(e))] = round_tf32(qr[e]);
+            __syncwarp();                            // W is rewritten by the next tile
+        }
+        if (wid >= 2) {                              // Ca = M Aak, Cr = Ark + Arb Ca
+            const int nt = wid - 2;
+            float ca[4] = {0.f, 0.f, 0.f, 0.f}, cr[4];
+            mm3<L>(ca, Mat(Mi), [&](int kk, int n) { return Aak[kk][8 * nt + n]; });
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = acc_m(e), s = 8 * nt + acc_n(e);
+                out[R::LQ + frag_pos<L>(t, s)] = round_tf32(ca[e]);
+                W[t][acc_n(e)] = ca[e];
+                cr[e] = Ark[t][s];
             }
+            __syncwarp();
+            mm3<L>(cr, Mat(Arb), [&](int kk, int n) { return W[kk][n]; });
+#pragma unroll
+            for (int e = 0; e < 4; ++e) out[R::LQ + LL + frag_pos<L>(acc_m(e), 8 * nt + acc_n(e))] = round_tf32(cr[e]);
         }
     } else {
         using R = BRec;
-        if (tid < HN) {                              // Qb = M^T Bt (column j)
-            const int j = tid;
-            float bc[L];
+        for (int nt = wid; nt < HN / 8; nt += 4) {   // Qb = M^T Bt
+            float qb[4] = {0.f, 0.f, 0.f, 0.f};
+            mm3<L>(qb, [&](int m, int kk) { return Mi[kk][m]; }, [&](int kk, int n) { return bh[kk][8 * nt + n]; });
 #pragma unroll
-            for (int u = 0; u < L; ++u) bc[u] = bh[u][j];
-#pragma unroll
-            for (int t = 0; t < L; ++t) {
-                float acc = 0.f;
-#pragma unroll
-                for (int u = t; u < L; ++u) acc = fmaf(Mi[u][t], bc[u], acc);
-                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(acc * PL[j]);
+            for (int e = 0; e < 4; ++e) {
+                const int t = acc_m(e), j = 8 * nt + acc_n(e);
+                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(qb[e] * PL[j]);
             }
-        } else if (wid == 3 && lane < L) {           // Db[t][s] = (Arb M)[s][t] (row t = lane)
-            const int t = lane;
-            float db[L];
-            lower_times(db, Arb, [&](int u) { return Mi[u][t]; }, [](int) { return 0.f; });
+        }
+        if (wid >= 2) {                              // Db[t][s] = (Arb M)[s][t]
+            const int nt = wid - 2;
+            float pm[4] = {0.f, 0.f, 0.f, 0.f};
+            mm3<L>(pm, Mat(Arb), [&](int kk, int n) { return Mi[kk][8 * nt + n]; });
 #pragma unroll
-            for (int s = 0; s < L; ++s) out[R::LQ + frag_pos<L>(t, s)] = round_tf32(db[s]);
+            for (int e = 0; e < 4; ++e) out[R::LQ + frag_pos<L>(8 * nt + acc_n(e), acc_m(e))] = round_tf32(pm[e]);
         }
     }
 }
