@@ -1,0 +1,49 @@
+"""Each launch of the chunked WKV7 method timed alone (CUDA events, 20 runs), at the default state-pass
+split: where the forward's and the backward's time goes (benchmarks/test_kernels.py times them together).
+
+Usage: python scripts/wkv7_launches.py [LABEL] [--xtype bf16|f32]. Needs a GPU.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from test_kernels import N, Buffers, _wkv_inputs  # noqa: E402  (the benchmarks' inputs)
+
+from rwkvx.ops import wkv7  # noqa: E402
+from rwkvx.runtime import Device, EventTimer, Plan  # noqa: E402
+
+SHAPES = ((8, 4096, 12), (1, 16384, 12))       # (B, T, H) at N = 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("label", nargs="?", default="")
+    ap.add_argument("--xtype", default="bf16", choices=("bf16", "f32"))
+    args = ap.parse_args()
+    dev = Device.get()
+    timer = EventTimer(dev)
+
+    def alone(op) -> float:
+        plan = Plan(dev, [op])
+        plan.run()
+        dev.synchronize()
+        return timer.time_ms(plan.run, 20)
+
+    for B, T, H in SHAPES:
+        b = Buffers(dev, args.xtype)
+        inp, n = _wkv_inputs(b, B, T, H)
+        sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method="chunked")
+        sa, ckpt, part = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32"), b(sizes["partials"], "f32")
+        fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method="chunked", partials=part)
+        times = [alone(op) for op in fwd]
+        Plan(dev, fwd).run()                    # real checkpoints for the backward
+        bwd = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], B, T, H, N, dev.info,
+                            partials=part, method="chunked")
+        times += [alone(op) for op in bwd]
+        print(f"{args.label} B{B} T{T} H{H} N{N} {args.xtype} split {fwd[1].grid[0]}: "
+              + " ".join(f"{op.name} {ms:.3f}" for op, ms in zip(fwd + bwd, times)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
