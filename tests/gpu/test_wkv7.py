@@ -179,7 +179,7 @@ def test_wkv7_chunked_all_splits(dev, xtype, N):
         y = case.output("y", shp)
         sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
         part = case.scratch("partials", sizes["partials"])
-        outs = [case.output(n, shp) for n in GRADS]
+        outs = [case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS]
         ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, split=P, method="chunked",
                         partials=part)
         ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
