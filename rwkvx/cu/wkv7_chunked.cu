@@ -483,6 +483,33 @@ __device__ __forceinline__ void ring_walk(int G, Issue issue, Body body) {
     }
 }
 constexpr int SP4 = HN + 4;     // stride of the per-warp state rows
+// The warp's 8 carried rows (state or dS, Cw [8][SP4]) to dst [8][HN] (rows of a [.., N, N] slot).
+__device__ __forceinline__ void store_rows(float* dst, const float* Cw, int lane) {
+    for (int e = lane; e < 2 * HN; e += 32) {
+        const int row = e / (HN / 4), c4 = e % (HN / 4);
+        const float* s = Cw + row * SP4 + 4 * c4;
+        *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = make_float4(s[0], s[1], s[2], s[3]);
+    }
+}
+// One chunk's step of the carried rows (Cw holds C^T by key): C^T = diag(PL) C^T + K0 B0 + K1 B1, with K0, K1
+// the record's two key-major sections (forward: Kt^T V + Bt^T U; backward: rt^T dY + at^T dX); the decay
+// term stays fp32.
+template <class R>
+__device__ __forceinline__ void carry_chunk(float* Cw, const float* Rs, const BFrags<L>& B0, const BFrags<L>& B1) {
+#pragma unroll
+    for (int mt = 0; mt < HN / 16; ++mt) {                   // C^T rows 16 mt .. 16 mt + 15 (keys)
+        float d[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = 16 * mt + acc_m(e);
+            d[e] = Rs[R::PL + key] * Cw[acc_n(e) * SP4 + key];
+        }
+        mma_acc<L, true>(d, FragOp{Rs + R::KM + 16 * mt * L}, B0);
+        mma_acc<L>(d, FragOp{Rs + R::KM + LN + 16 * mt * L}, B1);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) Cw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
+    }
+}
 // The launch must give the dynamic shared memory this layout needs (rwkvx/ops/wkv7.py computes it).
 template <class R>
 __device__ __forceinline__ void check_smem(int NR, int nw) {
@@ -522,14 +549,7 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
     ring_walk(nC, issue, [&](int c, int slot) {
         const float* Rs = recs + slot * R::SIZE;
         const floatX* Vs = vs + slot * L * (NR + 8);
-        if (s0 != nullptr) {                                   // the state entering chunk c
-            float* dst = s0 + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN;
-            for (int e = lane; e < 2 * HN; e += 32) {
-                const int row = e / (HN / 4), c4 = e % (HN / 4);
-                const float* s = Sw + row * SP4 + 4 * c4;
-                *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = make_float4(s[0], s[1], s[2], s[3]);
-            }
-        }
+        if (s0 != nullptr) store_rows(s0 + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN, Sw, lane);  // entering c
         auto Sb = [&](int kk, int n) { return Sw[n * SP4 + kk]; };                    // S0^T (key, row)
         const BFrags<L> Vb = load_bfrags<L, true>(      // V (token, row), for five products
             [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); });
@@ -550,19 +570,7 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
         }
         __syncwarp();
         const BFrags<L> Ub = load_bfrags<L, false>([&](int kk, int n) { return Uw[kk * 8 + n]; });  // U (token, row)
-#pragma unroll
-        for (int mt = 0; mt < HN / 16; ++mt) {               // S_L^T rows 16 mt .. 16 mt + 15 (keys)
-            float d[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = 16 * mt + acc_m(e);
-                d[e] = Rs[R::PL + key] * Sw[acc_n(e) * SP4 + key];
-            }
-            mma_acc<L, true>(d, FragOp{Rs + R::KM + 16 * mt * L}, Vb);  // Kt^T V
-            mma_acc<L>(d, FragOp{Rs + R::KM + LN + 16 * mt * L}, Ub);  // Bt^T U
-#pragma unroll
-            for (int e = 0; e < 4; ++e) Sw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
-        }
+        carry_chunk<R>(Sw, Rs, Vb, Ub);                      // S_L^T = diag(PL) S0^T + Kt^T V + Bt^T U
     });
 }
 
@@ -598,14 +606,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         const int c = nC - 1 - g;
         const float* Rs = recs + slot * R::SIZE;
         const floatX* Ys = ys + slot * L * (NR + 8);
-        {                                                      // dS at the end of chunk c
-            float* dst = ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN;
-            for (int e = lane; e < 2 * HN; e += 32) {
-                const int row = e / (HN / 4), c4 = e % (HN / 4);
-                const float* s = Gw + row * SP4 + 4 * c4;
-                *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = make_float4(s[0], s[1], s[2], s[3]);
-            }
-        }
+        store_rows(ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN, Gw, lane);   // dS at the end of c
         auto Gb = [&](int kk, int n) { return Gw[n * SP4 + kk]; };                     // dS^T (key, row)
         const BFrags<L> Yb = load_bfrags<L, true>(      // dY (token, row), for six products
             [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); });
@@ -630,19 +631,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
             const int t = c * L + acc_m(e);
             if (t < T) dv[tok(bb, T, t, H, h) + ig + acc_n(e)] = vv[e];
         }
-#pragma unroll
-        for (int mt = 0; mt < HN / 16; ++mt) {               // dS0^T rows 16 mt .. 16 mt + 15 (keys)
-            float d[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int key = 16 * mt + acc_m(e);
-                d[e] = Rs[R::PL + key] * Gw[acc_n(e) * SP4 + key];
-            }
-            mma_acc<L, true>(d, FragOp{Rs + R::KM + 16 * mt * L}, Yb);  // rt^T dY
-            mma_acc<L>(d, FragOp{Rs + R::KM + LN + 16 * mt * L}, Xb);  // at^T dX
-#pragma unroll
-            for (int e = 0; e < 4; ++e) Gw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
-        }
+        carry_chunk<R>(Gw, Rs, Yb, Xb);                      // dS0^T = diag(PL) dS^T + rt^T dY + at^T dX
     });
 }
 
