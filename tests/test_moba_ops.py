@@ -126,15 +126,18 @@ def test_mma_builders(N, xtype):
 
 def test_mma_smem_layouts_are_aligned_and_fit():
     for N in moba.MMA_HEAD_SIZES:
-        for group, (offsets, side_words, tile_elems) in moba.mma_smem_layouts(N).items():
-            assert side_words % 4 == 0
-            tiles = [v for name, v in offsets.items() if name.split("_")[-1] in ("Q", "K", "V", "VT", "DO", "KT",
-                                                                                 "QT", "DOT")]
-            assert tiles[0] == 0 and all(v % 8 == 0 for v in tiles)    # 16-byte aligned rows for bf16 and f32
-            for xtype in ("f32", "bf16"):
+        for xtype in ("f32", "bf16"):
+            esize = 2 if xtype == "bf16" else 4
+            t = moba.mma_tiles(N, xtype)
+            ld_bytes = t["MOBA_MMA_LD"] * esize
+            # rows padded by 16 bytes (banks: tests/test_moba_mma_fragments.py)
+            assert ld_bytes == N * esize + 16
+            assert t["MOBA_MMA_Q"] == moba.tiles(N)["MOBA_FQ"]
+            for group, (offsets, side_words, tile_elems) in moba.mma_smem_layouts(N, xtype).items():
+                assert side_words % 4 == 0
+                tiles = [v for name, v in offsets.items() if name.split("_")[-1] in ("Q", "K", "V", "DO")]
+                assert tiles[0] == 0 and all((v * esize) % 16 == 0 for v in tiles)
                 assert moba.mma_smem_bytes(N, group, xtype) <= H200.smem_per_block
-        t = moba.mma_tiles(N)
-        assert (t["MOBA_MMA_LD"] * 2) % 16 == 0 and t["MOBA_MMA_Q"] == moba.tiles(N)["MOBA_FQ"]
 
 
 def test_mma_method_validates():

@@ -113,29 +113,29 @@ def smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int]]:
     }
 
 
-def mma_tiles(N: int) -> dict[str, int]:
-    """Tile sizes and padded row strides (elements) of the tensor-core kernels for head size N."""
+def mma_tiles(N: int, xtype: str) -> dict[str, int]:
+    """Tile sizes and the padded row stride (elements) of the tensor-core kernels for head size N."""
     kvq = 64 if N <= 64 else 32          # fewer query columns per dk/dv tile: dk, dv stay in registers
-    pad = 8                              # 16 bytes (bf16): conflict-free fragment loads of element pairs
-    return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad,
-                MOBA_MMA_LDK=MMA_ROWS + pad, MOBA_MMA_LDQ=kvq + pad)
+    # rows padded by 16 bytes: 16-byte aligned for cp.async / ldmatrix, and a row stride of 4 banks mod 32
+    # (conflict-free ldmatrix phases of 8 rows; conflict-free tf32 scalar fragment loads)
+    pad = 16 // ELEM_BYTES[xtype]
+    return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad)
 
 
-def mma_smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int, int]]:
+def mma_smem_layouts(N: int, xtype: str) -> dict[str, tuple[dict[str, int], int, int]]:
     """The shared-memory carve-up of each tensor-core kernel group: name -> (offsets, side words,
     tile elements). int/float side arrays first (word offsets), then the floatX operand tiles (element
-    offsets, from byte 4 * side words; defines MOBA_SM_<group>_SIDE and _<array>)."""
-    t = mma_tiles(N)
+    offsets, from byte 4 * side words; defines MOBA_SM_<group>_SIDE and _<array>). The tiles the kernels
+    loop over are double-buffered: keys and values (MFWD, MDQ), queries and their side arrays (MKV)."""
+    t = mma_tiles(N, xtype)
     rows, kvq, ld = MMA_ROWS, t["MOBA_MMA_KVQ"], t["MOBA_MMA_LD"]
     groups = {
         "MFWD": ([("QTOK", rows), ("QENT", rows)],
-                 [("Q", rows * ld), ("K", rows * ld), ("VT", N * t["MOBA_MMA_LDK"])]),
+                 [("Q", rows * ld), ("K", 2 * rows * ld), ("V", 2 * rows * ld)]),
         "MDQ": ([("QTOK", rows), ("QENT", rows), ("LSE", rows), ("D", rows)],
-                [("Q", rows * ld), ("DO", rows * ld), ("K", rows * ld), ("V", rows * ld),
-                 ("KT", N * t["MOBA_MMA_LDK"])]),
-        "MKV": ([("QTOK", kvq), ("LSE", kvq), ("D", kvq)],
-                [("K", rows * ld), ("V", rows * ld), ("Q", kvq * ld), ("DO", kvq * ld),
-                 ("QT", N * t["MOBA_MMA_LDQ"]), ("DOT", N * t["MOBA_MMA_LDQ"])]),
+                [("Q", rows * ld), ("DO", rows * ld), ("K", 2 * rows * ld), ("V", 2 * rows * ld)]),
+        "MKV": ([("QTOK", 2 * kvq), ("LSE", 2 * kvq), ("D", 2 * kvq)],
+                [("K", rows * ld), ("V", rows * ld), ("Q", 2 * kvq * ld), ("DO", 2 * kvq * ld)]),
     }
     out = {}
     for group, (side, tiles_) in groups.items():
@@ -149,11 +149,11 @@ def mma_smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int, int]]:
 
 def mma_smem_bytes(N: int, group: str, xtype: str) -> int:
     """Dynamic shared memory of a tensor-core kernel group (MFWD, MDQ, MKV) for element type xtype."""
-    _, side_words, tile_elems = mma_smem_layouts(N)[group]
+    _, side_words, tile_elems = mma_smem_layouts(N, xtype)[group]
     return 4 * side_words + ELEM_BYTES[xtype] * tile_elems
 
 
-def _derived(variant: dict) -> dict:
+def _derived(variant: dict, xtype: str) -> dict:
     N = int(variant["HEAD_SIZE"])
     t = tiles(N)
     out = dict(t, MOBA_LDH=N + 4, MOBA_FLDP=t["MOBA_FK"] + 4, MOBA_DLDP=t["MOBA_DQ_K"] + 4,
@@ -161,8 +161,8 @@ def _derived(variant: dict) -> dict:
     for offsets, _ in smem_layouts(N).values():
         out.update(offsets)
     if N in MMA_HEAD_SIZES:
-        out.update(mma_tiles(N))
-        for offsets, _, _ in mma_smem_layouts(N).values():
+        out.update(mma_tiles(N, xtype))
+        for offsets, _, _ in mma_smem_layouts(N, xtype).values():
             out.update(offsets)
     return out
 
