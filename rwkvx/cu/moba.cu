@@ -1107,7 +1107,7 @@ template <int NT>
 static __device__ __forceinline__ void mma_xyt(float (&c)[NT][4], const floatX* __restrict__ X, int r0,
                                                const floatX* __restrict__ Y)
 {
-#pragma unroll
+#pragma unroll 2                          // full unrolling hoists every k-step's loads: 50+ more registers
     for (int k0 = 0; k0 < HS; k0 += 16) {
         MPair a[4];
         mload_a(a, X, r0, k0);
