@@ -1589,7 +1589,8 @@ static __device__ __forceinline__ void moba_mkv_tile(const MobaMKvSmem& sm, int 
         for (int e = 0; e < 4; ++e) {
             const int kr = r0 + mfrag_row(e), qc = mfrag_col(nt, e), t = qtok[qc];
             const bool vis = kr < nk && t >= 0 && (!causal || u0 + kr <= t);
-            const float p = vis ? exp2f(s[nt][e] * scale2 - lse[qc] * MOBA_LOG2E) : 0.f;
+            // lse * log2(e) rounded first (no contraction into an fma): the dq kernels' lse2
+            const float p = vis ? exp2f(s[nt][e] * scale2 - __fmul_rn(lse[qc], MOBA_LOG2E)) : 0.f;
             s[nt][e] = p;
             dp[nt][e] = p * (dp[nt][e] - D[qc]);
         }
