@@ -1168,10 +1168,10 @@ static __device__ __forceinline__ int mstage_row(int i) { return i / MROWV; }
 static __device__ __forceinline__ int mstage_col(int i) { return (i % MROWV) * MVEC; }
 
 // R rows of NX head slices (base[x] = &x[b, 0, h, 0], row stride tstride) into dst[x] [R][MLD], cp.async
-// (the caller commits): row r is token tok(r) (< 0: zeros).
-template <int R, int NX, class Tok>
+// (the caller commits): row r is token tok(r) (< 0: zeros); on_row(r, t) runs once per row.
+template <int R, int NX, class Tok, class OnRow>
 static __device__ __forceinline__ void mstage_rows(floatX* const (&dst)[NX], const floatX* const (&base)[NX],
-                                                   size_t tstride, Tok tok)
+                                                   size_t tstride, Tok tok, OnRow on_row)
 {
     for (int i = threadIdx.x; i < R * MROWV; i += NTHR) {
         const int r = mstage_row(i), c = mstage_col(i);
@@ -1179,7 +1179,14 @@ static __device__ __forceinline__ void mstage_rows(floatX* const (&dst)[NX], con
         const size_t src = (size_t)max(t, 0) * tstride + c;
 #pragma unroll
         for (int x = 0; x < NX; ++x) cp16_zfill(dst[x] + r * MLD + c, base[x] + src, t >= 0);
+        if (c == 0) on_row(r, t);
     }
+}
+template <int R, int NX, class Tok>
+static __device__ __forceinline__ void mstage_rows(floatX* const (&dst)[NX], const floatX* const (&base)[NX],
+                                                   size_t tstride, Tok tok)
+{
+    mstage_rows<R>(dst, base, tstride, tok, [](int, int) {});
 }
 
 // Element (row, col) of C fragment slot e of n-tile nt (warp rows from r0): row = r0 + g + 8*(e/2),
@@ -1527,44 +1534,63 @@ moba_bwd_dq_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, 
 
 // --- backward dk, dv ---------------------------------------------------------------------------
 struct MobaMKvSmem {
-    int* qtok;                             // [2][MKVQ]          (the query tiles are double-buffered)
+    int *qtok, *qraw;                      // [2][MKVQ] x2        (the query tiles are double-buffered)
     float *lse, *D;                        // [2][MKVQ] [2][MKVQ] (natural-log lse, delta)
     floatX *K, *V, *Q, *dO;                // [MK][MLD] x2, [2][MKVQ][MLD] x2
     __device__ MobaMKvSmem()
-        : qtok(moba_smem_i(MOBA_SM_MKV_QTOK)), lse(moba_smem_f(MOBA_SM_MKV_LSE)), D(moba_smem_f(MOBA_SM_MKV_D)),
+        : qtok(moba_smem_i(MOBA_SM_MKV_QTOK)), qraw(moba_smem_i(MOBA_SM_MKV_QRAW)),
+          lse(moba_smem_f(MOBA_SM_MKV_LSE)), D(moba_smem_f(MOBA_SM_MKV_D)),
           K(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_K)),
           V(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_V)),
           Q(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_Q)),
           dO(moba_smem_x(MOBA_SM_MKV_SIDE, MOBA_SM_MKV_DO)) {}
 };
 
-// Query tile `tile` of a dk/dv CTA into buffer buf, cp.async, committed: the own-block tiles first
-// (tokens u0 + MKVQ*tile + r below bend), then the tiles of the block's query list ql[ebeg .. eend).
-static __device__ __forceinline__ void moba_mstage_kv_queries(const MobaMKvSmem& sm, int buf, int tile, int nown,
-                                                              int u0, int bend, const int* __restrict__ ql,
-                                                              int ebeg, int eend, int K1,
-                                                              const floatX* __restrict__ q,
+// The query tiles of a dk/dv CTA: the own-block tiles first (tokens u0 + MKVQ*tile + r below bend),
+// then the tiles of the block's query list ql[ebeg .. eend) (entries t*K1 + s). A list tile's entries
+// are copied to sm.qraw one tile ahead (moba_kv_fetch), so that staging it never waits on a global load.
+struct MobaKvTiles {
+    int nown, ntiles, u0, bend, ebeg, eend, K1;
+    const int* ql;
+    __device__ bool own(int tile) const { return tile < nown; }
+};
+
+// The list entries of tile `tile` (if it is a list tile) into sm.qraw[tile % 2], cp.async (not committed).
+static __device__ __forceinline__ void moba_kv_fetch(const MobaMKvSmem& sm, const MobaKvTiles& tl, int tile)
+{
+    if (tile >= tl.ntiles || tl.own(tile)) return;
+    const int e0 = tl.ebeg + (tile - tl.nown) * MKVQ;
+    for (int r = threadIdx.x; r < MKVQ; r += NTHR)
+        cp4_zfill(sm.qraw + (tile & 1) * MKVQ + r, tl.ql + min(e0 + r, tl.eend - 1), e0 + r < tl.eend);
+}
+
+// Query tile `tile` into buffer tile % 2 (Q, dO rows, tokens, lse, delta), cp.async (not committed); a
+// list tile's entries must be in sm.qraw (fetched, waited for and synchronised).
+static __device__ __forceinline__ void moba_mstage_kv_queries(const MobaMKvSmem& sm, const MobaKvTiles& tl,
+                                                              int tile, const floatX* __restrict__ q,
                                                               const floatX* __restrict__ dout,
                                                               const float* __restrict__ lse,
                                                               const float* __restrict__ delta, size_t tstride,
                                                               size_t bhT)
 {
-    const bool own = tile < nown;
-    const int first = own ? u0 + tile * MKVQ : ebeg + (tile - nown) * MKVQ;
+    const int buf = tile & 1;
+    const bool own = tl.own(tile);
+    const int first = tl.u0 + tile * MKVQ, bend = tl.bend, K1 = tl.K1;
+    const int* raw = sm.qraw + buf * MKVQ;
+    const int nraw = tl.eend - tl.ebeg - (tile - tl.nown) * MKVQ;        // valid entries of a list tile
     auto tok = [=](int r) {
-        const int x = first + r;
-        return own ? (x < bend ? x : -1) : (x < eend ? ql[x] / K1 : -1);
+        return own ? (first + r < bend ? first + r : -1) : (r < nraw ? raw[r] / K1 : -1);
     };
     floatX* const dst[2] = {sm.Q + buf * MKVQ * MLD, sm.dO + buf * MKVQ * MLD};
     const floatX* const src[2] = {q, dout};
-    mstage_rows<MKVQ>(dst, src, tstride, tok);
-    for (int r = threadIdx.x; r < MKVQ; r += NTHR) {
-        const int t = tok(r);
-        sm.qtok[buf * MKVQ + r] = t;
-        cp4_zfill(sm.lse + buf * MKVQ + r, lse + bhT + max(t, 0), t >= 0);
-        cp4_zfill(sm.D + buf * MKVQ + r, delta + bhT + max(t, 0), t >= 0);
-    }
-    cp_commit();
+    int* qtok = sm.qtok + buf * MKVQ;
+    float* lse_s = sm.lse + buf * MKVQ;
+    float* D_s = sm.D + buf * MKVQ;
+    mstage_rows<MKVQ>(dst, src, tstride, tok, [=](int r, int t) {
+        qtok[r] = t;
+        cp4_zfill(lse_s + r, lse + bhT + max(t, 0), t >= 0);
+        cp4_zfill(D_s + r, delta + bhT + max(t, 0), t >= 0);
+    });
 }
 
 // One query tile (buffer buf) against the warp's 16 keys (sm.K, sm.V rows r0.., tokens u0 + row, valid
@@ -1624,30 +1650,31 @@ moba_bwd_dkdv_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
     }
     // own block: queries u0 .. bend-1 (key u visible to t iff u <= t), then the later queries that
     // selected block j (all of block j visible to them)
-    const int nown = (bend - u0 + MKVQ - 1) / MKVQ;
-    int ebeg = 0, eend = 0;
-    const int* ql = nullptr;
+    MobaKvTiles tl{(bend - u0 + MKVQ - 1) / MKVQ, 0, u0, bend, 0, 0, K1, nullptr};
     if (K1 > 0) {
         const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
-        ebeg = offs[j];
-        eend = offs[j + 1];
-        ql = qlist + (size_t)bh * Emax;
+        tl.ebeg = offs[j];
+        tl.eend = offs[j + 1];
+        tl.ql = qlist + (size_t)bh * Emax;
     }
-    const int ntiles = nown + (eend - ebeg + MKVQ - 1) / MKVQ;
-    auto stage = [&](int buf, int tile) {
-        moba_mstage_kv_queries(sm, buf, tile, nown, u0, bend, ql, ebeg, eend, K1, q + hoff, dout + hoff, lse,
-                               delta, tstride, bhT);
-    };
-    stage(0, 0);                                              // (with the keys and values)
+    tl.ntiles = tl.nown + (tl.eend - tl.ebeg + MKVQ - 1) / MKVQ;
+    // tile 0 is an own tile: no list entries to wait for
+    moba_mstage_kv_queries(sm, tl, 0, q + hoff, dout + hoff, lse, delta, tstride, bhT);
+    moba_kv_fetch(sm, tl, 1);
+    cp_commit();                                              // (with K, V)
     float dka[MNT][4], dva[MNT][4];
     moba_zero(dka);
     moba_zero(dva);
-    for (int tile = 0; tile < ntiles; ++tile) {
-        const int buf = tile & 1;
+    for (int tile = 0; tile < tl.ntiles; ++tile) {
         cp_wait<0>();
-        __syncthreads();                       // tile buf landed for all; buf ^ 1 is consumed
-        if (tile + 1 < ntiles) stage(buf ^ 1, tile + 1);
-        moba_mkv_tile(sm, buf, u0, nk, tile < nown, scale2, dka, dva);
+        __syncthreads();                       // tile landed for all (and the entries of tile + 1); the
+                                               // other buffers are consumed
+        if (tile + 1 < tl.ntiles) {
+            moba_mstage_kv_queries(sm, tl, tile + 1, q + hoff, dout + hoff, lse, delta, tstride, bhT);
+            moba_kv_fetch(sm, tl, tile + 2);
+            cp_commit();
+        }
+        moba_mkv_tile(sm, tile & 1, u0, nk, tl.own(tile), scale2, dka, dva);
     }
     const int r0 = 16 * (threadIdx.x >> 5);
 #pragma unroll

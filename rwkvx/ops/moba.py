@@ -126,7 +126,8 @@ def mma_smem_layouts(N: int, xtype: str) -> dict[str, tuple[dict[str, int], int,
     """The shared-memory carve-up of each tensor-core kernel group: name -> (offsets, side words,
     tile elements). int/float side arrays first (word offsets), then the floatX operand tiles (element
     offsets, from byte 4 * side words; defines MOBA_SM_<group>_SIDE and _<array>). The tiles the kernels
-    loop over are double-buffered: keys and values (MFWD, MDQ), queries and their side arrays (MKV)."""
+    loop over are double-buffered: keys and values (MFWD, MDQ), queries and their side arrays (MKV, with
+    QRAW: the query-list entries of the tile after the next one)."""
     t = mma_tiles(N, xtype)
     rows, kvq, ld = MMA_ROWS, t["MOBA_MMA_KVQ"], t["MOBA_MMA_LD"]
     groups = {
@@ -134,7 +135,7 @@ def mma_smem_layouts(N: int, xtype: str) -> dict[str, tuple[dict[str, int], int,
                  [("Q", rows * ld), ("K", 2 * rows * ld), ("V", 2 * rows * ld)]),
         "MDQ": ([("QTOK", rows), ("QENT", rows), ("LSE", rows), ("D", rows)],
                 [("Q", rows * ld), ("DO", rows * ld), ("K", 2 * rows * ld), ("V", 2 * rows * ld)]),
-        "MKV": ([("QTOK", 2 * kvq), ("LSE", 2 * kvq), ("D", 2 * kvq)],
+        "MKV": ([("QTOK", 2 * kvq), ("QRAW", 2 * kvq), ("LSE", 2 * kvq), ("D", 2 * kvq)],
                 [("K", rows * ld), ("V", rows * ld), ("Q", 2 * kvq * ld), ("DO", 2 * kvq * ld)]),
     }
     out = {}
