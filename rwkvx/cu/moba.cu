@@ -1447,7 +1447,8 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = e >> 1;
-                const float p = mfrag_col(nt, e) < lim[i] ? exp2f(s[nt][e] * scale2 - l2[i]) : 0.f;
+                // exp2(-inf) = 0 for the hidden keys: a select, not a branch around the exp2
+                const float p = exp2f(mfrag_col(nt, e) < lim[i] ? s[nt][e] * scale2 - l2[i] : -MOBA_INF);
                 s[nt][e] = p * (dp[nt][e] - Dq[i]);
             }
         mma_pz<MK>(acc, s, Ks);
@@ -1609,17 +1610,29 @@ static __device__ __forceinline__ void moba_mkv_tile(const MobaMKvSmem& sm, int 
     moba_zero(dp);
     mma_xyt<MKVQ / 8>(s, sm.K, r0, Qs);      // s[key][query] = k . q
     mma_xyt<MKVQ / 8>(dp, sm.V, r0, dOs);    // dp[key][query] = v . do
+    // key row i of this thread sees query token t iff t >= lo[i] (padding keys never; own block: causal)
+    int lo[2];
 #pragma unroll
-    for (int nt = 0; nt < MKVQ / 8; ++nt)
+    for (int i = 0; i < 2; ++i) {
+        const int kr = r0 + mfrag_row(2 * i);
+        lo[i] = kr >= nk ? 0x7fffffff : (causal ? u0 + kr : 0);
+    }
+#pragma unroll
+    for (int nt = 0; nt < MKVQ / 8; ++nt) {
+        const int c = mfrag_col(nt, 0);                       // even: the pair c, c + 1 in one load each
+        const int2 tq = *reinterpret_cast<const int2*>(qtok + c);
+        const float2 lq = *reinterpret_cast<const float2*>(lse + c);
+        const float2 dd = *reinterpret_cast<const float2*>(D + c);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int kr = r0 + mfrag_row(e), qc = mfrag_col(nt, e), t = qtok[qc];
-            const bool vis = kr < nk && t >= 0 && (!causal || u0 + kr <= t);
-            // lse * log2(e) rounded first (no contraction into an fma): the dq kernels' lse2
-            const float p = vis ? exp2f(s[nt][e] * scale2 - __fmul_rn(lse[qc], MOBA_LOG2E)) : 0.f;
+            const int t = e & 1 ? tq.y : tq.x;
+            // lse * log2(e) rounded first (no contraction into an fma): the dq kernels' lse2; exp2(-inf) = 0
+            const float l2 = __fmul_rn(e & 1 ? lq.y : lq.x, MOBA_LOG2E);
+            const float p = exp2f(t >= lo[e >> 1] ? s[nt][e] * scale2 - l2 : -MOBA_INF);
             s[nt][e] = p;
-            dp[nt][e] = p * (dp[nt][e] - D[qc]);
+            dp[nt][e] = p * (dp[nt][e] - (e & 1 ? dd.y : dd.x));
         }
+    }
     mma_pz<MKVQ>(dv, s, dOs);
     mma_pz<MKVQ>(dk, dp, Qs);
 }
