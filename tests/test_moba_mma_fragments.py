@@ -222,10 +222,11 @@ def bank_conflicts(sm):
 
 @pytest.mark.parametrize("kind", ["bf16", "tf32"])
 @pytest.mark.parametrize("HS", moba.MMA_HEAD_SIZES)
-def test_score_and_value_products(kind, HS):
+@pytest.mark.parametrize("keys", [32, 64])                 # MKVQ at N = 128, the key tiles (MK)
+def test_score_and_value_products(kind, HS, keys):
     rng = np.random.default_rng(7)
     ld = moba.mma_tiles(HS, XTYPE[kind])["MOBA_MMA_LD"]
-    keys, r0 = 32, 16
+    r0 = 16
     X, Y, V = rng.standard_normal((48, HS)), rng.standard_normal((keys, HS)), rng.standard_normal((keys, HS))
     data, (xo, yo, vo) = image([X, Y, V], HS, ld)
     sm = Smem(data, ELEM_BYTES[XTYPE[kind]])
