@@ -148,14 +148,24 @@ def test_mma_method_validates():
         moba.backward(*(x(i) for i in range(1, 9)), sc, 1, 64, 2, 16, 16, 3, H200, method="tensor")
 
 
+def test_mma_register_budget_matches_shared_memory():
+    """The CTAs per SM the bf16 kernels' registers are budgeted for also fit in shared memory (an SM has
+    the opt-in per-block size plus the 1 KiB the hardware reserves per CTA, 228 KiB in all)."""
+    sm_bytes = H200.smem_per_block + 1024
+    for N in moba.MMA_HEAD_SIZES:
+        for group, blocks in moba.mma_min_blocks(N).items():
+            assert blocks * (moba.mma_smem_bytes(N, group, "bf16") + 1024) <= sm_bytes, (N, group)
+
+
+@pytest.mark.parametrize("N", moba.MMA_HEAD_SIZES)
 @pytest.mark.parametrize("xtype", ["f32", "bf16"])
-def test_mma_kernels_do_not_spill_at_n64(xtype):
-    """ptxas: the tensor-core kernels keep everything in registers at the model's head size."""
+def test_mma_kernels_do_not_spill(xtype, N):
+    """ptxas: the tensor-core kernels keep everything in registers (within their __launch_bounds__)."""
     from rwkvx.runtime import nvrtc
     ok, why = nvrtc.nvrtc_available()
     if not ok:
         pytest.skip(f"NVRTC is not installed/usable: {why}")
-    usage = nvrtc.resource_usage("moba", "sm_90", moba.CU.defines(xtype, {"HEAD_SIZE": 64}))
+    usage = nvrtc.resource_usage("moba", "sm_90", moba.CU.defines(xtype, {"HEAD_SIZE": N}))
     mma = {name: u for name, u in usage.items() if name.endswith("_mma")}
     assert len(mma) == 5
     assert all(u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 for u in mma.values()), mma

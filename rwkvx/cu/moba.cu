@@ -952,6 +952,7 @@ write_out:
 //   * every operand tile sits in shared memory row-major as in global memory ([token][HS], rows padded
 //     by 16 bytes), staged with 16-byte cp.async; the tiles the loop walks (keys; dk/dv: queries) are
 //     double-buffered: the next tile's copies are in flight while the current one is computed.
+//   * registers budgeted for MOBA_MMA_MINB_<group> CTAs per SM (__launch_bounds__; moba.py, mma_min_blocks).
 // Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k16 / m16n8k8"), g = lane / 4, t = lane % 4:
 //   C/D (16x8 fp32): c[0], c[1] = row g, cols 2t, 2t+1; c[2], c[3] = row g+8, same cols.
 //   bf16 A (16x16): a[0] = row g, k 2t..2t+1; a[1] = row g+8, k 2t..; a[2] = row g, k 2t+8..; a[3] = row g+8,
@@ -1303,7 +1304,7 @@ static __device__ __forceinline__ void moba_mstage_fwd_queries(const MobaMFwdSme
 }
 
 // (5m) = (5) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block NTHR, smem MobaMFwdSmem
-extern "C" __global__ void __launch_bounds__(NTHR)
+extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MFWD)
 moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                   const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
                   float* __restrict__ lpart, int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
@@ -1336,7 +1337,7 @@ moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
 }
 
 // (6m) = (6) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block NTHR, smem MobaMFwdSmem
-extern "C" __global__ void __launch_bounds__(NTHR)
+extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MFWD)
 moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                  const int* __restrict__ sel, const float* __restrict__ part, const float* __restrict__ lpart,
                  floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
@@ -1456,7 +1457,7 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
 }
 
 // (8m) = (8) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block NTHR, smem MobaMDqSmem
-extern "C" __global__ void __launch_bounds__(NTHR)
+extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MDQ)
 moba_bwd_dq_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                      const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                      const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
@@ -1487,7 +1488,7 @@ moba_bwd_dq_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k,
 }
 
 // (9m) = (9) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block NTHR, smem MobaMDqSmem
-extern "C" __global__ void __launch_bounds__(NTHR)
+extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MDQ)
 moba_bwd_dq_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                     const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                     const int* __restrict__ sel, const float* __restrict__ part, floatX* __restrict__ dq,
@@ -1638,7 +1639,7 @@ static __device__ __forceinline__ void moba_mkv_tile(const MobaMKvSmem& sm, int 
 }
 
 // (10m) = (10) on tensor cores: grid (ceil(chunk/MK), nblk, B*H), block NTHR, smem MobaMKvSmem
-extern "C" __global__ void __launch_bounds__(NTHR)
+extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MKV)
 moba_bwd_dkdv_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                   const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                   const int* __restrict__ idx, const int* __restrict__ qlist,

@@ -122,6 +122,17 @@ def mma_tiles(N: int, xtype: str) -> dict[str, int]:
     return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad)
 
 
+def mma_min_blocks(N: int) -> dict[str, int]:
+    """CTAs per SM that each tensor-core kernel group's registers are budgeted for (the minimum blocks of
+    its __launch_bounds__, define MOBA_MMA_MINB_<group>). N <= 64: what shared memory allows for bf16
+    (MFWD 4: <= 128 registers; MDQ, MKV 3: <= 168), which ptxas meets without spills for both element
+    types; left to ptxas, it aims one CTA higher at N = 32 (and spills) and lands one register above the
+    3-CTA budget for bf16 dk/dv at N = 64. N = 128: 1 (no register cap)."""
+    if N <= 64:
+        return {"MFWD": 4, "MDQ": 3, "MKV": 3}
+    return {"MFWD": 1, "MDQ": 1, "MKV": 1}
+
+
 def mma_smem_layouts(N: int, xtype: str) -> dict[str, tuple[dict[str, int], int, int]]:
     """The shared-memory carve-up of each tensor-core kernel group: name -> (offsets, side words,
     tile elements). int/float side arrays first (word offsets), then the floatX operand tiles (element
@@ -163,6 +174,7 @@ def _derived(variant: dict, xtype: str) -> dict:
         out.update(offsets)
     if N in MMA_HEAD_SIZES:
         out.update(mma_tiles(N, xtype))
+        out.update({f"MOBA_MMA_MINB_{group}": blocks for group, blocks in mma_min_blocks(N).items()})
         for offsets, _, _ in mma_smem_layouts(N, xtype).values():
             out.update(offsets)
     return out
