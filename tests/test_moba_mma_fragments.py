@@ -154,29 +154,33 @@ def mload_bt(kind, sm, Z, ld, k0, n0):
                             for j in range(2)], ld, 8 * ld)
 
 
-def mma_xyt(kind, sm, X, r0, Y, ld, NT, KD):
-    """moba.cu's mma_xyt: c[nt] = X[r0:r0+16, :KD] Y[8nt:8nt+8, :KD]^T, per-lane C fragments."""
-    c = [[[0.0] * 4 for _ in range(LANES)] for _ in range(NT)]
+def mma_xyt(kind, sm, X, r0, Y, ld, NT, KD, MT=1):
+    """moba.cu's mma_xyt: c[m][nt] = X[r0+16m : r0+16m+16, :KD] Y[8nt:8nt+8, :KD]^T, per-lane C fragments;
+    each B fragment loaded once for the MT row tiles."""
+    c = [[[[0.0] * 4 for _ in range(LANES)] for _ in range(NT)] for _ in range(MT)]
     for k0 in range(0, KD, 16):
-        a = mload_a(kind, sm, X, ld, r0, k0)
+        a = [mload_a(kind, sm, X, ld, r0 + 16 * m, k0) for m in range(MT)]
         for nt in range(0, NT, 2):
             b = mload_b(kind, sm, Y, ld, 8 * nt, k0)
-            for j in range(2):
-                c[nt + j] = mma16(kind, c[nt + j], a, [b[ln][j] for ln in range(LANES)])
+            for m in range(MT):
+                for j in range(2):
+                    c[m][nt + j] = mma16(kind, c[m][nt + j], a[m], [b[ln][j] for ln in range(LANES)])
     return c
 
 
 def mma_pz(kind, p, sm, Z, ld, MNT, KD):
-    """moba.cu's mma_pz: o[nt] = P Z[:KD, 8nt:8nt+8] with P (16 x KD) given as C fragments p[KD/8]."""
-    o = [[[0.0] * 4 for _ in range(LANES)] for _ in range(MNT)]
+    """moba.cu's mma_pz: o[m][nt] = P_m Z[:KD, 8nt:8nt+8] with P_m (16 x KD) given as C fragments p[m][KD/8]."""
+    MT = len(p)
+    o = [[[[0.0] * 4 for _ in range(LANES)] for _ in range(MNT)] for _ in range(MT)]
     for ks in range(KD // 16):
-        a = [[(p[2 * ks][ln][0], p[2 * ks][ln][1]), (p[2 * ks][ln][2], p[2 * ks][ln][3]),
-              (p[2 * ks + 1][ln][0], p[2 * ks + 1][ln][1]), (p[2 * ks + 1][ln][2], p[2 * ks + 1][ln][3])]
-             for ln in range(LANES)]
+        a = [[[(q[2 * ks][ln][0], q[2 * ks][ln][1]), (q[2 * ks][ln][2], q[2 * ks][ln][3]),
+               (q[2 * ks + 1][ln][0], q[2 * ks + 1][ln][1]), (q[2 * ks + 1][ln][2], q[2 * ks + 1][ln][3])]
+              for ln in range(LANES)] for q in p]
         for nt in range(0, MNT, 2):
             b = mload_bt(kind, sm, Z, ld, 16 * ks, 8 * nt)
-            for j in range(2):
-                o[nt + j] = mma16(kind, o[nt + j], a, [b[ln][j] for ln in range(LANES)])
+            for m in range(MT):
+                for j in range(2):
+                    o[m][nt + j] = mma16(kind, o[m][nt + j], a[m], [b[ln][j] for ln in range(LANES)])
     return o
 
 
@@ -226,17 +230,21 @@ def bank_conflicts(sm):
 def test_score_and_value_products(kind, HS, keys):
     rng = np.random.default_rng(7)
     ld = moba.mma_tiles(HS, XTYPE[kind])["MOBA_MMA_LD"]
-    r0 = 16
-    X, Y, V = rng.standard_normal((48, HS)), rng.standard_normal((keys, HS)), rng.standard_normal((keys, HS))
-    data, (xo, yo, vo) = image([X, Y, V], HS, ld)
-    sm = Smem(data, ELEM_BYTES[XTYPE[kind]])
-    s = mma_xyt(kind, sm, xo, r0, yo, ld, keys // 8, HS)
-    S = gather(s, 16, keys)
-    np.testing.assert_allclose(S, X[r0:r0 + 16] @ Y.T, rtol=1e-12, atol=1e-12)
-    # the probabilities stay in their C fragments for the second product; V is read row-major
-    o = mma_pz(kind, s, sm, vo, ld, HS // 8, keys)
-    np.testing.assert_allclose(gather(o, 16, HS), S @ V, rtol=1e-12, atol=1e-10)
-    assert not bank_conflicts(sm), bank_conflicts(sm)[:2]
+    # the forward's row tiles per warp (moba.cu's MFM), then one (dq, dk/dv)
+    for MT in sorted({moba.MMA_ROWS // 16 // (moba.mma_fwd_threads(HS) // LANES), 1}):
+        r0 = 16
+        X = rng.standard_normal((r0 + 16 * MT, HS))
+        Y, V = rng.standard_normal((keys, HS)), rng.standard_normal((keys, HS))
+        data, (xo, yo, vo) = image([X, Y, V], HS, ld)
+        sm = Smem(data, ELEM_BYTES[XTYPE[kind]])
+        s = mma_xyt(kind, sm, xo, r0, yo, ld, keys // 8, HS, MT)
+        # the probabilities stay in their C fragments for the second product; V is read row-major
+        o = mma_pz(kind, s, sm, vo, ld, HS // 8, keys)
+        for m in range(MT):
+            S = gather(s[m], 16, keys)
+            np.testing.assert_allclose(S, X[r0 + 16 * m:r0 + 16 * m + 16] @ Y.T, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(gather(o[m], 16, HS), S @ V, rtol=1e-12, atol=1e-10)
+        assert not bank_conflicts(sm), bank_conflicts(sm)[:2]
 
 
 def test_a_wrong_layout_is_caught():

@@ -975,11 +975,14 @@ write_out:
 #define MKVQ MOBA_MMA_KVQ          // queries per dk/dv tile
 #define MLD MOBA_MMA_LD            // row stride of every [rows][HS] operand tile (elements)
 #define MNT (HS / 8)               // 8-column n-tiles of a [16][HS] accumulator
+#define MFT MOBA_MMA_FWD_THREADS   // threads of the forward kernels
+#define MFM (MQ / 16 / (MFT / 32)) // 16-row query tiles per forward warp (sharing each K, V fragment load)
 #define MVEC (16 / (int)sizeof(floatX))   // elements in 16 bytes (one cp.async)
 #define MROWV (HS / MVEC)          // 16-byte units of a head row
 
 static_assert(MQ == MOBA_FQ, "the mma kernels reuse the tile offsets toff_f of moba_scan");
-static_assert(MQ == 16 * (NTHR / 32) && MK == 16 * (NTHR / 32), "one warp per 16 rows");
+static_assert(MQ == 16 * (NTHR / 32) && MK == 16 * (NTHR / 32), "dq, dk/dv: one warp per 16 rows");
+static_assert(MFM * 16 * (MFT / 32) == MQ && MQ <= MFT, "forward: whole row tiles per warp, a thread per query");
 static_assert(HS % 16 == 0 && MK % 16 == 0 && MKVQ % 16 == 0, "16-wide k-steps, n-tiles in pairs");
 static_assert((MLD * sizeof(floatX)) % 16 == 0, "16-byte aligned rows for cp.async and ldmatrix");
 
@@ -1103,45 +1106,69 @@ static __device__ __forceinline__ void mload_bt(MPair (&b)[2][2], const floatX* 
 }
 #endif
 
-// c[nt] += X[r0 .. r0+16)[0 .. HS) * Y[8nt .. 8nt+8)[0 .. HS)^T for nt < NT (X, Y [.][MLD], k contiguous)
-template <int NT>
-static __device__ __forceinline__ void mma_xyt(float (&c)[NT][4], const floatX* __restrict__ X, int r0,
+// c[m][nt] += X[r0 + 16m .. +16)[0 .. HS) * Y[8nt .. 8nt+8)[0 .. HS)^T for m < MT, nt < NT (X, Y [.][MLD],
+// k contiguous): each B fragment is loaded once for the MT row tiles of the warp.
+template <int MT, int NT>
+static __device__ __forceinline__ void mma_xyt(float (&c)[MT][NT][4], const floatX* __restrict__ X, int r0,
                                                const floatX* __restrict__ Y)
 {
 #pragma unroll 2                          // full unrolling hoists every k-step's loads: 50+ more registers
     for (int k0 = 0; k0 < HS; k0 += 16) {
-        MPair a[4];
-        mload_a(a, X, r0, k0);
+        MPair a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) mload_a(a[m], X, r0 + 16 * m, k0);
 #pragma unroll
         for (int nt = 0; nt < NT; nt += 2) {
             MPair b[2][2];
             mload_b(b, Y, 8 * nt, k0);
-            mma16(c[nt], a, b[0]);
-            mma16(c[nt + 1], a, b[1]);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                mma16(c[m][nt], a[m], b[0]);
+                mma16(c[m][nt + 1], a[m], b[1]);
+            }
         }
     }
 }
+template <int NT>
+static __device__ __forceinline__ void mma_xyt(float (&c)[NT][4], const floatX* __restrict__ X, int r0,
+                                               const floatX* __restrict__ Y)
+{
+    mma_xyt<1, NT>(reinterpret_cast<float (&)[1][NT][4]>(c), X, r0, Y);
+}
 
-// o[nt] += P (16 x KD, the C fragments p[KD/8]) * Z[0 .. KD)[8nt .. 8nt+8) for nt < MNT (Z [KD][MLD])
-template <int KD>
-static __device__ __forceinline__ void mma_pz(float (&o)[MNT][4], const float (&p)[KD / 8][4],
+// o[m][nt] += P_m (16 x KD, the C fragments p[m][KD/8]) * Z[0 .. KD)[8nt .. 8nt+8) for m < MT, nt < MNT
+// (Z [KD][MLD]; each B fragment loaded once for the MT row tiles)
+template <int MT, int KD>
+static __device__ __forceinline__ void mma_pz(float (&o)[MT][MNT][4], const float (&p)[MT][KD / 8][4],
                                               const floatX* __restrict__ Z)
 {
 #pragma unroll
     for (int ks = 0; ks < KD / 16; ++ks) {
-        MPair a[4];
-        a[0] = mpair_of(p[2 * ks][0], p[2 * ks][1]);
-        a[1] = mpair_of(p[2 * ks][2], p[2 * ks][3]);
-        a[2] = mpair_of(p[2 * ks + 1][0], p[2 * ks + 1][1]);
-        a[3] = mpair_of(p[2 * ks + 1][2], p[2 * ks + 1][3]);
+        MPair a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            a[m][0] = mpair_of(p[m][2 * ks][0], p[m][2 * ks][1]);
+            a[m][1] = mpair_of(p[m][2 * ks][2], p[m][2 * ks][3]);
+            a[m][2] = mpair_of(p[m][2 * ks + 1][0], p[m][2 * ks + 1][1]);
+            a[m][3] = mpair_of(p[m][2 * ks + 1][2], p[m][2 * ks + 1][3]);
+        }
 #pragma unroll
         for (int nt = 0; nt < MNT; nt += 2) {
             MPair b[2][2];
             mload_bt(b, Z, 16 * ks, 8 * nt);
-            mma16(o[nt], a, b[0]);
-            mma16(o[nt + 1], a, b[1]);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                mma16(o[m][nt], a[m], b[0]);
+                mma16(o[m][nt + 1], a[m], b[1]);
+            }
         }
     }
+}
+template <int KD>
+static __device__ __forceinline__ void mma_pz(float (&o)[MNT][4], const float (&p)[KD / 8][4],
+                                              const floatX* __restrict__ Z)
+{
+    mma_pz<1, KD>(reinterpret_cast<float (&)[1][MNT][4]>(o), reinterpret_cast<const float (&)[1][KD / 8][4]>(p), Z);
 }
 
 template <int NT>
@@ -1169,12 +1196,12 @@ static __device__ __forceinline__ int mstage_row(int i) { return i / MROWV; }
 static __device__ __forceinline__ int mstage_col(int i) { return (i % MROWV) * MVEC; }
 
 // R rows of NX head slices (base[x] = &x[b, 0, h, 0], row stride tstride) into dst[x] [R][MLD], cp.async
-// (the caller commits): row r is token tok(r) (< 0: zeros); on_row(r, t) runs once per row.
-template <int R, int NX, class Tok, class OnRow>
+// by TH threads (the caller commits): row r is token tok(r) (< 0: zeros); on_row(r, t) runs once per row.
+template <int R, int TH, int NX, class Tok, class OnRow>
 static __device__ __forceinline__ void mstage_rows(floatX* const (&dst)[NX], const floatX* const (&base)[NX],
                                                    size_t tstride, Tok tok, OnRow on_row)
 {
-    for (int i = threadIdx.x; i < R * MROWV; i += NTHR) {
+    for (int i = threadIdx.x; i < R * MROWV; i += TH) {
         const int r = mstage_row(i), c = mstage_col(i);
         const int t = tok(r);
         const size_t src = (size_t)max(t, 0) * tstride + c;
@@ -1183,11 +1210,11 @@ static __device__ __forceinline__ void mstage_rows(floatX* const (&dst)[NX], con
         if (c == 0) on_row(r, t);
     }
 }
-template <int R, int NX, class Tok>
+template <int R, int TH = NTHR, int NX, class Tok>
 static __device__ __forceinline__ void mstage_rows(floatX* const (&dst)[NX], const floatX* const (&base)[NX],
                                                    size_t tstride, Tok tok)
 {
-    mstage_rows<R>(dst, base, tstride, tok, [](int, int) {});
+    mstage_rows<R, TH>(dst, base, tstride, tok, [](int, int) {});
 }
 
 // Element (row, col) of C fragment slot e of n-tile nt (warp rows from r0): row = r0 + g + 8*(e/2),
@@ -1223,73 +1250,94 @@ struct MobaMFwdSmem {
 
 // Keys and values u0 .. min(u0 + MK, uend) - 1 into key buffer buf (rows past uend zero) and commit
 // (with whatever the caller staged before: the first group also carries the query tile).
+template <int TH>
 static __device__ __forceinline__ void moba_mstage_keys(floatX* Ks, floatX* Vs, int buf, const floatX* k,
                                                         const floatX* v, size_t tstride, int u0, int uend)
 {
     floatX* const dst[2] = {Ks + buf * MK * MLD, Vs + buf * MK * MLD};
     const floatX* const src[2] = {k, v};
-    mstage_rows<MK>(dst, src, tstride, [=](int r) { return u0 + r < uend ? u0 + r : -1; });
+    mstage_rows<MK, TH>(dst, src, tstride, [=](int r) { return u0 + r < uend ? u0 + r : -1; });
     cp_commit();
 }
 
-// Online softmax of the warp's 16 queries (sm.Q rows r0.., tokens sm.qtok, staged by the caller with
-// cp.async, not yet committed) over keys u .. uend-1 in tiles of MK. Per thread: rows g and g+8 -> m[i]
-// (running max, log2 domain), l[i] (sum), o (un-normalised).
+// One key tile of the online softmax for 16 queries (fragment rows of tokens tq; scores s of keys u0 .. u0+nk
+// in the C fragments): the running max m (log2 domain) and sum l, the output o rescaled, s replaced by
+// the probabilities (relative to the new max).
+static __device__ __forceinline__ void moba_online_softmax(float (&s)[MK / 8][4], const int (&tq)[2], int u0, int nk,
+                                                           bool causal, float scale2, float (&m)[2], float (&l)[2],
+                                                           float (&o)[MNT][4])
+{
+    int lim[2];
+    moba_row_limits(tq, u0, nk, causal, lim);
+    float mx[2] = {-MOBA_INF, -MOBA_INF};
+#pragma unroll
+    for (int nt = 0; nt < MK / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[nt][e] = mfrag_col(nt, e) < lim[e >> 1] ? s[nt][e] * scale2 : -MOBA_INF;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+        }
+    float alpha[2], mref[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float mnew = fmaxf(m[i], moba_quad_max(mx[i]));
+        mref[i] = (mnew == -MOBA_INF) ? 0.f : mnew;
+        alpha[i] = exp2f(m[i] - mref[i]);
+        m[i] = mnew;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < MK / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s[nt][e] = exp2f(s[nt][e] - mref[e >> 1]);
+            rs[e >> 1] += s[nt][e];
+        }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + moba_quad_sum(rs[i]);
+#pragma unroll
+    for (int nt = 0; nt < MNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
+}
+
+// The first query row of this thread's warp in a forward CTA (MFM tiles of 16 rows per warp).
+static __device__ __forceinline__ int moba_mfwd_r0() { return 16 * MFM * (threadIdx.x >> 5); }
+
+// Online softmax of the warp's 16 * MFM queries (sm.Q rows from moba_mfwd_r0(), tokens sm.qtok, staged by
+// the caller with cp.async, not yet committed) over keys u .. uend-1 in tiles of MK. Per thread and row
+// tile mt: rows g and g+8 -> m[mt][i] (running max, log2 domain), l[mt][i] (sum), o[mt] (un-normalised).
 static __device__ __forceinline__ void moba_mfwd_attend(const MobaMFwdSmem& sm, const floatX* __restrict__ k,
                                                         const floatX* __restrict__ v, size_t tstride, int u,
-                                                        int uend, bool causal, float scale2, float (&m)[2],
-                                                        float (&l)[2], float (&o)[MNT][4])
+                                                        int uend, bool causal, float scale2, float (&m)[MFM][2],
+                                                        float (&l)[MFM][2], float (&o)[MFM][MNT][4])
 {
-    const int r0 = 16 * (threadIdx.x >> 5);
-    m[0] = m[1] = -MOBA_INF;
-    l[0] = l[1] = 0.f;
-    moba_zero(o);
-    const int tq[2] = {sm.qtok[r0 + mfrag_row(0)], sm.qtok[r0 + mfrag_row(2)]};
-    moba_mstage_keys(sm.K, sm.V, 0, k, v, tstride, u, uend);
+    const int r0 = moba_mfwd_r0();
+    int tq[MFM][2];
+#pragma unroll
+    for (int mt = 0; mt < MFM; ++mt) {
+        m[mt][0] = m[mt][1] = -MOBA_INF;
+        l[mt][0] = l[mt][1] = 0.f;
+        moba_zero(o[mt]);
+        tq[mt][0] = sm.qtok[r0 + 16 * mt + mfrag_row(0)];
+        tq[mt][1] = sm.qtok[r0 + 16 * mt + mfrag_row(2)];
+    }
+    moba_mstage_keys<MFT>(sm.K, sm.V, 0, k, v, tstride, u, uend);
     int buf = 0;
     for (int u0 = u; u0 < uend; u0 += MK, buf ^= 1) {
         const int nk = min(MK, uend - u0);
         cp_wait<0>();
         __syncthreads();                       // tile buf landed for all; buf ^ 1 is consumed
-        if (u0 + MK < uend) moba_mstage_keys(sm.K, sm.V, buf ^ 1, k, v, tstride, u0 + MK, uend);
+        if (u0 + MK < uend) moba_mstage_keys<MFT>(sm.K, sm.V, buf ^ 1, k, v, tstride, u0 + MK, uend);
         const floatX* Ks = sm.K + buf * MK * MLD;
         const floatX* Vs = sm.V + buf * MK * MLD;
-        float s[MK / 8][4];
-        moba_zero(s);
-        mma_xyt<MK / 8>(s, sm.Q, r0, Ks);
-        int lim[2];
-        moba_row_limits(tq, u0, nk, causal, lim);
-        float mx[2] = {-MOBA_INF, -MOBA_INF};
+        float s[MFM][MK / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < MK / 8; ++nt)
+        for (int mt = 0; mt < MFM; ++mt) moba_zero(s[mt]);
+        mma_xyt<MFM, MK / 8>(s, sm.Q, r0, Ks);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] = mfrag_col(nt, e) < lim[e >> 1] ? s[nt][e] * scale2 : -MOBA_INF;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-            }
-        float alpha[2], mref[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float mnew = fmaxf(m[i], moba_quad_max(mx[i]));
-            mref[i] = (mnew == -MOBA_INF) ? 0.f : mnew;
-            alpha[i] = exp2f(m[i] - mref[i]);
-            m[i] = mnew;
-        }
-        float rs[2] = {0.f, 0.f};
-#pragma unroll
-        for (int nt = 0; nt < MK / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] = exp2f(s[nt][e] - mref[e >> 1]);
-                rs[e >> 1] += s[nt][e];
-            }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) l[i] = l[i] * alpha[i] + moba_quad_sum(rs[i]);
-#pragma unroll
-        for (int nt = 0; nt < MNT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
-        mma_pz<MK>(o, s, Vs);
+        for (int mt = 0; mt < MFM; ++mt) moba_online_softmax(s[mt], tq[mt], u0, nk, causal, scale2, m[mt], l[mt], o[mt]);
+        mma_pz<MFM, MK>(o, s, Vs);
     }
 }
 
@@ -1300,11 +1348,11 @@ static __device__ __forceinline__ void moba_mstage_fwd_queries(const MobaMFwdSme
     floatX* const dst[1] = {sm.Q};
     const floatX* const src[1] = {q};
     const int* qtok = sm.qtok;
-    mstage_rows<MQ>(dst, src, tstride, [=](int r) { return qtok[r]; });
+    mstage_rows<MQ, MFT>(dst, src, tstride, [=](int r) { return qtok[r]; });
 }
 
-// (5m) = (5) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block NTHR, smem MobaMFwdSmem
-extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MFWD)
+// (5m) = (5) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block MFT, smem MobaMFwdSmem
+extern "C" __global__ void __launch_bounds__(MFT, MOBA_MMA_MINB_MFWD)
 moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                   const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
                   float* __restrict__ lpart, int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
@@ -1318,26 +1366,28 @@ moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     moba_mstage_fwd_queries(sm, q + hoff, tstride);
-    float m[2], l[2], o[MNT][4];
+    float m[MFM][2], l[MFM][2], o[MFM][MNT][4];
     moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E,
                      m, l, o);
-    const int r0 = 16 * (threadIdx.x >> 5);
+    const int r0 = moba_mfwd_r0();
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int p = sm.qent[r0 + mfrag_row(2 * i)];
-        if (p < 0) continue;
-        const size_t e = (size_t)bh * T * K1 + p;
-        const float inv = 1.f / l[i];
+    for (int mt = 0; mt < MFM; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < MNT; ++nt)
-            *reinterpret_cast<float2*>(part + e * HS + mfrag_col(nt, 0)) =
-                make_float2(o[nt][2 * i] * inv, o[nt][2 * i + 1] * inv);
-        if ((threadIdx.x & 3) == 0) lpart[e] = (m[i] + log2f(l[i])) * MOBA_LN2;
-    }
+        for (int i = 0; i < 2; ++i) {
+            const int p = sm.qent[r0 + 16 * mt + mfrag_row(2 * i)];
+            if (p < 0) continue;
+            const size_t e = (size_t)bh * T * K1 + p;
+            const float inv = 1.f / l[mt][i];
+#pragma unroll
+            for (int nt = 0; nt < MNT; ++nt)
+                *reinterpret_cast<float2*>(part + e * HS + mfrag_col(nt, 0)) =
+                    make_float2(o[mt][nt][2 * i] * inv, o[mt][nt][2 * i + 1] * inv);
+            if ((threadIdx.x & 3) == 0) lpart[e] = (m[mt][i] + log2f(l[mt][i])) * MOBA_LN2;
+        }
 }
 
-// (6m) = (6) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block NTHR, smem MobaMFwdSmem
-extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MFWD)
+// (6m) = (6) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block MFT, smem MobaMFwdSmem
+extern "C" __global__ void __launch_bounds__(MFT, MOBA_MMA_MINB_MFWD)
 moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                  const int* __restrict__ sel, const float* __restrict__ part, const float* __restrict__ lpart,
                  floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
@@ -1350,37 +1400,39 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     const int* qtok = sm.qtok;
     moba_mstage_fwd_queries(sm, q + hoff, tstride);
-    float m[2], l[2], acc[MNT][4];
+    float m[MFM][2], l[MFM][2], acc[MFM][MNT][4];
     moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, m, l, acc);
-    const int r0 = 16 * (threadIdx.x >> 5);
+    const int r0 = moba_mfwd_r0();
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int t = qtok[r0 + mfrag_row(2 * i)];
-        if (t < 0) continue;
-        float mi = m[i] * MOBA_LN2, li = l[i];         // natural-log domain, as lpart
-        const size_t e0 = ((size_t)bh * T + t) * K1;
-        for (int s = 0; s < K1; ++s) {
-            if (sel[e0 + s] < 0) break;
-            const float lp = lpart[e0 + s];
-            float alpha, beta;
-            moba_lse_merge(mi, li, lp, alpha, beta);
-            const float* pr = part + (e0 + s) * HS;
+    for (int mt = 0; mt < MFM; ++mt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int t = qtok[r0 + 16 * mt + mfrag_row(2 * i)];
+            if (t < 0) continue;
+            float mi = m[mt][i] * MOBA_LN2, li = l[mt][i];      // natural-log domain, as lpart
+            const size_t e0 = ((size_t)bh * T + t) * K1;
+            for (int s = 0; s < K1; ++s) {
+                if (sel[e0 + s] < 0) break;
+                const float lp = lpart[e0 + s];
+                float alpha, beta;
+                moba_lse_merge(mi, li, lp, alpha, beta);
+                const float* pr = part + (e0 + s) * HS;
+#pragma unroll
+                for (int nt = 0; nt < MNT; ++nt) {
+                    const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
+                    acc[mt][nt][2 * i] = fmaf(acc[mt][nt][2 * i], alpha, beta * pv.x);
+                    acc[mt][nt][2 * i + 1] = fmaf(acc[mt][nt][2 * i + 1], alpha, beta * pv.y);
+                }
+            }
+            floatX* orow = o + hoff + (size_t)t * tstride;
+            const float inv = 1.f / li;
 #pragma unroll
             for (int nt = 0; nt < MNT; ++nt) {
-                const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
-                acc[nt][2 * i] = fmaf(acc[nt][2 * i], alpha, beta * pv.x);
-                acc[nt][2 * i + 1] = fmaf(acc[nt][2 * i + 1], alpha, beta * pv.y);
+                orow[mfrag_col(nt, 0)] = from_f32(acc[mt][nt][2 * i] * inv);
+                orow[mfrag_col(nt, 1)] = from_f32(acc[mt][nt][2 * i + 1] * inv);
             }
+            if ((threadIdx.x & 3) == 0) lse[(size_t)bh * T + t] = mi + logf(li);
         }
-        floatX* orow = o + hoff + (size_t)t * tstride;
-        const float inv = 1.f / li;
-#pragma unroll
-        for (int nt = 0; nt < MNT; ++nt) {
-            orow[mfrag_col(nt, 0)] = from_f32(acc[nt][2 * i] * inv);
-            orow[mfrag_col(nt, 1)] = from_f32(acc[nt][2 * i + 1] * inv);
-        }
-        if ((threadIdx.x & 3) == 0) lse[(size_t)bh * T + t] = mi + logf(li);
-    }
 }
 
 // --- backward dq -------------------------------------------------------------------------------
@@ -1423,7 +1475,7 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
 {
     const int r0 = 16 * (threadIdx.x >> 5);
     moba_zero(acc);
-    moba_mstage_keys(sm.K, sm.V, 0, k, v, tstride, u, uend);
+    moba_mstage_keys<NTHR>(sm.K, sm.V, 0, k, v, tstride, u, uend);
     __syncthreads();                                          // the caller's lse2 and D
     const int tq[2] = {sm.qtok[r0 + mfrag_row(0)], sm.qtok[r0 + mfrag_row(2)]};
     const float l2[2] = {sm.lse2[r0 + mfrag_row(0)], sm.lse2[r0 + mfrag_row(2)]};
@@ -1433,7 +1485,7 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
         const int nk = min(MK, uend - u0);
         cp_wait<0>();
         __syncthreads();                       // tile buf landed for all; buf ^ 1 is consumed
-        if (u0 + MK < uend) moba_mstage_keys(sm.K, sm.V, buf ^ 1, k, v, tstride, u0 + MK, uend);
+        if (u0 + MK < uend) moba_mstage_keys<NTHR>(sm.K, sm.V, buf ^ 1, k, v, tstride, u0 + MK, uend);
         const floatX* Ks = sm.K + buf * MK * MLD;
         const floatX* Vs = sm.V + buf * MK * MLD;
         float s[MK / 8][4], dp[MK / 8][4];
@@ -1588,7 +1640,7 @@ static __device__ __forceinline__ void moba_mstage_kv_queries(const MobaMKvSmem&
     int* qtok = sm.qtok + buf * MKVQ;
     float* lse_s = sm.lse + buf * MKVQ;
     float* D_s = sm.D + buf * MKVQ;
-    mstage_rows<MKVQ>(dst, src, tstride, tok, [=](int r, int t) {
+    mstage_rows<MKVQ, NTHR>(dst, src, tstride, tok, [=](int r, int t) {
         qtok[r] = t;
         cp4_zfill(lse_s + r, lse + bhT + max(t, 0), t >= 0);
         cp4_zfill(D_s + r, delta + bhT + max(t, 0), t >= 0);

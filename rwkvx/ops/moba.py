@@ -122,12 +122,19 @@ def mma_tiles(N: int, xtype: str) -> dict[str, int]:
     return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad)
 
 
+def mma_fwd_threads(N: int) -> int:
+    """Threads of the tensor-core forward CTAs (MMA_ROWS queries): N <= 64, 2 warps of 32 queries, so each
+    K and V fragment loaded from shared memory serves two 16-row tiles; N = 128, 4 warps of 16 (the
+    accumulators of 32 rows would not fit in registers)."""
+    return 64 if N <= 64 else NTHR
+
+
 def mma_min_blocks(N: int) -> dict[str, int]:
     """CTAs per SM that each tensor-core kernel group's registers are budgeted for (the minimum blocks of
     its __launch_bounds__, define MOBA_MMA_MINB_<group>). N <= 64: what shared memory allows for bf16
-    (MFWD 4: <= 128 registers; MDQ, MKV 3: <= 168), which ptxas meets without spills for both element
-    types; left to ptxas, it aims one CTA higher at N = 32 (and spills) and lands one register above the
-    3-CTA budget for bf16 dk/dv at N = 64. N = 128: 1 (no register cap)."""
+    (MFWD 4 of mma_fwd_threads: no register cap; MDQ, MKV 3 of NTHR: <= 168 registers), which ptxas
+    meets without spills for both element types; left to ptxas, it aims one CTA higher at N = 32 (and
+    spills) and lands one register above the 3-CTA budget for bf16 dk/dv at N = 64. N = 128: 1 (no cap)."""
     if N <= 64:
         return {"MFWD": 4, "MDQ": 3, "MKV": 3}
     return {"MFWD": 1, "MDQ": 1, "MKV": 1}
@@ -173,7 +180,7 @@ def _derived(variant: dict, xtype: str) -> dict:
     for offsets, _ in smem_layouts(N).values():
         out.update(offsets)
     if N in MMA_HEAD_SIZES:
-        out.update(mma_tiles(N, xtype))
+        out.update(mma_tiles(N, xtype), MOBA_MMA_FWD_THREADS=mma_fwd_threads(N))
         out.update({f"MOBA_MMA_MINB_{group}": blocks for group, blocks in mma_min_blocks(N).items()})
         for offsets, _, _ in mma_smem_layouts(N, xtype).values():
             out.update(offsets)
@@ -224,17 +231,19 @@ class _Attention(NamedTuple):
     dqq: int         # queries per dq CTA
     kvk: int         # keys per dk/dv CTA
     smem: dict       # "fwd", "dq", "kv" -> bytes
+    fwd_threads: int  # threads per forward CTA (the others: NTHR)
 
 
 def _attention(method: str, N: int, xtype: str) -> _Attention:
     if method == "exact":
         t = tiles(N)
         return _Attention(_KERNELS["exact"], t["MOBA_FQ"], t["MOBA_DQ_Q"], t["MOBA_KV_K"],
-                          {g: _smem_bytes(N, g) for g in ("fwd", "dq", "kv")})
+                          {g: _smem_bytes(N, g) for g in ("fwd", "dq", "kv")}, NTHR)
     if N not in MMA_HEAD_SIZES:
         raise ValueError(f"moba: method 'mma' supports head sizes {MMA_HEAD_SIZES}, got {N}")
     return _Attention(_KERNELS["mma"], MMA_ROWS, MMA_ROWS, MMA_ROWS,
-                      {g: mma_smem_bytes(N, G, xtype) for g, G in (("fwd", "MFWD"), ("dq", "MDQ"), ("kv", "MKV"))})
+                      {g: mma_smem_bytes(N, G, xtype) for g, G in (("fwd", "MFWD"), ("dq", "MDQ"), ("kv", "MKV"))},
+                      mma_fwd_threads(N))
 
 
 def check_shape(B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo) -> None:
@@ -362,12 +371,13 @@ def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: in
                                     sel=sel, idx=idx, qlist=qlist, T=T, H=H, chunk=chunk, K1=K1, nblk=nblk,
                                     Emax=E))
         ops.append(att.kernels["fwd_past"].launch(
-            (math.ceil(E / att.fq) + nblk, H, B), (NTHR, 1, 1), xtype=xtype, variant=var, smem=att.smem["fwd"],
+            (math.ceil(E / att.fq) + nblk, H, B), (att.fwd_threads, 1, 1), xtype=xtype, variant=var,
+            smem=att.smem["fwd"],
             q=q, k=k, v=v, idx=idx, qlist=qlist, part=part, lpart=lpart, T=T, H=H, chunk=chunk, K1=K1,
             nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0      # no past block anywhere: nothing to merge
     tpc = math.ceil(chunk / att.fq)
-    ops.append(att.kernels["fwd_own"].launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
+    ops.append(att.kernels["fwd_own"].launch((nblk * tpc, H, B), (att.fwd_threads, 1, 1), xtype=xtype, variant=var,
                                    smem=att.smem["fwd"], q=q, k=k, v=v, sel=sel if k1_eff else None,
                                    part=part, lpart=lpart, o=o, lse=lse, T=T, H=H, chunk=chunk, K1=k1_eff,
                                    scale=scale))
