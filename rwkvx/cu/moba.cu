@@ -89,6 +89,23 @@ static __device__ __forceinline__ void moba_lse_merge(float& m, float& l, float 
     m = mnew;
 }
 
+// The past partials of query t (sel/lpart/part rows from entry e0 = (bh*T + t)*K1, slots in order, a
+// negative sel ends them) merged into the running (max mi, sum li): add(pr, alpha, beta) rescales the
+// output by alpha and adds beta times the slot's partial row pr.
+template <class Add>
+static __device__ __forceinline__ void moba_merge_partials(const int* __restrict__ sel, const float* __restrict__ lpart,
+                                                           const float* __restrict__ part, size_t e0, int K1,
+                                                           float& mi, float& li, Add add)
+{
+    for (int s = 0; s < K1; ++s) {
+        if (sel[e0 + s] < 0) break;
+        const float lp = lpart[e0 + s];
+        float alpha, beta;
+        moba_lse_merge(mi, li, lp, alpha, beta);
+        add(part + (e0 + s) * HS, alpha, beta);
+    }
+}
+
 static __device__ __forceinline__ bool moba_col_ok(int col)
 {
     return (HS % 16 == 0) || col < HS;
@@ -607,20 +624,15 @@ moba_fwd_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const f
         const int t = qtok[ty + TY * i];
         if (t < 0) continue;
         float mi = m[i], li = l[i];
-        const size_t e0 = ((size_t)bh * T + t) * K1;
-        for (int s = 0; s < K1; ++s) {
-            if (sel[e0 + s] < 0) break;
-            const float lp = lpart[e0 + s];
-            float alpha, beta;
-            moba_lse_merge(mi, li, lp, alpha, beta);
-            const float* pr = part + (e0 + s) * HS;
+        moba_merge_partials(sel, lpart, part, ((size_t)bh * T + t) * K1, K1, mi, li,
+                            [&](const float* pr, float alpha, float beta) {
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
                 const int col = tx + TX * c;
                 const float pv = moba_col_ok(col) ? pr[col] : 0.f;
                 acc[i][c] = fmaf(acc[i][c], alpha, beta * pv);
             }
-        }
+        });
         floatX* orow = o + hoff + (size_t)t * tstride;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
@@ -1260,6 +1272,24 @@ static __device__ __forceinline__ void moba_mstage_keys(floatX* Ks, floatX* Vs, 
     cp_commit();
 }
 
+// The key tiles u .. uend-1 (MK keys each), double-buffered through Ks, Vs [2][MK][MLD] by TH threads:
+// tile(u0, nk, K, V) computes on one while the next one's copies are in flight. The first tile's copies
+// are committed with whatever the caller staged before; every tile starts with a barrier.
+template <int TH, class Tile>
+static __device__ __forceinline__ void moba_key_tiles(floatX* Ks, floatX* Vs, const floatX* __restrict__ k,
+                                                      const floatX* __restrict__ v, size_t tstride, int u, int uend,
+                                                      Tile tile)
+{
+    moba_mstage_keys<TH>(Ks, Vs, 0, k, v, tstride, u, uend);
+    int buf = 0;
+    for (int u0 = u; u0 < uend; u0 += MK, buf ^= 1) {
+        cp_wait<0>();
+        __syncthreads();                       // tile buf landed for all; buf ^ 1 is consumed
+        if (u0 + MK < uend) moba_mstage_keys<TH>(Ks, Vs, buf ^ 1, k, v, tstride, u0 + MK, uend);
+        tile(u0, min(MK, uend - u0), Ks + buf * MK * MLD, Vs + buf * MK * MLD);
+    }
+}
+
 // One key tile of the online softmax for 16 queries (fragment rows of tokens tq; scores s of keys u0 .. u0+nk
 // in the C fragments): the running max m (log2 domain) and sum l, the output o rescaled, s replaced by
 // the probabilities (relative to the new max).
@@ -1322,15 +1352,7 @@ static __device__ __forceinline__ void moba_mfwd_attend(const MobaMFwdSmem& sm, 
         tq[mt][0] = sm.qtok[r0 + 16 * mt + mfrag_row(0)];
         tq[mt][1] = sm.qtok[r0 + 16 * mt + mfrag_row(2)];
     }
-    moba_mstage_keys<MFT>(sm.K, sm.V, 0, k, v, tstride, u, uend);
-    int buf = 0;
-    for (int u0 = u; u0 < uend; u0 += MK, buf ^= 1) {
-        const int nk = min(MK, uend - u0);
-        cp_wait<0>();
-        __syncthreads();                       // tile buf landed for all; buf ^ 1 is consumed
-        if (u0 + MK < uend) moba_mstage_keys<MFT>(sm.K, sm.V, buf ^ 1, k, v, tstride, u0 + MK, uend);
-        const floatX* Ks = sm.K + buf * MK * MLD;
-        const floatX* Vs = sm.V + buf * MK * MLD;
+    moba_key_tiles<MFT>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks, const floatX* Vs) {
         float s[MFM][MK / 8][4];
 #pragma unroll
         for (int mt = 0; mt < MFM; ++mt) moba_zero(s[mt]);
@@ -1338,7 +1360,7 @@ static __device__ __forceinline__ void moba_mfwd_attend(const MobaMFwdSmem& sm, 
 #pragma unroll
         for (int mt = 0; mt < MFM; ++mt) moba_online_softmax(s[mt], tq[mt], u0, nk, causal, scale2, m[mt], l[mt], o[mt]);
         mma_pz<MFM, MK>(o, s, Vs);
-    }
+    });
 }
 
 // The query rows of a forward CTA (tokens sm.qtok) into sm.Q, cp.async (committed with the first keys).
@@ -1410,20 +1432,15 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
             const int t = qtok[r0 + 16 * mt + mfrag_row(2 * i)];
             if (t < 0) continue;
             float mi = m[mt][i] * MOBA_LN2, li = l[mt][i];      // natural-log domain, as lpart
-            const size_t e0 = ((size_t)bh * T + t) * K1;
-            for (int s = 0; s < K1; ++s) {
-                if (sel[e0 + s] < 0) break;
-                const float lp = lpart[e0 + s];
-                float alpha, beta;
-                moba_lse_merge(mi, li, lp, alpha, beta);
-                const float* pr = part + (e0 + s) * HS;
+            moba_merge_partials(sel, lpart, part, ((size_t)bh * T + t) * K1, K1, mi, li,
+                                [&](const float* pr, float alpha, float beta) {
 #pragma unroll
                 for (int nt = 0; nt < MNT; ++nt) {
                     const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
                     acc[mt][nt][2 * i] = fmaf(acc[mt][nt][2 * i], alpha, beta * pv.x);
                     acc[mt][nt][2 * i + 1] = fmaf(acc[mt][nt][2 * i + 1], alpha, beta * pv.y);
                 }
-            }
+            });
             floatX* orow = o + hoff + (size_t)t * tstride;
             const float inv = 1.f / li;
 #pragma unroll
@@ -1475,19 +1492,11 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
 {
     const int r0 = 16 * (threadIdx.x >> 5);
     moba_zero(acc);
-    moba_mstage_keys<NTHR>(sm.K, sm.V, 0, k, v, tstride, u, uend);
-    __syncthreads();                                          // the caller's lse2 and D
-    const int tq[2] = {sm.qtok[r0 + mfrag_row(0)], sm.qtok[r0 + mfrag_row(2)]};
-    const float l2[2] = {sm.lse2[r0 + mfrag_row(0)], sm.lse2[r0 + mfrag_row(2)]};
-    const float Dq[2] = {sm.D[r0 + mfrag_row(0)], sm.D[r0 + mfrag_row(2)]};
-    int buf = 0;
-    for (int u0 = u; u0 < uend; u0 += MK, buf ^= 1) {
-        const int nk = min(MK, uend - u0);
-        cp_wait<0>();
-        __syncthreads();                       // tile buf landed for all; buf ^ 1 is consumed
-        if (u0 + MK < uend) moba_mstage_keys<NTHR>(sm.K, sm.V, buf ^ 1, k, v, tstride, u0 + MK, uend);
-        const floatX* Ks = sm.K + buf * MK * MLD;
-        const floatX* Vs = sm.V + buf * MK * MLD;
+    moba_key_tiles<NTHR>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks, const floatX* Vs) {
+        // (after the tile's barrier: the caller's tokens, lse2 and D are visible)
+        const int tq[2] = {sm.qtok[r0 + mfrag_row(0)], sm.qtok[r0 + mfrag_row(2)]};
+        const float l2[2] = {sm.lse2[r0 + mfrag_row(0)], sm.lse2[r0 + mfrag_row(2)]};
+        const float Dq[2] = {sm.D[r0 + mfrag_row(0)], sm.D[r0 + mfrag_row(2)]};
         float s[MK / 8][4], dp[MK / 8][4];
         moba_zero(s);
         moba_zero(dp);
@@ -1505,7 +1514,7 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
                 s[nt][e] = p * (dp[nt][e] - Dq[i]);
             }
         mma_pz<MK>(acc, s, Ks);
-    }
+    });
 }
 
 // (8m) = (8) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block NTHR, smem MobaMDqSmem
