@@ -93,7 +93,8 @@ static __device__ __forceinline__ void moba_lse_merge(float& m, float& l, float 
 // negative sel ends them) merged into the running (max mi, sum li): add(pr, alpha, beta) rescales the
 // output by alpha and adds beta times the slot's partial row pr.
 template <class Add>
-static __device__ __forceinline__ void moba_merge_partials(const int* __restrict__ sel, const float* __restrict__ lpart,
+static __device__ __forceinline__ void moba_merge_partials(const int* __restrict__ sel,
+                                                           const float* __restrict__ lpart,
                                                            const float* __restrict__ part, size_t e0, int K1,
                                                            float& mi, float& li, Add add)
 {
@@ -1352,13 +1353,15 @@ static __device__ __forceinline__ void moba_mfwd_attend(const MobaMFwdSmem& sm, 
         tq[mt][0] = sm.qtok[r0 + 16 * mt + mfrag_row(0)];
         tq[mt][1] = sm.qtok[r0 + 16 * mt + mfrag_row(2)];
     }
-    moba_key_tiles<MFT>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks, const floatX* Vs) {
+    moba_key_tiles<MFT>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks,
+                                                                 const floatX* Vs) {
         float s[MFM][MK / 8][4];
 #pragma unroll
         for (int mt = 0; mt < MFM; ++mt) moba_zero(s[mt]);
         mma_xyt<MFM, MK / 8>(s, sm.Q, r0, Ks);
 #pragma unroll
-        for (int mt = 0; mt < MFM; ++mt) moba_online_softmax(s[mt], tq[mt], u0, nk, causal, scale2, m[mt], l[mt], o[mt]);
+        for (int mt = 0; mt < MFM; ++mt)
+            moba_online_softmax(s[mt], tq[mt], u0, nk, causal, scale2, m[mt], l[mt], o[mt]);
         mma_pz<MFM, MK>(o, s, Vs);
     });
 }
@@ -1492,7 +1495,8 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
 {
     const int r0 = 16 * (threadIdx.x >> 5);
     moba_zero(acc);
-    moba_key_tiles<NTHR>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks, const floatX* Vs) {
+    moba_key_tiles<NTHR>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks,
+                                                                  const floatX* Vs) {
         // (after the tile's barrier: the caller's tokens, lse2 and D are visible)
         const int tq[2] = {sm.qtok[r0 + mfrag_row(0)], sm.qtok[r0 + mfrag_row(2)]};
         const float l2[2] = {sm.lse2[r0 + mfrag_row(0)], sm.lse2[r0 + mfrag_row(2)]};
