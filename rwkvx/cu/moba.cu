@@ -959,8 +959,9 @@ write_out:
 //   * floatX = bf16: mma.sync m16n8k16 bf16; floatX = float: two mma.sync m16n8k8 tf32 per 16-wide
 //     k-step (operands rounded with cvt.rna.tf32.f32). fp32 accumulation, fp32 softmax statistics;
 //     the probabilities (and dS) are rounded to the operand type for the second product.
-//   * 4 warps x 16 rows: the forward and dq kernels give each warp 16 queries of a 64-query tile and
-//     loop over 64-key tiles; dk/dv gives each warp 16 keys of a 64-key tile and loops over query tiles.
+//   * the forward and dq kernels give each of their MQT / 32 warps 16 * MQM queries of a 64-query tile
+//     (N <= 64: 2 warps x 32, each K, V fragment serving two 16-row tiles; N = 128: 4 x 16) and loop over
+//     64-key tiles; dk/dv gives each of 4 warps 16 keys of a 64-key tile and loops over query tiles.
 //   * scores in the log2 domain (exp2f); lse / lpart stay natural logs (the same buffers as above).
 //   * every operand tile sits in shared memory row-major as in global memory ([token][HS], rows padded
 //     by 16 bytes), staged with 16-byte cp.async; the tiles the loop walks (keys; dk/dv: queries) are
@@ -988,14 +989,14 @@ write_out:
 #define MKVQ MOBA_MMA_KVQ          // queries per dk/dv tile
 #define MLD MOBA_MMA_LD            // row stride of every [rows][HS] operand tile (elements)
 #define MNT (HS / 8)               // 8-column n-tiles of a [16][HS] accumulator
-#define MFT MOBA_MMA_FWD_THREADS   // threads of the forward kernels
-#define MFM (MQ / 16 / (MFT / 32)) // 16-row query tiles per forward warp (sharing each K, V fragment load)
+#define MQT MOBA_MMA_QTHREADS      // threads of the forward and dq kernels (query tiles of MQ)
+#define MQM (MQ / 16 / (MQT / 32)) // 16-row query tiles per warp of those (sharing each K, V fragment load)
 #define MVEC (16 / (int)sizeof(floatX))   // elements in 16 bytes (one cp.async)
 #define MROWV (HS / MVEC)          // 16-byte units of a head row
 
 static_assert(MQ == MOBA_FQ, "the mma kernels reuse the tile offsets toff_f of moba_scan");
-static_assert(MQ == 16 * (NTHR / 32) && MK == 16 * (NTHR / 32), "dq, dk/dv: one warp per 16 rows");
-static_assert(MFM * 16 * (MFT / 32) == MQ && MQ <= MFT, "forward: whole row tiles per warp, a thread per query");
+static_assert(MK == 16 * (NTHR / 32), "dk/dv: one warp per 16 keys");
+static_assert(MQM * 16 * (MQT / 32) == MQ && MQ <= MQT, "fwd, dq: whole row tiles per warp, a thread per query");
 static_assert(HS % 16 == 0 && MK % 16 == 0 && MKVQ % 16 == 0, "16-wide k-steps, n-tiles in pairs");
 static_assert((MLD * sizeof(floatX)) % 16 == 0, "16-byte aligned rows for cp.async and ldmatrix");
 
@@ -1332,37 +1333,37 @@ static __device__ __forceinline__ void moba_online_softmax(float (&s)[MK / 8][4]
         for (int e = 0; e < 4; ++e) o[nt][e] *= alpha[e >> 1];
 }
 
-// The first query row of this thread's warp in a forward CTA (MFM tiles of 16 rows per warp).
-static __device__ __forceinline__ int moba_mfwd_r0() { return 16 * MFM * (threadIdx.x >> 5); }
+// The first query row of this thread's warp in a forward or dq CTA (MQM tiles of 16 rows per warp).
+static __device__ __forceinline__ int moba_mq_r0() { return 16 * MQM * (threadIdx.x >> 5); }
 
-// Online softmax of the warp's 16 * MFM queries (sm.Q rows from moba_mfwd_r0(), tokens sm.qtok, staged by
+// Online softmax of the warp's 16 * MQM queries (sm.Q rows from moba_mq_r0(), tokens sm.qtok, staged by
 // the caller with cp.async, not yet committed) over keys u .. uend-1 in tiles of MK. Per thread and row
 // tile mt: rows g and g+8 -> m[mt][i] (running max, log2 domain), l[mt][i] (sum), o[mt] (un-normalised).
 static __device__ __forceinline__ void moba_mfwd_attend(const MobaMFwdSmem& sm, const floatX* __restrict__ k,
                                                         const floatX* __restrict__ v, size_t tstride, int u,
-                                                        int uend, bool causal, float scale2, float (&m)[MFM][2],
-                                                        float (&l)[MFM][2], float (&o)[MFM][MNT][4])
+                                                        int uend, bool causal, float scale2, float (&m)[MQM][2],
+                                                        float (&l)[MQM][2], float (&o)[MQM][MNT][4])
 {
-    const int r0 = moba_mfwd_r0();
-    int tq[MFM][2];
+    const int r0 = moba_mq_r0();
+    int tq[MQM][2];
 #pragma unroll
-    for (int mt = 0; mt < MFM; ++mt) {
+    for (int mt = 0; mt < MQM; ++mt) {
         m[mt][0] = m[mt][1] = -MOBA_INF;
         l[mt][0] = l[mt][1] = 0.f;
         moba_zero(o[mt]);
         tq[mt][0] = sm.qtok[r0 + 16 * mt + mfrag_row(0)];
         tq[mt][1] = sm.qtok[r0 + 16 * mt + mfrag_row(2)];
     }
-    moba_key_tiles<MFT>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks,
+    moba_key_tiles<MQT>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks,
                                                                  const floatX* Vs) {
-        float s[MFM][MK / 8][4];
+        float s[MQM][MK / 8][4];
 #pragma unroll
-        for (int mt = 0; mt < MFM; ++mt) moba_zero(s[mt]);
-        mma_xyt<MFM, MK / 8>(s, sm.Q, r0, Ks);
+        for (int mt = 0; mt < MQM; ++mt) moba_zero(s[mt]);
+        mma_xyt<MQM, MK / 8>(s, sm.Q, r0, Ks);
 #pragma unroll
-        for (int mt = 0; mt < MFM; ++mt)
+        for (int mt = 0; mt < MQM; ++mt)
             moba_online_softmax(s[mt], tq[mt], u0, nk, causal, scale2, m[mt], l[mt], o[mt]);
-        mma_pz<MFM, MK>(o, s, Vs);
+        mma_pz<MQM, MK>(o, s, Vs);
     });
 }
 
@@ -1373,11 +1374,11 @@ static __device__ __forceinline__ void moba_mstage_fwd_queries(const MobaMFwdSme
     floatX* const dst[1] = {sm.Q};
     const floatX* const src[1] = {q};
     const int* qtok = sm.qtok;
-    mstage_rows<MQ, MFT>(dst, src, tstride, [=](int r) { return qtok[r]; });
+    mstage_rows<MQ, MQT>(dst, src, tstride, [=](int r) { return qtok[r]; });
 }
 
-// (5m) = (5) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block MFT, smem MobaMFwdSmem
-extern "C" __global__ void __launch_bounds__(MFT, MOBA_MMA_MINB_MFWD)
+// (5m) = (5) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block MQT, smem MobaMFwdSmem
+extern "C" __global__ void __launch_bounds__(MQT, MOBA_MMA_MINB_MFWD)
 moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                   const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
                   float* __restrict__ lpart, int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
@@ -1391,12 +1392,12 @@ moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     moba_mstage_fwd_queries(sm, q + hoff, tstride);
-    float m[MFM][2], l[MFM][2], o[MFM][MNT][4];
+    float m[MQM][2], l[MQM][2], o[MQM][MNT][4];
     moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E,
                      m, l, o);
-    const int r0 = moba_mfwd_r0();
+    const int r0 = moba_mq_r0();
 #pragma unroll
-    for (int mt = 0; mt < MFM; ++mt)
+    for (int mt = 0; mt < MQM; ++mt)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int p = sm.qent[r0 + 16 * mt + mfrag_row(2 * i)];
@@ -1411,8 +1412,8 @@ moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
         }
 }
 
-// (6m) = (6) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block MFT, smem MobaMFwdSmem
-extern "C" __global__ void __launch_bounds__(MFT, MOBA_MMA_MINB_MFWD)
+// (6m) = (6) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block MQT, smem MobaMFwdSmem
+extern "C" __global__ void __launch_bounds__(MQT, MOBA_MMA_MINB_MFWD)
 moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                  const int* __restrict__ sel, const float* __restrict__ part, const float* __restrict__ lpart,
                  floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
@@ -1425,11 +1426,11 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     const int* qtok = sm.qtok;
     moba_mstage_fwd_queries(sm, q + hoff, tstride);
-    float m[MFM][2], l[MFM][2], acc[MFM][MNT][4];
+    float m[MQM][2], l[MQM][2], acc[MQM][MNT][4];
     moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, m, l, acc);
-    const int r0 = moba_mfwd_r0();
+    const int r0 = moba_mq_r0();
 #pragma unroll
-    for (int mt = 0; mt < MFM; ++mt)
+    for (int mt = 0; mt < MQM; ++mt)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const int t = qtok[r0 + 16 * mt + mfrag_row(2 * i)];
@@ -1479,50 +1480,59 @@ static __device__ __forceinline__ void moba_mstage_dq_queries(const MobaMDqSmem&
     const int* qtok = sm.qtok;
     floatX* const dst[2] = {sm.Q, sm.dO};
     const floatX* const src[2] = {q, dout};
-    mstage_rows<MQ>(dst, src, tstride, [=](int r) { return qtok[r]; });
-    for (int r = threadIdx.x; r < MQ; r += NTHR) {
+    mstage_rows<MQ, MQT>(dst, src, tstride, [=](int r) { return qtok[r]; });
+    for (int r = threadIdx.x; r < MQ; r += MQT) {
         const int t = qtok[r];
         sm.lse2[r] = t >= 0 ? lse[bhT + t] * MOBA_LOG2E : 0.f;
         sm.D[r] = t >= 0 ? delta[bhT + t] : 0.f;
     }
 }
 
-// dq (without the factor scale) of the warp's 16 queries from keys u .. uend-1 in tiles of MK:
-// P = exp2(scale2 * q.k - lse2), dP = do.v, dS = P (dP - D), acc += dS K.
+// dq (without the factor scale) of the warp's 16 * MQM queries (rows from moba_mq_r0()) from keys
+// u .. uend-1 in tiles of MK: P = exp2(scale2 * q.k - lse2), dP = do.v, dS = P (dP - D), acc += dS K.
 static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, const floatX* __restrict__ k,
                                                        const floatX* __restrict__ v, size_t tstride, int u,
-                                                       int uend, bool causal, float scale2, float (&acc)[MNT][4])
+                                                       int uend, bool causal, float scale2,
+                                                       float (&acc)[MQM][MNT][4])
 {
-    const int r0 = 16 * (threadIdx.x >> 5);
-    moba_zero(acc);
-    moba_key_tiles<NTHR>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks,
-                                                                  const floatX* Vs) {
-        // (after the tile's barrier: the caller's tokens, lse2 and D are visible)
-        const int tq[2] = {sm.qtok[r0 + mfrag_row(0)], sm.qtok[r0 + mfrag_row(2)]};
-        const float l2[2] = {sm.lse2[r0 + mfrag_row(0)], sm.lse2[r0 + mfrag_row(2)]};
-        const float Dq[2] = {sm.D[r0 + mfrag_row(0)], sm.D[r0 + mfrag_row(2)]};
-        float s[MK / 8][4], dp[MK / 8][4];
-        moba_zero(s);
-        moba_zero(dp);
-        mma_xyt<MK / 8>(s, sm.Q, r0, Ks);
-        mma_xyt<MK / 8>(dp, sm.dO, r0, Vs);
-        int lim[2];
-        moba_row_limits(tq, u0, nk, causal, lim);
+    const int r0 = moba_mq_r0();
 #pragma unroll
-        for (int nt = 0; nt < MK / 8; ++nt)
+    for (int mt = 0; mt < MQM; ++mt) moba_zero(acc[mt]);
+    moba_key_tiles<MQT>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks,
+                                                                 const floatX* Vs) {
+        float s[MQM][MK / 8][4], dp[MQM][MK / 8][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = e >> 1;
-                // exp2(-inf) = 0 for the hidden keys: a select, not a branch around the exp2
-                const float p = exp2f(mfrag_col(nt, e) < lim[i] ? s[nt][e] * scale2 - l2[i] : -MOBA_INF);
-                s[nt][e] = p * (dp[nt][e] - Dq[i]);
-            }
-        mma_pz<MK>(acc, s, Ks);
+        for (int mt = 0; mt < MQM; ++mt) {
+            moba_zero(s[mt]);
+            moba_zero(dp[mt]);
+        }
+        mma_xyt<MQM, MK / 8>(s, sm.Q, r0, Ks);
+        mma_xyt<MQM, MK / 8>(dp, sm.dO, r0, Vs);
+#pragma unroll
+        for (int mt = 0; mt < MQM; ++mt) {
+            // (after the tile's barrier: the caller's tokens, lse2 and D are visible)
+            const int r = r0 + 16 * mt;
+            const int tq[2] = {sm.qtok[r + mfrag_row(0)], sm.qtok[r + mfrag_row(2)]};
+            const float l2[2] = {sm.lse2[r + mfrag_row(0)], sm.lse2[r + mfrag_row(2)]};
+            const float Dq[2] = {sm.D[r + mfrag_row(0)], sm.D[r + mfrag_row(2)]};
+            int lim[2];
+            moba_row_limits(tq, u0, nk, causal, lim);
+#pragma unroll
+            for (int nt = 0; nt < MK / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = e >> 1;
+                    // exp2(-inf) = 0 for the hidden keys: a select, not a branch around the exp2
+                    const float p = exp2f(mfrag_col(nt, e) < lim[i] ? s[mt][nt][e] * scale2 - l2[i] : -MOBA_INF);
+                    s[mt][nt][e] = p * (dp[mt][nt][e] - Dq[i]);
+                }
+        }
+        mma_pz<MQM, MK>(acc, s, Ks);
     });
 }
 
-// (8m) = (8) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block NTHR, smem MobaMDqSmem
-extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MDQ)
+// (8m) = (8) on tensor cores: grid (ceil(Emax/MQ) + nblk, H, B), block MQT, smem MobaMDqSmem
+extern "C" __global__ void __launch_bounds__(MQT, MOBA_MMA_MINB_MDQ)
 moba_bwd_dq_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                      const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                      const int* __restrict__ idx, const int* __restrict__ qlist, float* __restrict__ part,
@@ -1537,23 +1547,25 @@ moba_bwd_dq_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k,
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     moba_mstage_dq_queries(sm, q + hoff, dout + hoff, lse, delta, tstride, (size_t)bh * T);
-    float acc[MNT][4];
+    float acc[MQM][MNT][4];
     moba_mdq_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E, acc);
-    const int r0 = 16 * (threadIdx.x >> 5);
+    const int r0 = moba_mq_r0();
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int p = sm.qent[r0 + mfrag_row(2 * i)];
-        if (p < 0) continue;
-        float* pr = part + ((size_t)bh * T * K1 + p) * HS;
+    for (int mt = 0; mt < MQM; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < MNT; ++nt)
-            *reinterpret_cast<float2*>(pr + mfrag_col(nt, 0)) =
-                make_float2(acc[nt][2 * i] * scale, acc[nt][2 * i + 1] * scale);
-    }
+        for (int i = 0; i < 2; ++i) {
+            const int p = sm.qent[r0 + 16 * mt + mfrag_row(2 * i)];
+            if (p < 0) continue;
+            float* pr = part + ((size_t)bh * T * K1 + p) * HS;
+#pragma unroll
+            for (int nt = 0; nt < MNT; ++nt)
+                *reinterpret_cast<float2*>(pr + mfrag_col(nt, 0)) =
+                    make_float2(acc[mt][nt][2 * i] * scale, acc[mt][nt][2 * i + 1] * scale);
+        }
 }
 
-// (9m) = (9) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block NTHR, smem MobaMDqSmem
-extern "C" __global__ void __launch_bounds__(NTHR, MOBA_MMA_MINB_MDQ)
+// (9m) = (9) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block MQT, smem MobaMDqSmem
+extern "C" __global__ void __launch_bounds__(MQT, MOBA_MMA_MINB_MDQ)
 moba_bwd_dq_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                     const floatX* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ delta,
                     const int* __restrict__ sel, const float* __restrict__ part, floatX* __restrict__ dq,
@@ -1566,37 +1578,39 @@ moba_bwd_dq_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, 
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     moba_mstage_dq_queries(sm, q + hoff, dout + hoff, lse, delta, tstride, (size_t)bh * T);
-    float acc[MNT][4];
+    float acc[MQM][MNT][4];
     moba_mdq_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, acc);
-    const int r0 = 16 * (threadIdx.x >> 5);
+    const int r0 = moba_mq_r0();
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int t = sm.qtok[r0 + mfrag_row(2 * i)];
-        if (t < 0) continue;
-        float r[MNT][2];
+    for (int mt = 0; mt < MQM; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < MNT; ++nt) {
-            r[nt][0] = acc[nt][2 * i] * scale;
-            r[nt][1] = acc[nt][2 * i + 1] * scale;
-        }
-        const size_t e0 = ((size_t)bh * T + t) * K1;
-        for (int s = 0; s < K1; ++s) {
-            if (sel[e0 + s] < 0) break;
-            const float* pr = part + (e0 + s) * HS;
+        for (int i = 0; i < 2; ++i) {
+            const int t = sm.qtok[r0 + 16 * mt + mfrag_row(2 * i)];
+            if (t < 0) continue;
+            float r[MNT][2];
 #pragma unroll
             for (int nt = 0; nt < MNT; ++nt) {
-                const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
-                r[nt][0] += pv.x;
-                r[nt][1] += pv.y;
+                r[nt][0] = acc[mt][nt][2 * i] * scale;
+                r[nt][1] = acc[mt][nt][2 * i + 1] * scale;
+            }
+            const size_t e0 = ((size_t)bh * T + t) * K1;
+            for (int s = 0; s < K1; ++s) {
+                if (sel[e0 + s] < 0) break;
+                const float* pr = part + (e0 + s) * HS;
+#pragma unroll
+                for (int nt = 0; nt < MNT; ++nt) {
+                    const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
+                    r[nt][0] += pv.x;
+                    r[nt][1] += pv.y;
+                }
+            }
+            floatX* drow = dq + hoff + (size_t)t * tstride;
+#pragma unroll
+            for (int nt = 0; nt < MNT; ++nt) {
+                drow[mfrag_col(nt, 0)] = from_f32(r[nt][0]);
+                drow[mfrag_col(nt, 1)] = from_f32(r[nt][1]);
             }
         }
-        floatX* drow = dq + hoff + (size_t)t * tstride;
-#pragma unroll
-        for (int nt = 0; nt < MNT; ++nt) {
-            drow[mfrag_col(nt, 0)] = from_f32(r[nt][0]);
-            drow[mfrag_col(nt, 1)] = from_f32(r[nt][1]);
-        }
-    }
 }
 
 // --- backward dk, dv ---------------------------------------------------------------------------

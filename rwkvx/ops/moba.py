@@ -60,7 +60,7 @@ from . import _common
 from ._common import DeviceInfo, check_buffers
 
 HEAD_SIZES = (4, 8, 16, 32, 64, 128, 256)
-NTHR = 128          # threads of the attention kernels (16 x 8 per tile)
+NTHR = 128          # threads of the attention kernels (16 x 8 per tile; mma fwd/dq: mma_query_threads)
 SEL_Q = 64          # threads (= queries) per moba_select block
 SEL_J = 32          # block means staged per selection step
 KM_THREADS = 256    # moba_kmean threads
@@ -122,17 +122,17 @@ def mma_tiles(N: int, xtype: str) -> dict[str, int]:
     return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad)
 
 
-def mma_fwd_threads(N: int) -> int:
-    """Threads of the tensor-core forward CTAs (MMA_ROWS queries): N <= 64, 2 warps of 32 queries, so each
-    K and V fragment loaded from shared memory serves two 16-row tiles; N = 128, 4 warps of 16 (the
-    accumulators of 32 rows would not fit in registers)."""
+def mma_query_threads(N: int) -> int:
+    """Threads of the tensor-core forward and dq CTAs (MMA_ROWS queries each): N <= 64, 2 warps of 32
+    queries, so each K and V fragment read from shared memory serves two 16-row tiles; N = 128, 4 warps
+    of 16 (the accumulators of 32 rows would not fit in registers)."""
     return 64 if N <= 64 else NTHR
 
 
 def mma_min_blocks(N: int) -> dict[str, int]:
     """CTAs per SM that each tensor-core kernel group's registers are budgeted for (the minimum blocks of
     its __launch_bounds__, define MOBA_MMA_MINB_<group>). N <= 64: what shared memory allows for bf16
-    (MFWD 4 of mma_fwd_threads: no register cap; MDQ, MKV 3 of NTHR: <= 168 registers), which ptxas
+    (MFWD 4, MDQ 3 of mma_query_threads: no register cap; MKV 3 of NTHR: <= 168 registers), which ptxas
     meets without spills for both element types; left to ptxas, it aims one CTA higher at N = 32 (and
     spills) and lands one register above the 3-CTA budget for bf16 dk/dv at N = 64. N = 128: 1 (no cap)."""
     if N <= 64:
@@ -180,7 +180,7 @@ def _derived(variant: dict, xtype: str) -> dict:
     for offsets, _ in smem_layouts(N).values():
         out.update(offsets)
     if N in MMA_HEAD_SIZES:
-        out.update(mma_tiles(N, xtype), MOBA_MMA_FWD_THREADS=mma_fwd_threads(N))
+        out.update(mma_tiles(N, xtype), MOBA_MMA_QTHREADS=mma_query_threads(N))
         out.update({f"MOBA_MMA_MINB_{group}": blocks for group, blocks in mma_min_blocks(N).items()})
         for offsets, _, _ in mma_smem_layouts(N, xtype).values():
             out.update(offsets)
@@ -231,7 +231,7 @@ class _Attention(NamedTuple):
     dqq: int         # queries per dq CTA
     kvk: int         # keys per dk/dv CTA
     smem: dict       # "fwd", "dq", "kv" -> bytes
-    fwd_threads: int  # threads per forward CTA (the others: NTHR)
+    qthreads: int    # threads per forward and dq CTA (dk/dv: NTHR)
 
 
 def _attention(method: str, N: int, xtype: str) -> _Attention:
@@ -243,7 +243,7 @@ def _attention(method: str, N: int, xtype: str) -> _Attention:
         raise ValueError(f"moba: method 'mma' supports head sizes {MMA_HEAD_SIZES}, got {N}")
     return _Attention(_KERNELS["mma"], MMA_ROWS, MMA_ROWS, MMA_ROWS,
                       {g: mma_smem_bytes(N, G, xtype) for g, G in (("fwd", "MFWD"), ("dq", "MDQ"), ("kv", "MKV"))},
-                      mma_fwd_threads(N))
+                      mma_query_threads(N))
 
 
 def check_shape(B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo) -> None:
@@ -371,13 +371,13 @@ def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: in
                                     sel=sel, idx=idx, qlist=qlist, T=T, H=H, chunk=chunk, K1=K1, nblk=nblk,
                                     Emax=E))
         ops.append(att.kernels["fwd_past"].launch(
-            (math.ceil(E / att.fq) + nblk, H, B), (att.fwd_threads, 1, 1), xtype=xtype, variant=var,
+            (math.ceil(E / att.fq) + nblk, H, B), (att.qthreads, 1, 1), xtype=xtype, variant=var,
             smem=att.smem["fwd"],
             q=q, k=k, v=v, idx=idx, qlist=qlist, part=part, lpart=lpart, T=T, H=H, chunk=chunk, K1=K1,
             nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0      # no past block anywhere: nothing to merge
     tpc = math.ceil(chunk / att.fq)
-    ops.append(att.kernels["fwd_own"].launch((nblk * tpc, H, B), (att.fwd_threads, 1, 1), xtype=xtype, variant=var,
+    ops.append(att.kernels["fwd_own"].launch((nblk * tpc, H, B), (att.qthreads, 1, 1), xtype=xtype, variant=var,
                                    smem=att.smem["fwd"], q=q, k=k, v=v, sel=sel if k1_eff else None,
                                    part=part, lpart=lpart, o=o, lse=lse, T=T, H=H, chunk=chunk, K1=k1_eff,
                                    scale=scale))
@@ -401,13 +401,14 @@ def backward(q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, 
     if E > 0:
         sel, idx = _get(scratch, "sel"), _get(scratch, "idx")
         qlist, part = _get(scratch, "qlist"), _get(scratch, "part")
-        ops.append(att.kernels["bwd_dq_past"].launch((math.ceil(E / att.dqq) + nblk, H, B), (NTHR, 1, 1),
+        ops.append(att.kernels["bwd_dq_past"].launch((math.ceil(E / att.dqq) + nblk, H, B), (att.qthreads, 1, 1),
                                            xtype=xtype, variant=var, smem=att.smem["dq"], **common,
                                            idx=idx, qlist=qlist, part=part, T=T, H=H, chunk=chunk, K1=K1,
                                            nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0
     tpc = math.ceil(chunk / att.dqq)
-    ops.append(att.kernels["bwd_dq_own"].launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
+    ops.append(att.kernels["bwd_dq_own"].launch((nblk * tpc, H, B), (att.qthreads, 1, 1), xtype=xtype,
+                                                variant=var,
                                       smem=att.smem["dq"], **common, sel=sel, part=part, dq=dq,
                                       T=T, H=H, chunk=chunk, K1=k1_eff, scale=scale))
     ops.append(att.kernels["bwd_dkdv"].launch((math.ceil(chunk / att.kvk), nblk, B * H), (NTHR, 1, 1),
