@@ -231,7 +231,7 @@ def test_score_and_value_products(kind, HS, keys):
     rng = np.random.default_rng(7)
     ld = moba.mma_tiles(HS, XTYPE[kind])["MOBA_MMA_LD"]
     # the forward's and dq's row tiles per warp (moba.cu's MQM), and one (dk/dv)
-    for MT in sorted({moba.MMA_ROWS // 16 // (moba.mma_query_threads(HS) // LANES), 1}):
+    for MT in sorted({moba.MMA_ROWS // 16 // (moba.mma_query_threads(HS, XTYPE[kind]) // LANES), 1}):
         r0 = 16
         X = rng.standard_normal((r0 + 16 * MT, HS))
         Y, V = rng.standard_normal((keys, HS)), rng.standard_normal((keys, HS))

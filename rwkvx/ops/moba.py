@@ -122,19 +122,21 @@ def mma_tiles(N: int, xtype: str) -> dict[str, int]:
     return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad)
 
 
-def mma_query_threads(N: int) -> int:
-    """Threads of the tensor-core forward and dq CTAs (MMA_ROWS queries each): N <= 64, 2 warps of 32
-    queries, so each K and V fragment read from shared memory serves two 16-row tiles; N = 128, 4 warps
-    of 16 (the accumulators of 32 rows would not fit in registers)."""
-    return 64 if N <= 64 else NTHR
+def mma_query_threads(N: int, xtype: str) -> int:
+    """Threads of the tensor-core forward and dq CTAs (MMA_ROWS queries each). bf16 at N <= 64: 2 warps of
+    32 queries, so each K and V fragment read from shared memory serves two 16-row tiles (3-4 CTAs per SM
+    fit in shared memory). Otherwise 4 warps of 16: the f32 tiles take twice the shared memory (2 CTAs
+    per SM, which keeps 8 warps), and at N = 128 the accumulators of 32 rows would not fit in registers."""
+    return 64 if N <= 64 and xtype == "bf16" else NTHR
 
 
 def mma_min_blocks(N: int) -> dict[str, int]:
     """CTAs per SM that each tensor-core kernel group's registers are budgeted for (the minimum blocks of
-    its __launch_bounds__, define MOBA_MMA_MINB_<group>). N <= 64: what shared memory allows for bf16
-    (MFWD 4, MDQ 3 of mma_query_threads: no register cap; MKV 3 of NTHR: <= 168 registers), which ptxas
-    meets without spills for both element types; left to ptxas, it aims one CTA higher at N = 32 (and
-    spills) and lands one register above the 3-CTA budget for bf16 dk/dv at N = 64. N = 128: 1 (no cap)."""
+    its __launch_bounds__, define MOBA_MMA_MINB_<group>). N <= 64: MFWD 4, MDQ 3, MKV 3, what shared memory
+    allows for bf16; with 128 threads that caps registers at 128 (f32 forward) and 168 (f32 dq, dk/dv),
+    with 64 (bf16 forward, dq) it caps nothing. ptxas meets them without spills; left to itself it aims
+    one CTA higher at N = 32 (and spills) and lands one register above the 3-CTA budget of bf16 dk/dv at
+    N = 64. N = 128: 1 (no cap)."""
     if N <= 64:
         return {"MFWD": 4, "MDQ": 3, "MKV": 3}
     return {"MFWD": 1, "MDQ": 1, "MKV": 1}
@@ -180,7 +182,7 @@ def _derived(variant: dict, xtype: str) -> dict:
     for offsets, _ in smem_layouts(N).values():
         out.update(offsets)
     if N in MMA_HEAD_SIZES:
-        out.update(mma_tiles(N, xtype), MOBA_MMA_QTHREADS=mma_query_threads(N))
+        out.update(mma_tiles(N, xtype), MOBA_MMA_QTHREADS=mma_query_threads(N, xtype))
         out.update({f"MOBA_MMA_MINB_{group}": blocks for group, blocks in mma_min_blocks(N).items()})
         for offsets, _, _ in mma_smem_layouts(N, xtype).values():
             out.update(offsets)
@@ -243,7 +245,7 @@ def _attention(method: str, N: int, xtype: str) -> _Attention:
         raise ValueError(f"moba: method 'mma' supports head sizes {MMA_HEAD_SIZES}, got {N}")
     return _Attention(_KERNELS["mma"], MMA_ROWS, MMA_ROWS, MMA_ROWS,
                       {g: mma_smem_bytes(N, G, xtype) for g, G in (("fwd", "MFWD"), ("dq", "MDQ"), ("kv", "MKV"))},
-                      mma_query_threads(N))
+                      mma_query_threads(N, xtype))
 
 
 def check_shape(B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo) -> None:
