@@ -126,15 +126,18 @@ def test_mma_builders(N, xtype):
 
 def test_mma_smem_layouts_are_aligned_and_fit():
     for N in moba.MMA_HEAD_SIZES:
-        for group, (offsets, side_words, tile_elems) in moba.mma_smem_layouts(N).items():
-            assert side_words % 4 == 0
-            tiles = [v for name, v in offsets.items() if name.split("_")[-1] in ("Q", "K", "V", "VT", "DO", "KT",
-                                                                                 "QT", "DOT")]
-            assert tiles[0] == 0 and all(v % 8 == 0 for v in tiles)    # 16-byte aligned rows for bf16 and f32
-            for xtype in ("f32", "bf16"):
+        for xtype in ("f32", "bf16"):
+            esize = 2 if xtype == "bf16" else 4
+            t = moba.mma_tiles(N, xtype)
+            ld_bytes = t["MOBA_MMA_LD"] * esize
+            # rows padded by 16 bytes (banks: tests/test_moba_mma_fragments.py)
+            assert ld_bytes == N * esize + 16
+            assert t["MOBA_MMA_Q"] == moba.tiles(N)["MOBA_FQ"]
+            for group, (offsets, side_words, tile_elems) in moba.mma_smem_layouts(N, xtype).items():
+                assert side_words % 4 == 0
+                tiles = [v for name, v in offsets.items() if name.split("_")[-1] in ("Q", "K", "V", "DO")]
+                assert tiles[0] == 0 and all((v * esize) % 16 == 0 for v in tiles)
                 assert moba.mma_smem_bytes(N, group, xtype) <= H200.smem_per_block
-        t = moba.mma_tiles(N)
-        assert (t["MOBA_MMA_LD"] * 2) % 16 == 0 and t["MOBA_MMA_Q"] == moba.tiles(N)["MOBA_FQ"]
 
 
 def test_mma_method_validates():
@@ -145,14 +148,24 @@ def test_mma_method_validates():
         moba.backward(*(x(i) for i in range(1, 9)), sc, 1, 64, 2, 16, 16, 3, H200, method="tensor")
 
 
+def test_mma_register_budget_matches_shared_memory():
+    """The CTAs per SM the bf16 kernels' registers are budgeted for also fit in shared memory (an SM has
+    the opt-in per-block size plus the 1 KiB the hardware reserves per CTA, 228 KiB in all)."""
+    sm_bytes = H200.smem_per_block + 1024
+    for N in moba.MMA_HEAD_SIZES:
+        for group, blocks in moba.mma_min_blocks(N).items():
+            assert blocks * (moba.mma_smem_bytes(N, group, "bf16") + 1024) <= sm_bytes, (N, group)
+
+
+@pytest.mark.parametrize("N", moba.MMA_HEAD_SIZES)
 @pytest.mark.parametrize("xtype", ["f32", "bf16"])
-def test_mma_kernels_do_not_spill_at_n64(xtype):
-    """ptxas: the tensor-core kernels keep everything in registers at the model's head size."""
+def test_mma_kernels_do_not_spill(xtype, N):
+    """ptxas: the tensor-core kernels keep everything in registers (within their __launch_bounds__)."""
     from rwkvx.runtime import nvrtc
     ok, why = nvrtc.nvrtc_available()
     if not ok:
         pytest.skip(f"NVRTC is not installed/usable: {why}")
-    usage = nvrtc.resource_usage("moba", "sm_90", moba.CU.defines(xtype, {"HEAD_SIZE": 64}))
+    usage = nvrtc.resource_usage("moba", "sm_90", moba.CU.defines(xtype, {"HEAD_SIZE": N}))
     mma = {name: u for name, u in usage.items() if name.endswith("_mma")}
     assert len(mma) == 5
     assert all(u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 for u in mma.values()), mma

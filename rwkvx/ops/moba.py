@@ -60,7 +60,7 @@ from . import _common
 from ._common import DeviceInfo, check_buffers
 
 HEAD_SIZES = (4, 8, 16, 32, 64, 128, 256)
-NTHR = 128          # threads of the attention kernels (16 x 8 per tile)
+NTHR = 128          # threads of the attention kernels (16 x 8 per tile; mma fwd/dq: mma_query_threads)
 SEL_Q = 64          # threads (= queries) per moba_select block
 SEL_J = 32          # block means staged per selection step
 KM_THREADS = 256    # moba_kmean threads
@@ -113,29 +113,50 @@ def smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int]]:
     }
 
 
-def mma_tiles(N: int) -> dict[str, int]:
-    """Tile sizes and padded row strides (elements) of the tensor-core kernels for head size N."""
+def mma_tiles(N: int, xtype: str) -> dict[str, int]:
+    """Tile sizes and the padded row stride (elements) of the tensor-core kernels for head size N."""
     kvq = 64 if N <= 64 else 32          # fewer query columns per dk/dv tile: dk, dv stay in registers
-    pad = 8                              # 16 bytes (bf16): conflict-free fragment loads of element pairs
-    return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad,
-                MOBA_MMA_LDK=MMA_ROWS + pad, MOBA_MMA_LDQ=kvq + pad)
+    # rows padded by 16 bytes: 16-byte aligned for cp.async / ldmatrix, and a row stride of 4 banks mod 32
+    # (conflict-free ldmatrix phases of 8 rows; conflict-free tf32 scalar fragment loads)
+    pad = 16 // ELEM_BYTES[xtype]
+    return dict(MOBA_MMA_Q=MMA_ROWS, MOBA_MMA_K=MMA_ROWS, MOBA_MMA_KVQ=kvq, MOBA_MMA_LD=N + pad)
 
 
-def mma_smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int, int]]:
+def mma_query_threads(N: int, xtype: str) -> int:
+    """Threads of the tensor-core forward and dq CTAs (MMA_ROWS queries each). bf16 at N <= 64: 2 warps of
+    32 queries, so each K and V fragment read from shared memory serves two 16-row tiles (3-4 CTAs per SM
+    fit in shared memory). Otherwise 4 warps of 16: the f32 tiles take twice the shared memory (2 CTAs
+    per SM, which keeps 8 warps), and at N = 128 the accumulators of 32 rows would not fit in registers."""
+    return 64 if N <= 64 and xtype == "bf16" else NTHR
+
+
+def mma_min_blocks(N: int) -> dict[str, int]:
+    """CTAs per SM that each tensor-core kernel group's registers are budgeted for (the minimum blocks of
+    its __launch_bounds__, define MOBA_MMA_MINB_<group>). N <= 64: MFWD 4, MDQ 3, MKV 3, what shared memory
+    allows for bf16; with 128 threads that caps registers at 128 (f32 forward) and 168 (f32 dq, dk/dv),
+    with 64 (bf16 forward, dq) it caps nothing. ptxas meets them without spills; left to itself it aims
+    one CTA higher at N = 32 (and spills) and lands one register above the 3-CTA budget of bf16 dk/dv at
+    N = 64. N = 128: 1 (no cap)."""
+    if N <= 64:
+        return {"MFWD": 4, "MDQ": 3, "MKV": 3}
+    return {"MFWD": 1, "MDQ": 1, "MKV": 1}
+
+
+def mma_smem_layouts(N: int, xtype: str) -> dict[str, tuple[dict[str, int], int, int]]:
     """The shared-memory carve-up of each tensor-core kernel group: name -> (offsets, side words,
     tile elements). int/float side arrays first (word offsets), then the floatX operand tiles (element
-    offsets, from byte 4 * side words; defines MOBA_SM_<group>_SIDE and _<array>)."""
-    t = mma_tiles(N)
+    offsets, from byte 4 * side words; defines MOBA_SM_<group>_SIDE and _<array>). The tiles the kernels
+    loop over are double-buffered: keys and values (MFWD, MDQ), queries and their side arrays (MKV, with
+    QRAW: the query-list entries of the tile after the next one)."""
+    t = mma_tiles(N, xtype)
     rows, kvq, ld = MMA_ROWS, t["MOBA_MMA_KVQ"], t["MOBA_MMA_LD"]
     groups = {
         "MFWD": ([("QTOK", rows), ("QENT", rows)],
-                 [("Q", rows * ld), ("K", rows * ld), ("VT", N * t["MOBA_MMA_LDK"])]),
+                 [("Q", rows * ld), ("K", 2 * rows * ld), ("V", 2 * rows * ld)]),
         "MDQ": ([("QTOK", rows), ("QENT", rows), ("LSE", rows), ("D", rows)],
-                [("Q", rows * ld), ("DO", rows * ld), ("K", rows * ld), ("V", rows * ld),
-                 ("KT", N * t["MOBA_MMA_LDK"])]),
-        "MKV": ([("QTOK", kvq), ("LSE", kvq), ("D", kvq)],
-                [("K", rows * ld), ("V", rows * ld), ("Q", kvq * ld), ("DO", kvq * ld),
-                 ("QT", N * t["MOBA_MMA_LDQ"]), ("DOT", N * t["MOBA_MMA_LDQ"])]),
+                [("Q", rows * ld), ("DO", rows * ld), ("K", 2 * rows * ld), ("V", 2 * rows * ld)]),
+        "MKV": ([("QTOK", 2 * kvq), ("QRAW", 2 * kvq), ("LSE", 2 * kvq), ("D", 2 * kvq)],
+                [("K", rows * ld), ("V", rows * ld), ("Q", 2 * kvq * ld), ("DO", 2 * kvq * ld)]),
     }
     out = {}
     for group, (side, tiles_) in groups.items():
@@ -149,11 +170,11 @@ def mma_smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int, int]]:
 
 def mma_smem_bytes(N: int, group: str, xtype: str) -> int:
     """Dynamic shared memory of a tensor-core kernel group (MFWD, MDQ, MKV) for element type xtype."""
-    _, side_words, tile_elems = mma_smem_layouts(N)[group]
+    _, side_words, tile_elems = mma_smem_layouts(N, xtype)[group]
     return 4 * side_words + ELEM_BYTES[xtype] * tile_elems
 
 
-def _derived(variant: dict) -> dict:
+def _derived(variant: dict, xtype: str) -> dict:
     N = int(variant["HEAD_SIZE"])
     t = tiles(N)
     out = dict(t, MOBA_LDH=N + 4, MOBA_FLDP=t["MOBA_FK"] + 4, MOBA_DLDP=t["MOBA_DQ_K"] + 4,
@@ -161,8 +182,9 @@ def _derived(variant: dict) -> dict:
     for offsets, _ in smem_layouts(N).values():
         out.update(offsets)
     if N in MMA_HEAD_SIZES:
-        out.update(mma_tiles(N))
-        for offsets, _, _ in mma_smem_layouts(N).values():
+        out.update(mma_tiles(N, xtype), MOBA_MMA_QTHREADS=mma_query_threads(N, xtype))
+        out.update({f"MOBA_MMA_MINB_{group}": blocks for group, blocks in mma_min_blocks(N).items()})
+        for offsets, _, _ in mma_smem_layouts(N, xtype).values():
             out.update(offsets)
     return out
 
@@ -211,17 +233,19 @@ class _Attention(NamedTuple):
     dqq: int         # queries per dq CTA
     kvk: int         # keys per dk/dv CTA
     smem: dict       # "fwd", "dq", "kv" -> bytes
+    qthreads: int    # threads per forward and dq CTA (dk/dv: NTHR)
 
 
 def _attention(method: str, N: int, xtype: str) -> _Attention:
     if method == "exact":
         t = tiles(N)
         return _Attention(_KERNELS["exact"], t["MOBA_FQ"], t["MOBA_DQ_Q"], t["MOBA_KV_K"],
-                          {g: _smem_bytes(N, g) for g in ("fwd", "dq", "kv")})
+                          {g: _smem_bytes(N, g) for g in ("fwd", "dq", "kv")}, NTHR)
     if N not in MMA_HEAD_SIZES:
         raise ValueError(f"moba: method 'mma' supports head sizes {MMA_HEAD_SIZES}, got {N}")
     return _Attention(_KERNELS["mma"], MMA_ROWS, MMA_ROWS, MMA_ROWS,
-                      {g: mma_smem_bytes(N, G, xtype) for g, G in (("fwd", "MFWD"), ("dq", "MDQ"), ("kv", "MKV"))})
+                      {g: mma_smem_bytes(N, G, xtype) for g, G in (("fwd", "MFWD"), ("dq", "MDQ"), ("kv", "MKV"))},
+                      mma_query_threads(N, xtype))
 
 
 def check_shape(B: int, T: int, H: int, N: int, chunk: int, top_k: int, dev: DeviceInfo) -> None:
@@ -349,12 +373,13 @@ def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: in
                                     sel=sel, idx=idx, qlist=qlist, T=T, H=H, chunk=chunk, K1=K1, nblk=nblk,
                                     Emax=E))
         ops.append(att.kernels["fwd_past"].launch(
-            (math.ceil(E / att.fq) + nblk, H, B), (NTHR, 1, 1), xtype=xtype, variant=var, smem=att.smem["fwd"],
+            (math.ceil(E / att.fq) + nblk, H, B), (att.qthreads, 1, 1), xtype=xtype, variant=var,
+            smem=att.smem["fwd"],
             q=q, k=k, v=v, idx=idx, qlist=qlist, part=part, lpart=lpart, T=T, H=H, chunk=chunk, K1=K1,
             nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0      # no past block anywhere: nothing to merge
     tpc = math.ceil(chunk / att.fq)
-    ops.append(att.kernels["fwd_own"].launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
+    ops.append(att.kernels["fwd_own"].launch((nblk * tpc, H, B), (att.qthreads, 1, 1), xtype=xtype, variant=var,
                                    smem=att.smem["fwd"], q=q, k=k, v=v, sel=sel if k1_eff else None,
                                    part=part, lpart=lpart, o=o, lse=lse, T=T, H=H, chunk=chunk, K1=k1_eff,
                                    scale=scale))
@@ -378,13 +403,14 @@ def backward(q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, 
     if E > 0:
         sel, idx = _get(scratch, "sel"), _get(scratch, "idx")
         qlist, part = _get(scratch, "qlist"), _get(scratch, "part")
-        ops.append(att.kernels["bwd_dq_past"].launch((math.ceil(E / att.dqq) + nblk, H, B), (NTHR, 1, 1),
+        ops.append(att.kernels["bwd_dq_past"].launch((math.ceil(E / att.dqq) + nblk, H, B), (att.qthreads, 1, 1),
                                            xtype=xtype, variant=var, smem=att.smem["dq"], **common,
                                            idx=idx, qlist=qlist, part=part, T=T, H=H, chunk=chunk, K1=K1,
                                            nblk=nblk, Emax=E, scale=scale))
     k1_eff = K1 if E > 0 else 0
     tpc = math.ceil(chunk / att.dqq)
-    ops.append(att.kernels["bwd_dq_own"].launch((nblk * tpc, H, B), (NTHR, 1, 1), xtype=xtype, variant=var,
+    ops.append(att.kernels["bwd_dq_own"].launch((nblk * tpc, H, B), (att.qthreads, 1, 1), xtype=xtype,
+                                                variant=var,
                                       smem=att.smem["dq"], **common, sel=sel, part=part, dq=dq,
                                       T=T, H=H, chunk=chunk, K1=k1_eff, scale=scale))
     ops.append(att.kernels["bwd_dkdv"].launch((math.ceil(chunk / att.kvk), nblk, B * H), (NTHR, 1, 1),

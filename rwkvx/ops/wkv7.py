@@ -90,8 +90,8 @@ WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F
 CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES,
                                             "WKV_INTRA_THREADS": INTRA_THREADS},
                  variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES},
-                 derived=lambda v: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
-                                    "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD)})
+                 derived=lambda v, _xtype: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
+                                             "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD)})
 WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, T=INT, H=INT,
                          mode=INT)
 WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),

@@ -71,14 +71,14 @@ class KernelFile:
     ``constants``: name -> value, passed to every compile of the file. ``variants``: define name ->
     the values launches of this file use (the CPU compile test builds every combination with every
     element type of :data:`~rwkvx.runtime.dtypes.XTYPES`); a launch must give one value of each.
-    ``derived``: a function of a variant (dict) returning more defines that follow from it (tile
-    sizes, shared-memory layouts), so that each value is computed in one place.
+    ``derived``: a function of a variant (dict) and the element type returning more defines that follow
+    from them (tile sizes, shared-memory layouts), so that each value is computed in one place.
     """
 
     registry: dict[str, "KernelFile"] = {}
 
     def __init__(self, module: str, constants: dict | None = None, variants: dict | None = None,
-                 derived: Callable[[dict], dict] | None = None):
+                 derived: Callable[[dict, str], dict] | None = None):
         if module in KernelFile.registry:
             raise ValueError(f"kernel file {module!r} is declared twice")
         self.module = module
@@ -111,7 +111,7 @@ class KernelFile:
             if value not in self.variants[name]:
                 raise ValueError(f"{self.module}.cu: {name}={value!r} is not one of the supported "
                                  f"{self.variants[name]}")
-        extra = self.derived(variant) if self.derived else {}
+        extra = self.derived(variant, xtype) if self.derived else {}
         return normalize_defines({**self.constants, **dict(xtype_defines(xtype)), **variant, **extra})
 
     def compile_cases(self) -> list[tuple[tuple[str, str], ...]]:
