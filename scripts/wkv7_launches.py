@@ -1,7 +1,9 @@
 """Each launch of the chunked WKV7 method timed alone (CUDA events, 20 runs), at the default state-pass
 split: where the forward's and the backward's time goes (benchmarks/test_kernels.py times them together).
 
-Usage: python scripts/wkv7_launches.py [LABEL] [--xtype bf16|f32]. Needs a GPU.
+Usage: python scripts/wkv7_launches.py [LABEL] [--xtype bf16|f32] [--stages NS] [--split-operators 0|1].
+--stages and --split-operators time other values of rwkvx/ops/wkv7.py's CHUNKED_STAGES and
+SPLIT_OPERATORS[xtype] (the kernels are compiled with them), for choosing those constants. Needs a GPU.
 """
 import argparse
 import sys
@@ -20,7 +22,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("label", nargs="?", default="")
     ap.add_argument("--xtype", default="bf16", choices=("bf16", "f32"))
+    ap.add_argument("--stages", type=int, help="chunks in flight in the state passes (CHUNKED_STAGES)")
+    ap.add_argument("--split-operators", type=int, choices=(0, 1), help="3xTF32 chunk operators (1) or not")
     args = ap.parse_args()
+    if args.stages is not None:     # both the compile's define and the launch's shared-memory size
+        wkv7.CHUNKED_STAGES = wkv7.CUC.constants["WKV_STAGES"] = args.stages
+    if args.split_operators is not None:
+        wkv7.SPLIT_OPERATORS[args.xtype] = bool(args.split_operators)
     dev = Device.get()
     timer = EventTimer(dev)
 

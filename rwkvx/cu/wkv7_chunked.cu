@@ -31,8 +31,8 @@
 
 #include "common.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC) \
-    || !defined(WKV_INTRA_THREADS)
-#error "wkv7_chunked.cu: HEAD_SIZE, WKV_L, WKV_STAGES, WKV_FREC, WKV_BREC, WKV_INTRA_THREADS come from rwkvx/ops/wkv7.py"
+    || !defined(WKV_INTRA_THREADS) || !defined(WKV_SPLIT_OPERATORS)
+#error "wkv7_chunked.cu: HEAD_SIZE, WKV_L, WKV_STAGES, WKV_FREC, WKV_BREC, WKV_INTRA_THREADS, WKV_SPLIT_OPERATORS come from rwkvx/ops/wkv7.py"
 #endif
 
 namespace wkv7c {
@@ -121,6 +121,8 @@ __device__ __forceinline__ void frag_b_split(unsigned (&hi)[2], unsigned (&lo)[2
 // A B operand's fragments of every k-step, loaded (and split) once for several products
 template <int K>
 struct BFrags { unsigned hi[K / 8][2], lo[K / 8][2]; };
+// v and dy need the lo part only in fp32: bf16 values are exact in tf32 (their lo part is zero)
+constexpr bool XSPLIT = sizeof(floatX) == sizeof(float);
 template <int K, bool SPLIT, class FB>
 __device__ __forceinline__ BFrags<K> load_bfrags(FB B) {
     BFrags<K> f;
@@ -186,10 +188,11 @@ __device__ __forceinline__ int acc_m(int e) { return ((threadIdx.x & 31) >> 2) +
 __device__ __forceinline__ int acc_n(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
 
 // x as a tf32 pair hi + lo (~21 of fp32's 24 bits): three mma per step (lo hi + hi lo + hi hi, "3xTF32")
-// give products of fp32 class on tensor cores
+// give products of fp32 class on tensor cores. WKV_SPLIT_OPERATORS = 0 (bf16, rwkvx/ops/wkv7.py) keeps
+// hi only: one tf32 mma per step, products of tf32 class, finer than bf16 inputs.
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
     hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
+    lo = WKV_SPLIT_OPERATORS ? to_tf32(x - __uint_as_float(hi)) : 0u;
 }
 // The hi / lo tf32 parts of the A fragment (16 x 8) and the B fragment (8 x 8) at k-step k0, and the three
 // mma of one 3xTF32 step (small terms first)
@@ -209,8 +212,10 @@ __device__ __forceinline__ void frag_b3(unsigned (&hi)[2], unsigned (&lo)[2], FB
 }
 __device__ __forceinline__ void mma3(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4],
                                      const unsigned (&bh)[2], const unsigned (&bl)[2]) {
-    mma_tf32(d, al, bh);
-    mma_tf32(d, ah, bl);
+    if constexpr (WKV_SPLIT_OPERATORS) {
+        mma_tf32(d, al, bh);
+        mma_tf32(d, ah, bl);
+    }
     mma_tf32(d, ah, bh);
 }
 // d (16 x 8) += A (16 x K) B (K x 8), A(m, kk) and B(kk, n) accessors, 3xTF32: products whose entries are
@@ -504,7 +509,7 @@ __device__ __forceinline__ void carry_chunk(float* Cw, const float* Rs, const BF
             const int key = 16 * mt + acc_m(e);
             d[e] = Rs[R::PL + key] * Cw[acc_n(e) * SP4 + key];
         }
-        mma_acc<L, true>(d, FragOp{Rs + R::KM + 16 * mt * L}, B0);
+        mma_acc<L, XSPLIT>(d, FragOp{Rs + R::KM + 16 * mt * L}, B0);
         mma_acc<L>(d, FragOp{Rs + R::KM + LN + 16 * mt * L}, B1);
 #pragma unroll
         for (int e = 0; e < 4; ++e) Cw[acc_n(e) * SP4 + 16 * mt + acc_m(e)] = d[e];
@@ -551,12 +556,12 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
         const floatX* Vs = vs + slot * L * (NR + 8);
         if (s0 != nullptr) store_rows(s0 + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN, Sw, lane);  // entering c
         auto Sb = [&](int kk, int n) { return Sw[n * SP4 + kk]; };                    // S0^T (key, row)
-        const BFrags<L> Vb = load_bfrags<L, true>(      // V (token, row), for five products
+        const BFrags<L> Vb = load_bfrags<L, XSPLIT>(      // V (token, row), for five products
             [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); });
         float u[4] = {0.f, 0.f, 0.f, 0.f}, yy[4] = {0.f, 0.f, 0.f, 0.f};
         mma_acc2<HN>(u, FragOp{Rs + R::TM},  // Qa S0^T
                      yy, FragOp{Rs + R::TM + LN}, Sb);  // Qr S0^T
-        mma_acc2<L, true>(u, FragOp{Rs + R::LQ},  // Ca V
+        mma_acc2<L, XSPLIT>(u, FragOp{Rs + R::LQ},  // Ca V
                     yy, FragOp{Rs + R::LQ + LL}, Vb);  // Cr V
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -608,7 +613,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         const floatX* Ys = ys + slot * L * (NR + 8);
         store_rows(ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN, Gw, lane);   // dS at the end of c
         auto Gb = [&](int kk, int n) { return Gw[n * SP4 + kk]; };                     // dS^T (key, row)
-        const BFrags<L> Yb = load_bfrags<L, true>(      // dY (token, row), for six products
+        const BFrags<L> Yb = load_bfrags<L, XSPLIT>(      // dY (token, row), for six products
             [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); });
         auto LQ = [&](int sec) {
             return FragOp{Rs + R::LQ + sec * LL};
@@ -616,7 +621,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         float xx[4] = {0.f, 0.f, 0.f, 0.f}, vv[4] = {0.f, 0.f, 0.f, 0.f};
         mma_acc2<HN>(xx, FragOp{Rs + R::TM},  // Qb dS^T
                      vv, FragOp{Rs + R::TM + LN}, Gb);  // Kt dS^T
-        mma_acc2<L, true>(xx, LQ(0), vv, LQ(1), Yb);                                               // Db dY, Ark^T dY
+        mma_acc2<L, XSPLIT>(xx, LQ(0), vv, LQ(1), Yb);                                               // Db dY, Ark^T dY
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int m = acc_m(e), n = acc_n(e), t = c * L + m;

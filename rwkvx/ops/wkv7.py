@@ -70,6 +70,9 @@ CHUNKED_L = 16        # tokens per chunk of the chunked method
 CHUNKED_HEAD_SIZES = (32, 64)
 CHUNKED_STAGES = 3    # chunks of inputs in flight in the state passes (hides the record loads' latency)
 INTRA_THREADS = 128   # wkv7c_intra: one warp per Gram matrix of a chunk
+# Chunk operators' products (intra's Gram matrices and products with M, the gradient kernel's [L, L] ones)
+# in 3xTF32, per element type; with bf16 inputs one tf32 pass (error ~1e-3) is below their rounding.
+SPLIT_OPERATORS = {"f32": True, "bf16": False}
 
 
 def _record_floats(N: int, n_square: int) -> int:
@@ -90,8 +93,9 @@ WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F
 CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES,
                                             "WKV_INTRA_THREADS": INTRA_THREADS},
                  variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES},
-                 derived=lambda v, _xtype: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
-                                             "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD)})
+                 derived=lambda v, xtype: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
+                                           "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD),
+                                           "WKV_SPLIT_OPERATORS": int(SPLIT_OPERATORS[xtype])})
 WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, T=INT, H=INT,
                          mode=INT)
 WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),
