@@ -16,15 +16,15 @@
 //
 // Kernels (n_c = ceil(T/L) chunks; the last one is padded logically: w = 1, r = k = v = a = b = dy = 0):
 //   wkv7c_intra           grid (n_c, H, B): the chunk operators above, all chunks at once (products on tensor
-//                         cores in 3xTF32, the inverse by forward substitution in fp32), into a record per
-//                         chunk (forward or backward set, `mode`).
+//                         cores in 3xTF32, one tf32 pass in bf16; the inverse by forward substitution in
+//                         fp32), into a record per chunk (forward or backward set, `mode`).
 //   wkv7c_forward_state   grid (P, H, B): the sequential pass. Warp = 8 value rows of S (rows are independent
 //                         given the records), fp32 state in shared memory, products on mma.sync m16n8k8
 //                         tf32 with fp32 accumulation; y, sa and the chunk-entering states S0 out.
 //   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
 //                         chunk-ending dS out.
 //   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
-//                         rows with S0 and dS on tensor cores in tf32, the [L, L] ones in 3xTF32, the rest
+//                         rows with S0 and dS on tensor cores in tf32, the [L, L] ones as intra's, the rest
 //                         fp32 on CUDA cores).
 // The decay's part of S_L (diag(PL) S0) stays in fp32: only the new terms are rounded to tf32 each chunk.
 // Deterministic: no atomics, fixed summation orders.
@@ -32,7 +32,7 @@
 #include "common.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC) \
     || !defined(WKV_INTRA_THREADS) || !defined(WKV_SPLIT_OPERATORS)
-#error "wkv7_chunked.cu: HEAD_SIZE, WKV_L, WKV_STAGES, WKV_FREC, WKV_BREC, WKV_INTRA_THREADS, WKV_SPLIT_OPERATORS come from rwkvx/ops/wkv7.py"
+#error "wkv7_chunked.cu: HEAD_SIZE and the WKV_* defines come from rwkvx/ops/wkv7.py"
 #endif
 
 namespace wkv7c {
