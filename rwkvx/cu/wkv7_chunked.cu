@@ -406,40 +406,32 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
     //     on its way from accumulator to B operand
     auto Mat = [](const float(*A)[LP]) { return [=](int m, int kk) { return A[m][kk]; }; };
     float(*W)[8] = Wt[wid];
+    // column tile nt of X = M B into section sx, then of Z = Z0 + Arb X into section sz (pos: their layout)
+    auto m_then_arb = [&](auto B, auto Z0, float* sx, float* sz, auto pos, int nt) {
+        float x[4] = {0.f, 0.f, 0.f, 0.f}, z[4];
+        mm3<L>(x, Mat(Mi), [&](int kk, int n) { return B(kk, 8 * nt + n); });
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int t = acc_m(e), j = 8 * nt + acc_n(e);
+            sx[pos(t, j)] = round_tf32(x[e]);
+            W[t][acc_n(e)] = x[e];
+            z[e] = Z0(t, j);
+        }
+        __syncwarp();
+        mm3<L>(z, Mat(Arb), [&](int kk, int n) { return W[kk][n]; });
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sz[pos(acc_m(e), 8 * nt + acc_n(e))] = round_tf32(z[e]);
+    };
     if (mode == 0) {
         using R = FRec;
         for (int nt = wid; nt < HN / 8; nt += 4) {   // Qa = M at, Qr = rt + Arb Qa
-            float qa[4] = {0.f, 0.f, 0.f, 0.f}, qr[4];
-            mm3<L>(qa, Mat(Mi), [&](int kk, int n) { return at[kk][8 * nt + n]; });
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int t = acc_m(e), j = 8 * nt + acc_n(e);
-                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(qa[e]);
-                W[t][acc_n(e)] = qa[e];
-                qr[e] = rt[t][j];
-            }
-            __syncwarp();
-            mm3<L>(qr, Mat(Arb), [&](int kk, int n) { return W[kk][n]; });
-#pragma unroll
-            for (int e = 0; e < 4; ++e) out[R::TM + LN + frag_pos<HN>(acc_m(e), 8 * nt + acc_n(e))] = round_tf32(qr[e]);
+            m_then_arb([&](int kk, int j) { return at[kk][j]; }, [&](int t, int j) { return rt[t][j]; },
+                       out + R::TM, out + R::TM + LN, [](int m, int k) { return frag_pos<HN>(m, k); }, nt);
             __syncwarp();                            // W is rewritten by the next tile
         }
-        if (wid >= 2) {                              // Ca = M Aak, Cr = Ark + Arb Ca
-            const int nt = wid - 2;
-            float ca[4] = {0.f, 0.f, 0.f, 0.f}, cr[4];
-            mm3<L>(ca, Mat(Mi), [&](int kk, int n) { return Aak[kk][8 * nt + n]; });
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int t = acc_m(e), s = 8 * nt + acc_n(e);
-                out[R::LQ + frag_pos<L>(t, s)] = round_tf32(ca[e]);
-                W[t][acc_n(e)] = ca[e];
-                cr[e] = Ark[t][s];
-            }
-            __syncwarp();
-            mm3<L>(cr, Mat(Arb), [&](int kk, int n) { return W[kk][n]; });
-#pragma unroll
-            for (int e = 0; e < 4; ++e) out[R::LQ + LL + frag_pos<L>(acc_m(e), 8 * nt + acc_n(e))] = round_tf32(cr[e]);
-        }
+        if (wid >= 2)                                // Ca = M Aak, Cr = Ark + Arb Ca
+            m_then_arb([&](int kk, int s) { return Aak[kk][s]; }, [&](int t, int s) { return Ark[t][s]; },
+                       out + R::LQ, out + R::LQ + LL, [](int m, int k) { return frag_pos<L>(m, k); }, wid - 2);
     } else {
         using R = BRec;
         for (int nt = wid; nt < HN / 8; nt += 4) {   // Qb = M^T Bt
