@@ -53,6 +53,8 @@ CHANNEL_MIX_STATE = ("x1", "h2", "xk2", "kf", "ln2_mean", "ln2_rstd")
 # The WKV7 gradients that only feed the time mix's prep backward: f32 in every precision (its parameter
 # gradients sum them over the tokens after near-cancelling projections, where bf16 rounding would show).
 WKV_F32_GRADS = ("ddecay", "dkp", "dvp", "dwa", "dwb")
+# MoBA scratch that lives inside one attention block's forward or backward (shares the logits' region)
+SHARED_MOBA_SCRATCH = ("part", "lpart")
 
 
 def head_chunk_rows(R: int, V: int, xtype: str) -> int:
@@ -117,7 +119,7 @@ class Layout:
         self._add("lnout_mean", R, "f32")
         self._add("lnout_rstd", R, "f32")
         self.head_rows = head_chunk_rows(R, V, X)
-        self._add("logits", self.head_rows * V, X)          # one row chunk of logits, then dlogits
+        shared = {"logits": (self.head_rows * V, X)}        # one row chunk of logits, then dlogits
         self._add("dx", R * C, X)
         self._add("dlnout", R * C, X)
         if cfg.n_attn_layer:
@@ -140,11 +142,17 @@ class Layout:
         for name in ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "ln0_mean", "ln0_rstd"):
             self._add(name, R, "f32")
         for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"]).items():
-            self._add("wkv_" + name, count, "f32")
+            if name == "partials":
+                shared["wkv_partials"] = (count, "f32")
+            else:
+                self._add("wkv_" + name, count, "f32")
         if cfg.n_attn_layer:
             for name, (count, elem) in moba_sizes.items():
-                if name != "sel":
+                if name in SHARED_MOBA_SCRATCH:
+                    shared["moba_" + name] = (count, elem)
+                elif name != "sel":
                     self._add("moba_" + name, count, elem)
+        self._add_shared(shared)
         self._add("partials", max(layernorm.scratch_elems(R, C, dev), channelmix.scratch_elems(R, C, dev),
                                   timemix.scratch_elems(R, C, N, dev)), "f32")
         if not recompute:
@@ -164,6 +172,15 @@ class Layout:
         self.elems[name] = elem
         self.counts[name] = count
         self.total += _round_up(max(count * ELEM_BYTES[elem], 1))
+
+    def _add_shared(self, group: dict[str, tuple[int, str]]) -> None:
+        """Buffers that are never live at once (each is written and read inside one block's forward or
+        backward, or inside the head) at one offset, in a region as large as the largest of them."""
+        start = self.total
+        for name, (count, elem) in group.items():
+            self.total = start
+            self._add(name, count, elem)
+        self.total = start + max(_round_up(max(c * ELEM_BYTES[e], 1)) for c, e in group.values())
 
     def nbytes(self, name: str) -> int:
         """Bytes of buffer ``name``."""

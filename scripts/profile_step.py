@@ -1,6 +1,7 @@
 """Where a training step's device time goes: every op of the step timed alone with CUDA events.
 
 Usage: python scripts/profile_step.py [--preset base|small] [--batch-size B] [--seq-len T] [--precision fp32|tf32|bf16]
+[--rows N]
 Prints the time per op family (kernel name, or GEMM shape class) and the total, next to the step
 time of the plan run as a whole. Needs a GPU.
 """
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    ap.add_argument("--rows", type=int, default=40, help="op families listed (the costliest first)")
     args = ap.parse_args()
     preset = get_preset(args.preset, "gpu")
     cfg = Config(**preset["model"])
@@ -53,7 +55,7 @@ def main() -> None:
     print(f"config {args.preset} B={B} T={T} {args.precision}: step {total:.2f} ms "
           f"(ops timed one by one: {summed:.2f} ms, {len(step_ops)} ops)")
     print(f"{'op family':<58}{'count':>6}{'ms':>10}{'%':>7}")
-    for name, (ms, n) in sorted(per_family.items(), key=lambda kv: -kv[1][0])[:40]:
+    for name, (ms, n) in sorted(per_family.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         print(f"{name:<58}{n:>6}{ms:>10.2f}{100 * ms / summed:>7.1f}")
 
 

@@ -1,9 +1,11 @@
 """Each launch of the chunked WKV7 method timed alone (CUDA events, 20 runs), at the default state-pass
 split: where the forward's and the backward's time goes (benchmarks/test_kernels.py times them together).
 
-Usage: python scripts/wkv7_launches.py [LABEL] [--xtype bf16|f32] [--stages NS] [--split-operators 0|1].
+Usage: python scripts/wkv7_launches.py [LABEL] [--xtype bf16|f32] [--stages NS] [--split-operators 0|1]
+[--split P] [--key-warps 1|2] [--shape B,T,H ...].
 --stages and --split-operators time other values of rwkvx/ops/wkv7.py's CHUNKED_STAGES and
-SPLIT_OPERATORS[xtype] (the kernels are compiled with them), for choosing those constants. Needs a GPU.
+SPLIT_OPERATORS[xtype] (the kernels are compiled with them), --split and --key-warps other state-pass
+shapes than chunked_split and chunked_key_warps choose, for choosing those. Needs a GPU.
 """
 import argparse
 import sys
@@ -24,7 +26,12 @@ def main() -> None:
     ap.add_argument("--xtype", default="bf16", choices=("bf16", "f32"))
     ap.add_argument("--stages", type=int, help="chunks in flight in the state passes (CHUNKED_STAGES)")
     ap.add_argument("--split-operators", type=int, choices=(0, 1), help="3xTF32 chunk operators (1) or not")
+    ap.add_argument("--shape", action="append", help="B,T,H at N = 64 (repeatable; default: SHAPES)")
+    ap.add_argument("--split", type=int, help="state-pass row split P (default: chunked_split)")
+    ap.add_argument("--key-warps", type=int, choices=(1, 2), help="warps per 8 state rows (chunked_key_warps)")
     args = ap.parse_args()
+    if args.key_warps is not None:
+        wkv7.chunked_key_warps = lambda *_: args.key_warps
     if args.stages is not None:     # both the compile's define and the launch's shared-memory size
         wkv7.CHUNKED_STAGES = wkv7.CUC.constants["WKV_STAGES"] = args.stages
     if args.split_operators is not None:
@@ -38,18 +45,20 @@ def main() -> None:
         dev.synchronize()
         return timer.time_ms(plan.run, 20)
 
-    for B, T, H in SHAPES:
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
+    for B, T, H in shapes:
         b = Buffers(dev, args.xtype)
         inp, n = _wkv_inputs(b, B, T, H)
         sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method="chunked")
         sa, ckpt, part = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32"), b(sizes["partials"], "f32")
-        fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method="chunked", partials=part)
+        fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method="chunked", partials=part,
+                           split=args.split)
         times = [alone(op) for op in fwd]
         Plan(dev, fwd).run()                    # real checkpoints for the backward
         bwd = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], B, T, H, N, dev.info,
-                            partials=part, method="chunked")
+                            partials=part, method="chunked", split=args.split)
         times += [alone(op) for op in bwd]
-        print(f"{args.label} B{B} T{T} H{H} N{N} {args.xtype} split {fwd[1].grid[0]}: "
+        print(f"{args.label} B{B} T{T} H{H} N{N} {args.xtype} split {fwd[1].grid[0]} key warps {fwd[1].block[0] * fwd[1].grid[0] // (4 * N)}: "
               + " ".join(f"{op.name} {ms:.3f}" for op, ms in zip(fwd + bwd, times)), flush=True)
 
 

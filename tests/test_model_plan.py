@@ -3,7 +3,7 @@ parity suite plans, buffers fit the arena, pointers are typed, and memory grows 
 import pytest
 
 from rwkvx import Config
-from rwkvx.model import Layout, StepBuilder
+from rwkvx.model import FORWARD_STATE, Layout, StepBuilder
 from rwkvx.ops import wkv7
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.ops import CopyDtoH, CopyHtoD, Gemm, GemmPrecision, Launch, flatten_ops
@@ -71,9 +71,22 @@ def test_bf16_optimizer_refreshes_the_weights_copy():
 
 def test_memory_is_linear_in_tokens():
     kwargs = CONFIGS[3][0]
-    per_token = [Layout(Config(**kwargs), 1, T, H200).total for T in (4096, 8192, 16384)]
+    # from T = 16384 on the WKV work buffer outgrows the logits chunk it shares a region with
+    per_token = [Layout(Config(**kwargs), 1, T, H200).total for T in (16384, 32768, 65536)]
     d1, d2 = per_token[1] - per_token[0], per_token[2] - per_token[1]
     assert d2 == pytest.approx(2 * d1, rel=1e-3)       # no T^2 term
+
+
+def test_block_scratch_shares_the_logits_region():
+    """The logits chunk, the WKV work buffer and MoBA's partials (each live inside the head or one block's
+    forward or backward only) at one offset; none of them is forward state kept for a backward."""
+    kwargs, B, T = CONFIGS[3]
+    layout = Layout(Config(**kwargs), B, T, H200, "bf16")
+    names = ("logits", "wkv_partials", "moba_part", "moba_lpart")
+    assert len({layout.offsets[n] for n in names}) == 1
+    later = [layout.offsets[n] for n in layout.offsets if layout.offsets[n] > layout.offsets["logits"]]
+    assert min(later) - layout.offsets["logits"] >= max(layout.nbytes(n) for n in names)
+    assert not set(names) & {n for kind in FORWARD_STATE.values() for n in kind}
 
 
 def test_head_and_loss_run_in_row_chunks():

@@ -5,7 +5,8 @@ mma.m16n8k8 .tf32 as the PTX ISA defines them ("Matrix Fragments for mma.m16n8k8
 q = l % 4, a0 = A(g, k0 + q), a1 = A(g + 8, k0 + q), a2 = A(g, k0 + q + 4), a3 = A(g + 8, k0 + q + 4).
 
 frag_pos is read from the kernel source and evaluated here (its body is integer arithmetic that means
-the same in Python, / as //), so the test checks the formula the GPU runs.
+the same in Python, / as //), so the test checks the formula the GPU runs; so is put_section's inverse
+(which element of the operand each 16-byte piece of a section holds), against frag_pos.
 """
 import re
 
@@ -40,3 +41,28 @@ def test_fragment_order_is_the_ptx_a_layout(M, K):
                 r = 16 * mt + g
                 want = [A[r, k0 + q], A[r + 8, k0 + q], A[r, k0 + q + 4], A[r + 8, k0 + q + 4]]
                 np.testing.assert_array_equal(got, want)
+
+
+def _put_section_index():
+    src = module_path("wkv7_chunked").read_text()
+    body = re.search(r"void put_section\(.*?const int (tile = .*?);", src, re.S).group(1)
+    names = {}
+    for part in re.split(r",\s*(?=\w+ = )", " ".join(body.split())):
+        name, expr = part.split(" = ", 1)
+        names[name] = expr.replace("/", "//")
+
+    def index(f, K):
+        env = {"f": f, "K": K}
+        for name, expr in names.items():
+            env[name] = eval(expr, dict(env))                   # noqa: S307 (the repository's own source)
+        return env["m"], env["k"]
+    return index
+
+
+@pytest.mark.parametrize("M, K", [(16, 64), (64, 16), (16, 16)])
+def test_put_section_writes_frag_pos(M, K):
+    pos, index = _frag_pos(), _put_section_index()
+    for f in range(M * K // 4):
+        m, k = index(f, K)
+        got = [pos(m, k, K), pos(m + 8, k, K), pos(m, k + 4, K), pos(m + 8, k + 4, K)]   # its a0..a3
+        assert got == [4 * f, 4 * f + 1, 4 * f + 2, 4 * f + 3]

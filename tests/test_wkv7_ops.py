@@ -40,10 +40,10 @@ def test_wkv7_chunked_builders():
         W.backward(*[p()] * 15, 1, 10, 1, 64, H200, method="chunked", partials=p(), split=16)
     ops = W.forward(*[p()] * 7, 2, 33, 3, 64, H200, sa=p(), ckpt=p(), method="chunked", partials=p())
     assert [o.name for o in ops] == ["wkv7c_intra", "wkv7c_forward_state"]
-    assert ops[0].grid == (3, 3, 2) and ops[1].grid == (4, 3, 2) and ops[1].block == (64, 1, 1)
+    assert ops[0].grid == (3, 3, 2) and ops[1].grid == (4, 3, 2) and ops[1].block == (128, 1, 1)
     ops = W.backward(*[p()] * 15, 8, 4096, 12, 64, H200, method="chunked", partials=p())
     assert [o.name for o in ops] == ["wkv7c_intra", "wkv7c_backward_state", "wkv7c_backward_grads"]
-    assert ops[1].grid == (1, 12, 8) and ops[1].block == (256, 1, 1) and ops[2].grid == (256, 12, 8)
+    assert ops[1].grid == (4, 12, 8) and ops[1].block == (128, 1, 1) and ops[2].grid == (256, 12, 8)
     for op in ops:
         assert op.smem <= H200.smem_per_block
     sizes = W.scratch_elems(8, 4096, 12, 64, H200, method="chunked")
@@ -53,7 +53,10 @@ def test_wkv7_chunked_builders():
 
 
 def test_wkv7_chunked_split_fills_the_device():
-    """Small B*H splits the state rows over more blocks (two warps of 8 rows or more each)."""
-    assert W.chunked_split(8, 12, 64, H200) == 1
+    """The state rows split over as many blocks as one wave holds (two groups of 8 rows or more each),
+    the keys of each group over two warps while the pass has at most STATE_WARPS_PER_SM warps per SM."""
+    assert W.chunked_split(8, 12, 64, H200) == 4 and W.chunked_split(8, 64, 64, H200) == 1
     assert W.chunked_split(1, 12, 64, H200) == 4
     assert W.chunked_split(1, 1, 32, H200) == 2
+    assert W.chunked_key_warps(1, 12, 64, H200) == W.chunked_key_warps(8, 12, 64, H200) == 2
+    assert W.chunked_key_warps(16, 12, 64, H200) == W.chunked_key_warps(8, 64, 64, H200) == 1

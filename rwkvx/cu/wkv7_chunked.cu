@@ -18,9 +18,11 @@
 //   wkv7c_intra           grid (n_c, H, B): the chunk operators above, all chunks at once (products on tensor
 //                         cores in 3xTF32, one tf32 pass in bf16; the inverse by forward substitution in
 //                         fp32), into a record per chunk (forward or backward set, `mode`).
-//   wkv7c_forward_state   grid (P, H, B): the sequential pass. Warp = 8 value rows of S (rows are independent
-//                         given the records), fp32 state in shared memory, products on mma.sync m16n8k8
-//                         tf32 with fp32 accumulation; y, sa and the chunk-entering states S0 out.
+//   wkv7c_forward_state   grid (P, H, B): the sequential pass. A pair of warps = 8 value rows of S (rows are
+//                         independent given the records), each warp half of the keys (the pair sums its
+//                         two partial products over the keys), fp32 state in shared memory, products on
+//                         mma.sync m16n8k8 tf32 with fp32 accumulation; y, sa and the chunk-entering states
+//                         S0 out.
 //   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
 //                         chunk-ending dS out.
 //   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
@@ -153,11 +155,11 @@ __device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
         mma_tf32(d, a, b);
     }
 }
-// d1 += A1 B and d2 += A2 B: one load and conversion of each B fragment for both
-template <int K, bool SPLIT = false, class FA1, class FA2, class FB>
+// d1 += A1 B and d2 += A2 B over k = K0 .. K0 + K - 1: one load and conversion of each B fragment for both
+template <int K, bool SPLIT = false, int K0 = 0, class FA1, class FA2, class FB>
 __device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4], FA2 A2, FB B) {
 #pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 8) {
+    for (int k0 = K0; k0 < K0 + K; k0 += 8) {
         unsigned a[4], b[2], lo[2];
         if constexpr (SPLIT) frag_b_split(b, lo, B, k0);
         else frag_b(b, B, k0);
@@ -186,6 +188,21 @@ __device__ __forceinline__ void frag_a(unsigned (&a)[4], FragOp A, int k0) {
 // (row, column) of accumulator element e of a 16x8 tile
 __device__ __forceinline__ int acc_m(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int acc_n(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
+// A record section [M][K] in fragment order (frag_pos<K>), A(m, k) its values: piece f (of M K / 4) is one
+// lane's a0..a3 of one tile, written with one 16-byte store (consecutive threads, consecutive pieces)
+template <int K, class FA>
+__device__ __forceinline__ void put_section(float* dst, int M, FA A, int f0, int nf) {
+    for (int f = f0; f < M * K / 4; f += nf) {
+        const int tile = f >> 5, ln = f & 31, m = 16 * (tile / (K / 8)) + (ln >> 2), k = 8 * (tile % (K / 8)) + (ln & 3);
+        *reinterpret_cast<float4*>(dst + 4 * f) = make_float4(round_tf32(A(m, k)), round_tf32(A(m + 8, k)),
+                                                              round_tf32(A(m, k + 4)), round_tf32(A(m + 8, k + 4)));
+    }
+}
+// A warp's 16 x 8 tile W (row m, column n) as one fragment-order tile of a record section (128 floats)
+__device__ __forceinline__ void put_tile_frag(float* dst, const float (*W)[8]) {
+    const int lane = threadIdx.x & 31;
+    put_section<8>(dst, 16, [&](int m, int n) { return W[m][n]; }, lane, 32);
+}
 
 // x as a tf32 pair hi + lo (~21 of fp32's 24 bits): three mma per step (lo hi + hi lo + hi hi, "3xTF32")
 // give products of fp32 class on tensor cores. WKV_SPLIT_OPERATORS = 0 (bf16, rwkvx/ops/wkv7.py) keeps
@@ -377,27 +394,15 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
         for (int e = e0; e < HN; e += ne) out[PLo + e] = PL[e];
         if (mode == 0) {
             using R = FRec;
-            for (int e = e0; e < LN; e += ne) {      // key-major: e = j L + t
-                const int j = e / L, t = e % L;
-                out[R::KM + frag_pos<L>(j, t)] = round_tf32(kh[t][j] * PL[j]);  // Kt^T
-                out[R::KM + LN + frag_pos<L>(j, t)] = round_tf32(bh[t][j] * PL[j]);  // Bt^T
-            }
+            put_section<L>(out + R::KM, HN, [&](int j, int t) { return kh[t][j] * PL[j]; }, e0, ne);       // Kt^T
+            put_section<L>(out + R::KM + LN, HN, [&](int j, int t) { return bh[t][j] * PL[j]; }, e0, ne);  // Bt^T
         } else {
             using R = BRec;
-            for (int e = e0; e < LN; e += ne) {
-                const int t = e / HN, j = e % HN;
-                out[R::TM + LN + frag_pos<HN>(t, j)] = round_tf32(kh[t][j] * PL[j]);  // Kt
-            }
-            for (int e = e0; e < LN; e += ne) {
-                const int j = e / L, t = e % L;
-                out[R::KM + frag_pos<L>(j, t)] = round_tf32(rt[t][j]);  // rt^T
-                out[R::KM + LN + frag_pos<L>(j, t)] = round_tf32(at[t][j]);  // at^T
-            }
-            for (int e = e0; e < LL; e += ne) {
-                const int t = e / L, s = e % L;
-                out[R::LQ + LL + frag_pos<L>(t, s)] = round_tf32(Ark[s][t]);  // Ark^T
-                out[R::LQ + 2 * LL + frag_pos<L>(t, s)] = round_tf32(Aak[s][t]);  // Aak^T
-            }
+            put_section<HN>(out + R::TM + LN, L, [&](int t, int j) { return kh[t][j] * PL[j]; }, e0, ne);  // Kt
+            put_section<L>(out + R::KM, HN, [&](int j, int t) { return rt[t][j]; }, e0, ne);               // rt^T
+            put_section<L>(out + R::KM + LN, HN, [&](int j, int t) { return at[t][j]; }, e0, ne);          // at^T
+            put_section<L>(out + R::LQ + LL, L, [&](int t, int s) { return Ark[s][t]; }, e0, ne);          // Ark^T
+            put_section<L>(out + R::LQ + 2 * LL, L, [&](int t, int s) { return Aak[s][t]; }, e0, ne);      // Aak^T
         }
     }
     __syncthreads();
@@ -406,42 +411,45 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
     //     on its way from accumulator to B operand
     auto Mat = [](const float(*A)[LP]) { return [=](int m, int kk) { return A[m][kk]; }; };
     float(*W)[8] = Wt[wid];
-    // column tile nt of X = M B into section sx, then of Z = Z0 + Arb X into section sz (pos: their layout)
-    auto m_then_arb = [&](auto B, auto Z0, float* sx, float* sz, auto pos, int nt) {
+    // column tile nt of X = M B into section sx, then of Z = Z0 + Arb X into section sz (both in fragment
+    // order: column tile nt is the sections' tile nt)
+    auto m_then_arb = [&](auto B, auto Z0, float* sx, float* sz, int nt) {
         float x[4] = {0.f, 0.f, 0.f, 0.f}, z[4];
         mm3<L>(x, Mat(Mi), [&](int kk, int n) { return B(kk, 8 * nt + n); });
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int t = acc_m(e), j = 8 * nt + acc_n(e);
-            sx[pos(t, j)] = round_tf32(x[e]);
-            W[t][acc_n(e)] = x[e];
-            z[e] = Z0(t, j);
+            W[acc_m(e)][acc_n(e)] = x[e];
+            z[e] = Z0(acc_m(e), 8 * nt + acc_n(e));
         }
         __syncwarp();
+        put_tile_frag(sx + 128 * nt, W);
         mm3<L>(z, Mat(Arb), [&](int kk, int n) { return W[kk][n]; });
+        __syncwarp();                                // every lane has read X from W
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sz[pos(acc_m(e), 8 * nt + acc_n(e))] = round_tf32(z[e]);
+        for (int e = 0; e < 4; ++e) W[acc_m(e)][acc_n(e)] = z[e];
+        __syncwarp();
+        put_tile_frag(sz + 128 * nt, W);
     };
     if (mode == 0) {
         using R = FRec;
         for (int nt = wid; nt < HN / 8; nt += 4) {   // Qa = M at, Qr = rt + Arb Qa
             m_then_arb([&](int kk, int j) { return at[kk][j]; }, [&](int t, int j) { return rt[t][j]; },
-                       out + R::TM, out + R::TM + LN, [](int m, int k) { return frag_pos<HN>(m, k); }, nt);
+                       out + R::TM, out + R::TM + LN, nt);
             __syncwarp();                            // W is rewritten by the next tile
         }
         if (wid >= 2)                                // Ca = M Aak, Cr = Ark + Arb Ca
             m_then_arb([&](int kk, int s) { return Aak[kk][s]; }, [&](int t, int s) { return Ark[t][s]; },
-                       out + R::LQ, out + R::LQ + LL, [](int m, int k) { return frag_pos<L>(m, k); }, wid - 2);
+                       out + R::LQ, out + R::LQ + LL, wid - 2);
     } else {
         using R = BRec;
         for (int nt = wid; nt < HN / 8; nt += 4) {   // Qb = M^T Bt
             float qb[4] = {0.f, 0.f, 0.f, 0.f};
             mm3<L>(qb, [&](int m, int kk) { return Mi[kk][m]; }, [&](int kk, int n) { return bh[kk][8 * nt + n]; });
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int t = acc_m(e), j = 8 * nt + acc_n(e);
-                out[R::TM + frag_pos<HN>(t, j)] = round_tf32(qb[e] * PL[j]);
-            }
+            for (int e = 0; e < 4; ++e) W[acc_m(e)][acc_n(e)] = qb[e] * PL[8 * nt + acc_n(e)];
+            __syncwarp();
+            put_tile_frag(out + R::TM + 128 * nt, W);
+            __syncwarp();                            // W is rewritten by the next tile
         }
         if (wid >= 2) {                              // Db[t][s] = (Arb M)[s][t]
             const int nt = wid - 2;
@@ -454,12 +462,24 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
 }
 
 namespace wkv7c {
+// Warps per 8 state rows (a group): 1, or 2 that each take half of the keys and sum their partial
+// products (WKV_KEY_WARPS, chosen per launch by rwkvx/ops/wkv7.py: a shorter chain per chunk where few
+// blocks share the device, extra exchange work where many do).
+constexpr int KW = WKV_KEY_WARPS;
+static_assert(KW == 1 || KW == 2, "a group of state rows is one warp or a key-split pair");
+constexpr int KH = HN / KW;     // keys per warp
+constexpr int LW = L / KW;      // tokens whose outputs each warp of a group stores
+constexpr int SP4 = HN + 4;     // stride of the group's state rows
 // Shared memory of the state passes (floats): NS staged records, NS staged [L][NR + 8] floatX row
-// tiles, and per warp its 8 rows of the carried state [8][HN + 4] and one [L][8] tile.
+// tiles, and per group its 8 rows of the carried state [8][SP4], per warp two [L][8] tiles (the chunk's
+// products on their way to the next product and to global memory) and, key-split, the exchange of
+// partial sums [KW][8][32].
+constexpr int GROUP_FLOATS = 8 * SP4 + KW * 2 * L * 8 + (KW > 1 ? KW * 8 * 32 : 0);
 template <class R>
-__host__ __device__ constexpr int state_smem_floats(int NR, int nw) {
-    return NS * R::SIZE + (NS * L * (NR + 8) * (int)sizeof(floatX) + 3) / 4 + nw * (8 * (HN + 4) + L * 8);
+__host__ __device__ constexpr int state_smem_floats(int NR, int ngroups) {
+    return NS * R::SIZE + (NS * L * (NR + 8) * (int)sizeof(floatX) + 15) / 16 * 4 + ngroups * GROUP_FLOATS;
 }
+static_assert(SP4 % 4 == 0 && GROUP_FLOATS % 4 == 0, "the state rows and tiles are read in 16-byte pieces");
 // The chunk walk of a state pass: body(g, slot) for steps g = 0..G-1 while the inputs of steps
 // g+1 .. g+NS-1 are being copied in; issue(g, slot) starts step g's copies into ring slot g % NS
 // (one commit group per step, empty past the end so that the wait count stays NS - 1).
@@ -479,22 +499,64 @@ __device__ __forceinline__ void ring_walk(int G, Issue issue, Body body) {
         __syncthreads();                     // slot g % NS is refilled at step g + 1
     }
 }
-constexpr int SP4 = HN + 4;     // stride of the per-warp state rows
-// The warp's 8 carried rows (state or dS, Cw [8][SP4]) to dst [8][HN] (rows of a [.., N, N] slot).
+// The warp's keys of its group's 8 carried rows (state or dS, Cw [8][SP4] from the warp's first key) to dst
+// (the same rows and keys of a [.., N, N] slot).
 __device__ __forceinline__ void store_rows(float* dst, const float* Cw, int lane) {
-    for (int e = lane; e < 2 * HN; e += 32) {
-        const int row = e / (HN / 4), c4 = e % (HN / 4);
-        const float* s = Cw + row * SP4 + 4 * c4;
-        *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = make_float4(s[0], s[1], s[2], s[3]);
+    for (int e = lane; e < 2 * KH; e += 32) {
+        const int row = e / (KH / 4), c4 = e % (KH / 4);
+        const float4 s = *reinterpret_cast<const float4*>(Cw + row * SP4 + 4 * c4);
+        *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = s;
     }
 }
-// One chunk's step of the carried rows (Cw holds C^T by key): C^T = diag(PL) C^T + K0 B0 + K1 B1, with K0, K1
-// the record's two key-major sections (forward: Kt^T V + Bt^T U; backward: rt^T dY + at^T dX); the decay
-// term stays fp32.
-template <class R>
-__device__ __forceinline__ void carry_chunk(float* Cw, const float* Rs, const BFrags<L>& B0, const BFrags<L>& B1) {
+// A 16x8 accumulator (tokens x the group's 8 rows) into the warp's [L][8] tile
+__device__ __forceinline__ void put_tile(float* tile, const float (&d)[4]) {
 #pragma unroll
-    for (int mt = 0; mt < HN / 16; ++mt) {                   // C^T rows 16 mt .. 16 mt + 15 (keys)
+    for (int e = 0; e < 4; ++e) tile[acc_m(e) * 8 + acc_n(e)] = d[e];
+}
+// The warp's LW tokens of a [L][8] tile (tokens c*L + t, the group's 8 rows from column ig) to a
+// [B,T,H,N] tensor, four elements per store: two lanes per token instead of the accumulator's
+// eight scattered elements per lane. The caller __syncwarp()s between put_tile and this.
+template <class O>
+__device__ __forceinline__ void store_tile(O* out, const float* tile, int bb, int T, int c, int H, int h, int ig,
+                                           int wk, int lane) {
+    const int t = wk * LW + lane / 2, q = lane & 1, tt = c * L + t;
+    if (lane < 2 * LW && tt < T) {
+        const float4 s = *reinterpret_cast<const float4*>(tile + t * 8 + 4 * q);
+        f4 x;
+        x.v[0] = s.x; x.v[1] = s.y; x.v[2] = s.z; x.v[3] = s.w;
+        store4(out + tok(bb, T, tt, H, h) + ig + 4 * q, x);
+    }
+}
+// The group's two partial sums over the keys of two 16x8 accumulators, summed in both warps (the same
+// bits in each, a + b == b + a), through the group's exchange buffer xch [2][8][32] and its named barrier;
+// nothing for a one-warp group.
+__device__ __forceinline__ void group_sum(float (&d1)[4], float (&d2)[4], float* xch, int wk, int group, int lane) {
+    if constexpr (KW > 1) {
+        float* mine = xch + wk * 8 * 32;
+        const float* theirs = xch + (1 - wk) * 8 * 32;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { mine[e * 32 + lane] = d1[e]; mine[(4 + e) * 32 + lane] = d2[e]; }
+        asm volatile("bar.sync %0, 64;" :: "r"(1 + group) : "memory");
+#pragma unroll
+        for (int e = 0; e < 4; ++e) { d1[e] += theirs[e * 32 + lane]; d2[e] += theirs[(4 + e) * 32 + lane]; }
+    }
+}
+// d1 += A1 B and d2 += A2 B over the warp's part of the chunk's tokens (the K of the [L, L] products;
+// the group's partial sums then add up to the whole product)
+template <bool SPLIT, class FA1, class FA2>
+__device__ __forceinline__ void token_part(float (&d1)[4], FA1 A1, float (&d2)[4], FA2 A2, const BFrags<L>& B, int wk) {
+    if (wk == 0) mma_acc2<LW, SPLIT, 0>(d1, A1, d2, A2, B);
+    else if constexpr (KW > 1) mma_acc2<LW, SPLIT, LW>(d1, A1, d2, A2, B);
+}
+// One chunk's step of the carried rows (Cw holds C^T by key): C^T = diag(PL) C^T + K0 B0 + K1 B1, with K0, K1
+// the record's two key-major sections (forward: Kt^T V + Bt^T U; backward: rt^T dY + at^T dX), over the warp's
+// keys; the decay term stays fp32.
+template <class R>
+__device__ __forceinline__ void carry_chunk(float* Cw, const float* Rs, const BFrags<L>& B0, const BFrags<L>& B1,
+                                            int wk) {
+#pragma unroll
+    for (int i = 0; i < KH / 16; ++i) {                      // C^T rows 16 mt .. 16 mt + 15 (keys)
+        const int mt = wk * (KH / 16) + i;
         float d[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -509,36 +571,52 @@ __device__ __forceinline__ void carry_chunk(float* Cw, const float* Rs, const BF
 }
 // The launch must give the dynamic shared memory this layout needs (rwkvx/ops/wkv7.py computes it).
 template <class R>
-__device__ __forceinline__ void check_smem(int NR, int nw) {
+__device__ __forceinline__ void check_smem(int NR, int ngroups) {
     unsigned have;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-    if (have < 4u * state_smem_floats<R>(NR, nw)) __trap();
+    if (have < 4u * state_smem_floats<R>(NR, ngroups)) __trap();
 }
+// A state-pass thread's place: group (8 state rows), warp wk of the group (keys wk*KH .. +KH-1), and the
+// group's tiles in shared memory
+struct StatePlace {
+    int group, wk, kh0, lane;
+    float *rows, *tile0, *tile1, *xch;
+    template <class R>
+    __device__ __forceinline__ StatePlace(float* sm, int NR, R) {
+        const int tid = threadIdx.x;
+        lane = tid & 31; group = tid / (32 * KW); wk = (tid >> 5) % KW; kh0 = wk * KH;
+        rows = sm + state_smem_floats<R>(NR, 0) + group * GROUP_FLOATS;      // [8][SP4], shared by the group
+        tile0 = rows + 8 * SP4 + wk * 2 * L * 8;                            // [L][8]
+        tile1 = tile0 + L * 8;                                              // [L][8]
+        xch = rows + 8 * SP4 + KW * 2 * L * 8;                              // [KW][8][32]
+        for (int e = lane; e < 8 * KH; e += 32) rows[e / KH * SP4 + kh0 + e % KH] = 0.f;
+    }
+};
 }  // namespace wkv7c
 
 // =============================================================================================
-// Forward sequential pass.  grid (P, H, B), block (N/P/8) warps; block p owns rows p*N/P .. +N/P-1.
+// Forward sequential pass.  grid (P, H, B), block N/P/8 groups of KW warps; block p owns rows
+// p*N/P .. +N/P-1, group q rows 8 q .. 8 q + 7 of those, its warp wk the keys wk*N/KW .. +N/KW-1.
 // rec: forward records of wkv7c_intra.  y [B,T,H,N]; sa_out [B,T,H,N] fp32 and s0 [B,H,n_c,N,N] fp32
 // (the state entering each chunk), both or neither NULL.  Dynamic shared memory: state_smem_floats.
 // =============================================================================================
-extern "C" __global__ void __launch_bounds__(HN * 4)
+extern "C" __global__ void __launch_bounds__(HN * 4 * KW)
 wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v, floatX* __restrict__ y,
                     float* __restrict__ sa_out, float* __restrict__ s0, int T, int H)
 {
     using R = FRec;
     extern __shared__ __align__(16) float sm[];
     const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
-    const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x, wid = tid >> 5, lane = tid & 31;
+    const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x;
     const int nC = (T + L - 1) / L;
-    const int i0 = p * NR, ri0 = wid * 8, ig = i0 + ri0;       // block's rows; warp's rows (local, global)
-    float* recs = sm;                                           // [NS][R::SIZE]
-    floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::SIZE); // [NS][L][NR + 8]
-    float* Sw = sm + state_smem_floats<R>(NR, 0) + wid * (8 * SP4 + L * 8);   // [8][SP4]
-    float* Uw = Sw + 8 * SP4;                                                   // [L][8]
+    const StatePlace me(sm, NR, R{});
+    const int i0 = p * NR, ri0 = me.group * 8, ig = i0 + ri0;   // block's rows; group's rows (local, global)
+    float* recs = sm;                                            // [NS][R::SIZE]
+    floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::SIZE);  // [NS][L][NR + 8]
+    float *Sw = me.rows, *Uw = me.tile0, *Yw = me.tile1;
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
-    check_smem<R>(NR, nt / 32);
+    check_smem<R>(NR, nt / (32 * KW));
 
-    for (int e = lane; e < 8 * SP4; e += 32) Sw[e] = 0.f;
     auto issue = [&](int c, int slot) {
         stage_record<R>(recs + slot * R::SIZE, recg + (long long)c * R::SIZE, tid, nt);
         stage_rows(vs + slot * L * (NR + 8), v, bb, T, c, H, h, i0, NR, tid, nt);
@@ -546,54 +624,49 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
     ring_walk(nC, issue, [&](int c, int slot) {
         const float* Rs = recs + slot * R::SIZE;
         const floatX* Vs = vs + slot * L * (NR + 8);
-        if (s0 != nullptr) store_rows(s0 + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN, Sw, lane);  // entering c
-        auto Sb = [&](int kk, int n) { return Sw[n * SP4 + kk]; };                    // S0^T (key, row)
-        const BFrags<L> Vb = load_bfrags<L, XSPLIT>(      // V (token, row), for five products
+        if (s0 != nullptr)                                         // entering c
+            store_rows(s0 + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN + me.kh0, Sw + me.kh0, me.lane);
+        auto Sb = [&](int kk, int n) { return Sw[n * SP4 + me.kh0 + kk]; };         // S0^T (the warp's keys, row)
+        const BFrags<L> Vb = load_bfrags<L, XSPLIT>(      // V (token, row), for the products below
             [&](int kk, int n) { return to_f32(Vs[kk * (NR + 8) + ri0 + n]); });
         float u[4] = {0.f, 0.f, 0.f, 0.f}, yy[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_acc2<HN>(u, FragOp{Rs + R::TM},  // Qa S0^T
-                     yy, FragOp{Rs + R::TM + LN}, Sb);  // Qr S0^T
-        mma_acc2<L, XSPLIT>(u, FragOp{Rs + R::LQ},  // Ca V
-                    yy, FragOp{Rs + R::LQ + LL}, Vb);  // Cr V
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int m = acc_m(e), n = acc_n(e), t = c * L + m;
-            Uw[m * 8 + n] = u[e];
-            if (t < T) {
-                const long long o = tok(bb, T, t, H, h) + ig + n;
-                y[o] = from_f32(yy[e]);
-                if (sa_out != nullptr) sa_out[o] = u[e];
-            }
-        }
+        mma_acc2<KH>(u, FragOp{Rs + R::TM + me.kh0 * 16},           // Qa S0^T
+                     yy, FragOp{Rs + R::TM + LN + me.kh0 * 16}, Sb);  // Qr S0^T
+        token_part<XSPLIT>(u, FragOp{Rs + R::LQ}, yy, FragOp{Rs + R::LQ + LL}, Vb, me.wk);  // Ca V, Cr V
+        group_sum(u, yy, me.xch, me.wk, me.group, me.lane);
+        put_tile(Uw, u);
+        put_tile(Yw, yy);
         __syncwarp();
+        store_tile(y, Yw, bb, T, c, H, h, ig, me.wk, me.lane);
+        if (sa_out != nullptr) store_tile(sa_out, Uw, bb, T, c, H, h, ig, me.wk, me.lane);
         const BFrags<L> Ub = load_bfrags<L, false>([&](int kk, int n) { return Uw[kk * 8 + n]; });  // U (token, row)
-        carry_chunk<R>(Sw, Rs, Vb, Ub);                      // S_L^T = diag(PL) S0^T + Kt^T V + Bt^T U
+        carry_chunk<R>(Sw, Rs, Vb, Ub, me.wk);               // S_L^T = diag(PL) S0^T + Kt^T V + Bt^T U
     });
 }
 
 // =============================================================================================
-// Backward sequential pass (chunks in reverse).  grid (P, H, B), block (N/P/8) warps.
-// rec: backward records of wkv7c_intra.  dv [B,T,H,N] (complete); dx [B,T,H,N] fp32; ds [B,H,n_c,N,N]
-// fp32 = dL/dS at the end of each chunk through the later chunks.  Dynamic shared memory: state_smem_floats.
+// Backward sequential pass (chunks in reverse).  grid (P, H, B), block N/P/8 groups of KW warps (as the
+// forward).  rec: backward records of wkv7c_intra.  dv [B,T,H,N] (complete); dx [B,T,H,N] fp32;
+// ds [B,H,n_c,N,N] fp32 = dL/dS at the end of each chunk through the later chunks.  Dynamic shared
+// memory: state_smem_floats.
 // =============================================================================================
-extern "C" __global__ void __launch_bounds__(HN * 4)
+extern "C" __global__ void __launch_bounds__(HN * 4 * KW)
 wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ dy, float* __restrict__ dv,
                      float* __restrict__ dx, float* __restrict__ ds, int T, int H)
 {
     using R = BRec;
     extern __shared__ __align__(16) float sm[];
     const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
-    const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x, wid = tid >> 5, lane = tid & 31;
+    const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x;
     const int nC = (T + L - 1) / L;
-    const int i0 = p * NR, ri0 = wid * 8, ig = i0 + ri0;
+    const StatePlace me(sm, NR, R{});
+    const int i0 = p * NR, ri0 = me.group * 8, ig = i0 + ri0;
     float* recs = sm;
     floatX* ys = reinterpret_cast<floatX*>(sm + NS * R::SIZE);       // dY rows [NS][L][NR + 8]
-    float* Gw = sm + state_smem_floats<R>(NR, 0) + wid * (8 * SP4 + L * 8);   // dS rows [8][SP4]
-    float* Xw = Gw + 8 * SP4;                                                   // dX [L][8]
+    float *Gw = me.rows, *Xw = me.tile0, *Vw = me.tile1;              // dS rows, dX and dV tiles
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
-    check_smem<R>(NR, nt / 32);
+    check_smem<R>(NR, nt / (32 * KW));
 
-    for (int e = lane; e < 8 * SP4; e += 32) Gw[e] = 0.f;
     auto issue = [&](int g, int slot) {                        // step g = chunk nC - 1 - g
         const int c = nC - 1 - g;
         stage_record<R>(recs + slot * R::SIZE, recg + (long long)c * R::SIZE, tid, nt);
@@ -603,32 +676,27 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         const int c = nC - 1 - g;
         const float* Rs = recs + slot * R::SIZE;
         const floatX* Ys = ys + slot * L * (NR + 8);
-        store_rows(ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN, Gw, lane);   // dS at the end of c
-        auto Gb = [&](int kk, int n) { return Gw[n * SP4 + kk]; };                     // dS^T (key, row)
-        const BFrags<L> Yb = load_bfrags<L, XSPLIT>(      // dY (token, row), for six products
+        store_rows(ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN + me.kh0, Gw + me.kh0, me.lane);  // after c
+        auto Gb = [&](int kk, int n) { return Gw[n * SP4 + me.kh0 + kk]; };          // dS^T (the warp's keys, row)
+        const BFrags<L> Yb = load_bfrags<L, XSPLIT>(      // dY (token, row), for the products below
             [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); });
         auto LQ = [&](int sec) {
             return FragOp{Rs + R::LQ + sec * LL};
         };
         float xx[4] = {0.f, 0.f, 0.f, 0.f}, vv[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_acc2<HN>(xx, FragOp{Rs + R::TM},  // Qb dS^T
-                     vv, FragOp{Rs + R::TM + LN}, Gb);  // Kt dS^T
-        mma_acc2<L, XSPLIT>(xx, LQ(0), vv, LQ(1), Yb);                                               // Db dY, Ark^T dY
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int m = acc_m(e), n = acc_n(e), t = c * L + m;
-            Xw[m * 8 + n] = xx[e];
-            if (t < T) dx[tok(bb, T, t, H, h) + ig + n] = xx[e];
-        }
+        mma_acc2<KH>(xx, FragOp{Rs + R::TM + me.kh0 * 16},           // Qb dS^T
+                     vv, FragOp{Rs + R::TM + LN + me.kh0 * 16}, Gb);  // Kt dS^T
+        token_part<XSPLIT>(xx, LQ(0), vv, LQ(1), Yb, me.wk);          // Db dY, Ark^T dY
+        group_sum(xx, vv, me.xch, me.wk, me.group, me.lane);
+        put_tile(Xw, xx);
         __syncwarp();
+        store_tile(dx, Xw, bb, T, c, H, h, ig, me.wk, me.lane);
         const BFrags<L> Xb = load_bfrags<L, false>([&](int kk, int n) { return Xw[kk * 8 + n]; });  // dX (token, row)
         mma_acc<L>(vv, LQ(2), Xb);                                                                 // Aak^T dX
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int t = c * L + acc_m(e);
-            if (t < T) dv[tok(bb, T, t, H, h) + ig + acc_n(e)] = vv[e];
-        }
-        carry_chunk<R>(Gw, Rs, Yb, Xb);                      // dS0^T = diag(PL) dS^T + rt^T dY + at^T dX
+        put_tile(Vw, vv);
+        __syncwarp();
+        store_tile(dv, Vw, bb, T, c, H, h, ig, me.wk, me.lane);
+        carry_chunk<R>(Gw, Rs, Yb, Xb, me.wk);               // dS0^T = diag(PL) dS^T + rt^T dY + at^T dX
     });
 }
 

@@ -43,7 +43,7 @@ Splits: the forward splits the N state rows of each (b, h) over ``P_f`` blocks (
 the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become per-split partials).
 Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``. The
 chunked method's ``split`` is the row split of its state passes, forward and backward alike (8 rows per
-warp; :func:`chunked_split`).
+pair of warps, each warp half of the keys; :func:`chunked_split`).
 
 Why the chunked forward saves S0 (the state entering each chunk) rather than letting the backward
 recompute it: the backward's per-chunk gradient kernel needs S0 of every chunk at once (it runs over
@@ -74,6 +74,7 @@ INTRA_THREADS = 128   # wkv7c_intra: one warp per Gram matrix of a chunk
 # in 3xTF32, per element type; with bf16 inputs one tf32 pass (error ~1e-3) is below their rounding, and
 # takes intra 0.473 -> 0.408 ms and the gradient kernel 1.170 -> 1.121 ms at B8 T4096 H12 (H200).
 SPLIT_OPERATORS = {"f32": True, "bf16": False}
+KEY_WARPS = (1, 2)    # warps per 8 state rows in the state passes (2: each half of the keys)
 
 
 def _record_floats(N: int, n_square: int) -> int:
@@ -93,7 +94,7 @@ WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F
                           part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
 CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES,
                                             "WKV_INTRA_THREADS": INTRA_THREADS},
-                 variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES},
+                 variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES, "WKV_KEY_WARPS": KEY_WARPS},
                  derived=lambda v, xtype: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
                                            "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD),
                                            "WKV_SPLIT_OPERATORS": int(SPLIT_OPERATORS[xtype])})
@@ -174,20 +175,23 @@ def backward_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
 
 
 def _chunked_splits(N: int) -> list[int]:
-    return [p for p in (1, 2, 4, 8) if N // p >= 8]          # >= one warp (8 state rows) per block
+    return [p for p in (1, 2, 4, 8) if N // p >= 8]          # >= one group (8 state rows) per block
+
+
+STATE_BLOCKS_PER_SM = 3   # state-pass blocks of 16 rows an SM holds at once (shared memory, N = 64)
+STATE_WARPS_PER_SM = 12   # state-pass warps per SM up to which two warps per 8 rows pay (see chunked_key_warps)
 
 
 def chunked_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
-    """Default state-pass row split of the chunked method: the smallest P with B*H*P blocks on at least a
-    quarter of the SMs, among the splits that leave a block two warps or more (else the largest of those).
-    The state passes are latency-bound per warp, so more blocks only help while few SMs are busy, and a
-    one-warp block stages each chunk record alone (H200, B1 T16384 H12 N64 bf16: forward 4.03 / 2.89 /
-    2.85 / 3.52 ms at P = 1 / 2 / 4 / 8; B8 T4096: 0.97 / 0.93 / 0.96 / 1.83 ms)."""
+    """Default state-pass row split of the chunked method: the largest P that leaves a block two groups of
+    8 state rows or more and puts the B*H*P blocks in one wave (STATE_BLOCKS_PER_SM per SM), else 1. The
+    passes are latency-bound per warp: more, smaller blocks hide each other's latency while they fit at
+    once (H200, N64 bf16, forward state pass at P = 1 / 2 / 4, one warp per 8 rows: B8 T4096 0.654 /
+    0.681 / 0.595 ms; B1 T16384 2.80 / 2.00 / 1.90; B16 T512 0.142 / 0.111 / 0.153; B8 T4096 H64 2.09 /
+    2.40 / 3.21)."""
     ok = [p for p in _chunked_splits(N) if N // p >= 16] or _chunked_splits(N)[:1]
-    for p in ok:
-        if 4 * B * H * p >= dev.sm_count:
-            return p
-    return ok[-1]
+    fits = [p for p in ok if B * H * p <= STATE_BLOCKS_PER_SM * dev.sm_count]
+    return fits[-1] if fits else ok[0]
 
 
 def _chunked_work(B: int, T: int, H: int, N: int) -> dict[str, int]:
@@ -197,12 +201,34 @@ def _chunked_work(B: int, T: int, H: int, N: int) -> dict[str, int]:
             "ds": nc * N * N, "dx": B * T * H * N}
 
 
-def _state_smem_bytes(N: int, P: int, n_square: int, xtype: str) -> int:
+def chunked_key_warps(B: int, H: int, N: int, dev: DeviceInfo) -> int:
+    """Warps per 8 state rows of the state passes: two (each half of the keys, then their partial sums
+    added: half the chain of dependent products per chunk) while the pass's warps stay within
+    STATE_WARPS_PER_SM per SM, else one (no exchange work). H200, N64 bf16, forward / backward state
+    pass, one -> two warps: B8 T4096 (P4) 0.595 / 0.636 ms -> 0.542 / 0.589; B1 T16384 (P4) 1.90 / 1.95
+    -> 1.39 / 1.43; B16 T512 (P2) 0.111 / 0.122 -> 0.134 / 0.144; B8 T4096 H64 (P1) 2.09 / 2.25 ->
+    2.50 / 2.72 (P2)."""
+    return 2 if B * H * (N // 8) * 2 <= STATE_WARPS_PER_SM * dev.sm_count else 1
+
+
+def _operators_variant(N: int) -> dict:
+    """The variant of the per-chunk kernels (intra, grads): no state rows, so one warp per group."""
+    return {"HEAD_SIZE": N, "WKV_KEY_WARPS": 1}
+
+
+def _state_launch(B: int, H: int, N: int, P: int, dev: DeviceInfo) -> tuple[dict, tuple]:
+    """A state pass's variant (head size, warps per 8 rows) and block at row split P."""
+    kw = chunked_key_warps(B, H, N, dev)
+    return {"HEAD_SIZE": N, "WKV_KEY_WARPS": kw}, (4 * kw * N // P, 1, 1)
+
+
+def _state_smem_bytes(N: int, P: int, kw: int, n_square: int, xtype: str) -> int:
     """Dynamic shared memory of wkv7c_forward_state / wkv7c_backward_state (state_smem_floats in
     rwkvx/cu/wkv7_chunked.cu, which traps when given less)."""
     L, NR, NS = CHUNKED_L, N // P, CHUNKED_STAGES
-    rows = -(-NS * L * (NR + 8) * ELEM_BYTES[xtype] // 4)
-    return 4 * (NS * _record_floats(N, n_square) + rows + NR // 8 * (8 * (N + 4) + L * 8))
+    rows = -(-NS * L * (NR + 8) * ELEM_BYTES[xtype] // 16) * 4
+    group = 8 * (N + 4) + kw * 2 * L * 8 + (kw * 8 * 32 if kw > 1 else 0)    # GROUP_FLOATS
+    return 4 * (NS * _record_floats(N, n_square) + rows + NR // 8 * group)
 
 
 def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None,
@@ -254,11 +280,13 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
     if method == "chunked":
         check_buffers("wkv7.forward", partials=partials)
         P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.forward", N)
-        variant, nc = {"HEAD_SIZE": N}, n_chunks(T, method)
-        return [WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), xtype=r.elem, variant=variant,
-                                   r=r, w=w, k=k, a=a, b=b, rec=partials, T=T, H=H, mode=0),
-                WKV7C_FORWARD_STATE.launch((P, H, B), (4 * N // P, 1, 1), xtype=r.elem, variant=variant,
-                                           smem=_state_smem_bytes(N, P, FWD_RECORD, r.elem),
+        state, block = _state_launch(B, H, N, P, dev)
+        return [WKV7C_INTRA.launch((n_chunks(T, method), H, B), (INTRA_THREADS, 1, 1), xtype=r.elem,
+                                   variant=_operators_variant(N), r=r, w=w, k=k, a=a, b=b, rec=partials,
+                                   T=T, H=H, mode=0),
+                WKV7C_FORWARD_STATE.launch((P, H, B), block, xtype=r.elem, variant=state,
+                                           smem=_state_smem_bytes(N, P, state["WKV_KEY_WARPS"], FWD_RECORD,
+                                                                  r.elem),
                                            rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, T=T, H=H)]
     P = forward_split(B, H, N, dev) if split is None else int(split)
     if P not in _forward_splits(N):
@@ -307,11 +335,12 @@ def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B,
     rec = partials
     ds = partials.offset(work["brec"])
     dx = ds.offset(work["ds"])
-    variant, nc = {"HEAD_SIZE": N}, n_chunks(T, "chunked")
-    x = dict(xtype=r.elem, variant=variant)
+    nc = n_chunks(T, "chunked")
+    x = dict(xtype=r.elem, variant=_operators_variant(N))
+    state, block = _state_launch(B, H, N, P, dev)
     return [WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec, T=T, H=H, mode=1),
-            WKV7C_BACKWARD_STATE.launch((P, H, B), (4 * N // P, 1, 1), **x,
-                                        smem=_state_smem_bytes(N, P, BWD_RECORD, r.elem),
+            WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, variant=state,
+                                        smem=_state_smem_bytes(N, P, state["WKV_KEY_WARPS"], BWD_RECORD, r.elem),
                                         rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),
             WKV7C_BACKWARD_GRADS.launch((nc, H, B), (4 * N, 1, 1), **x, r=r, w=w, k=k, v=v, a=a, b=b, dy=dy,
                                         sa=sa, s0=ckpt, ds=ds, dx=dx, dr=dr, dw=dw, dk=dk, da=da, db=db,

@@ -165,9 +165,21 @@ def test_wkv7_chunked_decay_extremes(case, dev, shift, N):
     run_case(case, dev, 2, 1000, 2, N, shift=shift, method="chunked")
 
 
+@pytest.mark.parametrize("key_warps", W.KEY_WARPS)
+@pytest.mark.parametrize("B,T,H,N", [(2, 75, 3, 64), (8, 64, 12, 64), (2, 37, 3, 32)])
+def test_wkv7_chunked_key_warps(case, dev, monkeypatch, key_warps, B, T, H, N):
+    """Each state-pass group shape (one warp per 8 state rows, or two each with half the keys) whatever
+    chunked_key_warps would choose for the grid."""
+    monkeypatch.setattr(W, "chunked_key_warps", lambda *_: key_warps)
+    run_case(case, dev, B, T, H, N, method="chunked")
+
+
+@pytest.mark.parametrize("key_warps", W.KEY_WARPS)
 @pytest.mark.parametrize("N", [32, 64])
-def test_wkv7_chunked_all_splits(dev, xtype, N):
-    """Every state-pass row split gives the same y, sa, ckpt and gradients bit for bit."""
+def test_wkv7_chunked_all_splits(dev, monkeypatch, xtype, N, key_warps):
+    """Every state-pass row split gives the same y, sa, ckpt and gradients bit for bit (at one group shape:
+    the two sum the products over the keys in different orders)."""
+    monkeypatch.setattr(W, "chunked_key_warps", lambda *_: key_warps)
     B, T, H = 2, 75, 2
     x, dy = make_inputs(B, T, H, N, np.random.default_rng())
     shp = (B, T, H, N)
