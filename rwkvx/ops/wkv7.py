@@ -43,7 +43,8 @@ Splits: the forward splits the N state rows of each (b, h) over ``P_f`` blocks (
 the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become per-split partials).
 Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``. The
 chunked method's ``split`` is the row split of its state passes, forward and backward alike (8 rows per
-pair of warps, each warp half of the keys; :func:`chunked_split`).
+group of one or two warps, two each taking half of the keys; :func:`chunked_split`,
+:func:`chunked_key_warps`).
 
 Why the chunked forward saves S0 (the state entering each chunk) rather than letting the backward
 recompute it: the backward's per-chunk gradient kernel needs S0 of every chunk at once (it runs over
