@@ -119,7 +119,10 @@ class Layout:
         self._add("lnout_mean", R, "f32")
         self._add("lnout_rstd", R, "f32")
         self.head_rows = head_chunk_rows(R, V, X)
-        shared = {"logits": (self.head_rows * V, X)}        # one row chunk of logits, then dlogits
+        # buffers never live at once share one region (_add_shared), one set at a time: the head's row
+        # chunk of logits (then dlogits), the WKV7 work buffer, MoBA's partial outputs
+        shared: dict[str, dict[str, tuple[int, str]]] = {"head": {"logits": (self.head_rows * V, X)},
+                                                         "wkv": {}, "moba": {}}
         self._add("dx", R * C, X)
         self._add("dlnout", R * C, X)
         if cfg.n_attn_layer:
@@ -143,13 +146,13 @@ class Layout:
             self._add(name, R, "f32")
         for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"]).items():
             if name == "partials":
-                shared["wkv_partials"] = (count, "f32")
+                shared["wkv"]["wkv_partials"] = (count, "f32")
             else:
                 self._add("wkv_" + name, count, "f32")
         if cfg.n_attn_layer:
             for name, (count, elem) in moba_sizes.items():
                 if name in SHARED_MOBA_SCRATCH:
-                    shared["moba_" + name] = (count, elem)
+                    shared["moba"]["moba_" + name] = (count, elem)
                 elif name != "sel":
                     self._add("moba_" + name, count, elem)
         self._add_shared(shared)
@@ -173,14 +176,17 @@ class Layout:
         self.counts[name] = count
         self.total += _round_up(max(count * ELEM_BYTES[elem], 1))
 
-    def _add_shared(self, group: dict[str, tuple[int, str]]) -> None:
-        """Buffers that are never live at once (each is written and read inside one block's forward or
-        backward, or inside the head) at one offset, in a region as large as the largest of them."""
-        start = self.total
-        for name, (count, elem) in group.items():
+    def _add_shared(self, sets: dict[str, dict[str, tuple[int, str]]]) -> None:
+        """Sets of buffers of which only one is ever live (each is written and read inside the head, or
+        inside one block's forward or backward): every set laid out from the same offset, in a region as
+        large as the largest set."""
+        start, end = self.total, self.total
+        for buffers in sets.values():
             self.total = start
-            self._add(name, count, elem)
-        self.total = start + max(_round_up(max(c * ELEM_BYTES[e], 1)) for c, e in group.values())
+            for name, (count, elem) in buffers.items():
+                self._add(name, count, elem)
+            end = max(end, self.total)
+        self.total = end
 
     def nbytes(self, name: str) -> int:
         """Bytes of buffer ``name``."""

@@ -6,7 +6,8 @@ from rwkvx import Config
 from rwkvx.model import FORWARD_STATE, Layout, StepBuilder
 from rwkvx.ops import wkv7
 from rwkvx.runtime.device import H200
-from rwkvx.runtime.ops import CopyDtoH, CopyHtoD, Gemm, GemmPrecision, Launch, flatten_ops
+from rwkvx.runtime.kernel import KernelFile
+from rwkvx.runtime.ops import Copy, CopyDtoH, CopyHtoD, Gemm, GemmPrecision, Launch, Memset, flatten_ops
 
 BASE = 1 << 40
 
@@ -79,14 +80,62 @@ def test_memory_is_linear_in_tokens():
 
 def test_block_scratch_shares_the_logits_region():
     """The logits chunk, the WKV work buffer and MoBA's partials (each live inside the head or one block's
-    forward or backward only) at one offset; none of them is forward state kept for a backward."""
+    forward or backward only) from one offset; none of them is forward state kept for a backward."""
     kwargs, B, T = CONFIGS[3]
     layout = Layout(Config(**kwargs), B, T, H200, "bf16")
+    start = layout.offsets["logits"]
+    assert start == layout.offsets["wkv_partials"] == layout.offsets["moba_part"] < layout.offsets["moba_lpart"]
     names = ("logits", "wkv_partials", "moba_part", "moba_lpart")
-    assert len({layout.offsets[n] for n in names}) == 1
-    later = [layout.offsets[n] for n in layout.offsets if layout.offsets[n] > layout.offsets["logits"]]
-    assert min(later) - layout.offsets["logits"] >= max(layout.nbytes(n) for n in names)
+    ends = [layout.offsets[n] + layout.nbytes(n) for n in names]
+    assert min(o for o in layout.offsets.values() if o > layout.offsets["moba_lpart"]) >= max(ends)
     assert not set(names) & {n for kind in FORWARD_STATE.values() for n in kind}
+
+
+def _accesses(op) -> tuple[list[int], list[int]]:
+    """(read, written) device pointers of one op, from the kernel declarations (const pointers are read)."""
+    if isinstance(op, Launch):
+        params = KernelFile.registry[op.module].kernels[op.name].params
+        ptrs = [(arg.const, v) for (_, arg), (_, v) in zip(params, op.args) if arg.kind == "ptr" and v]
+        return [v for const, v in ptrs if const], [v for const, v in ptrs if not const]
+    if isinstance(op, Gemm):
+        return [op.A, op.B] + ([op.C] if op.beta else []), [op.C]
+    if isinstance(op, Copy):
+        return [op.src], [op.dst]
+    if isinstance(op, CopyDtoH):
+        return [op.src], []
+    return [], [op.ptr if isinstance(op, Memset) else op.dst]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+def test_shared_scratch_lifetimes_never_overlap(monkeypatch, precision, recompute):
+    """Planned with the shared region's buffers apart, the step never reads one of them after a buffer of
+    another set was written (which, sharing the region, would have overwritten it)."""
+    kwargs, B, T = CONFIGS[3]
+    sets = {}
+
+    def apart(self, shared):
+        for buffers in shared.values():
+            for name, (count, elem) in buffers.items():
+                self._add(name, count, elem)
+                sets[name] = set(buffers)
+    monkeypatch.setattr(Layout, "_add_shared", apart)
+    layout = Layout(Config(**kwargs), B, T, H200, precision, recompute=recompute)
+    host = {name: (1 << 41) + i * (1 << 30) for i, name in enumerate([*Layout.host_inputs(B * T), "loss_t"])}
+    spans = {n: (BASE + layout.offsets[n], BASE + layout.offsets[n] + layout.nbytes(n)) for n in sets}
+
+    def names(pointers):
+        return {n for p in pointers for n, (lo, hi) in spans.items() if lo <= p < hi}
+    valid, checked = set(), set()
+    for op in flatten_ops(StepBuilder(layout, BASE, host).build().step):
+        read, written = _accesses(op)
+        for name in names(read):
+            assert name in valid, f"{op.name if isinstance(op, Launch) else op} reads {name}, overwritten"
+            checked.add(name)
+        for name in names(written):
+            valid = (valid & sets[name]) | {name}
+    used = {n for n in sets if layout.nbytes(n)}       # fp32 at this shape: the WKV7 backward needs no partials
+    assert checked == used and used >= {"logits", "moba_part", "moba_lpart"}
 
 
 def test_head_and_loss_run_in_row_chunks():
