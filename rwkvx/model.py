@@ -188,6 +188,19 @@ class Layout:
             end = max(end, self.total)
         self.total = end
 
+    def poison_image(self) -> np.ndarray:
+        """The arena's bytes from the per-step inputs on, every buffer NaN (floats) or -0x5eadbeef (i32)."""
+        start = self.offsets["tokens"]
+        image = np.zeros(self.total - start, np.uint8)
+        names = list(self.offsets)[list(self.offsets).index("tokens"):]
+        # narrowest element type last: where the shared region's buffers overlap, bf16 NaN pairs
+        # (0x7FC0 7FC0) still read as NaN in an f32 buffer, while f32 NaN bits would leave every other
+        # bf16 element +0
+        for name in sorted(names, key=lambda n: -ELEM_BYTES[self.elems[n]]):
+            bits = poison_bits(self.elems[name], self.counts[name]).view(np.uint8)
+            image[self.offsets[name] - start:self.offsets[name] - start + bits.size] = bits
+        return image
+
     def nbytes(self, name: str) -> int:
         """Bytes of buffer ``name``."""
         return self.counts[name] * ELEM_BYTES[self.elems[name]]
@@ -824,13 +837,7 @@ class Model:
     def poison(self) -> None:
         """Fill gradients and every activation with NaN (tests: whatever a step leaves unwritten shows)."""
         L = self.layout
-        names = ["grads"] + list(L.offsets)[list(L.offsets).index("tokens"):]
-        start = L.offsets["tokens"]
-        image = np.zeros(L.total - start, np.uint8)
-        for name in names[1:]:
-            bits = poison_bits(L.elems[name], L.counts[name]).view(np.uint8)
-            image[L.offsets[name] - start:L.offsets[name] - start + bits.size] = bits
-        self.dev.upload(self.arena.ptr + start, image)
+        self.dev.upload(self.arena.ptr + L.offsets["tokens"], L.poison_image())
         self.dev.upload(self.builder.buf("grads"), poison_bits("f32", L.counts["grads"]))
 
     def memory_bytes(self) -> int:

@@ -1,11 +1,13 @@
 """The GPU step's op list, built on the CPU (no device; plans assume an H200): every config of the
 parity suite plans, buffers fit the arena, pointers are typed, and memory grows linearly in T."""
+import numpy as np
 import pytest
 
 from rwkvx import Config
 from rwkvx.model import FORWARD_STATE, Layout, StepBuilder
 from rwkvx.ops import wkv7
 from rwkvx.runtime.device import H200
+from rwkvx.runtime.dtypes import from_storage, storage_dtype
 from rwkvx.runtime.kernel import KernelFile
 from rwkvx.runtime.ops import Copy, CopyDtoH, CopyHtoD, Gemm, GemmPrecision, Launch, Memset, flatten_ops
 
@@ -89,6 +91,20 @@ def test_block_scratch_shares_the_logits_region():
     ends = [layout.offsets[n] + layout.nbytes(n) for n in names]
     assert min(o for o in layout.offsets.values() if o > layout.offsets["moba_lpart"]) >= max(ends)
     assert not set(names) & {n for kind in FORWARD_STATE.values() for n in kind}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_poison_image_reads_as_poison_in_every_buffer(precision):
+    """Where the shared region's buffers overlap, each still reads as NaN in its own element type."""
+    kwargs, B, T = CONFIGS[1]
+    layout = Layout(Config(**kwargs), B, T, H200, precision)
+    assert layout.offsets["logits"] == layout.offsets["moba_part"] and layout.nbytes("logits") > 0
+    image, start = layout.poison_image(), layout.offsets["tokens"]
+    for name in list(layout.offsets)[list(layout.offsets).index("tokens"):]:
+        elem, count = layout.elems[name], layout.counts[name]
+        raw = image[layout.offsets[name] - start:][:layout.nbytes(name)].view(storage_dtype(elem))[:count]
+        values = from_storage(elem, raw)
+        assert (values == -0x5EADBEEF).all() if elem == "i32" else np.isnan(values).all(), name
 
 
 def _accesses(op) -> tuple[list[int], list[int]]:

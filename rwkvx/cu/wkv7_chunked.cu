@@ -18,11 +18,11 @@
 //   wkv7c_intra           grid (n_c, H, B): the chunk operators above, all chunks at once (products on tensor
 //                         cores in 3xTF32, one tf32 pass in bf16; the inverse by forward substitution in
 //                         fp32), into a record per chunk (forward or backward set, `mode`).
-//   wkv7c_forward_state   grid (P, H, B): the sequential pass. A pair of warps = 8 value rows of S (rows are
-//                         independent given the records), each warp half of the keys (the pair sums its
-//                         two partial products over the keys), fp32 state in shared memory, products on
-//                         mma.sync m16n8k8 tf32 with fp32 accumulation; y, sa and the chunk-entering states
-//                         S0 out.
+//   wkv7c_forward_state   grid (P, H, B): the sequential pass. A group of one or two warps = 8 value rows of
+//                         S (rows are independent given the records; with two, each warp half of the keys and
+//                         the pair sums its partial products over the keys), fp32 state in shared memory,
+//                         products on mma.sync m16n8k8 tf32 with fp32 accumulation; y, sa and the
+//                         chunk-entering states S0 out.
 //   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
 //                         chunk-ending dS out.
 //   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
@@ -609,13 +609,13 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
     const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
     const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x;
     const int nC = (T + L - 1) / L;
+    check_smem<R>(NR, nt / (32 * KW));                         // before anything writes shared memory
     const StatePlace me(sm, NR, R{});
     const int i0 = p * NR, ri0 = me.group * 8, ig = i0 + ri0;   // block's rows; group's rows (local, global)
     float* recs = sm;                                            // [NS][R::SIZE]
     floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::SIZE);  // [NS][L][NR + 8]
     float *Sw = me.rows, *Uw = me.tile0, *Yw = me.tile1;
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
-    check_smem<R>(NR, nt / (32 * KW));
 
     auto issue = [&](int c, int slot) {
         stage_record<R>(recs + slot * R::SIZE, recg + (long long)c * R::SIZE, tid, nt);
@@ -659,13 +659,13 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
     const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
     const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x;
     const int nC = (T + L - 1) / L;
+    check_smem<R>(NR, nt / (32 * KW));                         // before anything writes shared memory
     const StatePlace me(sm, NR, R{});
     const int i0 = p * NR, ri0 = me.group * 8, ig = i0 + ri0;
     float* recs = sm;
     floatX* ys = reinterpret_cast<floatX*>(sm + NS * R::SIZE);       // dY rows [NS][L][NR + 8]
     float *Gw = me.rows, *Xw = me.tile0, *Vw = me.tile1;              // dS rows, dX and dV tiles
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
-    check_smem<R>(NR, nt / (32 * KW));
 
     auto issue = [&](int g, int slot) {                        // step g = chunk nC - 1 - g
         const int c = nC - 1 - g;

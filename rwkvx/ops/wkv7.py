@@ -179,7 +179,7 @@ def _chunked_splits(N: int) -> list[int]:
     return [p for p in (1, 2, 4, 8) if N // p >= 8]          # >= one group (8 state rows) per block
 
 
-STATE_BLOCKS_PER_SM = 3   # state-pass blocks of 16 rows an SM holds at once (shared memory, N = 64)
+STATE_BLOCKS_PER_SM = 3   # blocks per SM of chunked_split's one wave (by shared memory 16-row blocks fit 3, 32-row 2)
 STATE_WARPS_PER_SM = 12   # state-pass warps per SM up to which two warps per 8 rows pay (see chunked_key_warps)
 
 
