@@ -24,10 +24,14 @@ CONFIGS = [
 ]
 
 
+def host_buffers(B, T):
+    """Pinned host addresses of the per-step inputs (distinct, outside the arena)."""
+    return {name: (1 << 41) + i * (1 << 30) for i, name in enumerate([*Layout.host_inputs(B * T), "loss_t"])}
+
+
 def build(kwargs, B, T, precision="fp32"):
     layout = Layout(Config(**kwargs), B, T, H200, precision)
-    host = {name: (1 << 41) + i * (1 << 30) for i, name in enumerate([*Layout.host_inputs(B * T), "loss_t"])}
-    return layout, StepBuilder(layout, BASE, host).build()
+    return layout, StepBuilder(layout, BASE, host_buffers(B, T)).build()
 
 
 @pytest.mark.parametrize("kwargs, B, T", CONFIGS)
@@ -137,13 +141,12 @@ def test_shared_scratch_lifetimes_never_overlap(monkeypatch, precision, recomput
                 sets[name] = set(buffers)
     monkeypatch.setattr(Layout, "_add_shared", apart)
     layout = Layout(Config(**kwargs), B, T, H200, precision, recompute=recompute)
-    host = {name: (1 << 41) + i * (1 << 30) for i, name in enumerate([*Layout.host_inputs(B * T), "loss_t"])}
     spans = {n: (BASE + layout.offsets[n], BASE + layout.offsets[n] + layout.nbytes(n)) for n in sets}
 
     def names(pointers):
         return {n for p in pointers for n, (lo, hi) in spans.items() if lo <= p < hi}
     valid, checked = set(), set()
-    for op in flatten_ops(StepBuilder(layout, BASE, host).build().step):
+    for op in flatten_ops(StepBuilder(layout, BASE, host_buffers(B, T)).build().step):
         read, written = _accesses(op)
         for name in names(read):
             assert name in valid, f"{op.name if isinstance(op, Launch) else op} reads {name}, overwritten"

@@ -45,7 +45,8 @@ def test_fragment_order_is_the_ptx_a_layout(M, K):
 
 def _put_section_index():
     src = module_path("wkv7_chunked").read_text()
-    body = re.search(r"void put_section\(.*?const int (tile = .*?);", src, re.S).group(1)
+    found = re.search(r"void put_section\(.*?const int (tile = .*?);\s*const int (m = .*?);", src, re.S)
+    body = ", ".join(found.groups())
     names = {}
     for part in re.split(r",\s*(?=\w+ = )", " ".join(body.split())):
         name, expr = part.split(" = ", 1)

@@ -188,12 +188,18 @@ __device__ __forceinline__ void frag_a(unsigned (&a)[4], FragOp A, int k0) {
 // (row, column) of accumulator element e of a 16x8 tile
 __device__ __forceinline__ int acc_m(int e) { return ((threadIdx.x & 31) >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int acc_n(int e) { return 2 * (threadIdx.x & 3) + (e & 1); }
+// A 16x8 accumulator into a warp's [16][8] tile (row m, column n)
+__device__ __forceinline__ void put_tile(float* tile, const float (&d)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) tile[acc_m(e) * 8 + acc_n(e)] = d[e];
+}
 // A record section [M][K] in fragment order (frag_pos<K>), A(m, k) its values: piece f (of M K / 4) is one
 // lane's a0..a3 of one tile, written with one 16-byte store (consecutive threads, consecutive pieces)
 template <int K, class FA>
 __device__ __forceinline__ void put_section(float* dst, int M, FA A, int f0, int nf) {
     for (int f = f0; f < M * K / 4; f += nf) {
-        const int tile = f >> 5, ln = f & 31, m = 16 * (tile / (K / 8)) + (ln >> 2), k = 8 * (tile % (K / 8)) + (ln & 3);
+        const int tile = f >> 5, ln = f & 31;
+        const int m = 16 * (tile / (K / 8)) + (ln >> 2), k = 8 * (tile % (K / 8)) + (ln & 3);
         *reinterpret_cast<float4*>(dst + 4 * f) = make_float4(round_tf32(A(m, k)), round_tf32(A(m + 8, k)),
                                                               round_tf32(A(m, k + 4)), round_tf32(A(m + 8, k + 4)));
     }
@@ -416,17 +422,14 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
     auto m_then_arb = [&](auto B, auto Z0, float* sx, float* sz, int nt) {
         float x[4] = {0.f, 0.f, 0.f, 0.f}, z[4];
         mm3<L>(x, Mat(Mi), [&](int kk, int n) { return B(kk, 8 * nt + n); });
+        put_tile(W[0], x);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            W[acc_m(e)][acc_n(e)] = x[e];
-            z[e] = Z0(acc_m(e), 8 * nt + acc_n(e));
-        }
+        for (int e = 0; e < 4; ++e) z[e] = Z0(acc_m(e), 8 * nt + acc_n(e));
         __syncwarp();
         put_tile_frag(sx + 128 * nt, W);
         mm3<L>(z, Mat(Arb), [&](int kk, int n) { return W[kk][n]; });
         __syncwarp();                                // every lane has read X from W
-#pragma unroll
-        for (int e = 0; e < 4; ++e) W[acc_m(e)][acc_n(e)] = z[e];
+        put_tile(W[0], z);
         __syncwarp();
         put_tile_frag(sz + 128 * nt, W);
     };
@@ -446,7 +449,8 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
             float qb[4] = {0.f, 0.f, 0.f, 0.f};
             mm3<L>(qb, [&](int m, int kk) { return Mi[kk][m]; }, [&](int kk, int n) { return bh[kk][8 * nt + n]; });
 #pragma unroll
-            for (int e = 0; e < 4; ++e) W[acc_m(e)][acc_n(e)] = qb[e] * PL[8 * nt + acc_n(e)];
+            for (int e = 0; e < 4; ++e) qb[e] *= PL[8 * nt + acc_n(e)];
+            put_tile(W[0], qb);
             __syncwarp();
             put_tile_frag(out + R::TM + 128 * nt, W);
             __syncwarp();                            // W is rewritten by the next tile
@@ -508,11 +512,6 @@ __device__ __forceinline__ void store_rows(float* dst, const float* Cw, int lane
         *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = s;
     }
 }
-// A 16x8 accumulator (tokens x the group's 8 rows) into the warp's [L][8] tile
-__device__ __forceinline__ void put_tile(float* tile, const float (&d)[4]) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) tile[acc_m(e) * 8 + acc_n(e)] = d[e];
-}
 // The warp's LW tokens of a [L][8] tile (tokens c*L + t, the group's 8 rows from column ig) to a
 // [B,T,H,N] tensor, four elements per store: two lanes per token instead of the accumulator's
 // eight scattered elements per lane. The caller __syncwarp()s between put_tile and this.
@@ -520,12 +519,7 @@ template <class O>
 __device__ __forceinline__ void store_tile(O* out, const float* tile, int bb, int T, int c, int H, int h, int ig,
                                            int wk, int lane) {
     const int t = wk * LW + lane / 2, q = lane & 1, tt = c * L + t;
-    if (lane < 2 * LW && tt < T) {
-        const float4 s = *reinterpret_cast<const float4*>(tile + t * 8 + 4 * q);
-        f4 x;
-        x.v[0] = s.x; x.v[1] = s.y; x.v[2] = s.z; x.v[3] = s.w;
-        store4(out + tok(bb, T, tt, H, h) + ig + 4 * q, x);
-    }
+    if (lane < 2 * LW && tt < T) store4(out + tok(bb, T, tt, H, h) + ig + 4 * q, load4(tile + t * 8 + 4 * q));
 }
 // The group's two partial sums over the keys of two 16x8 accumulators, summed in both warps (the same
 // bits in each, a + b == b + a), through the group's exchange buffer xch [2][8][32] and its named barrier;

@@ -217,10 +217,12 @@ def _operators_variant(N: int) -> dict:
     return {"HEAD_SIZE": N, "WKV_KEY_WARPS": 1}
 
 
-def _state_launch(B: int, H: int, N: int, P: int, dev: DeviceInfo) -> tuple[dict, tuple]:
-    """A state pass's variant (head size, warps per 8 rows) and block at row split P."""
+def _state_launch(B: int, H: int, N: int, P: int, dev: DeviceInfo, n_square: int, xtype: str) -> tuple[tuple, dict]:
+    """A state pass's block at row split P, and its variant (head size, warps per 8 rows) and shared memory
+    as launch arguments."""
     kw = chunked_key_warps(B, H, N, dev)
-    return {"HEAD_SIZE": N, "WKV_KEY_WARPS": kw}, (4 * kw * N // P, 1, 1)
+    return (4 * kw * N // P, 1, 1), dict(variant={"HEAD_SIZE": N, "WKV_KEY_WARPS": kw},
+                                         smem=_state_smem_bytes(N, P, kw, n_square, xtype))
 
 
 def _state_smem_bytes(N: int, P: int, kw: int, n_square: int, xtype: str) -> int:
@@ -281,13 +283,11 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
     if method == "chunked":
         check_buffers("wkv7.forward", partials=partials)
         P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.forward", N)
-        state, block = _state_launch(B, H, N, P, dev)
+        block, state = _state_launch(B, H, N, P, dev, FWD_RECORD, r.elem)
         return [WKV7C_INTRA.launch((n_chunks(T, method), H, B), (INTRA_THREADS, 1, 1), xtype=r.elem,
                                    variant=_operators_variant(N), r=r, w=w, k=k, a=a, b=b, rec=partials,
                                    T=T, H=H, mode=0),
-                WKV7C_FORWARD_STATE.launch((P, H, B), block, xtype=r.elem, variant=state,
-                                           smem=_state_smem_bytes(N, P, state["WKV_KEY_WARPS"], FWD_RECORD,
-                                                                  r.elem),
+                WKV7C_FORWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
                                            rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, T=T, H=H)]
     P = forward_split(B, H, N, dev) if split is None else int(split)
     if P not in _forward_splits(N):
@@ -338,10 +338,9 @@ def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B,
     dx = ds.offset(work["ds"])
     nc = n_chunks(T, "chunked")
     x = dict(xtype=r.elem, variant=_operators_variant(N))
-    state, block = _state_launch(B, H, N, P, dev)
+    block, state = _state_launch(B, H, N, P, dev, BWD_RECORD, r.elem)
     return [WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec, T=T, H=H, mode=1),
-            WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, variant=state,
-                                        smem=_state_smem_bytes(N, P, state["WKV_KEY_WARPS"], BWD_RECORD, r.elem),
+            WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
                                         rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),
             WKV7C_BACKWARD_GRADS.launch((nc, H, B), (4 * N, 1, 1), **x, r=r, w=w, k=k, v=v, a=a, b=b, dy=dy,
                                         sa=sa, s0=ckpt, ds=ds, dx=dx, dr=dr, dw=dw, dk=dk, da=da, db=db,
