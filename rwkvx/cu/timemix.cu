@@ -240,14 +240,18 @@ extern "C" __global__ void tm_prep_fwd(const floatX* k, const floatX* v, const f
         const int row = rr.beg + i;
         const bool ok = row < rr.end;
         const tm_size off = (tm_size)row * C + c0;
-        f4 K = ok ? load4(k + off) : f4_zero();
+        // every input of the row is loaded before the head sum: one memory round trip per row
+        f4 K = f4_zero(), WL = f4_zero(), AL = f4_zero(), V = f4_zero(), VL = f4_zero(), VF = f4_zero();
+        if (ok) {
+            K = load4(k + off); WL = load4(wl + off); AL = load4(al + off); V = load4(v + off);
+            if (layer > 0) { VL = load4(vl + off); VF = load4(vf + off); }
+        }
         float kr[4], ss = 0.f;
 #pragma unroll
         for (int e = 0; e < 4; ++e) { kr[e] = K.v[e] * pkk.v[e]; ss += kr[e] * kr[e]; }
         ss = tm_head_sum(ss, gm);
         if (!ok) continue;
         const float inv = 1.0f / fmaxf(sqrtf(ss), TM_L2_EPS_F);
-        const f4 WL = load4(wl + off), AL = load4(al + off), V = load4(v + off);
         f4 D, KP, A_, B_, VP;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -260,7 +264,6 @@ extern "C" __global__ void tm_prep_fwd(const floatX* k, const floatX* v, const f
             KP.v[e] = K.v[e] * (1.f + (a - 1.f) * pka.v[e]);
         }
         if (layer > 0) {
-            const f4 VL = load4(vl + off), VF = load4(vf + off);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float sv = tm_sigmoid(pv0.v[e] + VL.v[e]);
@@ -311,14 +314,26 @@ extern "C" __global__ void tm_prep_bwd(const floatX* k, const floatX* v, const f
         const bool ok = row < rr.end;
         const tm_size off = (tm_size)row * C + c0;
         float kr[4], a[4], dkk[4], ss = 0.f, sdot = 0.f;
-        f4 K = f4_zero(), DKP = f4_zero();
+        // every input of the row is loaded before the two head sums: one memory round trip per row
+        f4 K = f4_zero(), DKP = f4_zero(), DWB = f4_zero(), WL = f4_zero(), DD = f4_zero(), DVP = f4_zero();
+        f4 V = f4_zero(), VL = f4_zero(), VF = f4_zero(), G = f4_zero(), DR = f4_zero();
         if (ok) {
             K = load4(k + off);
-            const f4 AL = load4(al + off), DWA = load4(dwa + off), DWB = load4(dwb + off);
+            const f4 AL = load4(al + off), DWA = load4(dwa + off);
+            DWB = load4(dwb + off); WL = load4(wl + off); DD = load4(dd + off);
             DKP = load4(dkp + off);
+            DVP = load4(dvp + off);
             if (dkp2) { const f4 X = load4(dkp2 + off);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) DKP.v[e] += X.v[e]; }
+            if (dvp2) { const f4 X = load4(dvp2 + off);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) DVP.v[e] += X.v[e]; }
+            if (layer > 0) { V = load4(v + off); VL = load4(vl + off); VF = load4(vf + off); }
+            if ((layer > 0 && vf_acc) || (layer == 0 && dvf)) G = load4(dvf + off);
+            if (dr2) { const f4 X = load4(dr2 + off); DR = load4(dr + off);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) DR.v[e] += X.v[e]; }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 kr[e] = K.v[e] * pkk.v[e];
@@ -340,7 +355,6 @@ extern "C" __global__ void tm_prep_bwd(const floatX* k, const floatX* v, const f
         sdot = tm_head_sum(sdot, gm);
         if (!ok) continue;
 
-        const f4 DWB = load4(dwb + off), WL = load4(wl + off), DD = load4(dd + off);
         f4 DK, DWL, DAL;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -361,14 +375,8 @@ extern "C" __global__ void tm_prep_bwd(const floatX* k, const floatX* v, const f
             DWL.v[e] = DD.v[e] * dec * (-TM_EXP_M05) * sw * (1.f - sw);
             gw0.v[e] += DWL.v[e];
         }
-        f4 DVP = load4(dvp + off);
-        if (dvp2) { const f4 X = load4(dvp2 + off);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) DVP.v[e] += X.v[e]; }
         f4 DV;
         if (layer > 0) {
-            const f4 V = load4(v + off), VL = load4(vl + off), VF = load4(vf + off);
-            f4 G; if (vf_acc) G = load4(dvf + off); else G = f4_zero();
             f4 DVL;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -382,16 +390,12 @@ extern "C" __global__ void tm_prep_bwd(const floatX* k, const floatX* v, const f
             store4(dvf + off, G);
         } else {
             DV = DVP;
-            if (dvf) { const f4 G = load4(dvf + off);
+            if (dvf) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) DV.v[e] += G.v[e]; }
+                for (int e = 0; e < 4; ++e) DV.v[e] += G.v[e];
+            }
         }
-        if (dr2) {
-            f4 A = load4(dr + off); const f4 B = load4(dr2 + off);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) A.v[e] += B.v[e];
-            store4(dr_out + off, A);
-        }
+        if (dr2) store4(dr_out + off, DR);
         store4(dk + off, DK);
         store4(dv + off, DV);
         store4(dwl + off, DWL);
