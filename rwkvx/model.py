@@ -22,7 +22,7 @@ from .params import ParamDict, check_params, param_shapes
 from .runtime import gemm
 from .runtime.device import DeviceInfo
 from .runtime.dtypes import ELEM_BYTES, from_storage, poison_bits, storage_dtype, to_storage
-from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
+from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
 
 PRECISIONS = gemm.PRECISIONS
 HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
@@ -395,11 +395,9 @@ class StepBuilder:
         return f"rwkv.blocks.{idx}." if kind == "rwkv" else f"moba.{idx}."
 
     # -- shared block parts ---------------------------------------------------------------------
-    def _residual_out(self, x_res, act, weight, out, n_in: int) -> list:
-        """out = x_res + act @ weight^T (copy, then a GEMM accumulating with beta = 1)."""
-        R, C = self.R, self.cfg.n_embd
-        return [Copy(out, x_res, R * C * ELEM_BYTES[out.elem]),
-                gemm.linear(act, weight, out, R, n_in, C, beta=1.0, precision=self.mm)]
+    def _residual_add(self, act, weight, out, n_in: int) -> list:
+        """out += act @ weight^T: ``out`` holds the residual, copied there by the LayerNorm that read it."""
+        return [gemm.linear(act, weight, out, self.R, n_in, self.cfg.n_embd, beta=1.0, precision=self.mm)]
 
     # The token shifts, the WKV recurrence and the MoBA attention are the parts of a block that look
     # at other tokens; each is one method, so that rwkvx.decoder's stateful builders can replace them.
@@ -434,12 +432,12 @@ class StepBuilder:
         R, C, F, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.dev
         b = self.buf
         ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
-                                b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
+                                b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C, x_copy=xout)
         ops += self.channel_shift(prefix)
         ops.append(gemm.linear(b("xk2"), self.w(prefix + "ffn.key.weight"), b("kf"), R, C, F, precision=self.mm))
         ops += channelmix.relu_sq(b("kf"), b("kf"), R * F, dev)
         if xout is not None:
-            ops += self._residual_out(b("x1"), b("kf"), self.w(prefix + "ffn.value.weight"), xout, F)
+            ops += self._residual_add(b("kf"), self.w(prefix + "ffn.value.weight"), xout, F)
         return ops
 
     def channel_mix_backward(self, prefix: str) -> list:
@@ -461,7 +459,7 @@ class StepBuilder:
     def _ln1_forward(self, prefix: str, xin) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
         return layernorm.forward(xin, self.p(prefix + "ln1.weight"), self.p(prefix + "ln1.bias"),
-                                 b("h1"), b("ln1_mean"), b("ln1_rstd"), R, C)
+                                 b("h1"), b("ln1_mean"), b("ln1_rstd"), R, C, x_copy=b("x1"))
 
     def _ln1_backward(self, prefix: str, xin) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
@@ -520,7 +518,7 @@ class StepBuilder:
                                     wa=b("wa"), wb=b("wb"))
         ops += self.wkv(i, for_backward)
         ops += timemix.gn_forward(**self._gn_inputs(i), z=b("z"))
-        ops += self._residual_out(xin, b("z"), self.w(att + "output.weight"), b("x1"), C)
+        ops += self._residual_add(b("z"), self.w(att + "output.weight"), b("x1"), C)
         return ops
 
     def rwkv_backward(self, i: int, xin) -> list:
@@ -588,7 +586,7 @@ class StepBuilder:
         for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
             ops.append(gemm.linear(b("h1"), self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
         ops += self.attention(j)
-        ops += self._residual_out(xin, b("y"), self.w(pre + "att.output.weight"), b("x1"), C)
+        ops += self._residual_add(b("y"), self.w(pre + "att.output.weight"), b("x1"), C)
         return ops
 
     def attn_backward(self, j: int, xin) -> list:

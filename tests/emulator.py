@@ -101,9 +101,11 @@ def _embedding_forward(mem, a, op):
 
 def _ln_forward(mem, a, op):
     R, C = a["R"], a["C"]
+    x = mem.read(a["x"], R * C, (R, C))
+    if a["x_copy"]:
+        mem.write(a["x_copy"], x)
     if a["y"]:
-        mem.write(a["y"], O.layernorm_forward(mem.read(a["x"], R * C, (R, C)), mem.read(a["w"], C),
-                                              mem.read(a["b"], C), a["eps"]))
+        mem.write(a["y"], O.layernorm_forward(x, mem.read(a["w"], C), mem.read(a["b"], C), a["eps"]))
 
 
 def _tm_shift_fwd(mem, a, op):

@@ -6,7 +6,7 @@ import pytest
 from rwkvx import Config
 from rwkvx.decoder import DecodeStepBuilder, PrefillBuilder, state_sizes
 from rwkvx.model import Layout
-from rwkvx.ops import decode, wkv7
+from rwkvx.ops import decode, layernorm, wkv7
 from rwkvx.ops._common import carve, carved_bytes
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.ops import Copy, Gemm, Launch, flatten_ops
@@ -65,8 +65,12 @@ def test_step_is_one_token_per_sequence(kwargs, B, P, max_len):
     assert names.count("dec_shift") == 2 * cfg.n_rwkv_layer + cfg.n_attn_layer
     assert names.count("dec_wkv7") == cfg.n_rwkv_layer and names.count("dec_moba") == cfg.n_attn_layer
     assert all(op.n == B for op in step if isinstance(op, Gemm))     # every GEMM on B rows
-    copies = [op for op in step if isinstance(op, Copy)]             # the residual copies: B rows
-    assert copies and all(op.nbytes == B * cfg.n_embd * 4 for op in copies)
+    # ln1 and ln2 of every block copy the residual (B rows) for the GEMM that adds to it
+    params = [n for n, _ in layernorm.LN_FORWARD.params]
+    lns = [dict(zip(params, (v for _, v in op.args))) for op in step
+           if isinstance(op, Launch) and op.name == "ln_forward"]
+    copying = [a for a in lns if a["x_copy"]]
+    assert len(copying) == 2 * cfg.n_blocks and all(a["R"] == B for a in copying)
     # the prompt's forward saves the WKV checkpoints (the state after its last token) for the copies
     fwd = [op for op in flatten_ops(prefill) if isinstance(op, Launch) and op.name == "wkv7_forward"]
     ckpt = [n for n, _ in wkv7.WKV7_FORWARD.params].index("ckpt")

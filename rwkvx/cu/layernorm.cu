@@ -7,8 +7,10 @@
 // LN_WARPS, LN_BY come from the declaration in rwkvx/ops/layernorm.py.
 //
 // Kernels (one warp per row for the row-wise ones; block = (LN_WARPS*32), grid = ceil(R / LN_WARPS)):
-//   ln_forward(x, w, b, y, mean, rstd, R, C, eps)
+//   ln_forward(x, w, b, y, x_copy, mean, rstd, R, C, eps)
 //       y may be NULL (statistics only); mean / rstd may be NULL (not saved). y may alias x.
+//       x_copy (may be NULL) gets x as read: the residual a GEMM then adds to with beta = 1, written
+//       here because this pass reads x anyway (a separate copy would read it again).
 //   ln_backward_dx(x, w, dy, mean, rstd, dx, R, C, accumulate)
 //       dx = rstd * (g - mean_c(g) - xhat * mean_c(g * xhat)),  g = dy * w,  xhat = (x - mean) * rstd
 //       accumulate = 0: dx = ...; 1: dx += ... . mean / rstd are required (from ln_forward).
@@ -33,18 +35,20 @@ static __device__ __forceinline__ float ln_warp_sum(float v)
 
 extern "C" __global__ void __launch_bounds__(LN_WARPS * 32)
 ln_forward(const floatX* x, const float* __restrict__ w, const float* __restrict__ b,
-           floatX* y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
-           int R, int C, float eps)
+           floatX* y, floatX* __restrict__ x_copy, float* __restrict__ mean_out,
+           float* __restrict__ rstd_out, int R, int C, float eps)
 {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     if (r >= R) return;
     const int C4 = C >> 2;
     const floatX* xr = x + (long long)r * C;
+    floatX* cr = x_copy ? x_copy + (long long)r * C : nullptr;
     float s = 0.0f;
     for (int i = lane; i < C4; i += 32) {
         const f4 v = load4(xr + 4 * i);
         s += (v.v[0] + v.v[1]) + (v.v[2] + v.v[3]);
+        if (cr) store4(cr + 4 * i, v);   // exact: floatX -> f32 -> floatX round-trips
     }
     const float mu = ln_warp_sum(s) / (float)C;
     float q = 0.0f;

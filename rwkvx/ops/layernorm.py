@@ -9,8 +9,10 @@ Twin: ``rwkvx.oracle.layernorm_forward`` / ``layernorm_backward``.
 Forward::
 
     ops += layernorm.forward(x, w, b, y, mean, rstd, R, C)      # mean/rstd None: not saved
+    ops += layernorm.forward(x, w, b, y, mean, rstd, R, C, x_copy=out)   # also out = x
 
-``y`` may alias ``x`` (in place).
+``y`` may alias ``x`` (in place). ``x_copy`` (another buffer like ``x``) receives ``x`` as read: the
+residual a following GEMM accumulates into (beta = 1) without a separate device copy.
 
 Backward (one call: statistics if needed, dweight/dbias partials, their reduction, dx)::
 
@@ -42,8 +44,8 @@ BY = 8               # row streams per block of ln_backward_dwdb
 REDUCE_BY = 16       # reduce_partials rows (its summation order)
 
 CU = KernelFile("layernorm", constants={"LN_WARPS": WARPS, "LN_BY": BY})
-LN_FORWARD = CU.kernel("ln_forward", x=X_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(), mean_out=F32_OUT.opt(),
-                       rstd_out=F32_OUT.opt(), R=INT, C=INT, eps=FLOAT)
+LN_FORWARD = CU.kernel("ln_forward", x=X_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(), x_copy=X_OUT.opt(),
+                       mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), R=INT, C=INT, eps=FLOAT)
 LN_BACKWARD_DX = CU.kernel("ln_backward_dx", x=X_IN, w=F32_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN,
                            dx=X_OUT, R=INT, C=INT, accumulate=INT)
 LN_BACKWARD_DWDB = CU.kernel("ln_backward_dwdb", x=X_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN, part=F32_OUT,
@@ -55,12 +57,16 @@ def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = N
     return 2 * _reduce.scratch_elems(R, C, dev, rows_per_tile)
 
 
-def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS) -> list:
-    """ln_forward: y [R,C] = LN(x [R,C]; w, b [C]); mean, rstd [R] saved when not None.
-    ``y=None`` computes only the statistics (used by :func:`backward` with stats_valid=False)."""
-    check_rows("layernorm.forward", R, C, x, w, b, y)
+def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS, x_copy=None) -> list:
+    """ln_forward: y [R,C] = LN(x [R,C]; w, b [C]); mean, rstd [R] saved when not None; ``x_copy``
+    [R,C] = x when not None. ``y=None`` computes only the statistics (used by :func:`backward` with
+    stats_valid=False)."""
+    check_rows("layernorm.forward", R, C, x, w, b, y, x_copy)
+    if x_copy is not None and int(x_copy) in (int(x), int(y) if y is not None else -1):
+        raise ValueError("layernorm.forward: x_copy must not alias x or y")
     return [LN_FORWARD.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=x.elem,
-                              x=x, w=w, b=b, y=y, mean_out=mean, rstd_out=rstd, R=R, C=C, eps=eps)]
+                              x=x, w=w, b=b, y=y, x_copy=x_copy, mean_out=mean, rstd_out=rstd, R=R, C=C,
+                              eps=eps)]
 
 
 def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: DeviceInfo,
