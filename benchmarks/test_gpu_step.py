@@ -28,9 +28,8 @@ CONFIGS = {
 LONG = ("base_B1_T131072",)       # bf16 with recompute only (the other modes need more memory)
 
 RUNS = ([(name, "eager", "fp32", True) for name in ("small_B8_T512", "base_B8_T4096")]
-        + [(name, "graph", precision, True) for name in CONFIGS if name not in LONG
-           for precision in ("fp32", "tf32", "bf16")]
-        + [(name, "graph", "bf16", False) for name in CONFIGS if name not in LONG]
+        + [(name, "graph", precision, recompute) for recompute in (True, False)
+           for name in CONFIGS if name not in LONG for precision in ("fp32", "tf32", "bf16")]
         + [(name, "graph", "bf16", True) for name in LONG])
 
 
