@@ -30,10 +30,12 @@ XTYPES = {"fp32": "f32", "tf32": "f32", "bf16": "bf16"}  # activation element ty
 
 
 def kernel_methods(cfg: Config, precision: str) -> dict[str, str]:
-    """The WKV7 and MoBA kernel methods of a precision: the exact CUDA-core kernels in fp32, the
-    tensor-core ones (chunked WKV7, mma MoBA) in tf32 and bf16 where they support the head size."""
+    """The WKV7 and MoBA kernel methods of a precision where they support the head size: the chunked
+    WKV7 on tensor cores (3xTF32 in fp32), MoBA's mma kernels in tf32 and bf16 and its exact CUDA-core
+    kernels in fp32; elsewhere the sequential WKV7."""
     fast = precision != "fp32"
-    return {"wkv7": "chunked" if fast and cfg.head_size in wkv7.CHUNKED_HEAD_SIZES else "sequential",
+    chunked = "chunked" if fast else "chunked_exact"
+    return {"wkv7": chunked if cfg.head_size in wkv7.CHUNKED_HEAD_SIZES else "sequential",
             "moba": "mma" if fast and cfg.head_size in moba.MMA_HEAD_SIZES else "exact"}
 _ALIGN = 256  # bytes; every buffer starts 256-byte aligned (vector kernels, cuBLAS)
 

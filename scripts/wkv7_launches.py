@@ -1,8 +1,8 @@
-"""Each launch of the chunked WKV7 method timed alone (CUDA events, 20 runs), at the default state-pass
+"""Each launch of a chunked WKV7 method timed alone (CUDA events, 20 runs), at the default state-pass
 split: where the forward's and the backward's time goes (benchmarks/test_kernels.py times them together).
 
-Usage: python scripts/wkv7_launches.py [LABEL] [--xtype bf16|f32] [--stages NS] [--split-operators 0|1]
-[--split P] [--key-warps 1|2] [--shape B,T,H ...].
+Usage: python scripts/wkv7_launches.py [LABEL] [--method chunked|chunked_exact] [--xtype bf16|f32]
+[--stages NS] [--split-operators 0|1] [--split P] [--key-warps 1|2] [--shape B,T,H ...].
 --stages and --split-operators time other values of rwkvx/ops/wkv7.py's CHUNKED_STAGES and
 SPLIT_OPERATORS[xtype] (the kernels are compiled with them), --split and --key-warps other state-pass
 shapes than chunked_split and chunked_key_warps choose, for choosing those. Needs a GPU.
@@ -23,6 +23,7 @@ SHAPES = ((8, 4096, 12), (1, 16384, 12))       # (B, T, H) at N = 64
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("label", nargs="?", default="")
+    ap.add_argument("--method", default="chunked", choices=wkv7.CHUNKED_METHODS)
     ap.add_argument("--xtype", default="bf16", choices=("bf16", "f32"))
     ap.add_argument("--stages", type=int, help="chunks in flight in the state passes (CHUNKED_STAGES)")
     ap.add_argument("--split-operators", type=int, choices=(0, 1), help="3xTF32 chunk operators (1) or not")
@@ -49,16 +50,16 @@ def main() -> None:
     for B, T, H in shapes:
         b = Buffers(dev, args.xtype)
         inp, n = _wkv_inputs(b, B, T, H)
-        sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method="chunked")
+        sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method=args.method)
         sa, ckpt, part = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32"), b(sizes["partials"], "f32")
-        fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method="chunked", partials=part,
+        fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method=args.method, partials=part,
                            split=args.split)
         times = [alone(op) for op in fwd]
         Plan(dev, fwd).run()                    # real checkpoints for the backward
         bwd = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], B, T, H, N, dev.info,
-                            partials=part, method="chunked", split=args.split)
+                            partials=part, method=args.method, split=args.split)
         times += [alone(op) for op in bwd]
-        print(f"{args.label} B{B} T{T} H{H} N{N} {args.xtype} split {fwd[1].grid[0]} key warps {fwd[1].block[0] * fwd[1].grid[0] // (4 * N)}: "
+        print(f"{args.label} B{B} T{T} H{H} N{N} {args.method} {args.xtype} split {fwd[1].grid[0]} key warps {fwd[1].block[0] * fwd[1].grid[0] // (4 * N)}: "
               + " ".join(f"{op.name} {ms:.3f}" for op, ms in zip(fwd + bwd, times)), flush=True)
 
 

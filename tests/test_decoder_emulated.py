@@ -8,7 +8,7 @@ import pytest
 
 from emulator import Memory, run
 from rwkvx import Config
-from rwkvx.decoder import decoder_ops, state_sizes
+from rwkvx.decoder import PREFILL_METHODS, decoder_ops, state_sizes
 from rwkvx.model import Layout, StepBuilder
 from rwkvx.ops._common import carve, carved_bytes
 from rwkvx.oracle import Oracle, rel_err
@@ -44,7 +44,7 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     want = oracle.forward(tokens)
 
     mem = Memory()
-    layout = Layout(cfg, B, P, H200)
+    layout = Layout(cfg, B, P, H200, methods=PREFILL_METHODS)
     mem.add(BASE, layout.total)
     names = [*Layout.host_inputs(B * P), "loss_t"]
     host = {n: HOST + i * (1 << 24) for i, n in enumerate(names)}

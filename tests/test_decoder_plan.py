@@ -4,7 +4,7 @@ arena, the step on B rows with decode.cu where a block looks at earlier tokens."
 import pytest
 
 from rwkvx import Config
-from rwkvx.decoder import DecodeStepBuilder, PrefillBuilder, state_sizes
+from rwkvx.decoder import PREFILL_METHODS, DecodeStepBuilder, PrefillBuilder, state_sizes
 from rwkvx.model import Layout
 from rwkvx.ops import decode, layernorm, wkv7
 from rwkvx.ops._common import carve, carved_bytes
@@ -27,7 +27,7 @@ FORWARD_ONLY_OF_SEQUENCES = {"tm_shift_fwd", "cm_shift_mix", "wkv7_forward", "mo
 
 
 def build(kwargs, B, P, max_len):
-    layout = Layout(Config(**kwargs), B, P, H200)
+    layout = Layout(Config(**kwargs), B, P, H200, methods=PREFILL_METHODS)
     sizes = state_sizes(layout, max_len)
     state = carve(STATE, sizes)
     args = (layout, BASE, state, max_len)

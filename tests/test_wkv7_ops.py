@@ -52,6 +52,21 @@ def test_wkv7_chunked_builders():
     assert sizes["partials"] == nc * W._record_floats(64, W.BWD_RECORD) + nc * 64 * 64 + 8 * 4096 * 12 * 64
 
 
+def test_wkv7_chunked_exact_builders():
+    """method="chunked_exact": the chunked kernels' 3xTF32 variant, f32 inputs only."""
+    p = lambda i=1, elem="f32": DevPtr(16 * i, elem)      # noqa: E731
+    with pytest.raises(ValueError, match="f32 inputs"):
+        W.forward(*[p(1, "bf16")] * 7, 1, 10, 1, 64, H200, method="chunked_exact", partials=p())
+    with pytest.raises(ValueError, match="f32 inputs"):
+        W.backward(*[p(1, "bf16")] * 15, 1, 10, 1, 64, H200, method="chunked_exact", partials=p())
+    for method, exact in (("chunked", "0"), ("chunked_exact", "1")):
+        ops = W.forward(*[p()] * 7, 2, 33, 3, 64, H200, sa=p(), ckpt=p(), method=method, partials=p())
+        ops += W.backward(*[p()] * 15, 2, 33, 3, 64, H200, method=method, partials=p())
+        assert len(ops) == 5 and all(dict(op.defines)["WKV_EXACT"] == exact for op in ops)
+    assert W.scratch_elems(8, 4096, 12, 64, H200, method="chunked_exact") == \
+        W.scratch_elems(8, 4096, 12, 64, H200, method="chunked")
+
+
 def test_wkv7_chunked_split_fills_the_device():
     """The state rows split over as many blocks as one wave holds (two groups of 8 rows or more each),
     the keys of each group over two warps while the pass has at most STATE_WARPS_PER_SM warps per SM."""

@@ -21,19 +21,21 @@
 //   wkv7c_forward_state   grid (P, H, B): the sequential pass. A group of one or two warps = 8 value rows of
 //                         S (rows are independent given the records; with two, each warp half of the keys and
 //                         the pair sums its partial products over the keys), fp32 state in shared memory,
-//                         products on mma.sync m16n8k8 tf32 with fp32 accumulation; y, sa and the
+//                         products on mma.sync m16n8k8 tf32 (3xTF32 with WKV_EXACT) with fp32 accumulation;
+//                         y, sa and the
 //                         chunk-entering states S0 out.
 //   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
 //                         chunk-ending dS out.
 //   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
-//                         rows with S0 and dS on tensor cores in tf32, the [L, L] ones as intra's, the rest
+//                         rows with S0 and dS on tensor cores in tf32 or 3xTF32, the [L, L] ones as intra's, the rest
 //                         fp32 on CUDA cores).
-// The decay's part of S_L (diag(PL) S0) stays in fp32: only the new terms are rounded to tf32 each chunk.
+// The decay's part of S_L (diag(PL) S0) stays in fp32: only the new terms are rounded to tf32 each chunk
+// (carried as tf32 hi + lo pairs with WKV_EXACT, the fp32 precision's path).
 // Deterministic: no atomics, fixed summation orders.
 
 #include "common.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC) \
-    || !defined(WKV_INTRA_THREADS) || !defined(WKV_SPLIT_OPERATORS)
+    || !defined(WKV_INTRA_THREADS) || !defined(WKV_SPLIT_OPERATORS) || !defined(WKV_EXACT)
 #error "wkv7_chunked.cu: HEAD_SIZE and the WKV_* defines come from rwkvx/ops/wkv7.py"
 #endif
 
@@ -46,12 +48,17 @@ constexpr int NS = WKV_STAGES;                  // chunks of inputs staged (in f
 static_assert(NS >= 2, "the state passes need at least double buffering");
 static_assert(L == 16, "the mma tiling assumes chunks of 16 tokens");
 static_assert(HN == 32 || HN == 64, "the chunked kernels support head sizes 32 and 64");
+// WKV_EXACT (the fp32 precision's path, f32 inputs): every product in 3xTF32, the records kept in fp32
+// (split at each use) -- fp32-class results. Otherwise (tf32, bf16) the state passes' and the gradient
+// kernel's products over the value rows take one tf32 operand per side.
+constexpr bool EXACT = WKV_EXACT;
 
 // A chunk record: two token-major [L][HN] sections, two key-major [HN][L] sections, NLL [L][L]
 // sections, PL [HN]. Forward: Qa, Qr | Kt^T, Bt^T | Ca, Cr.  Backward: Qb, Kt | rt^T, at^T | Db, Ark^T, Aak^T.
 // Every section but PL is only ever an mma A operand, so wkv7c_intra stores it in fragment order
 // (frag_pos: each lane's four A values of a k-step side by side, one 16-byte load) and rounded to tf32 (the
-// same bits a conversion at each use would give); the state passes copy records to shared memory as they are.
+// same bits a conversion at each use would give; in fp32 when EXACT, for a hi + lo split at each use); the
+// state passes copy records to shared memory as they are.
 template <int NLL>
 struct Rec {
     static constexpr int TM = 0, KM = 2 * LN, LQ = 4 * LN, PL = 4 * LN + NLL * LL, SIZE = PL + HN;
@@ -120,7 +127,8 @@ __device__ __forceinline__ void frag_b_split(unsigned (&hi)[2], unsigned (&lo)[2
     hi[0] = to_tf32(x0); hi[1] = to_tf32(x1);
     lo[0] = to_tf32(x0 - __uint_as_float(hi[0])); lo[1] = to_tf32(x1 - __uint_as_float(hi[1]));
 }
-// A B operand's fragments of every k-step, loaded (and split) once for several products
+// A B operand's fragments of every k-step, loaded (and split: SPLIT, or always when EXACT) once for several
+// products
 template <int K>
 struct BFrags { unsigned hi[K / 8][2], lo[K / 8][2]; };
 // v and dy need the lo part only in fp32: bf16 values are exact in tf32 (their lo part is zero)
@@ -130,7 +138,7 @@ __device__ __forceinline__ BFrags<K> load_bfrags(FB B) {
     BFrags<K> f;
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 8) {
-        if constexpr (SPLIT) frag_b_split(f.hi[k0 / 8], f.lo[k0 / 8], B, k0);
+        if constexpr (SPLIT || EXACT) frag_b_split(f.hi[k0 / 8], f.lo[k0 / 8], B, k0);
         else frag_b(f.hi[k0 / 8], B, k0);
     }
     return f;
@@ -143,34 +151,6 @@ template <int K>
 __device__ __forceinline__ void frag_b_split(unsigned (&hi)[2], unsigned (&lo)[2], const BFrags<K>& f, int k0) {
     hi[0] = f.hi[k0 / 8][0]; hi[1] = f.hi[k0 / 8][1]; lo[0] = f.lo[k0 / 8][0]; lo[1] = f.lo[k0 / 8][1];
 }
-// d (16 x 8) += A (16 x K) B (K x 8); SPLIT: B in hi + lo parts (two mma per k-step)
-template <int K, bool SPLIT = false, class FA, class FB>
-__device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
-#pragma unroll
-    for (int k0 = 0; k0 < K; k0 += 8) {
-        unsigned a[4], b[2], lo[2];
-        frag_a(a, A, k0);
-        if constexpr (SPLIT) { frag_b_split(b, lo, B, k0); mma_tf32(d, a, lo); }
-        else frag_b(b, B, k0);
-        mma_tf32(d, a, b);
-    }
-}
-// d1 += A1 B and d2 += A2 B over k = K0 .. K0 + K - 1: one load and conversion of each B fragment for both
-template <int K, bool SPLIT = false, int K0 = 0, class FA1, class FA2, class FB>
-__device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4], FA2 A2, FB B) {
-#pragma unroll
-    for (int k0 = K0; k0 < K0 + K; k0 += 8) {
-        unsigned a[4], b[2], lo[2];
-        if constexpr (SPLIT) frag_b_split(b, lo, B, k0);
-        else frag_b(b, B, k0);
-        frag_a(a, A1, k0);
-        if constexpr (SPLIT) mma_tf32(d1, a, lo);
-        mma_tf32(d1, a, b);
-        frag_a(a, A2, k0);
-        if constexpr (SPLIT) mma_tf32(d2, a, lo);
-        mma_tf32(d2, a, b);
-    }
-}
 // Where element (m, k) of an [M][K] A operand lies in fragment order: 16 x 8 tiles (m-tile major, then
 // k-step), in a tile lane 4 (m % 8) + k % 4 holds its a0..a3 = (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4)
 // at 4 lane + (m / 8) % 2 + 2 ((k / 4) % 2).
@@ -179,10 +159,15 @@ __device__ __forceinline__ int frag_pos(int m, int k) {
     return ((m >> 4) * (K / 8) + (k >> 3)) * 128 + (((m & 7) << 2) + (k & 3)) * 4 + ((m >> 3) & 1)
            + 2 * ((k >> 2) & 1);
 }
-// One m-tile of a record section in fragment order (tf32 bits) as an mma A operand
+// A record section's value as stored: tf32-rounded, or fp32 when EXACT
+__device__ __forceinline__ float rec_value(float x) { return EXACT ? x : round_tf32(x); }
+// One m-tile of a record section in fragment order as an mma A operand
 struct FragOp { const float* p; };
+__device__ __forceinline__ float4 frag_load(FragOp A, int k0) {
+    return *reinterpret_cast<const float4*>(A.p + ((k0 >> 3) * 32 + (threadIdx.x & 31)) * 4);
+}
 __device__ __forceinline__ void frag_a(unsigned (&a)[4], FragOp A, int k0) {
-    const float4 v = *reinterpret_cast<const float4*>(A.p + ((k0 >> 3) * 32 + (threadIdx.x & 31)) * 4);
+    const float4 v = frag_load(A, k0);
     a[0] = __float_as_uint(v.x); a[1] = __float_as_uint(v.y); a[2] = __float_as_uint(v.z); a[3] = __float_as_uint(v.w);
 }
 // (row, column) of accumulator element e of a 16x8 tile
@@ -200,8 +185,8 @@ __device__ __forceinline__ void put_section(float* dst, int M, FA A, int f0, int
     for (int f = f0; f < M * K / 4; f += nf) {
         const int tile = f >> 5, ln = f & 31;
         const int m = 16 * (tile / (K / 8)) + (ln >> 2), k = 8 * (tile % (K / 8)) + (ln & 3);
-        *reinterpret_cast<float4*>(dst + 4 * f) = make_float4(round_tf32(A(m, k)), round_tf32(A(m + 8, k)),
-                                                              round_tf32(A(m, k + 4)), round_tf32(A(m + 8, k + 4)));
+        *reinterpret_cast<float4*>(dst + 4 * f) = make_float4(rec_value(A(m, k)), rec_value(A(m + 8, k)),
+                                                              rec_value(A(m, k + 4)), rec_value(A(m + 8, k + 4)));
     }
 }
 // A warp's 16 x 8 tile W (row m, column n) as one fragment-order tile of a record section (128 floats)
@@ -226,6 +211,13 @@ __device__ __forceinline__ void frag_a3(unsigned (&hi)[4], unsigned (&lo)[4], FA
     split_tf32(A(g + 8, k0 + q), hi[1], lo[1]);
     split_tf32(A(g, k0 + q + 4), hi[2], lo[2]);
     split_tf32(A(g + 8, k0 + q + 4), hi[3], lo[3]);
+}
+__device__ __forceinline__ void frag_a3(unsigned (&hi)[4], unsigned (&lo)[4], FragOp A, int k0) {
+    const float4 v = frag_load(A, k0);
+    split_tf32(v.x, hi[0], lo[0]);
+    split_tf32(v.y, hi[1], lo[1]);
+    split_tf32(v.z, hi[2], lo[2]);
+    split_tf32(v.w, hi[3], lo[3]);
 }
 template <class FB>
 __device__ __forceinline__ void frag_b3(unsigned (&hi)[2], unsigned (&lo)[2], FB B, int k0) {
@@ -265,6 +257,52 @@ __device__ __forceinline__ void gram3(float (&d)[2][4], FX X, FY Y) {
             unsigned bh[2], bl[2];
             frag_b3(bh, bl, [&](int kk, int n) { return Y(8 * nt + n, kk); }, k0);
             mma3(d[nt], ah, al, bh, bl);
+        }
+    }
+}
+
+// d (16 x 8) += A (16 x K) B (K x 8); SPLIT: B in hi + lo parts (two mma per k-step); EXACT: both in
+// hi + lo parts (3xTF32)
+template <int K, bool SPLIT = false, class FA, class FB>
+__device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
+#pragma unroll
+    for (int k0 = 0; k0 < K; k0 += 8) {
+        unsigned a[4], b[2], lo[2];
+        if constexpr (EXACT) {
+            unsigned al[4];
+            frag_a3(a, al, A, k0);
+            frag_b_split(b, lo, B, k0);
+            mma3(d, a, al, b, lo);
+        } else {
+            frag_a(a, A, k0);
+            if constexpr (SPLIT) { frag_b_split(b, lo, B, k0); mma_tf32(d, a, lo); }
+            else frag_b(b, B, k0);
+            mma_tf32(d, a, b);
+        }
+    }
+}
+// d1 += A1 B and d2 += A2 B over k = K0 .. K0 + K - 1: one load and conversion of each B fragment for both
+template <int K, bool SPLIT = false, int K0 = 0, class FA1, class FA2, class FB>
+__device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4], FA2 A2, FB B) {
+#pragma unroll
+    for (int k0 = K0; k0 < K0 + K; k0 += 8) {
+        unsigned a[4], b[2], lo[2];
+        if constexpr (EXACT) {
+            unsigned al[4];
+            frag_b_split(b, lo, B, k0);
+            frag_a3(a, al, A1, k0);
+            mma3(d1, a, al, b, lo);
+            frag_a3(a, al, A2, k0);
+            mma3(d2, a, al, b, lo);
+        } else {
+            if constexpr (SPLIT) frag_b_split(b, lo, B, k0);
+            else frag_b(b, B, k0);
+            frag_a(a, A1, k0);
+            if constexpr (SPLIT) mma_tf32(d1, a, lo);
+            mma_tf32(d1, a, b);
+            frag_a(a, A2, k0);
+            if constexpr (SPLIT) mma_tf32(d2, a, lo);
+            mma_tf32(d2, a, b);
         }
     }
 }
@@ -460,7 +498,7 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
             float pm[4] = {0.f, 0.f, 0.f, 0.f};
             mm3<L>(pm, Mat(Arb), [&](int kk, int n) { return Mi[kk][8 * nt + n]; });
 #pragma unroll
-            for (int e = 0; e < 4; ++e) out[R::LQ + frag_pos<L>(8 * nt + acc_n(e), acc_m(e))] = round_tf32(pm[e]);
+            for (int e = 0; e < 4; ++e) out[R::LQ + frag_pos<L>(8 * nt + acc_n(e), acc_m(e))] = rec_value(pm[e]);
         }
     }
 }
@@ -698,7 +736,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
 // Per-chunk key-space gradients.  grid (n_c, H, B), block 4*N (N/8 warps): thread (tq, j) =
 // (tid / N, tid % N) owns column j of tokens 4 tq .. 4 tq + 3 in the element-wise parts; warp wq computes
 // keys 8 wq .. 8 wq + 7 of the products over the value rows dY S0, dX S0, V dS, U dS [L, N] (tensor cores,
-// tf32); dY V^T, dY U^T, dX V^T, dX U^T [L, L] take one warp each (3xTF32: at small T each entry is a whole
+// tf32; 3xTF32 when EXACT); dY V^T, dY U^T, dX V^T, dX U^T [L, L] take one warp each (3xTF32: at small T each entry is a whole
 // gradient's coefficient).
 // sa = U (forward), s0 (forward), ds and dx (backward_state).
 //   drt = dY S0 + slower(dY V^T) kh + slower(dY U^T) bh,  dat = dX S0 + slower(dX V^T) kh + slower(dX U^T) bh,
@@ -773,12 +811,26 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
             const float s_0 = s0f[k0 / 4], s_1 = s0f[k0 / 4 + 1];
             const float g_0 = dsf[k0 / 4], g_1 = dsf[k0 / 4 + 1];
             sd = fmaf(s_1, g_1, fmaf(s_0, g_0, sd));
-            const unsigned bs[2] = {to_tf32(s_0), to_tf32(s_1)}, bg[2] = {to_tf32(g_0), to_tf32(g_1)};
-            unsigned af[4];
-            frag_a(af, [&](int m, int kk) { return Ys[m][kk]; }, k0); mma_tf32(pYS, af, bs);
-            frag_a(af, [&](int m, int kk) { return Xs[m][kk]; }, k0); mma_tf32(pXS, af, bs);
-            frag_a(af, [&](int m, int kk) { return Vs[m][kk]; }, k0); mma_tf32(pKt, af, bg);
-            frag_a(af, [&](int m, int kk) { return Us[m][kk]; }, k0); mma_tf32(pBt, af, bg);
+            auto Ya = [&](int m, int kk) { return Ys[m][kk]; };
+            auto Xa = [&](int m, int kk) { return Xs[m][kk]; };
+            auto Va = [&](int m, int kk) { return Vs[m][kk]; };
+            auto Ua = [&](int m, int kk) { return Us[m][kk]; };
+            if constexpr (EXACT) {
+                unsigned bs[2], bsl[2], bg[2], bgl[2], ah[4], al[4];
+                split_tf32(s_0, bs[0], bsl[0]); split_tf32(s_1, bs[1], bsl[1]);
+                split_tf32(g_0, bg[0], bgl[0]); split_tf32(g_1, bg[1], bgl[1]);
+                frag_a3(ah, al, Ya, k0); mma3(pYS, ah, al, bs, bsl);
+                frag_a3(ah, al, Xa, k0); mma3(pXS, ah, al, bs, bsl);
+                frag_a3(ah, al, Va, k0); mma3(pKt, ah, al, bg, bgl);
+                frag_a3(ah, al, Ua, k0); mma3(pBt, ah, al, bg, bgl);
+            } else {
+                const unsigned bs[2] = {to_tf32(s_0), to_tf32(s_1)}, bg[2] = {to_tf32(g_0), to_tf32(g_1)};
+                unsigned af[4];
+                frag_a(af, Ya, k0); mma_tf32(pYS, af, bs);
+                frag_a(af, Xa, k0); mma_tf32(pXS, af, bs);
+                frag_a(af, Va, k0); mma_tf32(pKt, af, bg);
+                frag_a(af, Ua, k0); mma_tf32(pBt, af, bg);
+            }
         }
         sd += __shfl_xor_sync(0xffffffffu, sd, 1);   // the quad's 4 row subsets of column 8 wq + g
         sd += __shfl_xor_sync(0xffffffffu, sd, 2);

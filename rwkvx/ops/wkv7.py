@@ -34,9 +34,11 @@ Methods (``method=``): ``"sequential"`` (rwkvx/cu/wkv7.cu, the default: one toke
 ``"chunked"`` (rwkvx/cu/wkv7_chunked.cu, N in {32, 64}: chunks of CHUNKED_L = 16 tokens, intra-chunk
 operators for all chunks in parallel, a sequential pass over chunk states with its products on tensor
 cores in tf32, the backward's per-chunk gradients in parallel again; for the ``tf32`` and ``bf16``
-precisions, error ~1e-3 against float64). The two methods save different things: ``sa``/``ckpt`` of
-one method are only valid for the backward of the same method. The chunked method's ``ckpt`` holds the
-state *entering* each chunk of 16 tokens, and it needs ``partials``, a work buffer of
+precisions, error ~1e-3 against float64) and ``"chunked_exact"`` (the same kernels with every product in
+3xTF32, each operand a tf32 hi + lo pair, and the chunk records kept in fp32: fp32-class results, error
+~3e-7, for the ``fp32`` precision; f32 inputs only). The sequential and chunked methods save different
+things: ``sa``/``ckpt`` of one are only valid for the backward of the same method. The chunked methods'
+``ckpt`` holds the state *entering* each chunk of 16 tokens, and they need ``partials``, a work buffer of
 :func:`scratch_elems`, in the forward and in the backward.
 
 Splits: the forward splits the N state rows of each (b, h) over ``P_f`` blocks (rows are independent);
@@ -66,7 +68,8 @@ CHUNK = 8             # checkpoint interval in tokens (the backward steps back a
 BWD_MAXT = 256        # backward threads per block at most (N = 128 needs P_b >= 2)
 REDUCE_BLOCKS_PER_SM = 8
 
-METHODS = ("sequential", "chunked")
+METHODS = ("sequential", "chunked", "chunked_exact")
+CHUNKED_METHODS = ("chunked", "chunked_exact")
 CHUNKED_L = 16        # tokens per chunk of the chunked method
 CHUNKED_HEAD_SIZES = (32, 64)
 CHUNKED_STAGES = 3    # chunks of inputs in flight in the state passes (2, 4 and 6 measured no faster)
@@ -95,7 +98,7 @@ WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F
                           part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
 CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES,
                                             "WKV_INTRA_THREADS": INTRA_THREADS},
-                 variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES, "WKV_KEY_WARPS": KEY_WARPS},
+                 variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES, "WKV_KEY_WARPS": KEY_WARPS, "WKV_EXACT": (0, 1)},
                  derived=lambda v, xtype: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
                                            "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD),
                                            "WKV_SPLIT_OPERATORS": int(SPLIT_OPERATORS[xtype])})
@@ -114,15 +117,20 @@ WKV7_BACKWARD_REDUCE = CU.kernel("wkv7_backward_reduce", part=F32_IN, dr=X_OUT, 
 
 def n_chunks(T: int, method: str = "sequential") -> int:
     """Checkpointed chunks of a sequence of T tokens (CHUNK tokens each, CHUNKED_L for the chunked method)."""
-    size = CHUNKED_L if method == "chunked" else CHUNK
+    size = CHUNKED_L if method in CHUNKED_METHODS else CHUNK
     return (int(T) + size - 1) // size
 
 
 def _check_method(method: str, N: int) -> None:
     if method not in METHODS:
         raise ValueError(f"wkv7: method must be one of {METHODS}, got {method!r}")
-    if method == "chunked" and N not in CHUNKED_HEAD_SIZES:
+    if method in CHUNKED_METHODS and N not in CHUNKED_HEAD_SIZES:
         raise ValueError(f"wkv7: the chunked method supports head sizes {CHUNKED_HEAD_SIZES}, got N={N}")
+
+
+def _check_exact_inputs(what: str, method: str, r) -> None:
+    if method == "chunked_exact" and r.elem != "f32":
+        raise ValueError(f"{what}: method chunked_exact takes f32 inputs (fp32 precision), got {r.elem}")
 
 
 def _check(B: int, T: int, H: int, N: int) -> None:
@@ -212,17 +220,18 @@ def chunked_key_warps(B: int, H: int, N: int, dev: DeviceInfo) -> int:
     return 2 if B * H * (N // 8) * 2 <= STATE_WARPS_PER_SM * dev.sm_count else 1
 
 
-def _operators_variant(N: int) -> dict:
+def _operators_variant(N: int, method: str) -> dict:
     """The variant of the per-chunk kernels (intra, grads): no state rows, so one warp per group."""
-    return {"HEAD_SIZE": N, "WKV_KEY_WARPS": 1}
+    return {"HEAD_SIZE": N, "WKV_KEY_WARPS": 1, "WKV_EXACT": int(method == "chunked_exact")}
 
 
-def _state_launch(B: int, H: int, N: int, P: int, dev: DeviceInfo, n_square: int, xtype: str) -> tuple[tuple, dict]:
-    """A state pass's block at row split P, and its variant (head size, warps per 8 rows) and shared memory
-    as launch arguments."""
+def _state_launch(B: int, H: int, N: int, P: int, dev: DeviceInfo, n_square: int, xtype: str,
+                  method: str) -> tuple[tuple, dict]:
+    """A state pass's block at row split P, and its variant (head size, warps per 8 rows, 3xTF32) and
+    shared memory as launch arguments."""
     kw = chunked_key_warps(B, H, N, dev)
-    return (4 * kw * N // P, 1, 1), dict(variant={"HEAD_SIZE": N, "WKV_KEY_WARPS": kw},
-                                         smem=_state_smem_bytes(N, P, kw, n_square, xtype))
+    variant = {"HEAD_SIZE": N, "WKV_KEY_WARPS": kw, "WKV_EXACT": int(method == "chunked_exact")}
+    return (4 * kw * N // P, 1, 1), dict(variant=variant, smem=_state_smem_bytes(N, P, kw, n_square, xtype))
 
 
 def _state_smem_bytes(N: int, P: int, kw: int, n_square: int, xtype: str) -> int:
@@ -242,12 +251,12 @@ def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | 
         ckpt     [B, H, ceil(T/CHUNK), N, N]  forward -> backward (state checkpoints)
         partials [5, P, B, T, H, N]         backward scratch, 0 when the backward split P == 1
 
-    ``split`` is the backward split (default :func:`backward_split`). For ``method="chunked"``: ckpt is
+    ``split`` is the backward split (default :func:`backward_split`). For the chunked methods: ckpt is
     [B, H, ceil(T/16), N, N] (the states entering the chunks) and partials the work buffer of the forward
     and the backward (chunk records; dS and dX), whatever the split."""
     _check(B, T, H, N)
     _check_method(method, N)
-    if method == "chunked":
+    if method in CHUNKED_METHODS:
         work = _chunked_work(B, T, H, N)
         return {"sa": B * T * H * N, "ckpt": B * H * n_chunks(T, method) * N * N,
                 "partials": max(work["frec"], work["brec"] + work["ds"] + work["dx"])}
@@ -272,7 +281,7 @@ def _split(split: int | None, default: int, allowed: list[int], what: str, N: in
 def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo, sa=None, ckpt=None,
             split: int | None = None, method: str = "sequential", partials=None) -> list:
     """wkv7_forward: y = WKV(r, w, k, v, a, b), and with ``sa`` and ``ckpt`` what the backward needs
-    (see module doc). ``method="chunked"`` also needs ``partials`` (the work buffer)."""
+    (see module doc). The chunked methods also need ``partials`` (the work buffer)."""
     _check(B, T, H, N)
     _check_method(method, N)
     check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y)
@@ -280,12 +289,13 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
         raise ValueError("wkv7.forward: pass both sa and ckpt (for a backward) or neither")
     if sa is not None:
         check_buffers("wkv7.forward", sa=sa, ckpt=ckpt)
-    if method == "chunked":
+    if method in CHUNKED_METHODS:
         check_buffers("wkv7.forward", partials=partials)
+        _check_exact_inputs("wkv7.forward", method, r)
         P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.forward", N)
-        block, state = _state_launch(B, H, N, P, dev, FWD_RECORD, r.elem)
+        block, state = _state_launch(B, H, N, P, dev, FWD_RECORD, r.elem, method)
         return [WKV7C_INTRA.launch((n_chunks(T, method), H, B), (INTRA_THREADS, 1, 1), xtype=r.elem,
-                                   variant=_operators_variant(N), r=r, w=w, k=k, a=a, b=b, rec=partials,
+                                   variant=_operators_variant(N, method), r=r, w=w, k=k, a=a, b=b, rec=partials,
                                    T=T, H=H, mode=0),
                 WKV7C_FORWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
                                            rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, T=T, H=H)]
@@ -301,14 +311,14 @@ def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: 
     """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
 
     ``sa`` and ``ckpt`` from :func:`forward` on the same inputs with the same ``method``; (P > 1 or
-    ``method="chunked"``) ``partials`` is scratch of :func:`scratch_elems` with the same ``split``."""
+    a chunked method) ``partials`` is scratch of :func:`scratch_elems` with the same ``split``."""
     _check(B, T, H, N)
     _check_method(method, N)
     check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt,
                   dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
-    if method == "chunked":
+    if method in CHUNKED_METHODS:
         return _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
-                                 partials, split)
+                                 partials, split, method)
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7.backward: split {P} not allowed for N={N} (one of {_backward_splits(N)})")
@@ -328,17 +338,18 @@ def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: 
 
 
 def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev, partials,
-                      split) -> list:
-    """The chunked method's backward: records, the reverse state pass (dv, dX, dS), the per-chunk gradients."""
+                      split, method) -> list:
+    """A chunked method's backward: records, the reverse state pass (dv, dX, dS), the per-chunk gradients."""
     check_buffers("wkv7.backward", partials=partials)
+    _check_exact_inputs("wkv7.backward", method, r)
     P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.backward", N)
     work = _chunked_work(B, T, H, N)
     rec = partials
     ds = partials.offset(work["brec"])
     dx = ds.offset(work["ds"])
     nc = n_chunks(T, "chunked")
-    x = dict(xtype=r.elem, variant=_operators_variant(N))
-    block, state = _state_launch(B, H, N, P, dev, BWD_RECORD, r.elem)
+    x = dict(xtype=r.elem, variant=_operators_variant(N, method))
+    block, state = _state_launch(B, H, N, P, dev, BWD_RECORD, r.elem, method)
     return [WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec, T=T, H=H, mode=1),
             WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
                                         rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),

@@ -7,7 +7,8 @@ in (0,1); w = exp(-e^-0.5 * sigmoid(z + shift)), z ~ N(0,1): shift 0 by default,
 (long memory, large states), +8 for decays at the clamp's lower end exp(-e^-0.5) (the backward's
 step-back amplifies rounding most there). fp32 limits: y 1e-5, gradients 1e-4. The chunked method
 (tensor cores, tf32 products) is held to 5e-3 with fp32 inputs (the issue's tf32 limit) and to SPEC's
-bf16 limit with bf16 inputs."""
+bf16 limit with bf16 inputs; chunked_exact (3xTF32, the fp32 precision's path) to the fp32 kernel limit
+1e-5 for y and every gradient."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +19,7 @@ from rwkvx.config import DECAY_SCALE
 from rwkvx.oracle import wkv7_backward, wkv7_forward
 from rwkvx.ops import wkv7 as W
 
-TOLS = {"sequential": (1e-5, 1e-4), "chunked": (5e-3, 5e-3)}      # (y, gradients) with fp32 inputs
+TOLS = {"sequential": (1e-5, 1e-4), "chunked": (5e-3, 5e-3), "chunked_exact": (1e-5, 1e-5)}  # (y, grads), fp32 inputs
 GRADS = ("dr", "dw", "dk", "dv", "da", "db")
 F32_GRADS = GRADS[1:]          # f32 in every precision (rwkvx/ops/wkv7.py)
 
@@ -44,7 +45,7 @@ def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=N
     shp = (B, T, H, N)
     inp = {n: case.input(n, x[n]) for n in "rwkvab"}
     pdy = case.input("dy", dy)
-    chunked = method == "chunked"
+    chunked = method in W.CHUNKED_METHODS
     if bsplit is None:
         bsplit = W.chunked_split(B, H, N, dev.info) if chunked else W.backward_split(B, H, N, dev.info)
     P = bsplit
@@ -176,7 +177,8 @@ def test_wkv7_chunked_key_warps(case, dev, monkeypatch, key_warps, B, T, H, N):
 
 @pytest.mark.parametrize("key_warps", W.KEY_WARPS)
 @pytest.mark.parametrize("N", [32, 64])
-def test_wkv7_chunked_all_splits(dev, monkeypatch, xtype, N, key_warps):
+@pytest.mark.parametrize("xtype, method", [("f32", "chunked"), ("bf16", "chunked"), ("f32", "chunked_exact")])
+def test_wkv7_chunked_all_splits(dev, monkeypatch, xtype, method, N, key_warps):
     """Every state-pass row split gives the same y, sa, ckpt and gradients bit for bit (at one group shape:
     the two sum the products over the keys in different orders)."""
     monkeypatch.setattr(W, "chunked_key_warps", lambda *_: key_warps)
@@ -187,15 +189,15 @@ def test_wkv7_chunked_all_splits(dev, monkeypatch, xtype, N, key_warps):
     for P in W._chunked_splits(N):
         case = KernelCase(dev, xtype)
         inp = {n: case.input(n, x[n]) for n in "rwkvab"}
-        sizes = W.scratch_elems(B, T, H, N, dev.info, method="chunked")
+        sizes = W.scratch_elems(B, T, H, N, dev.info, method=method)
         y = case.output("y", shp)
         sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
         part = case.scratch("partials", sizes["partials"])
         outs = [case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS]
-        ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, split=P, method="chunked",
+        ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, split=P, method=method,
                         partials=part)
         ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
-                          split=P, method="chunked")
+                          split=P, method=method)
         runs.append(case.run(ops))
     for P, out in zip(W._chunked_splits(N)[1:], runs[1:]):
         for name in ("y", "sa", "ckpt", *GRADS):
@@ -235,3 +237,26 @@ def test_wkv7_chunked_model_shapes(case, dev, B, T):
     """The 0.22B config's shapes (H=12, N=64), sequence 0 heads 0-1 against the twin, errors printed."""
     _, errs = run_case(case, dev, B, T, 12, 64, heads=2, method="chunked")
     print(f"\nwkv7 chunked {case.xtype} B={B} T={T}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+
+
+# ------------------------------------------------------------------------------------------ chunked_exact
+@pytest.mark.parametrize("B,T,H,N", CHUNKED_SHAPES, ids=[f"B{b}-T{t}-H{h}-N{n}" for b, t, h, n in CHUNKED_SHAPES])
+def test_wkv7_chunked_exact(dev, B, T, H, N):
+    """The fp32 precision's chunked path (every product 3xTF32) within the fp32 kernel limit."""
+    run_case(KernelCase(dev, "f32"), dev, B, T, H, N, method="chunked_exact")
+
+
+@pytest.mark.parametrize("key_warps", W.KEY_WARPS)
+@pytest.mark.parametrize("shift", [0.0, SLOW, FAST], ids=["mid", "slow", "fast"])
+@pytest.mark.parametrize("N", [32, 64])
+def test_wkv7_chunked_exact_decays_and_groups(dev, monkeypatch, key_warps, shift, N):
+    """Decays at both ends over T = 1000, with each state-pass group shape."""
+    monkeypatch.setattr(W, "chunked_key_warps", lambda *_: key_warps)
+    run_case(KernelCase(dev, "f32"), dev, 2, 1000, 2, N, shift=shift, method="chunked_exact")
+
+
+@pytest.mark.parametrize("B,T", [(8, 4096), (1, 16384)])
+def test_wkv7_chunked_exact_model_shapes(dev, B, T):
+    """The 0.22B config's shapes (H=12, N=64), sequence 0 heads 0-1 against the twin, errors printed."""
+    _, errs = run_case(KernelCase(dev, "f32"), dev, B, T, 12, 64, heads=2, method="chunked_exact")
+    print(f"\nwkv7 chunked_exact f32 B={B} T={T}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
