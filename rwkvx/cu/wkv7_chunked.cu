@@ -261,24 +261,36 @@ __device__ __forceinline__ void gram3(float (&d)[2][4], FX X, FY Y) {
     }
 }
 
-// d (16 x 8) += A (16 x K) B (K x 8); SPLIT: B in hi + lo parts (two mma per k-step); EXACT: both in
-// hi + lo parts (3xTF32)
+// B's fragment at k-step k0: hi, and with SPLIT (always when EXACT) lo
+template <bool SPLIT, class FB>
+__device__ __forceinline__ void frag_b_for(unsigned (&b)[2], unsigned (&lo)[2], FB B, int k0) {
+    if constexpr (SPLIT || EXACT) frag_b_split(b, lo, B, k0);
+    else frag_b(b, B, k0);
+}
+// d += A B at k-step k0, B's fragment given: one tf32 mma (two with SPLIT: B's lo part first), or the three
+// of 3xTF32 when EXACT
+template <bool SPLIT, class FA>
+__device__ __forceinline__ void mma_step(float (&d)[4], FA A, const unsigned (&b)[2], const unsigned (&lo)[2],
+                                         int k0) {
+    unsigned a[4];
+    if constexpr (EXACT) {
+        unsigned al[4];
+        frag_a3(a, al, A, k0);
+        mma3(d, a, al, b, lo);
+    } else {
+        frag_a(a, A, k0);
+        if constexpr (SPLIT) mma_tf32(d, a, lo);
+        mma_tf32(d, a, b);
+    }
+}
+// d (16 x 8) += A (16 x K) B (K x 8)
 template <int K, bool SPLIT = false, class FA, class FB>
 __device__ __forceinline__ void mma_acc(float (&d)[4], FA A, FB B) {
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 8) {
-        unsigned a[4], b[2], lo[2];
-        if constexpr (EXACT) {
-            unsigned al[4];
-            frag_a3(a, al, A, k0);
-            frag_b_split(b, lo, B, k0);
-            mma3(d, a, al, b, lo);
-        } else {
-            frag_a(a, A, k0);
-            if constexpr (SPLIT) { frag_b_split(b, lo, B, k0); mma_tf32(d, a, lo); }
-            else frag_b(b, B, k0);
-            mma_tf32(d, a, b);
-        }
+        unsigned b[2], lo[2];
+        frag_b_for<SPLIT>(b, lo, B, k0);
+        mma_step<SPLIT>(d, A, b, lo, k0);
     }
 }
 // d1 += A1 B and d2 += A2 B over k = K0 .. K0 + K - 1: one load and conversion of each B fragment for both
@@ -286,24 +298,10 @@ template <int K, bool SPLIT = false, int K0 = 0, class FA1, class FA2, class FB>
 __device__ __forceinline__ void mma_acc2(float (&d1)[4], FA1 A1, float (&d2)[4], FA2 A2, FB B) {
 #pragma unroll
     for (int k0 = K0; k0 < K0 + K; k0 += 8) {
-        unsigned a[4], b[2], lo[2];
-        if constexpr (EXACT) {
-            unsigned al[4];
-            frag_b_split(b, lo, B, k0);
-            frag_a3(a, al, A1, k0);
-            mma3(d1, a, al, b, lo);
-            frag_a3(a, al, A2, k0);
-            mma3(d2, a, al, b, lo);
-        } else {
-            if constexpr (SPLIT) frag_b_split(b, lo, B, k0);
-            else frag_b(b, B, k0);
-            frag_a(a, A1, k0);
-            if constexpr (SPLIT) mma_tf32(d1, a, lo);
-            mma_tf32(d1, a, b);
-            frag_a(a, A2, k0);
-            if constexpr (SPLIT) mma_tf32(d2, a, lo);
-            mma_tf32(d2, a, b);
-        }
+        unsigned b[2], lo[2];
+        frag_b_for<SPLIT>(b, lo, B, k0);
+        mma_step<SPLIT>(d1, A1, b, lo, k0);
+        mma_step<SPLIT>(d2, A2, b, lo, k0);
     }
 }
 
