@@ -24,13 +24,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("label", nargs="?", default="")
     ap.add_argument("--method", default="chunked", choices=wkv7.CHUNKED_METHODS)
-    ap.add_argument("--xtype", default="bf16", choices=("bf16", "f32"))
+    ap.add_argument("--xtype", choices=("bf16", "f32"), help="default: f32 for chunked_exact, else bf16")
     ap.add_argument("--stages", type=int, help="chunks in flight in the state passes (CHUNKED_STAGES)")
     ap.add_argument("--split-operators", type=int, choices=(0, 1), help="3xTF32 chunk operators (1) or not")
     ap.add_argument("--shape", action="append", help="B,T,H at N = 64 (repeatable; default: SHAPES)")
     ap.add_argument("--split", type=int, help="state-pass row split P (default: chunked_split)")
     ap.add_argument("--key-warps", type=int, choices=(1, 2), help="warps per 8 state rows (chunked_key_warps)")
     args = ap.parse_args()
+    args.xtype = args.xtype or ("f32" if args.method == "chunked_exact" else "bf16")
     if args.key_warps is not None:
         wkv7.chunked_key_warps = lambda *_: args.key_warps
     if args.stages is not None:     # both the compile's define and the launch's shared-memory size

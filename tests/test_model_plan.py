@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from rwkvx import Config
-from rwkvx.model import FORWARD_STATE, Layout, StepBuilder
-from rwkvx.ops import wkv7
+from rwkvx.model import FORWARD_STATE, Layout, StepBuilder, kernel_methods
+from rwkvx.ops import moba, wkv7
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.dtypes import from_storage, storage_dtype
 from rwkvx.runtime.kernel import KernelFile
@@ -64,6 +64,25 @@ def test_step_plan_builds_inside_the_arena(kwargs, B, T, precision):
     weights = BASE + layout.offsets["params_x"], BASE + layout.offsets["params_x"] + layout.nbytes("params_x")
     assert all(weights[0] <= op.A < weights[1] or weights[0] <= op.B < weights[1]
                for op in gemms if not grads[0] <= op.C < grads[1])      # forward and dx GEMMs read the bf16 copy
+
+
+def test_kernel_methods_of_each_precision():
+    """Head sizes 32 / 64: the chunked WKV7 (3xTF32 in fp32), other head sizes the sequential one; MoBA's
+    mma kernels (N 32 .. 128) in tf32 / bf16 only. The step's launches follow the choice."""
+    for N in (16, 32, 64, 128):
+        cfg = Config(vocab_size=64, n_embd=2 * N, head_size=N, n_rwkv_layer=1, n_attn_layer=1,
+                     moba_chunk_size=16, moba_top_k=2)
+        chunked = N in wkv7.CHUNKED_HEAD_SIZES
+        assert kernel_methods(cfg, "fp32")["wkv7"] == ("chunked_exact" if chunked else "sequential")
+        for precision in ("tf32", "bf16"):
+            assert kernel_methods(cfg, precision)["wkv7"] == ("chunked" if chunked else "sequential")
+            assert kernel_methods(cfg, precision)["moba"] == ("mma" if N in moba.MMA_HEAD_SIZES else "exact")
+        assert kernel_methods(cfg, "fp32")["moba"] == "exact"
+    for precision, exact in (("fp32", "1"), ("tf32", "0"), ("bf16", "0")):
+        _, ops = build(dict(vocab_size=67, n_embd=128, head_size=64, n_rwkv_layer=2), 1, 40, precision)
+        wkv = [op for op in flatten_ops(ops.step) if isinstance(op, Launch) and op.name.startswith("wkv7")]
+        # per RWKV block: the forward, the recompute's forward (2 launches each) and the backward (3)
+        assert len(wkv) == 2 * (2 + 2 + 3) and all(dict(op.defines)["WKV_EXACT"] == exact for op in wkv)
 
 
 def test_bf16_optimizer_refreshes_the_weights_copy():

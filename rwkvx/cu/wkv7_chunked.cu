@@ -198,9 +198,10 @@ __device__ __forceinline__ void put_tile_frag(float* dst, const float (*W)[8]) {
 // x as a tf32 pair hi + lo (~21 of fp32's 24 bits): three mma per step (lo hi + hi lo + hi hi, "3xTF32")
 // give products of fp32 class on tensor cores. WKV_SPLIT_OPERATORS = 0 (bf16, rwkvx/ops/wkv7.py) keeps
 // hi only: one tf32 mma per step, products of tf32 class, finer than bf16 inputs.
+constexpr bool SPLIT_OPERATORS = WKV_SPLIT_OPERATORS || EXACT;   // EXACT splits every product
 __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
     hi = to_tf32(x);
-    lo = WKV_SPLIT_OPERATORS ? to_tf32(x - __uint_as_float(hi)) : 0u;
+    lo = SPLIT_OPERATORS ? to_tf32(x - __uint_as_float(hi)) : 0u;
 }
 // The hi / lo tf32 parts of the A fragment (16 x 8) and the B fragment (8 x 8) at k-step k0, and the three
 // mma of one 3xTF32 step (small terms first)
@@ -227,7 +228,7 @@ __device__ __forceinline__ void frag_b3(unsigned (&hi)[2], unsigned (&lo)[2], FB
 }
 __device__ __forceinline__ void mma3(float (&d)[4], const unsigned (&ah)[4], const unsigned (&al)[4],
                                      const unsigned (&bh)[2], const unsigned (&bl)[2]) {
-    if constexpr (WKV_SPLIT_OPERATORS) {
+    if constexpr (SPLIT_OPERATORS) {
         mma_tf32(d, al, bh);
         mma_tf32(d, ah, bl);
     }

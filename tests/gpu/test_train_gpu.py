@@ -96,8 +96,8 @@ def test_default_training_run_on_gpu(tmp_path, record_property):
 
 
 def _final_val_loss(out) -> float:
-    rows = list(csv.DictReader(open(out / "log.csv")))
-    return float([r["val_loss"] for r in rows if r["val_loss"]][-1])
+    with open(out / "log.csv") as f:
+        return float([r["val_loss"] for r in csv.DictReader(f) if r["val_loss"]][-1])
 
 
 SEEDS = (0, 1, 2)
