@@ -910,9 +910,11 @@ def _generation_source(cfg: Config, params: ParamDict, device: str, prompt_len: 
     note: a GPU Model built for the prompt (``precision`` GEMMs), or the float32 CPU oracle."""
     kind, note = _resolve_device(device, "sampling")
     if kind == "gpu":
+        from .decoder import PREFILL_METHODS
         from .model import Model
-        try:
-            return Model(cfg, params, batch_size=1, seq_len=prompt_len, precision=precision), note
+        try:   # with the kernels the decoder's prefill reads (else Decoder.from_model builds another Model)
+            return Model(cfg, params, batch_size=1, seq_len=prompt_len, precision=precision,
+                         methods=PREFILL_METHODS), note
         except (ValueError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
     try:
