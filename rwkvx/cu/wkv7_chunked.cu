@@ -22,8 +22,7 @@
 //                         S (rows are independent given the records; with two, each warp half of the keys and
 //                         the pair sums its partial products over the keys), fp32 state in shared memory,
 //                         products on mma.sync m16n8k8 tf32 (3xTF32 with WKV_EXACT) with fp32 accumulation;
-//                         y, sa and the
-//                         chunk-entering states S0 out.
+//                         y, sa and the chunk-entering states S0 out.
 //   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
 //                         chunk-ending dS out.
 //   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
@@ -127,8 +126,13 @@ __device__ __forceinline__ void frag_b_split(unsigned (&hi)[2], unsigned (&lo)[2
     hi[0] = to_tf32(x0); hi[1] = to_tf32(x1);
     lo[0] = to_tf32(x0 - __uint_as_float(hi[0])); lo[1] = to_tf32(x1 - __uint_as_float(hi[1]));
 }
-// A B operand's fragments of every k-step, loaded (and split: SPLIT, or always when EXACT) once for several
-// products
+// B's fragment at k-step k0: hi, and with SPLIT (always when EXACT) lo
+template <bool SPLIT, class FB>
+__device__ __forceinline__ void frag_b_for(unsigned (&b)[2], unsigned (&lo)[2], FB B, int k0) {
+    if constexpr (SPLIT || EXACT) frag_b_split(b, lo, B, k0);
+    else frag_b(b, B, k0);
+}
+// A B operand's fragments of every k-step, loaded (and split as frag_b_for does) once for several products
 template <int K>
 struct BFrags { unsigned hi[K / 8][2], lo[K / 8][2]; };
 // v and dy need the lo part only in fp32: bf16 values are exact in tf32 (their lo part is zero)
@@ -138,8 +142,7 @@ __device__ __forceinline__ BFrags<K> load_bfrags(FB B) {
     BFrags<K> f;
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 8) {
-        if constexpr (SPLIT || EXACT) frag_b_split(f.hi[k0 / 8], f.lo[k0 / 8], B, k0);
-        else frag_b(f.hi[k0 / 8], B, k0);
+        frag_b_for<SPLIT>(f.hi[k0 / 8], f.lo[k0 / 8], B, k0);
     }
     return f;
 }
@@ -262,12 +265,6 @@ __device__ __forceinline__ void gram3(float (&d)[2][4], FX X, FY Y) {
     }
 }
 
-// B's fragment at k-step k0: hi, and with SPLIT (always when EXACT) lo
-template <bool SPLIT, class FB>
-__device__ __forceinline__ void frag_b_for(unsigned (&b)[2], unsigned (&lo)[2], FB B, int k0) {
-    if constexpr (SPLIT || EXACT) frag_b_split(b, lo, B, k0);
-    else frag_b(b, B, k0);
-}
 // d += A B at k-step k0, B's fragment given: one tf32 mma (two with SPLIT: B's lo part first), or the three
 // of 3xTF32 when EXACT
 template <bool SPLIT, class FA>
@@ -810,26 +807,13 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w,
             const float s_0 = s0f[k0 / 4], s_1 = s0f[k0 / 4 + 1];
             const float g_0 = dsf[k0 / 4], g_1 = dsf[k0 / 4 + 1];
             sd = fmaf(s_1, g_1, fmaf(s_0, g_0, sd));
-            auto Ya = [&](int m, int kk) { return Ys[m][kk]; };
-            auto Xa = [&](int m, int kk) { return Xs[m][kk]; };
-            auto Va = [&](int m, int kk) { return Vs[m][kk]; };
-            auto Ua = [&](int m, int kk) { return Us[m][kk]; };
-            if constexpr (EXACT) {
-                unsigned bs[2], bsl[2], bg[2], bgl[2], ah[4], al[4];
-                split_tf32(s_0, bs[0], bsl[0]); split_tf32(s_1, bs[1], bsl[1]);
-                split_tf32(g_0, bg[0], bgl[0]); split_tf32(g_1, bg[1], bgl[1]);
-                frag_a3(ah, al, Ya, k0); mma3(pYS, ah, al, bs, bsl);
-                frag_a3(ah, al, Xa, k0); mma3(pXS, ah, al, bs, bsl);
-                frag_a3(ah, al, Va, k0); mma3(pKt, ah, al, bg, bgl);
-                frag_a3(ah, al, Ua, k0); mma3(pBt, ah, al, bg, bgl);
-            } else {
-                const unsigned bs[2] = {to_tf32(s_0), to_tf32(s_1)}, bg[2] = {to_tf32(g_0), to_tf32(g_1)};
-                unsigned af[4];
-                frag_a(af, Ya, k0); mma_tf32(pYS, af, bs);
-                frag_a(af, Xa, k0); mma_tf32(pXS, af, bs);
-                frag_a(af, Va, k0); mma_tf32(pKt, af, bg);
-                frag_a(af, Ua, k0); mma_tf32(pBt, af, bg);
-            }
+            unsigned bs[2], bsl[2], bg[2], bgl[2];      // the lo parts enter only when EXACT
+            split_tf32(s_0, bs[0], bsl[0]); split_tf32(s_1, bs[1], bsl[1]);
+            split_tf32(g_0, bg[0], bgl[0]); split_tf32(g_1, bg[1], bgl[1]);
+            mma_step<false>(pYS, [&](int m, int kk) { return Ys[m][kk]; }, bs, bsl, k0);
+            mma_step<false>(pXS, [&](int m, int kk) { return Xs[m][kk]; }, bs, bsl, k0);
+            mma_step<false>(pKt, [&](int m, int kk) { return Vs[m][kk]; }, bg, bgl, k0);
+            mma_step<false>(pBt, [&](int m, int kk) { return Us[m][kk]; }, bg, bgl, k0);
         }
         sd += __shfl_xor_sync(0xffffffffu, sd, 1);   // the quad's 4 row subsets of column 8 wq + g
         sd += __shfl_xor_sync(0xffffffffu, sd, 2);
