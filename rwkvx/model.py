@@ -51,6 +51,10 @@ FORWARD_STATE = {
              "hg", "decay", "kp", "vp", "wa", "wb", "y", "z", "ln1_mean", "ln1_rstd", "wkv_sa", "wkv_ckpt"),
     "attn": ("h1", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist"),
 }
+# What an attention block keeps for its backward even with recompute=True: the recompute skips the MoBA
+# forward, the one part of a block whose cost grows with the attended keys (T * chunk * top_k), for
+# B*T*(C + H) activations and the query lists per attention block.
+ATTENTION_KEPT = ("y", "moba_lse", "moba_idx", "moba_qlist")
 CHANNEL_MIX_STATE = ("x1", "h2", "xk2", "kf", "ln2_mean", "ln2_rstd")
 # The WKV7 gradients that only feed the time mix's prep backward: f32 in every precision (its parameter
 # gradients sum them over the tokens after near-cancelling projections, where bf16 rounding would show).
@@ -122,9 +126,11 @@ class Layout:
         self._add("lnout_rstd", R, "f32")
         self.head_rows = head_chunk_rows(R, V, X)
         # buffers never live at once share one region (_add_shared), one set at a time: the head's row
-        # chunk of logits (then dlogits), the WKV7 work buffer, MoBA's partial outputs
-        shared: dict[str, dict[str, tuple[int, str]]] = {"head": {"logits": (self.head_rows * V, X)},
-                                                         "wkv": {}, "moba": {}}
+        # chunk of logits (then dlogits), the WKV7 work buffer, MoBA's partial outputs, the channel mix's
+        # backward gradients (each set lives inside the head or inside one part of one block's pass)
+        shared: dict[str, dict[str, tuple[int, str]]] = {
+            "head": {"logits": (self.head_rows * V, X)}, "wkv": {}, "moba": {},
+            "ffn": {"dkf": (R * F, X), "dxk2": (R * C, X), "dh2": (R * C, X)}}
         self._add("dx", R * C, X)
         self._add("dlnout", R * C, X)
         if cfg.n_attn_layer:
@@ -135,15 +141,13 @@ class Layout:
         rc = ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "decay",
               "kp", "vp", "wa", "wb", "y", "z", "x1", "h2", "xk2",
               "dz", "dy", "dg", "dr2", "dkp2", "dvp2", "dr", "ddecay", "dkp", "dvp", "dwa", "dwb",
-              "dk", "dv", "dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1",
-              "dh2", "dxk2")
+              "dk", "dv", "dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1")
         for name in rc:
             self._add(name, R * C, "f32" if name in WKV_F32_GRADS else X)
         for name, d in (("hw", cfg.dim_w), ("ha", cfg.dim_a), ("hv", cfg.dim_v), ("hg", cfg.dim_g)):
             self._add(name, R * d, X)
             self._add("d" + name, R * d, X)
         self._add("kf", R * F, X)
-        self._add("dkf", R * F, X)
         for name in ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "ln0_mean", "ln0_rstd"):
             self._add(name, R, "f32")
         for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"]).items():
@@ -160,11 +164,14 @@ class Layout:
         self._add_shared(shared)
         self._add("partials", max(layernorm.scratch_elems(R, C, dev), channelmix.scratch_elems(R, C, dev),
                                   timemix.scratch_elems(R, C, N, dev)), "f32")
-        if not recompute:
-            for pos, (kind, _) in enumerate(cfg.block_order()):
-                for name in (FORWARD_STATE[kind] + CHANNEL_MIX_STATE if pos else ()):
-                    if name in self.counts:
-                        self._add(f"{name}@{pos}", self.counts[name], self.elems[name])
+        for pos, (kind, _) in enumerate(cfg.block_order()):
+            if not recompute:
+                kept = FORWARD_STATE[kind] + CHANNEL_MIX_STATE if pos else ()
+            else:
+                kept = ATTENTION_KEPT if kind == "attn" else ()
+            for name in kept:
+                if name in self.counts:
+                    self._add(f"{name}@{pos}", self.counts[name], self.elems[name])
 
     @staticmethod
     def host_inputs(R: int) -> dict[str, int]:
@@ -361,7 +368,7 @@ class StepBuilder:
                 if kind == "rwkv":
                     ops += self.rwkv_forward(idx, xin, for_backward=True)
                 else:
-                    ops += self.attn_forward(idx, xin)
+                    ops += self.attn_forward(idx, xin, attend=False)
                 ops += self.channel_mix_forward(prefix, None)
             ops += self.channel_mix_backward(prefix)
             ops += self.rwkv_backward(idx, xin) if kind == "rwkv" else self.attn_backward(idx, xin)
@@ -580,14 +587,16 @@ class StepBuilder:
         return dict(scratch=scratch, B=self.B, T=self.T, H=cfg.n_head, N=cfg.head_size,
                     chunk=cfg.moba_chunk_size, top_k=cfg.moba_top_k, dev=self.dev, method=self.methods["moba"])
 
-    def attn_forward(self, j: int, xin) -> list:
-        """x1 = xin + Attn_j(LN1(xin)) (SPEC §2.3, MoBA)."""
+    def attn_forward(self, j: int, xin, attend: bool = True) -> list:
+        """x1 = xin + Attn_j(LN1(xin)) (SPEC §2.3, MoBA). Without ``attend`` (the recompute) the block's
+        kept MoBA output and selection (:data:`ATTENTION_KEPT`) stand for the attention."""
         R, C, b = self.R, self.cfg.n_embd, self.buf
         pre = f"moba.{j}."
         ops = self._ln1_forward(pre, xin)
         for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
             ops.append(gemm.linear(b("h1"), self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
-        ops += self.attention(j)
+        if attend:
+            ops += self.attention(j)
         ops += self._residual_add(b("y"), self.w(pre + "att.output.weight"), b("x1"), C)
         return ops
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rwkvx import Config
-from rwkvx.model import FORWARD_STATE, Layout, StepBuilder, kernel_methods
+from rwkvx.model import CHANNEL_MIX_STATE, FORWARD_STATE, Layout, StepBuilder, kernel_methods
 from rwkvx.ops import moba, wkv7
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.dtypes import from_storage, storage_dtype
@@ -104,16 +104,18 @@ def test_memory_is_linear_in_tokens():
 
 
 def test_block_scratch_shares_the_logits_region():
-    """The logits chunk, the WKV work buffer and MoBA's partials (each live inside the head or one block's
-    forward or backward only) from one offset; none of them is forward state kept for a backward."""
+    """The logits chunk, the WKV work buffer, MoBA's partials and the channel mix's backward gradients
+    (each live inside the head or one part of one block's forward or backward only) from one offset; none
+    of them is forward state kept for a backward."""
     kwargs, B, T = CONFIGS[3]
     layout = Layout(Config(**kwargs), B, T, H200, "bf16")
     start = layout.offsets["logits"]
-    assert start == layout.offsets["wkv_partials"] == layout.offsets["moba_part"] < layout.offsets["moba_lpart"]
-    names = ("logits", "wkv_partials", "moba_part", "moba_lpart")
+    sets = (("logits",), ("wkv_partials",), ("moba_part", "moba_lpart"), ("dkf", "dxk2", "dh2"))
+    assert {layout.offsets[names[0]] for names in sets} == {start}
+    names = [n for group in sets for n in group]
     ends = [layout.offsets[n] + layout.nbytes(n) for n in names]
-    assert min(o for o in layout.offsets.values() if o > layout.offsets["moba_lpart"]) >= max(ends)
-    assert not set(names) & {n for kind in FORWARD_STATE.values() for n in kind}
+    assert min(o for o in layout.offsets.values() if o > max(layout.offsets[n] for n in names)) >= max(ends)
+    assert not set(names) & {n for kind in FORWARD_STATE.values() for n in kind + CHANNEL_MIX_STATE}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -192,6 +194,32 @@ def test_head_and_loss_run_in_row_chunks():
         head_dw = [op for op in flatten_ops(ops.loss) if isinstance(op, Gemm)
                    and op.C == BASE + layout.offsets["grads"] + 4 * layout.param_offsets["rwkv.head.weight"][0]]
         assert [op.beta for op in head_dw] == [0.0] + [1.0] * (len(ce) - 1)   # accumulated in a fixed order
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recompute_keeps_each_attention_blocks_moba_output(precision):
+    """With recompute, the backward recomputes an attention block without its MoBA forward: each block's
+    attention output, log-sum-exp and query lists are its own buffers, written once by the forward and
+    read by its backward."""
+    kwargs, B, T = CONFIGS[1]
+    cfg = Config(**kwargs)
+    layout, ops = build(kwargs, B, T, precision)
+    attn = [pos for pos, (kind, _) in enumerate(cfg.block_order()) if kind == "attn"]
+    assert attn
+    moba_fwd = {"moba_select", "moba_fwd_past", "moba_fwd_own", "moba_fwd_past_mma", "moba_fwd_own_mma"}
+
+    def launches(op_list, names):
+        return [op for op in flatten_ops(op_list) if isinstance(op, Launch) and op.name in names]
+    assert len(launches(ops.forward, {"moba_select"})) == len(attn)
+    assert not launches(ops.backward, moba_fwd)
+    bwd_args = {v for op in flatten_ops(ops.backward) if isinstance(op, Launch) for _, v in op.args}
+    own_out = launches(ops.forward, {"moba_fwd_own", "moba_fwd_own_mma"})
+    assert len(own_out) == len(attn)
+    for pos, op in zip(attn, own_out):
+        for name in ("y", "moba_lse"):
+            ptr = BASE + layout.offsets[f"{name}@{pos}"]
+            assert ptr in {v for _, v in op.args} and ptr in bwd_args, (pos, name)
+    assert len({layout.offsets[f"y@{pos}"] for pos in attn}) == len(attn)
 
 
 @pytest.mark.parametrize("kwargs, B, T", CONFIGS[:3])
