@@ -46,6 +46,7 @@
 #define TY 8                       // threads along rows
 #define NTHR MOBA_NTHR             // threads of the attention kernels
 #define SEL_Q MOBA_SEL_Q           // threads (= queries) per moba_select block
+static_assert(MOBA_SEL_J % MOBA_SEL_ILP == 0, "moba_select: whole groups of gate chains per staged step");
 #define KM_THREADS MOBA_KM_THREADS
 #define FILL_THREADS MOBA_FILL_THREADS
 
@@ -319,13 +320,15 @@ moba_kmean(const floatX* __restrict__ k, float* __restrict__ kmean, int* __restr
 //     g_j = q_t . kmean_j (fp32, fmaf chain over n ascending) for j < t // chunk; the K1 largest,
 //     ties -> lower j. Writes sel (ascending, -1 padded) and adds the selections to cnt (int atomics).
 //     grid (ceil(T/SEL_Q), H, B), block SEL_Q,
-//     dynamic smem: qs [SEL_Q][HS+1] and kms [SEL_J][HS] (MOBA_SM_SEL_*), then topg, topj [K1][SEL_Q]
+//     dynamic smem: qs [SEL_Q][HS+4] and kms [SEL_J][HS] (MOBA_SM_SEL_*), then topg, topj [K1][SEL_Q]
+//     (qs rows 16-byte aligned and 4 banks apart: each thread reads its row four floats at a time without
+//     conflicts, and every kms read is a broadcast)
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(SEL_Q)
 moba_select(const floatX* __restrict__ q, const float* __restrict__ kmean, int* __restrict__ sel,
             int* __restrict__ cnt, int T, int H, int chunk, int K1, int nblk)
 {
-    float* qs = moba_smem_f(0);                                 // [SEL_Q][HS+1]
+    float* qs = moba_smem_f(0);                                 // [SEL_Q][HS+4]
     float* kms = moba_smem_f(MOBA_SM_SEL_KM);                   // [SEL_J][HS]
     float* topg = moba_smem_f(MOBA_SM_SEL_TOP);                 // [K1][SEL_Q]
     int* topj = moba_smem_i(MOBA_SM_SEL_TOP + SEL_Q * K1);      // [K1][SEL_Q]
@@ -339,9 +342,13 @@ moba_select(const floatX* __restrict__ q, const float* __restrict__ kmean, int* 
     const size_t tstride = (size_t)H * HS;
     const floatX* qbase = q + ((size_t)b * T * H + h) * HS;
 
-    for (int idx = tid; idx < SEL_Q * HS; idx += SEL_Q) {
-        const int r = idx / HS, n = idx - r * HS;
-        qs[r * (HS + 1) + n] = (t0 + r < T) ? to_f32(qbase[(size_t)(t0 + r) * tstride + n]) : 0.f;
+    for (int idx = tid; idx < SEL_Q * HS4; idx += SEL_Q) {
+        const int r = idx / HS4, c4 = idx - r * HS4;
+        const bool valid_r = t0 + r < T;
+        f4 qv = load4(qbase + (size_t)(valid_r ? t0 + r : t0) * tstride + 4 * c4);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qv.v[i] = valid_r ? qv.v[i] : 0.f;
+        store4(qs + r * (HS + 4) + 4 * c4, qv);
     }
     const int jmax = (min(t0 + SEL_Q, T) - 1) / chunk;        // candidate blocks of this CTA: j < jmax
     int nf = 0;
@@ -351,29 +358,44 @@ moba_select(const floatX* __restrict__ q, const float* __restrict__ kmean, int* 
         __syncthreads();
         for (int idx = tid; idx < nj * HS; idx += SEL_Q) kms[idx] = kmb[(size_t)j0 * HS + idx];
         __syncthreads();
-        for (int jj = 0; jj < nj; ++jj) {
-            const int j = j0 + jj;
-            if (j >= bt) break;
-            float g = 0.f;
-            const float* qr = qs + tid * (HS + 1);
+        // MOBA_SEL_ILP blocks' fmaf chains at a time (independent, each over n ascending); rows of kms past
+        // nj hold stale values, never inserted
+        for (int jj = 0; jj < nj; jj += MOBA_SEL_ILP) {
+            float g[MOBA_SEL_ILP];
+#pragma unroll
+            for (int u = 0; u < MOBA_SEL_ILP; ++u) g[u] = 0.f;
+            const float* qr = qs + tid * (HS + 4);
             const float* kr = kms + jj * HS;
-#pragma unroll 8
-            for (int n = 0; n < HS; ++n) g = fmaf(qr[n], kr[n], g);
-            int pos;
-            if (nf < K1) {
-                pos = nf++;
-            } else if (g > topg[(K1 - 1) * SEL_Q + tid]) {
-                pos = K1 - 1;
-            } else {
-                continue;
+#pragma unroll 2
+            for (int n = 0; n < HS; n += 4) {
+                const f4 a = load4(qr + n);
+#pragma unroll
+                for (int u = 0; u < MOBA_SEL_ILP; ++u) {
+                    const f4 c = load4(kr + u * HS + n);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) g[u] = fmaf(a.v[i], c.v[i], g[u]);
+                }
             }
-            while (pos > 0 && g > topg[(pos - 1) * SEL_Q + tid]) {
-                topg[pos * SEL_Q + tid] = topg[(pos - 1) * SEL_Q + tid];
-                topj[pos * SEL_Q + tid] = topj[(pos - 1) * SEL_Q + tid];
-                --pos;
+#pragma unroll
+            for (int u = 0; u < MOBA_SEL_ILP; ++u) {
+                const int j = j0 + jj + u;
+                if (jj + u >= nj || j >= bt) continue;
+                int pos;
+                if (nf < K1) {
+                    pos = nf++;
+                } else if (g[u] > topg[(K1 - 1) * SEL_Q + tid]) {
+                    pos = K1 - 1;
+                } else {
+                    continue;
+                }
+                while (pos > 0 && g[u] > topg[(pos - 1) * SEL_Q + tid]) {
+                    topg[pos * SEL_Q + tid] = topg[(pos - 1) * SEL_Q + tid];
+                    topj[pos * SEL_Q + tid] = topj[(pos - 1) * SEL_Q + tid];
+                    --pos;
+                }
+                topg[pos * SEL_Q + tid] = g[u];
+                topj[pos * SEL_Q + tid] = j;
             }
-            topg[pos * SEL_Q + tid] = g;
-            topj[pos * SEL_Q + tid] = j;
         }
     }
     if (!valid) return;
@@ -1292,27 +1314,44 @@ static __device__ __forceinline__ void moba_key_tiles(floatX* Ks, floatX* Vs, co
     }
 }
 
-// One key tile of the online softmax for 16 queries (fragment rows of tokens tq; scores s of keys u0 .. u0+nk
-// in the C fragments): the running max m (log2 domain) and sum l, the output o rescaled, s replaced by
-// the probabilities (relative to the new max).
-static __device__ __forceinline__ void moba_online_softmax(float (&s)[MK / 8][4], const int (&tq)[2], int u0, int nk,
-                                                           bool causal, float scale2, float (&m)[2], float (&l)[2],
-                                                           float (&o)[MNT][4])
+// Whether a key tile needs the per-score mask: a partial tile (its zero rows past nk would count), or a
+// causal tile with keys after the first query token tfirst of the warp's rows (consecutive tokens).
+// Rows of padding queries need no mask: their zero query rows give finite scores, never written back.
+static __device__ __forceinline__ bool moba_tile_masked(int u0, int nk, bool causal, int tfirst)
+{
+    return nk < MK || (causal && u0 + MK - 1 > tfirst);
+}
+
+// The scores of keys hidden from their query row (moba_row_limits) set to -inf.
+static __device__ __forceinline__ void moba_mask_scores(float (&s)[MK / 8][4], const int (&tq)[2], int u0, int nk,
+                                                        bool causal)
 {
     int lim[2];
     moba_row_limits(tq, u0, nk, causal, lim);
+#pragma unroll
+    for (int nt = 0; nt < MK / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (mfrag_col(nt, e) >= lim[e >> 1]) s[nt][e] = -MOBA_INF;
+}
+
+// One key tile of the online softmax for 16 queries (fragment rows of tokens tq; raw scores s of keys
+// u0 .. u0+nk in the C fragments; masked: moba_tile_masked): the running max m (log2 domain) and sum l,
+// the output o rescaled, s replaced by the probabilities (relative to the new max).
+static __device__ __forceinline__ void moba_online_softmax(float (&s)[MK / 8][4], const int (&tq)[2], int u0, int nk,
+                                                           bool causal, bool masked, float scale2, float (&m)[2],
+                                                           float (&l)[2], float (&o)[MNT][4])
+{
+    if (masked) moba_mask_scores(s, tq, u0, nk, causal);
     float mx[2] = {-MOBA_INF, -MOBA_INF};
 #pragma unroll
     for (int nt = 0; nt < MK / 8; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[nt][e] = mfrag_col(nt, e) < lim[e >> 1] ? s[nt][e] * scale2 : -MOBA_INF;
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
-        }
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
     float alpha[2], mref[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const float mnew = fmaxf(m[i], moba_quad_max(mx[i]));
+        const float mnew = fmaxf(m[i], moba_quad_max(mx[i]) * scale2);   // scale2 > 0: the max of the scaled
         mref[i] = (mnew == -MOBA_INF) ? 0.f : mnew;
         alpha[i] = exp2f(m[i] - mref[i]);
         m[i] = mnew;
@@ -1322,7 +1361,7 @@ static __device__ __forceinline__ void moba_online_softmax(float (&s)[MK / 8][4]
     for (int nt = 0; nt < MK / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            s[nt][e] = exp2f(s[nt][e] - mref[e >> 1]);
+            s[nt][e] = exp2f(fmaf(s[nt][e], scale2, -mref[e >> 1]));
             rs[e >> 1] += s[nt][e];
         }
 #pragma unroll
@@ -1354,15 +1393,17 @@ static __device__ __forceinline__ void moba_mfwd_attend(const MobaMFwdSmem& sm, 
         tq[mt][0] = sm.qtok[r0 + 16 * mt + mfrag_row(0)];
         tq[mt][1] = sm.qtok[r0 + 16 * mt + mfrag_row(2)];
     }
+    const int tfirst = sm.qtok[r0];
     moba_key_tiles<MQT>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks,
                                                                  const floatX* Vs) {
         float s[MQM][MK / 8][4];
 #pragma unroll
         for (int mt = 0; mt < MQM; ++mt) moba_zero(s[mt]);
         mma_xyt<MQM, MK / 8>(s, sm.Q, r0, Ks);
+        const bool masked = moba_tile_masked(u0, nk, causal, tfirst);
 #pragma unroll
         for (int mt = 0; mt < MQM; ++mt)
-            moba_online_softmax(s[mt], tq[mt], u0, nk, causal, scale2, m[mt], l[mt], o[mt]);
+            moba_online_softmax(s[mt], tq[mt], u0, nk, causal, masked, scale2, m[mt], l[mt], o[mt]);
         mma_pz<MQM, MK>(o, s, Vs);
     });
 }
@@ -1498,6 +1539,7 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
     const int r0 = moba_mq_r0();
 #pragma unroll
     for (int mt = 0; mt < MQM; ++mt) moba_zero(acc[mt]);
+    const int tfirst = sm.qtok[r0];
     moba_key_tiles<MQT>(sm.K, sm.V, k, v, tstride, u, uend, [&](int u0, int nk, const floatX* Ks,
                                                                  const floatX* Vs) {
         float s[MQM][MK / 8][4], dp[MQM][MK / 8][4];
@@ -1508,6 +1550,7 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
         }
         mma_xyt<MQM, MK / 8>(s, sm.Q, r0, Ks);
         mma_xyt<MQM, MK / 8>(dp, sm.dO, r0, Vs);
+        const bool masked = moba_tile_masked(u0, nk, causal, tfirst);
 #pragma unroll
         for (int mt = 0; mt < MQM; ++mt) {
             // (after the tile's barrier: the caller's tokens, lse2 and D are visible)
@@ -1515,15 +1558,13 @@ static __device__ __forceinline__ void moba_mdq_attend(const MobaMDqSmem& sm, co
             const int tq[2] = {sm.qtok[r + mfrag_row(0)], sm.qtok[r + mfrag_row(2)]};
             const float l2[2] = {sm.lse2[r + mfrag_row(0)], sm.lse2[r + mfrag_row(2)]};
             const float Dq[2] = {sm.D[r + mfrag_row(0)], sm.D[r + mfrag_row(2)]};
-            int lim[2];
-            moba_row_limits(tq, u0, nk, causal, lim);
+            if (masked) moba_mask_scores(s[mt], tq, u0, nk, causal);
 #pragma unroll
             for (int nt = 0; nt < MK / 8; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = e >> 1;
-                    // exp2(-inf) = 0 for the hidden keys: a select, not a branch around the exp2
-                    const float p = exp2f(mfrag_col(nt, e) < lim[i] ? s[mt][nt][e] * scale2 - l2[i] : -MOBA_INF);
+                    const float p = exp2f(fmaf(s[mt][nt][e], scale2, -l2[i]));    // exp2(-inf) = 0: hidden keys
                     s[mt][nt][e] = p * (dp[mt][nt][e] - Dq[i]);
                 }
         }

@@ -63,6 +63,7 @@ HEAD_SIZES = (4, 8, 16, 32, 64, 128, 256)
 NTHR = 128          # threads of the attention kernels (16 x 8 per tile; mma fwd/dq: mma_query_threads)
 SEL_Q = 64          # threads (= queries) per moba_select block
 SEL_J = 32          # block means staged per selection step
+SEL_ILP = 4         # gate dot products a selection thread runs at once (divides SEL_J)
 KM_THREADS = 256    # moba_kmean threads
 FILL_THREADS = 256  # moba_fill threads
 
@@ -101,7 +102,7 @@ def smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int]]:
     fq, fk, dqq, dqk, kvk, kvq = (t[k] for k in ("MOBA_FQ", "MOBA_FK", "MOBA_DQ_Q", "MOBA_DQ_K",
                                                    "MOBA_KV_K", "MOBA_KV_Q"))
     return {
-        "sel": _layout("MOBA_SM_SEL", [("QS", SEL_Q * (N + 1)), ("KM", SEL_J * N), ("TOP", 0)]),
+        "sel": _layout("MOBA_SM_SEL", [("QS", SEL_Q * (N + 4)), ("KM", SEL_J * N), ("TOP", 0)]),
         "fwd": _layout("MOBA_SM_FWD", [("Q", fq * ldh), ("K", fk * ldh), ("V", fk * ldh), ("P", fq * (fk + 4)),
                                        ("QTOK", fq), ("QENT", fq)]),
         "dq": _layout("MOBA_SM_DQ", [("Q", dqq * ldh), ("DO", dqq * ldh), ("K", dqk * ldh), ("V", dqk * ldh),
@@ -189,7 +190,7 @@ def _derived(variant: dict, xtype: str) -> dict:
     return out
 
 
-CU = KernelFile("moba", constants={"MOBA_NTHR": NTHR, "MOBA_SEL_Q": SEL_Q, "MOBA_SEL_J": SEL_J,
+CU = KernelFile("moba", constants={"MOBA_NTHR": NTHR, "MOBA_SEL_Q": SEL_Q, "MOBA_SEL_J": SEL_J, "MOBA_SEL_ILP": SEL_ILP,
                                    "MOBA_KM_THREADS": KM_THREADS, "MOBA_FILL_THREADS": FILL_THREADS},
                 variants={"HEAD_SIZE": HEAD_SIZES}, derived=_derived)
 _SIZES = dict(T=INT, H=INT, chunk=INT)
