@@ -58,6 +58,17 @@ def record(benchmark, dev, ops, nbytes: float = 0.0, flops: float = 0.0, ceiling
     reps = max(3, min(200, int(50.0 / max(ms, 1e-3))))          # about 50 ms of device time
     ms = timer.time_ms(plan.run, reps)
     timer.close()
+
+    def once():
+        plan.run()
+        dev.synchronize()
+
+    store(benchmark, dev, ms, once, nbytes, flops, ceiling)
+
+
+def store(benchmark, dev, ms: float, once, nbytes: float = 0.0, flops: float = 0.0, ceiling: str = "copy") -> None:
+    """ms (timed by the caller) with its GB/s, TFLOP/s and roofline share into extra_info; ``once`` runs
+    the work for pytest-benchmark's own rounds."""
     gbs = nbytes / ms / 1e6
     tflops = flops / ms / 1e9
     share = tflops / GEMM_TFLOPS[ceiling] if ceiling in GEMM_TFLOPS else gbs / COPY_GBS
@@ -66,11 +77,6 @@ def record(benchmark, dev, ops, nbytes: float = 0.0, flops: float = 0.0, ceiling
                                  # data that fits in L2 twice over is re-read from L2, not HBM, between calls
                                  "ceiling": ceiling + (" (L2-resident)" if nbytes and nbytes < 2 * dev.info.l2_bytes
                                                        else "")})
-
-    def once():
-        plan.run()
-        dev.synchronize()
-
     benchmark.pedantic(once, rounds=3, iterations=1)
 
 
@@ -329,6 +335,58 @@ def test_moba(benchmark, dev, xtype, method, shape, direction):
         ops = moba.backward(q, k, v, o, b(rc), b(rc), b(rc), b(rc), scratch, Bm, Tm, H, N, chunk, TOP_K,
                             dev.info, method=method)
         record(benchmark, dev, ops, nbytes=8 * rc * _x(xtype), flops=10 * N * visible, ceiling=ceiling)
+
+
+def sdpa_dense(Bm: int, Tm: int, chunk: int, backend: str, runs: int = 20) -> tuple[float, float, object]:
+    """torch's SDPA (bf16; backend "flash" or "cudnn") on one MoBA block's work in dense pieces -- the own
+    blocks as causal attention over sequences of one chunk, each past selection of a block as non-causal
+    attention of its chunk of queries over the chunk of keys (the same visible keys as _visible_keys):
+    ms of the forward and of forward + backward (CUDA events), and a function running the latter once."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    nblk = Tm // chunk
+    pieces = ((Bm * nblk, True), (Bm * sum(min(TOP_K - 1, j) for j in range(nblk)), False))
+    tensors = []
+    for n, causal in pieces:
+        q, k, v = (torch.randn(n, H, chunk, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        tensors.append((q, k, v, torch.randn_like(q), causal))
+
+    def forward():
+        with sdpa_kernel(kind):
+            return [torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c)
+                    for q, k, v, _, c in tensors]
+
+    def both():
+        for out, (*_, do, _c) in zip(forward(), tensors):
+            out.backward(do)
+
+    times = []
+    for fn in (forward, both):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(runs):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / runs)
+    return times[0], times[1], lambda: (both(), torch.cuda.synchronize())
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("shape", list(MOBA_SHAPES))
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_moba_sdpa_peer(benchmark, dev, backend, shape, direction):
+    """The FlashAttention-class peer: torch's SDPA (outside reference, bf16) on test_moba's visible keys in
+    dense pieces (sdpa_dense); TFLOP/s counted as there. It has no gate, no selection, no gather."""
+    pytest.importorskip("torch", reason="torch (an outside reference only) is not installed")
+    Bm, Tm, chunk = MOBA_SHAPES[shape]
+    fwd_ms, both_ms, once = sdpa_dense(Bm, Tm, chunk, backend)
+    visible = Bm * H * _visible_keys(Tm, chunk)
+    ms, flops = (fwd_ms, 4 * N * visible) if direction == "forward" else (both_ms - fwd_ms, 10 * N * visible)
+    store(benchmark, dev, ms, once, flops=flops, ceiling="bf16")
 
 
 # ------------------------------------------------------------------------------------------------ AdamW

@@ -46,7 +46,8 @@
 #define TY 8                       // threads along rows
 #define NTHR MOBA_NTHR             // threads of the attention kernels
 #define SEL_Q MOBA_SEL_Q           // threads (= queries) per moba_select block
-static_assert(MOBA_SEL_J % MOBA_SEL_ILP == 0, "moba_select: whole groups of gate chains per staged step");
+static_assert(MOBA_SEL_J % MOBA_SEL_ILP == 0 && SEL_Q % 32 == 0,
+              "moba_select: whole groups of gate chains per staged step, whole warps");
 #define KM_THREADS MOBA_KM_THREADS
 #define FILL_THREADS MOBA_FILL_THREADS
 
@@ -318,7 +319,8 @@ moba_kmean(const floatX* __restrict__ k, float* __restrict__ kmean, int* __restr
 // ------------------------------------------------------------------------------------------------
 // (2) gate + top-(K1) selection, one thread per query
 //     g_j = q_t . kmean_j (fp32, fmaf chain over n ascending) for j < t // chunk; the K1 largest,
-//     ties -> lower j. Writes sel (ascending, -1 padded) and adds the selections to cnt (int atomics).
+//     ties -> lower j. Writes sel (ascending, -1 padded) and adds the selections to cnt (int atomics,
+//     aggregated per warp).
 //     grid (ceil(T/SEL_Q), H, B), block SEL_Q,
 //     dynamic smem: qs [SEL_Q][HS+4] and kms [SEL_J][HS] (MOBA_SM_SEL_*), then topg, topj [K1][SEL_Q]
 //     (qs rows 16-byte aligned and 4 banks apart: each thread reads its row four floats at a time without
@@ -398,8 +400,7 @@ moba_select(const floatX* __restrict__ q, const float* __restrict__ kmean, int* 
             }
         }
     }
-    if (!valid) return;
-    // ascending block order (insertion sort of the nf <= K1 selected)
+    // ascending block order (insertion sort of the nf <= K1 selected; nf = 0 past T)
     for (int i = 1; i < nf; ++i) {
         const int v = topj[i * SEL_Q + tid];
         int p = i;
@@ -412,8 +413,11 @@ moba_select(const floatX* __restrict__ q, const float* __restrict__ kmean, int* 
     int* srow = sel + ((size_t)bh * T + t) * K1;
     for (int s = 0; s < K1; ++s) {
         const int j = s < nf ? topj[s * SEL_Q + tid] : -1;
-        srow[s] = j;
-        if (j >= 0) atomicAdd(cnt + (size_t)bh * nblk + j, 1);
+        if (valid) srow[s] = j;
+        // one atomic per block chosen in this warp (the counters of a bh share a cache line): the lowest
+        // lane of those that chose j adds their number
+        const unsigned peers = __match_any_sync(FULL_MASK, j);
+        if (j >= 0 && (tid & 31) == __ffs(peers) - 1) atomicAdd(cnt + (size_t)bh * nblk + j, __popc(peers));
     }
 }
 
