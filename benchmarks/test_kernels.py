@@ -66,6 +66,18 @@ def record(benchmark, dev, ops, nbytes: float = 0.0, flops: float = 0.0, ceiling
     store(benchmark, dev, ms, once, nbytes, flops, ceiling)
 
 
+def time_alone(dev, op, runs: int = 20) -> float:
+    """ms of one op run alone (CUDA events, after a warm-up run): scripts/*_launches.py's unit."""
+    from rwkvx.runtime import EventTimer, Plan
+    plan = Plan(dev, [op])
+    plan.run()
+    dev.synchronize()
+    timer = EventTimer(dev)
+    ms = timer.time_ms(plan.run, runs)
+    timer.close()
+    return ms
+
+
 def store(benchmark, dev, ms: float, once, nbytes: float = 0.0, flops: float = 0.0, ceiling: str = "copy") -> None:
     """ms (timed by the caller) with its GB/s, TFLOP/s and roofline share into extra_info; ``once`` runs
     the work for pytest-benchmark's own rounds."""

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from test_kernels import C, H, MOBA_SHAPES, N, TOP_K, Buffers, sdpa_dense  # noqa: E402  (the benchmarks')
+from test_kernels import C, H, MOBA_SHAPES, N, TOP_K, Buffers, sdpa_dense, time_alone  # noqa: E402
 
 from rwkvx.ops import moba  # noqa: E402
-from rwkvx.runtime import Device, EventTimer, Plan  # noqa: E402
+from rwkvx.runtime import Device, Plan  # noqa: E402
 
 
 def main() -> None:
@@ -26,13 +26,6 @@ def main() -> None:
     ap.add_argument("--shape", action="append", help="B,T,CHUNK at H = 12, N = 64 (default: the benchmarks')")
     args = ap.parse_args()
     dev = Device.get()
-    timer = EventTimer(dev)
-
-    def alone(op) -> float:
-        plan = Plan(dev, [op])
-        plan.run()
-        dev.synchronize()
-        return timer.time_ms(plan.run, 20)
 
     shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape
               else list(MOBA_SHAPES.values()))
@@ -43,11 +36,11 @@ def main() -> None:
         scratch = {name: (b(count, elem) if count else None)
                    for name, (count, elem) in moba.scratch_sizes(B, T, H, N, chunk, TOP_K).items()}
         fwd = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, TOP_K, dev.info, method=args.method)
-        times = [alone(op) for op in fwd]
+        times = [time_alone(dev, op) for op in fwd]
         Plan(dev, fwd).run()
         bwd = moba.backward(q, k, v, o, b(rc), b(rc), b(rc), b(rc), scratch, B, T, H, N, chunk, TOP_K, dev.info,
                             method=args.method)
-        times += [alone(op) for op in bwd]
+        times += [time_alone(dev, op) for op in bwd]
         ops = fwd + bwd
         print(f"{args.label} B{B} T{T} chunk {chunk} {args.method} {args.xtype}: "
               + " ".join(f"{op.name} {ms:.3f}" for op, ms in zip(ops, times))

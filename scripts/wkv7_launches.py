@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from test_kernels import N, Buffers, _wkv_inputs  # noqa: E402  (the benchmarks' inputs)
+from test_kernels import N, Buffers, _wkv_inputs, time_alone  # noqa: E402  (the benchmarks' inputs)
 
 from rwkvx.ops import wkv7  # noqa: E402
-from rwkvx.runtime import Device, EventTimer, Plan  # noqa: E402
+from rwkvx.runtime import Device, Plan  # noqa: E402
 
 SHAPES = ((8, 4096, 12), (1, 16384, 12))       # (B, T, H) at N = 64
 
@@ -39,13 +39,6 @@ def main() -> None:
     if args.split_operators is not None:
         wkv7.SPLIT_OPERATORS[args.xtype] = bool(args.split_operators)
     dev = Device.get()
-    timer = EventTimer(dev)
-
-    def alone(op) -> float:
-        plan = Plan(dev, [op])
-        plan.run()
-        dev.synchronize()
-        return timer.time_ms(plan.run, 20)
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
     for B, T, H in shapes:
@@ -55,11 +48,11 @@ def main() -> None:
         sa, ckpt, part = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32"), b(sizes["partials"], "f32")
         fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method=args.method, partials=part,
                            split=args.split)
-        times = [alone(op) for op in fwd]
+        times = [time_alone(dev, op) for op in fwd]
         Plan(dev, fwd).run()                    # real checkpoints for the backward
         bwd = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], B, T, H, N, dev.info,
                             partials=part, method=args.method, split=args.split)
-        times += [alone(op) for op in bwd]
+        times += [time_alone(dev, op) for op in bwd]
         print(f"{args.label} B{B} T{T} H{H} N{N} {args.method} {args.xtype} split {fwd[1].grid[0]} key warps {fwd[1].block[0] * fwd[1].grid[0] // (4 * N)}: "
               + " ".join(f"{op.name} {ms:.3f}" for op, ms in zip(fwd + bwd, times)), flush=True)
 
