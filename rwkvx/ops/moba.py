@@ -190,8 +190,9 @@ def _derived(variant: dict, xtype: str) -> dict:
     return out
 
 
-CU = KernelFile("moba", constants={"MOBA_NTHR": NTHR, "MOBA_SEL_Q": SEL_Q, "MOBA_SEL_J": SEL_J, "MOBA_SEL_ILP": SEL_ILP,
-                                   "MOBA_KM_THREADS": KM_THREADS, "MOBA_FILL_THREADS": FILL_THREADS},
+CU = KernelFile("moba", constants={"MOBA_NTHR": NTHR, "MOBA_SEL_Q": SEL_Q, "MOBA_SEL_J": SEL_J,
+                                   "MOBA_SEL_ILP": SEL_ILP, "MOBA_KM_THREADS": KM_THREADS,
+                                   "MOBA_FILL_THREADS": FILL_THREADS},
                 variants={"HEAD_SIZE": HEAD_SIZES}, derived=_derived)
 _SIZES = dict(T=INT, H=INT, chunk=INT)
 MOBA_KMEAN = CU.kernel("moba_kmean", k=X_IN, kmean=F32_OUT, cnt=I32_OUT, T=INT, H=INT, chunk=INT, nblk=INT)
