@@ -5,8 +5,8 @@
 contiguous host buffer with a ``void**`` kernelParams array pointing into it, and GEMM/memset/copy
 parameters into a C struct array. `run()` enqueues everything on ``dev.stream`` through typed C function
 pointers to the driver entry points (cuLaunchKernel, cuMemsetD8Async, cuMemcpy*Async) and to
-``cublasGemmEx``, without the GIL and without any host synchronisation, checking every status; the first
-failure stops the loop and is raised after it, naming the op (kernel name, or "cublasGemmEx op #i").
+``cublasLtMatmul``, without the GIL and without any host synchronisation, checking every status; the first
+failure stops the loop and is raised after it, naming the op (kernel name, or "cublasLtMatmul op #i").
 
 Why function pointers and not ``cimport cuda.bindings.cydriver``: cydriver.pxd of cuda-bindings 13.N
 declares every type of CUDA 13.N's cuda.h, so it only compiles against headers at least that new (13.5's
@@ -19,7 +19,9 @@ The ``dev`` object needs: ``stream_handle`` (int CUstream), ``context_handle`` (
 not touch the current context), ``driver_procs`` (dict name -> int address of the entry points in
 DRIVER_PROCS), ``kernel(module, name, defines)`` (a CUfunction or int address),
 ``prepare_kernel(fn, smem, name)`` (optional; raises the dynamic shared-memory limit when needed) and,
-only when the ops contain a Gemm, ``cublas`` with ``handle`` and ``gemm_ex_ptr`` (ints).
+only when the ops contain a Gemm, ``cublas`` with ``handle``, ``matmul_ptr``, ``workspace_ptr`` and
+``workspace_bytes`` (ints) and ``prepare(gemms)`` (each GEMM's descriptor, A / B / C layouts and algorithm
+address: :meth:`rwkvx.runtime.cublas.CublasLt.prepare`).
 """
 from libc.stdint cimport uint64_t, int32_t, int64_t, uintptr_t
 from libc.stdlib cimport calloc, free
@@ -32,14 +34,14 @@ from rwkvx.runtime.device import DRIVER_PROCS
 from rwkvx.runtime.ops import Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH, flatten_ops
 from rwkvx.runtime.errors import driver_error, cublas_error
 
-# cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t transa, cublasOperation_t transb,
-#   int m, int n, int k, const void* alpha, const void* A, cudaDataType Atype, int lda,
-#   const void* B, cudaDataType Btype, int ldb, const void* beta, void* C, cudaDataType Ctype, int ldc,
-#   cublasComputeType_t computeType, cublasGemmAlgo_t algo)      (all enums are C ints)
-ctypedef int (*gemm_ex_t)(void* handle, int transa, int transb, int m, int n, int k,
-                          const void* alpha, const void* A, int Atype, int lda,
-                          const void* B, int Btype, int ldb, const void* beta,
-                          void* C, int Ctype, int ldc, int computeType, int algo) noexcept nogil
+# cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t, const void* alpha,
+#   const void* A, cublasLtMatrixLayout_t Adesc, const void* B, cublasLtMatrixLayout_t Bdesc,
+#   const void* beta, const void* C, cublasLtMatrixLayout_t Cdesc, void* D, cublasLtMatrixLayout_t Ddesc,
+#   const cublasLtMatmulAlgo_t* algo, void* workspace, size_t workspaceSizeInBytes, cudaStream_t)
+ctypedef int (*lt_matmul_t)(void* handle, void* desc, const void* alpha, const void* A, void* Adesc,
+                            const void* B, void* Bdesc, const void* beta, const void* C, void* Cdesc,
+                            void* D, void* Ddesc, const void* algo, void* workspace, size_t ws_bytes,
+                            void* stream) noexcept nogil
 
 # Driver entry points (cuda.h, CUDA 13.0 ABI): CUresult is a C int enum, CUdeviceptr is unsigned long long,
 # CUfunction / CUstream / CUcontext are opaque pointers.
@@ -68,8 +70,12 @@ cdef struct OpRec:
     void* func
     unsigned int gx, gy, gz, bx, by, bz, smem
     void** params
-    # gemm
-    int transa, transb, m, n, k, lda, ldb, ldc, atype, btype, ctype, compute
+    # gemm (C = D)
+    void* desc
+    void* la
+    void* lb
+    void* lc
+    void* algo
     float alpha, beta
     uint64_t a, b, c
     # memset / copies
@@ -77,7 +83,6 @@ cdef struct OpRec:
     size_t nbytes
 
 cdef enum:
-    CUBLAS_GEMM_DEFAULT = -1
     ARG_SLOT = 8          # every kernel argument gets an 8-byte, 8-aligned slot
 
 
@@ -98,7 +103,10 @@ cdef class Plan:
     cdef ctx_get_t p_ctx_get
     cdef ctx_set_t p_ctx_set
     cdef void* cublas_handle
-    cdef gemm_ex_t gemm_ex
+    cdef lt_matmul_t lt_matmul
+    cdef void* workspace
+    cdef size_t workspace_bytes
+    cdef list _prepared
     cdef readonly object dev
     cdef readonly list ops
     cdef list _names
@@ -112,7 +120,9 @@ cdef class Plan:
         self.n = 0
         self.nargs = 0
         self.cublas_handle = NULL
-        self.gemm_ex = NULL
+        self.lt_matmul = NULL
+        self.workspace = NULL
+        self.workspace_bytes = 0
 
     def __init__(self, dev, ops):
         ops = flatten_ops(ops)
@@ -132,12 +142,18 @@ cdef class Plan:
         self.p_dtoh = <copy_dtoh_t><uintptr_t>int(procs.get("cuMemcpyDtoHAsync", 0) or 0)
         self.p_ctx_get = <ctx_get_t><uintptr_t>int(procs.get("cuCtxGetCurrent", 0) or 0)
         self.p_ctx_set = <ctx_set_t><uintptr_t>int(procs.get("cuCtxSetCurrent", 0) or 0)
-        if any(isinstance(op, Gemm) for op in ops):
+        gemms = [op for op in ops if isinstance(op, Gemm)]
+        self._prepared = []       # the descriptors and algorithms the records point at, kept alive
+        if gemms:
             cub = dev.cublas
             self.cublas_handle = <void*><uintptr_t>int(cub.handle)
-            self.gemm_ex = <gemm_ex_t><uintptr_t>int(cub.gemm_ex_ptr)
-            if self.cublas_handle == NULL or self.gemm_ex == NULL:
-                raise RuntimeError("Plan: dev.cublas has a NULL handle or cublasGemmEx pointer")
+            self.lt_matmul = <lt_matmul_t><uintptr_t>int(cub.matmul_ptr)
+            self.workspace = <void*><uintptr_t>int(cub.workspace_ptr)
+            self.workspace_bytes = int(cub.workspace_bytes)
+            if self.cublas_handle == NULL or self.lt_matmul == NULL:
+                raise RuntimeError("Plan: dev.cublas has a NULL handle or cublasLtMatmul pointer")
+            self._prepared = list(cub.prepare(gemms))
+        prepared = iter(self._prepared)
 
         cdef size_t total_args = 0
         for op in ops:
@@ -200,16 +216,17 @@ cdef class Plan:
                     slot += 1
                 self._names.append(op.name)
             elif isinstance(op, Gemm):
+                p = next(prepared)
                 r.kind = OP_GEMM
-                r.transa = 1 if op.transa else 0
-                r.transb = 1 if op.transb else 0
-                r.m, r.n, r.k = op.m, op.n, op.k
-                r.lda, r.ldb, r.ldc = op.lda, op.ldb, op.ldc
+                r.desc = <void*><uintptr_t>int(p.desc)
+                r.la = <void*><uintptr_t>int(p.layouts[0])
+                r.lb = <void*><uintptr_t>int(p.layouts[1])
+                r.lc = <void*><uintptr_t>int(p.layouts[2])
+                r.algo = <void*><uintptr_t>int(p.algo_ptr)
                 r.alpha, r.beta = op.alpha, op.beta
                 r.a, r.b, r.c = op.A, op.B, op.C
-                r.atype, r.btype, r.ctype, r.compute = op.precision.codes()
                 self._arg_offsets.append(None)
-                self._names.append(f"cublasGemmEx op #{i}")
+                self._names.append(f"cublasLtMatmul op #{i}")
             elif isinstance(op, Memset):
                 r.kind = OP_MEMSET
                 r.dst, r.nbytes = op.ptr, op.nbytes
@@ -289,11 +306,11 @@ cdef class Plan:
                     res = self.p_launch(r.func, r.gx, r.gy, r.gz, r.bx, r.by, r.bz,
                                         r.smem, self.stream, r.params, NULL)
                 elif r.kind == OP_GEMM:
-                    status = self.gemm_ex(self.cublas_handle, r.transa, r.transb, r.m, r.n, r.k,
-                                          &r.alpha, <const void*><uintptr_t>r.a, r.atype, r.lda,
-                                          <const void*><uintptr_t>r.b, r.btype, r.ldb,
-                                          &r.beta, <void*><uintptr_t>r.c, r.ctype, r.ldc,
-                                          r.compute, CUBLAS_GEMM_DEFAULT)
+                    status = self.lt_matmul(self.cublas_handle, r.desc, &r.alpha,
+                                            <const void*><uintptr_t>r.a, r.la, <const void*><uintptr_t>r.b, r.lb,
+                                            &r.beta, <const void*><uintptr_t>r.c, r.lc,
+                                            <void*><uintptr_t>r.c, r.lc, r.algo,
+                                            self.workspace, self.workspace_bytes, self.stream)
                 elif r.nbytes == 0:   # empty memset/copy: nothing to enqueue
                     pass
                 elif r.kind == OP_MEMSET:
@@ -313,7 +330,7 @@ cdef class Plan:
     cdef _raise(self, int i, int res, int status):
         op = self.ops[i]
         if isinstance(op, Gemm):
-            raise cublas_error("cublasGemmEx", status,
+            raise cublas_error("cublasLtMatmul", status,
                                f"op #{i}: transa={op.transa} transb={op.transb} m={op.m} n={op.n} k={op.k} "
                                f"lda={op.lda} ldb={op.ldb} ldc={op.ldc} {op.precision}")
         if isinstance(op, Launch):

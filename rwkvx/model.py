@@ -22,7 +22,7 @@ from .params import ParamDict, check_params, param_shapes
 from .runtime import gemm
 from .runtime.device import DeviceInfo
 from .runtime.dtypes import ELEM_BYTES, from_storage, poison_bits, storage_dtype, to_storage
-from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
+from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Gemm, Memset, flatten_ops
 
 PRECISIONS = gemm.PRECISIONS
 HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
@@ -654,6 +654,12 @@ class Model:
                         for name in [*Layout.host_inputs(R), "loss_t"]}
         self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
         self.ops = self.builder.build()
+        # every GEMM's algorithm, chosen before anything in the arena past the per-step inputs is live:
+        # new shapes are timed with their outputs written there, so the plans allocate nothing for it
+        ops = self.ops
+        gemms = [op for op in flatten_ops([ops.step, ops.evaluate, ops.head]) if isinstance(op, Gemm)]
+        free = self.layout.offsets["tokens"]
+        self.dev.cublas.prepare(gemms, scratch=(self.arena.ptr + free, self.layout.total - free))
         self._forward_plan = Plan(self.dev, self.ops.stage_tokens + self.ops.forward)
         self._step_plan = Plan(self.dev, self.ops.step)
         self.load_params(params)

@@ -2,6 +2,7 @@
 
 Usage: python scripts/profile_step.py [--preset base|small] [--batch-size B] [--seq-len T] [--precision fp32|tf32|bf16]
 [--rows N]
+[--n-attn-layer M]
 Prints the time per op family (kernel name, or GEMM shape class) and the total, next to the step
 time of the plan run as a whole. Needs a GPU.
 """
@@ -30,11 +31,13 @@ def main() -> None:
     ap.add_argument("--preset", default="base")
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--seq-len", type=int)
+    ap.add_argument("--n-attn-layer", type=int, help="override the preset's attention blocks (0: pure RWKV-7)")
     ap.add_argument("--precision", default="fp32", choices=PRECISIONS)
     ap.add_argument("--rows", type=int, default=40, help="op families listed (the costliest first)")
     args = ap.parse_args()
     preset = get_preset(args.preset, "gpu")
-    cfg = Config(**preset["model"])
+    overrides = {} if args.n_attn_layer is None else {"n_attn_layer": args.n_attn_layer}
+    cfg = Config(**{**preset["model"], **overrides})
     B = args.batch_size or preset["train"]["batch_size"]
     T = args.seq_len or preset["train"]["seq_len"]
     model = Model(cfg, init_params(cfg, 0), B, T, precision=args.precision)

@@ -241,9 +241,24 @@ def test_gemm_helper_defaults_dense():
 
 
 # ---------------------------------------------------------------- Plan packing (no GPU: never run)
+class _FakePrepared:
+    def __init__(self, i):
+        self.desc, self.layouts, self.algo_ptr = 0xD00 + i, (0xA00 + i, 0xB00 + i, 0xC00 + i), 0xE00 + i
+
+
 class _FakeCublas:
+    """Stands in for rwkvx.runtime.cublas.CublasLt: fake descriptors numbered by the GEMM's place."""
     handle = 0x1234
-    gemm_ex_ptr = 0x5678
+    matmul_ptr = 0x5678
+    workspace_ptr = 0x9000
+    workspace_bytes = 4096
+
+    def __init__(self):
+        self.prepared = []
+
+    def prepare(self, ops):
+        self.prepared.append(list(ops))
+        return [_FakePrepared(i) for i in range(len(ops))]
 
 
 class _FakeDev:
@@ -277,7 +292,8 @@ def test_plan_packs_arguments():
     plan = core.Plan(dev, ops)
     assert len(plan) == 7
     assert dev.calls == [("m", "k1", (("HEAD_SIZE", "64"),)), ("m", "k2", ())]
-    assert plan.names[0] == "k1" and plan.names[1] == "cublasGemmEx op #1" and plan.names[3] == "k2"
+    assert plan.names[0] == "k1" and plan.names[1] == "cublasLtMatmul op #1" and plan.names[3] == "k2"
+    assert [len(p) for p in dev.cublas.prepared][-1] == 1      # one prepare call with the plan's one GEMM
     packed = plan.packed_args(0)
     assert len(packed) == 5 * 8
     assert struct.unpack_from("<Q", packed, 0)[0] == 0xDEADBEEF01
@@ -327,7 +343,7 @@ def test_device_get_without_gpu_is_helpful():
 
 # ---------------------------------------------------------------- Plan.run dispatch, with fake entry points
 def test_plan_run_dispatch_with_fake_driver():
-    """Plan.run's nogil loop against ctypes stand-ins for the driver and cublasGemmEx: order, arguments,
+    """Plan.run's nogil loop against ctypes stand-ins for the driver and cublasLtMatmul: order, arguments,
     error naming, stop at the first failure."""
     import ctypes as C
     core = _core()
@@ -349,14 +365,12 @@ def test_plan_run_dispatch_with_fake_driver():
     DTOH = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_ulonglong, C.c_size_t, C.c_void_p)
     CTXG = C.CFUNCTYPE(C.c_int, C.POINTER(C.c_void_p))
     CTXS = C.CFUNCTYPE(C.c_int, C.c_void_p)
-    GEMM = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_int, C.c_int, C.c_int, C.c_int, C.c_int, C.c_void_p,
-                       C.c_void_p, C.c_int, C.c_int, C.c_void_p, C.c_int, C.c_int, C.c_void_p, C.c_void_p,
-                       C.c_int, C.c_int, C.c_int, C.c_int)
+    GEMM = C.CFUNCTYPE(C.c_int, *[C.c_void_p] * 14, C.c_size_t, C.c_void_p)
     ctx = {"cur": 0}
 
-    def gemm(h, ta, tb, m, n, k, alpha, A, at, lda, B, bt, ldb, beta, Cp, ct, ldc, compute, algo):
-        calls.append(("gemm", h, ta, tb, m, n, k, C.cast(alpha, C.POINTER(C.c_float))[0], A, at, lda, B, bt,
-                      ldb, C.cast(beta, C.POINTER(C.c_float))[0], Cp, ct, ldc, compute, algo))
+    def gemm(h, desc, alpha, A, la, B, lb, beta, Cp, lc, D, ld, algo, ws, ws_bytes, stream):
+        calls.append(("gemm", h, desc, C.cast(alpha, C.POINTER(C.c_float))[0], A, la, B, lb,
+                      C.cast(beta, C.POINTER(C.c_float))[0], Cp, lc, D, ld, algo, ws, ws_bytes, stream))
         return 0
 
     def ctx_get(p):
@@ -375,9 +389,9 @@ def test_plan_run_dispatch_with_fake_driver():
             CTXG(ctx_get), CTXS(ctx_set), GEMM(gemm)]
     addr = [C.cast(f, C.c_void_p).value for f in keep]
 
-    class Cub:
+    class Cub(_FakeCublas):
         handle = 0xAB
-        gemm_ex_ptr = addr[7]
+        matmul_ptr = addr[7]
 
     class Dev(_FakeDev):
         stream_handle = 0x5150
@@ -398,7 +412,7 @@ def test_plan_run_dispatch_with_fake_driver():
     assert calls == [
         ("ctx_set", 0xC0),
         ("launch", 0x1001, (3, 2, 1), (64, 1, 1), 128, S, 0x1234, 2.5),
-        ("gemm", 0xAB, 1, 0, 5, 6, 4, 1.0, 0x20, 0, 4, 0x10, 0, 4, 0.5, 0x30, 0, 5, 77, -1),
+        ("gemm", 0xAB, 0xD00, 1.0, 0x20, 0xA00, 0x10, 0xB00, 0.5, 0x30, 0xC00, 0x30, 0xC00, 0xE00, 0x9000, 4096, S),
         ("memset", 0x40, 0, 16, S),                       # the empty memset is skipped
         ("dtod", 0x50, 0x60, 8, S), ("htod", 0x70, 0x80, 4, S), ("dtoh", 0x90, 0xA0, 4, S),
         ("launch", 0x1002, (1, 1, 1), (1, 1, 1), 0, S, None, None),
@@ -407,12 +421,16 @@ def test_plan_run_dispatch_with_fake_driver():
     plan.run()                                            # context already current: no second ctx_set
     assert calls[0][0] == "launch" and len(calls) == 7
 
-    # each GEMM carries its own types: fp32, and bf16 operands with an fp32 output, in one plan
-    mixed = core.Plan(dev, [G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, precision=G.FP32),
-                            G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, precision=G.BF16)])
+    # each GEMM carries its own types (fp32, and bf16 operands with an fp32 output, in one plan) to
+    # prepare, and runs with the descriptors prepare gives it
+    gemms = [G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, precision=G.FP32),
+             G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, precision=G.BF16)]
+    mixed = core.Plan(dev, gemms)
+    assert [op.precision.codes() for op in dev.cublas.prepared[-1]] == [(0, 0, 0, 68), (14, 14, 0, 68)]
     calls.clear()
     mixed.run()
-    assert [(c[9], c[12], c[16], c[-2]) for c in calls] == [(0, 0, 0, 68), (14, 14, 0, 68)]
+    assert [(c[2], c[5], c[7], c[10], c[13]) for c in calls] == [(0xD00, 0xA00, 0xB00, 0xC00, 0xE00),
+                                                                  (0xD01, 0xA01, 0xB01, 0xC01, 0xE01)]
 
     # the first failing op stops the loop and is named
     fail_fn["addr"] = 0x1001
@@ -423,3 +441,65 @@ def test_plan_run_dispatch_with_fake_driver():
     assert "cuLaunchKernel" in str(ei.value) and "ka" in str(ei.value) and "op #0" in str(ei.value)
     assert [c[0] for c in calls] == ["launch"]
     del keep
+
+
+# ---------------------------------------------------------------- cuBLASLt shapes and algorithm choice (no GPU)
+def test_gemm_shape_alignment_and_key():
+    from rwkvx.runtime.cublas import GemmShape, alignment
+    assert [alignment(p) for p in (0x100, 0x7000, 0x108, 0x102, 0x10)] == [256, 256, 8, 2, 16]
+    op = G.linear(DevPtr(0x1000, "bf16"), DevPtr(0x2008, "bf16"), DevPtr(0x3000, "f32"), rows=6, n_in=4, n_out=5,
+                  beta=1.0, precision="bf16")
+    s = GemmShape.of(op)
+    assert (s.m, s.n, s.k, s.transa, s.transb, s.reads_c) == (5, 6, 4, True, False, True)
+    assert s.align == (8, 256, 256) and s.types == (14, 14, 0, 68)     # A is the weight (0x2008)
+    assert s.key() == "TN m5 n6 k4 ld4,4,5 t14,14,0,68 beta1 al8,256,256"
+    assert s.c_bytes() == (5 * 5 + 5) * 4
+    assert GemmShape.of(G.linear(0x1000, 0x2008, 0x3000, rows=6, n_in=4, n_out=5)) != s
+
+
+def test_gemm_algo_pick_keeps_the_first_within_the_margin():
+    from rwkvx.runtime.gemm_algos import MARGIN, pick
+    assert pick([1.0, 1.0 / (1 + MARGIN / 2), 2.0]) == 0
+    assert pick([1.0, 0.9, 0.95]) == 1
+    assert pick([float("inf"), 3.0, 2.0]) == 2
+
+
+class _FakeLt:
+    """cuBLASLt stand-in for gemm_algos.choose: candidates are numbered Algo structs; no timing needed."""
+    version = 130102
+    workspace_bytes = 1 << 20
+
+    class dev:                       # noqa: N801 - a namespace standing in for the Device
+        name, arch, sm_count, _capturing = "Fake GPU", "sm_90", 2, 0
+
+    def __init__(self):
+        self.asked = []
+
+    def candidates(self, shape, count):
+        from rwkvx.runtime.cublas import Algo
+        self.asked.append(count)
+        algos = [Algo() for _ in range(count)]
+        for i, a in enumerate(algos):
+            a.data[0] = 100 + i
+        return algos
+
+
+def test_gemm_algo_choice_from_the_cache_file_or_untimed(tmp_path, monkeypatch):
+    import json
+    from rwkvx.runtime import gemm_algos
+    from rwkvx.runtime.cublas import Algo, GemmShape
+    monkeypatch.setenv("RWKVX_CACHE_DIR", str(tmp_path))
+    lt = _FakeLt()
+    op = G.linear(0x1000, 0x2000, 0x3000, rows=6, n_in=4, n_out=5)
+    shape = GemmShape.of(op)
+    saved = Algo()
+    saved.data[0] = 7
+    (tmp_path / gemm_algos.CACHE_FILE).write_text(json.dumps(
+        {gemm_algos._machine_key(lt): {shape.key(): bytes(saved).hex()}}))
+    got = gemm_algos.choose(lt, {shape: op})
+    assert got[shape].data[0] == 7 and lt.asked == []             # from the file: nothing asked, nothing timed
+    monkeypatch.setenv("RWKVX_GEMM_TUNING", "0")                  # untimed: the heuristic's first candidate
+    assert gemm_algos.choose(lt, {shape: op})[shape].data[0] == 100 and lt.asked == [1]
+    other = G.linear(0x1000, 0x2000, 0x3000, rows=7, n_in=4, n_out=5)
+    gemm_algos.choose(lt, {GemmShape.of(other): other})
+    assert GemmShape.of(other).key() not in json.loads((tmp_path / gemm_algos.CACHE_FILE).read_text()).popitem()[1]

@@ -1,39 +1,61 @@
-"""cuBLAS through a minimal function-pointer shim.
+"""cuBLASLt through a minimal ctypes shim: each GEMM of a plan as one ``cublasLtMatmul`` with the
+algorithm measured fastest for its shape.
 
 How it is bound, and why: the GPU machine has no nvmath-python and no internet, and cuda-bindings has
-no cuBLAS module, so rwkvx binds the handful of entry points it needs itself. libcublas (and its
-dependency libcublasLt) is located and loaded by ``cuda.pathfinder.load_nvidia_dynamic_lib("cublas")``
-(the nvidia-cublas wheel, a conda env or the CUDA toolkit), then opened with ctypes:
+no cuBLAS module, so rwkvx binds the handful of entry points it needs itself. libcublasLt is located
+by ``cuda.pathfinder.load_nvidia_dynamic_lib("cublasLt")`` (the nvidia-cublas wheel, a conda env or the
+CUDA toolkit), else by the system loader, and opened with ctypes:
 
-* setup calls, run once per process, go through ctypes: ``cublasCreate_v2``, ``cublasSetStream_v2``,
-  ``cublasSetWorkspace_v2``, ``cublasSetMathMode``, ``cublasDestroy_v2``, ``cublasGetVersion_v2``;
-* the hot call, ``cublasGemmEx`` (exported without suffix), is handed to Cython as a raw address
-  (:attr:`Cublas.gemm_ex_ptr`); :class:`rwkvx._core.Plan` calls it through a typed C function pointer
-  without the GIL.
+* setup calls run through ctypes: the handle, one matmul descriptor and three matrix layouts per GEMM
+  shape (:class:`GemmShape`), the heuristic's candidate algorithms;
+* the hot call, ``cublasLtMatmul``, is handed to Cython as a raw address (:attr:`CublasLt.matmul_ptr`);
+  :class:`rwkvx._core.Plan` calls it through a typed C function pointer without the GIL, with the
+  descriptors and algorithm :meth:`CublasLt.prepare` returns for each of its GEMMs.
 
-The handle is bound to the device's non-blocking stream, then given a preallocated workspace (32 MiB;
-the order matters: setting the stream resets the workspace), so GEMMs never allocate and are safe under
-CUDA-graph capture. Math mode is CUBLAS_DEFAULT_MATH; each GEMM carries its own operand, output and
-compute types (:class:`rwkvx.runtime.ops.GemmPrecision`, mapped to cuBLAS's enums by CUDA_TYPES and
-COMPUTE_TYPES below). Every status is checked.
+Why cuBLASLt rather than ``cublasGemmEx``: GemmEx runs the heuristic's first algorithm, and for many of
+the step's shapes another candidate is faster (H200, the 0.22B bf16 step's GEMMs: 61.6 ms with GemmEx,
+57.6 ms with the fastest candidate of each shape). :mod:`rwkvx.runtime.gemm_algos` times the candidates
+of each new shape once per machine and keeps the choice.
+
+Every GEMM runs on the device's stream with one preallocated workspace (32 MiB), so GEMMs never
+allocate and are safe under CUDA-graph capture. Each shape runs one fixed algorithm; cuBLASLt's split-K
+reductions run in a fixed order (the in-place scheme serialises through counters, the others reduce in a
+separate pass), so a plan is bit-reproducible. Every status is checked.
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 from .errors import check_cublas
 
 WORKSPACE_BYTES = 32 << 20
-CUBLAS_DEFAULT_MATH = 0
 # cudaDataType_t of GEMM operands/outputs and cublasComputeType_t, by rwkvx's names (ops.GemmPrecision)
 CUDA_TYPES = {"f32": 0, "bf16": 14}                 # CUDA_R_32F, CUDA_R_16BF
 COMPUTE_TYPES = {"fp32": 68, "tf32": 77}            # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32
+_ELEM_BYTES = {0: 4, 14: 2}
+_SCALE_F32 = 0                                      # alpha, beta: float for both compute types
+# cublasLt.h (CUDA 13) attribute enums
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)                  # A, B, C, D (bytes)
+MAX_ALIGNMENT = 256                                 # cuBLASLt's default alignment requirement
 
 _lib = None
 
 
-def load_cublas() -> ctypes.CDLL:
-    """libcublas as a ctypes library (loaded once)."""
+class Algo(ctypes.Structure):
+    """cublasLtMatmulAlgo_t: 64 opaque bytes, valid with the cuBLASLt version that produced them."""
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _HeuristicResult(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def load_cublaslt() -> ctypes.CDLL:
+    """libcublasLt as a ctypes library (loaded once)."""
     global _lib
     if _lib is not None:
         return _lib
@@ -41,71 +63,200 @@ def load_cublas() -> ctypes.CDLL:
     lib = None
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
-        loaded = load_nvidia_dynamic_lib("cublas")
-        path = getattr(loaded, "abs_path", None)
-        handle = getattr(loaded, "_handle_uint", None)
-        if path:
-            lib = ctypes.CDLL(path)
-        elif handle:
-            lib = ctypes.CDLL("libcublas.so", handle=handle)
+        lib = ctypes.CDLL(load_nvidia_dynamic_lib("cublasLt").abs_path)
     except Exception as e:  # noqa: BLE001 - try the system loader next
         errors.append(f"cuda.pathfinder: {type(e).__name__}: {e}")
     if lib is None:
-        for name in ("libcublas.so.13", "libcublas.so"):
+        for name in ("libcublasLt.so.13", "libcublasLt.so"):
             try:
                 lib = ctypes.CDLL(name)
                 break
             except OSError as e:
                 errors.append(f"{name}: {e}")
     if lib is None:
-        raise RuntimeError("cuBLAS not found (pip install 'nvidia-cublas>=13.0,<13.2'): " + "; ".join(errors))
-    vp, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        raise RuntimeError("cuBLASLt not found (pip install 'nvidia-cublas>=13.0,<13.2'): " + "; ".join(errors))
+    vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
     sigs = {
-        "cublasCreate_v2": [ctypes.POINTER(vp)],
-        "cublasDestroy_v2": [vp],
-        "cublasSetStream_v2": [vp, vp],
-        "cublasSetWorkspace_v2": [vp, vp, sz],
-        "cublasSetMathMode": [vp, i],
-        "cublasGetVersion_v2": [vp, ctypes.POINTER(i)],
+        "cublasLtCreate": [ctypes.POINTER(vp)],
+        "cublasLtDestroy": [vp],
+        "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), ctypes.c_int, ctypes.c_int],
+        "cublasLtMatmulDescSetAttribute": [vp, ctypes.c_int, vp, sz],
+        "cublasLtMatmulDescDestroy": [vp],
+        "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), ctypes.c_int, u64, u64, ctypes.c_int64],
+        "cublasLtMatrixLayoutDestroy": [vp],
+        "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
+        "cublasLtMatmulPreferenceSetAttribute": [vp, ctypes.c_int, vp, sz],
+        "cublasLtMatmulPreferenceDestroy": [vp],
+        "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, ctypes.c_int,
+                                           ctypes.POINTER(_HeuristicResult), ctypes.POINTER(ctypes.c_int)],
+        "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(Algo), vp, sz, vp],
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)          # AttributeError names the missing symbol
         fn.argtypes = argtypes
         fn.restype = ctypes.c_int
-    lib.cublasGemmEx.restype = ctypes.c_int
+    lib.cublasLtGetVersion.argtypes = []
+    lib.cublasLtGetVersion.restype = sz
     _lib = lib
     return lib
 
 
-class Cublas:
-    """One cuBLAS handle bound to ``stream_handle`` with a fixed workspace (a device pointer)."""
+def alignment(ptr: int) -> int:
+    """The largest power of two (at most MAX_ALIGNMENT) that divides address ``ptr``."""
+    ptr = int(ptr)
+    return MAX_ALIGNMENT if ptr % MAX_ALIGNMENT == 0 else ptr & -ptr
 
-    def __init__(self, stream_handle: int, workspace_ptr: int, workspace_bytes: int):
-        lib = load_cublas()
+
+@dataclass(frozen=True)
+class GemmShape:
+    """What a GEMM's descriptors and algorithm depend on: ops.Gemm without its addresses and scalars, plus
+    whether it reads C (beta != 0) and the alignment of its operands."""
+    transa: bool
+    transb: bool
+    m: int
+    n: int
+    k: int
+    lda: int
+    ldb: int
+    ldc: int
+    types: tuple                # (A, B, C, compute) enum values (GemmPrecision.codes)
+    reads_c: bool
+    align: tuple                # bytes, of A, B, C
+
+    @classmethod
+    def of(cls, op) -> "GemmShape":
+        """The shape of ops.Gemm ``op``."""
+        return cls(op.transa, op.transb, op.m, op.n, op.k, op.lda, op.ldb, op.ldc, op.precision.codes(),
+                   op.beta != 0.0, tuple(alignment(p) for p in (op.A, op.B, op.C)))
+
+    def key(self) -> str:
+        """A stable text form (the algorithm cache's key)."""
+        ta, tb = "T" if self.transa else "N", "T" if self.transb else "N"
+        return (f"{ta}{tb} m{self.m} n{self.n} k{self.k} ld{self.lda},{self.ldb},{self.ldc} "
+                f"t{','.join(map(str, self.types))} beta{int(self.reads_c)} al{','.join(map(str, self.align))}")
+
+    def c_bytes(self) -> int:
+        """Bytes C spans (column-major m x n, leading dimension ldc)."""
+        return (self.ldc * (self.n - 1) + self.m) * _ELEM_BYTES[self.types[2]]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The cuBLASLt objects of one GEMM shape: descriptor, layouts of A, B and C (= D), the algorithm."""
+    desc: int
+    layouts: tuple
+    algo: Algo
+
+    @property
+    def algo_ptr(self) -> int:
+        return ctypes.addressof(self.algo)
+
+
+class CublasLt:
+    """One cuBLASLt handle with a fixed workspace (a device pointer), the descriptors of every GEMM shape
+    it has seen and the algorithm each shape runs (chosen by :mod:`rwkvx.runtime.gemm_algos`)."""
+
+    def __init__(self, dev, workspace_ptr: int, workspace_bytes: int):
+        lib = load_cublaslt()
         self._lib = lib
+        self.dev = dev
         handle = ctypes.c_void_p()
-        check_cublas(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate_v2")
+        check_cublas(lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
         self.handle: int = int(handle.value or 0)
+        self.version: int = int(lib.cublasLtGetVersion())
+        self.workspace_ptr, self.workspace_bytes = int(workspace_ptr), int(workspace_bytes)
+        self.matmul_ptr: int = int(ctypes.cast(lib.cublasLtMatmul, ctypes.c_void_p).value or 0)
+        if not self.matmul_ptr:
+            raise RuntimeError("cuBLASLt: cublasLtMatmul not found")
+        self._descs: dict[GemmShape, tuple[int, tuple]] = {}
+        self._prepared: dict[GemmShape, Prepared] = {}
+
+    # -- descriptors and candidates ----------------------------------------------------------------
+    def descriptors(self, shape: GemmShape) -> tuple[int, tuple]:
+        """(matmul descriptor, (layout A, layout B, layout C)) of ``shape``, created once."""
+        if shape in self._descs:
+            return self._descs[shape]
+        lib, s = self._lib, shape
+        ta, tb, tc, compute = s.types
+        desc = ctypes.c_void_p()
+        check_cublas(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, _SCALE_F32), "cublasLtMatmulDescCreate")
+        for attr, trans in ((_DESC_TRANSA, s.transa), (_DESC_TRANSB, s.transb)):
+            v = ctypes.c_int32(int(trans))
+            check_cublas(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), ctypes.sizeof(v)),
+                         "cublasLtMatmulDescSetAttribute")
+        layouts = []
+        # column-major stored matrices: A is (k x m if transa else m x k), B (n x k if transb else k x n), C m x n
+        for typ, rows, cols, ld in ((ta, s.k if s.transa else s.m, s.m if s.transa else s.k, s.lda),
+                                    (tb, s.n if s.transb else s.k, s.k if s.transb else s.n, s.ldb),
+                                    (tc, s.m, s.n, s.ldc)):
+            lay = ctypes.c_void_p()
+            check_cublas(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), typ, rows, cols, ld),
+                         "cublasLtMatrixLayoutCreate")
+            layouts.append(int(lay.value))
+        self._descs[shape] = (int(desc.value), tuple(layouts))
+        return self._descs[shape]
+
+    def candidates(self, shape: GemmShape, count: int) -> list[Algo]:
+        """Up to ``count`` algorithms the heuristic offers for ``shape`` (best guess first), within the
+        workspace and the operands' alignment."""
+        lib = self._lib
+        desc, (la, lb, lc) = self.descriptors(shape)
+        pref = ctypes.c_void_p()
+        check_cublas(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
         try:
-            check_cublas(lib.cublasSetStream_v2(handle, ctypes.c_void_p(stream_handle or None)),
-                         "cublasSetStream_v2")
-            # after SetStream: setting the stream resets the workspace to the default pool
-            check_cublas(lib.cublasSetWorkspace_v2(handle, ctypes.c_void_p(workspace_ptr or None),
-                                                   ctypes.c_size_t(workspace_bytes)),
-                         "cublasSetWorkspace_v2")
-            check_cublas(lib.cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode")
-            ver = ctypes.c_int()
-            check_cublas(lib.cublasGetVersion_v2(handle, ctypes.byref(ver)), "cublasGetVersion_v2")
-            self.version: int = ver.value
-        except BaseException:
-            lib.cublasDestroy_v2(handle)
-            self.handle = 0
-            raise
-        self.gemm_ex_ptr: int = int(ctypes.cast(lib.cublasGemmEx, ctypes.c_void_p).value or 0)
-        if not self.gemm_ex_ptr:
-            raise RuntimeError("cuBLAS: cublasGemmEx not found")
+            ws = ctypes.c_uint64(self.workspace_bytes)
+            check_cublas(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
+                                                                  ctypes.sizeof(ws)), "cublasLtMatmulPreferenceSetAttribute")
+            a, b, c = shape.align
+            for attr, al in zip(_PREF_MIN_ALIGNMENT, (a, b, c, c)):
+                v = ctypes.c_uint32(al)
+                check_cublas(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(v), ctypes.sizeof(v)),
+                             "cublasLtMatmulPreferenceSetAttribute")
+            results = (_HeuristicResult * count)()
+            found = ctypes.c_int(0)
+            check_cublas(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, la, lb, lc, lc, pref, count, results,
+                                                            ctypes.byref(found)),
+                         "cublasLtMatmulAlgoGetHeuristic", shape.key())
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+        algos = [Algo.from_buffer_copy(results[i].algo) for i in range(found.value) if results[i].state == 0]
+        if not algos:
+            raise RuntimeError(f"cuBLASLt offers no algorithm for the GEMM {shape.key()}")
+        return algos
+
+    def matmul(self, shape: GemmShape, algo: Algo, op, c: int | None = None) -> None:
+        """Enqueue ``op`` (an ops.Gemm of this shape) with ``algo`` on the device stream through ctypes,
+        writing C (and reading it when beta != 0) at ``c`` instead of op.C when given."""
+        desc, (la, lb, lc) = self.descriptors(shape)
+        alpha, beta = ctypes.c_float(op.alpha), ctypes.c_float(op.beta)
+        out = ctypes.c_void_p(op.C if c is None else c)
+        check_cublas(self._lib.cublasLtMatmul(self.handle, desc, ctypes.byref(alpha), op.A, la, op.B, lb,
+                                              ctypes.byref(beta), out, lc, out, lc, ctypes.byref(algo),
+                                              self.workspace_ptr, self.workspace_bytes, self.dev.stream_handle),
+                     "cublasLtMatmul", shape.key())
+
+    # -- plans -------------------------------------------------------------------------------------
+    def prepare(self, ops: list, scratch: tuple[int, int] | None = None) -> list[Prepared]:
+        """The descriptors and algorithm of each ops.Gemm in ``ops``; the algorithms of new shapes are
+        chosen now, timed with their outputs written to ``scratch`` (device address, bytes) when given,
+        else to a buffer allocated for the timing."""
+        from .gemm_algos import choose
+        shapes = [GemmShape.of(op) for op in ops]
+        new = {s: op for s, op in zip(shapes, ops) if s not in self._prepared}
+        for shape, algo in choose(self, new, scratch).items():
+            desc, layouts = self.descriptors(shape)
+            self._prepared[shape] = Prepared(desc, layouts, algo)
+        return [self._prepared[s] for s in shapes]
 
     def close(self) -> None:
+        """Destroy the descriptors, layouts and the handle (idempotent)."""
+        lib = self._lib
+        for desc, layouts in self._descs.values():
+            for lay in layouts:
+                lib.cublasLtMatrixLayoutDestroy(ctypes.c_void_p(lay))
+            lib.cublasLtMatmulDescDestroy(ctypes.c_void_p(desc))
+        self._descs.clear()
+        self._prepared.clear()
         if self.handle:
             h, self.handle = self.handle, 0
-            check_cublas(self._lib.cublasDestroy_v2(ctypes.c_void_p(h)), "cublasDestroy_v2")
+            check_cublas(lib.cublasLtDestroy(ctypes.c_void_p(h)), "cublasLtDestroy")

@@ -1,4 +1,4 @@
-"""The device: primary context of one GPU, one non-blocking stream, memory, kernels, cuBLAS.
+"""The device: primary context of one GPU, one non-blocking stream, memory, kernels, cuBLASLt.
 
 ``Device.get()`` is a process-wide singleton, on GPU 0 unless ``Device.select(n)`` chose another
 first (a data-parallel rank's GPU). Every driver call's status is checked (CudaError names the
@@ -434,16 +434,16 @@ class Device:
         check(self._driver.cuFuncSetAttribute(fn, attr, smem), "cuFuncSetAttribute", f"kernel {name}, smem={smem}")
         self._smem_set[key] = smem
 
-    # ---- cuBLAS -------------------------------------------------------------------------------------
+    # ---- cuBLASLt -----------------------------------------------------------------------------------
     @property
     def cublas(self):
-        """The cuBLAS handle on this stream with its 32 MiB workspace (created on first use)."""
+        """The cuBLASLt handle with its 32 MiB workspace, used on this stream (created on first use)."""
         if self._cublas is None:
-            from .cublas import WORKSPACE_BYTES, Cublas
+            from .cublas import WORKSPACE_BYTES, CublasLt
             if self._capturing:
                 raise RuntimeError("cuBLAS first used during graph capture: build the plan before capturing")
             ws = self.alloc(WORKSPACE_BYTES)
-            self._cublas = Cublas(self.stream_handle, ws.ptr, ws.nbytes)
+            self._cublas = CublasLt(self, ws.ptr, ws.nbytes)
             self._cublas_workspace = ws
         return self._cublas
 

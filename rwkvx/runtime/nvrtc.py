@@ -114,15 +114,18 @@ def build_options(arch: str = "sm_90", defines=()) -> list[str]:
     return opts
 
 
-def cache_dir() -> Path:
-    """Folder of cached CUBINs (not created here)."""
+def cache_root() -> Path:
+    """rwkvx's cache folder (not created here): $RWKVX_CACHE_DIR, else $XDG_CACHE_HOME/rwkvx or ~/.cache/rwkvx."""
     root = os.environ.get("RWKVX_CACHE_DIR")
     if root:
-        base = Path(root)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = (Path(xdg) if xdg else Path.home() / ".cache") / "rwkvx"
-    return base / "cubin"
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "rwkvx"
+
+
+def cache_dir() -> Path:
+    """Folder of cached CUBINs (not created here)."""
+    return cache_root() / "cubin"
 
 
 def cache_stats() -> dict:

@@ -197,7 +197,7 @@ def _as_trans(v, what: str) -> bool:
 
 @dataclass(frozen=True)
 class Gemm:
-    """C = alpha * op(A) @ op(B) + beta * C in column-major cuBLAS conventions (cublasGemmEx).
+    """C = alpha * op(A) @ op(B) + beta * C in column-major cuBLAS conventions (run by cublasLtMatmul).
 
     op(A) is m x k, op(B) is k x n, C is m x n; trans* = True/'T' means the stored matrix is transposed.
     ``precision``: the element types of A, B, C and the compute type; typed pointers (:class:`DevPtr`)
@@ -223,7 +223,7 @@ class Gemm:
         set_(self, "transa", _as_trans(self.transa, "Gemm.transa"))
         set_(self, "transb", _as_trans(self.transb, "Gemm.transb"))
         for f in ("m", "n", "k", "lda", "ldb", "ldc"):
-            set_(self, f, _as_count(getattr(self, f), f"Gemm.{f}"))
+            set_(self, f, _as_count(getattr(self, f), f"Gemm.{f}", 1))
             if getattr(self, f) > 0x7FFFFFFF:
                 raise ValueError(f"Gemm.{f}: {getattr(self, f)} does not fit int32")
         for f in ("alpha", "beta"):
