@@ -150,9 +150,17 @@ class Layout:
         self._add("kf", R * F, X)
         for name in ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "ln0_mean", "ln0_rstd"):
             self._add(name, R, "f32")
-        for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"]).items():
+        # with recompute the chunked WKV7's recomputed forward also writes the backward's chunk records
+        # (one pass for both, rwkvx.ops.wkv7.forward), kept through the channel mix until the block's
+        # WKV7 backward: they lead the WKV7 work buffer's set and the channel mix's
+        keep = recompute and self.methods["wkv7"] in wkv7.CHUNKED_METHODS
+        for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"],
+                                              kept_records=keep).items():
             if name == "partials":
                 shared["wkv"]["wkv_partials"] = (count, "f32")
+            elif name == "records":
+                for kept_by in ("wkv", "ffn"):
+                    shared[kept_by] = {"wkv_records": (count, "f32"), **shared[kept_by]}
             else:
                 self._add("wkv_" + name, count, "f32")
         if cfg.n_attn_layer:
@@ -188,12 +196,17 @@ class Layout:
     def _add_shared(self, sets: dict[str, dict[str, tuple[int, str]]]) -> None:
         """Sets of buffers of which only one is ever live (each is written and read inside the head, or
         inside one block's forward or backward): every set laid out from the same offset, in a region as
-        large as the largest set."""
+        large as the largest set. A buffer named in several sets (live while either is) leads each."""
         start, end = self.total, self.total
         for buffers in sets.values():
             self.total = start
             for name, (count, elem) in buffers.items():
-                self._add(name, count, elem)
+                if name in self.offsets:
+                    if self.offsets[name] != self.total:
+                        raise ValueError(f"Layout: shared buffer {name} must lead every set that names it")
+                    self.total += _round_up(max(count * ELEM_BYTES[elem], 1))
+                else:
+                    self._add(name, count, elem)
             end = max(end, self.total)
         self.total = end
 
@@ -426,10 +439,14 @@ class StepBuilder:
         """y = WKV7(r, decay, kp, v', wa, wb) of RWKV block i (v' = vp, or v in block 0); with
         ``for_backward`` it also saves what wkv7's backward reads (sa and the state checkpoints)."""
         b, cfg = self.buf, self.cfg
-        saved = dict(sa=b("wkv_sa"), ckpt=b("wkv_ckpt")) if for_backward else {}
+        saved = dict(sa=b("wkv_sa"), ckpt=b("wkv_ckpt"), records=self._wkv_records()) if for_backward else {}
         return wkv7.forward(b("r"), b("decay"), b("kp"), self._value(i), b("wa"), b("wb"), b("y"),
                             self.B, self.T, cfg.n_head, cfg.head_size, self.dev, **saved,
                             method=self.methods["wkv7"], partials=b("wkv_partials"))
+
+    def _wkv_records(self) -> DevPtr | None:
+        """The WKV7 backward's chunk records as the recomputed forward keeps them (recompute, chunked), else None."""
+        return self.buf("wkv_records") if "wkv_records" in self.L.offsets else None
 
     def attention(self, j: int) -> list:
         """y = MoBA attention of (q, k, v) = (r, k, v) in attention block j."""
@@ -545,7 +562,8 @@ class StepBuilder:
                                    dparams=(gp(att + "ln_x.weight"), gp(att + "ln_x.bias"), gp(att + "r_k")))
         ops += wkv7.backward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("dy"), b("wkv_sa"),
                              b("wkv_ckpt"), b("dr"), b("ddecay"), b("dkp"), b("dvp"), b("dwa"), b("dwb"),
-                             self.B, T, H, N, dev, partials=b("wkv_partials"), method=self.methods["wkv7"])
+                             self.B, T, H, N, dev, partials=b("wkv_partials"), method=self.methods["wkv7"],
+                             records=self._wkv_records())
         dparams = [gp(att + n) for n in ("w0", "a0", "k_k", "k_a")] + ([gp(att + "v0")] if i else [])
         ops += timemix.prep_backward(**self._prep_inputs(i),
                                      d_decay=b("ddecay"), dkp=b("dkp"), dvp=b("dvp"), dwa=b("dwa"), dwb=b("dwb"),

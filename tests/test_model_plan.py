@@ -81,8 +81,11 @@ def test_kernel_methods_of_each_precision():
     for precision, exact in (("fp32", "1"), ("tf32", "0"), ("bf16", "0")):
         _, ops = build(dict(vocab_size=67, n_embd=128, head_size=64, n_rwkv_layer=2), 1, 40, precision)
         wkv = [op for op in flatten_ops(ops.step) if isinstance(op, Launch) and op.name.startswith("wkv7")]
-        # per RWKV block: the forward, the recompute's forward (2 launches each) and the backward (3)
-        assert len(wkv) == 2 * (2 + 2 + 3) and all(dict(op.defines)["WKV_EXACT"] == exact for op in wkv)
+        # per RWKV block: the forward, the recompute's forward (2 launches each) and the backward (2: the
+        # recompute's forward writes the backward's chunk records too, intra mode 2)
+        assert len(wkv) == 2 * (2 + 2 + 2) and all(dict(op.defines)["WKV_EXACT"] == exact for op in wkv)
+        modes = [op.args[-1][1] for op in wkv if op.name == "wkv7c_intra"]
+        assert modes == [wkv7.INTRA_FORWARD] * 2 + [wkv7.INTRA_BOTH] * 2
 
 
 def test_bf16_optimizer_refreshes_the_weights_copy():
@@ -105,13 +108,17 @@ def test_memory_is_linear_in_tokens():
 
 def test_block_scratch_shares_the_logits_region():
     """The logits chunk, the WKV work buffer, MoBA's partials and the channel mix's backward gradients
-    (each live inside the head or one part of one block's forward or backward only) from one offset; none
+    (each live inside the head or one part of one block's forward or backward only) from one offset, the
+    WKV7 backward's kept records (live through the channel mix) leading the WKV7 and channel mix sets; none
     of them is forward state kept for a backward."""
     kwargs, B, T = CONFIGS[3]
     layout = Layout(Config(**kwargs), B, T, H200, "bf16")
     start = layout.offsets["logits"]
-    sets = (("logits",), ("wkv_partials",), ("moba_part", "moba_lpart"), ("dkf", "dxk2", "dh2"))
+    sets = (("logits",), ("wkv_records", "wkv_partials"), ("moba_part", "moba_lpart"),
+            ("wkv_records", "dkf", "dxk2", "dh2"))
     assert {layout.offsets[names[0]] for names in sets} == {start}
+    kept_end = start + layout.nbytes("wkv_records")
+    assert layout.offsets["wkv_partials"] >= kept_end and layout.offsets["dkf"] >= kept_end
     names = [n for group in sets for n in group]
     ends = [layout.offsets[n] + layout.nbytes(n) for n in names]
     assert min(o for o in layout.offsets.values() if o > max(layout.offsets[n] for n in names)) >= max(ends)
@@ -158,8 +165,9 @@ def test_shared_scratch_lifetimes_never_overlap(monkeypatch, precision, recomput
     def apart(self, shared):
         for buffers in shared.values():
             for name, (count, elem) in buffers.items():
-                self._add(name, count, elem)
-                sets[name] = set(buffers)
+                if name not in sets:
+                    self._add(name, count, elem)
+                sets[name] = sets.get(name, set()) | set(buffers)     # compatible with every set naming it
     monkeypatch.setattr(Layout, "_add_shared", apart)
     layout = Layout(Config(**kwargs), B, T, H200, precision, recompute=recompute)
     spans = {n: (BASE + layout.offsets[n], BASE + layout.offsets[n] + layout.nbytes(n)) for n in sets}

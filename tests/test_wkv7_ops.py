@@ -75,3 +75,24 @@ def test_wkv7_chunked_split_fills_the_device():
     assert W.chunked_split(1, 1, 32, H200) == 2
     assert W.chunked_key_warps(1, 12, 64, H200) == W.chunked_key_warps(8, 12, 64, H200) == 2
     assert W.chunked_key_warps(16, 12, 64, H200) == W.chunked_key_warps(8, 64, 64, H200) == 1
+
+
+def test_wkv7_chunked_kept_records():
+    """A forward given ``records`` computes the backward's chunk records in its own intra launch (mode 2), the
+    backward given them runs no intra launch; records need the chunked method and a saving forward."""
+    p = lambda i=1: DevPtr(16 * i, "f32")      # noqa: E731
+    saved = dict(sa=p(3), ckpt=p(4))
+    with pytest.raises(ValueError):
+        W.forward(*[p()] * 7, 1, 10, 1, 64, H200, method="chunked", partials=p(), records=p(5))  # no sa, ckpt
+    with pytest.raises(ValueError):
+        W.forward(*[p()] * 7, 1, 10, 1, 64, H200, **saved, records=p(5))                      # sequential
+    with pytest.raises(ValueError):
+        W.backward(*[p()] * 15, 1, 10, 1, 64, H200, records=p(5))                              # sequential
+    with pytest.raises(ValueError):
+        W.scratch_elems(1, 10, 1, 64, H200, kept_records=True)
+    fwd = W.forward(*[p()] * 7, 1, 10, 1, 64, H200, **saved, method="chunked", partials=p(6), records=p(5))
+    assert fwd[0].name == "wkv7c_intra" and fwd[0].args[-1][1] == W.INTRA_BOTH
+    bwd = W.backward(*[p()] * 15, 1, 10, 1, 64, H200, method="chunked", partials=p(6), records=p(5))
+    assert [o.name for o in bwd] == ["wkv7c_backward_state", "wkv7c_backward_grads"]
+    plain, kept = (W.scratch_elems(8, 4096, 12, 64, H200, method="chunked", kept_records=k) for k in (False, True))
+    assert kept["records"] + kept["partials"] == plain["partials"]         # N = 64: no more memory

@@ -17,7 +17,8 @@
 // Kernels (n_c = ceil(T/L) chunks; the last one is padded logically: w = 1, r = k = v = a = b = dy = 0):
 //   wkv7c_intra           grid (n_c, H, B): the chunk operators above, all chunks at once (products on tensor
 //                         cores in 3xTF32, one tf32 pass in bf16; the inverse by forward substitution in
-//                         fp32), into a record per chunk (forward or backward set, `mode`).
+//                         fp32), into a record per chunk: the forward set, the backward set, or both at once
+//                         (`mode`; both: the recompute's forward keeps the backward's records).
 //   wkv7c_forward_state   grid (P, H, B): the sequential pass. A group of one or two warps = 8 value rows of
 //                         S (rows are independent given the records; with two, each warp half of the keys and
 //                         the pair sums its partial products over the keys), fp32 state in shared memory,
@@ -355,7 +356,8 @@ using namespace wkv7c;
 
 // =============================================================================================
 // Chunk operators.  grid (n_c, H, B), block WKV_INTRA_THREADS = 4 warps.  rec [B, H, n_c, REC]: mode 0 the
-// forward record (FRec), mode 1 the backward record (BRec).  Phases: (1) one thread per key column j: the
+// forward record (FRec), mode 1 the backward record (BRec), mode 2 both (FRec into rec, BRec into brec: one
+// pass over the inputs and one M for the two).  Phases: (1) one thread per key column j: the
 // decay products and rt, at, kh, bh; (2) warp m: Gram matrix m (Aab, Aak, Arb, Ark) on tensor cores;
 // (3) warp 0: M = (I - Aab)^-1, the other warps write the sections that need no M; (4) the products with M
 // on tensor cores, every warp a few 16 x 8 tiles.
@@ -363,7 +365,7 @@ using namespace wkv7c;
 extern "C" __global__ void __launch_bounds__(WKV_INTRA_THREADS)
 wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
             const floatX* __restrict__ a, const floatX* __restrict__ b, float* __restrict__ rec,
-            int T, int H, int mode)
+            float* __restrict__ brec, int T, int H, int mode)
 {
     static_assert(WKV_INTRA_THREADS == 128 && HN <= 64, "wkv7c_intra: one warp per Gram matrix, N <= 64");
     constexpr int SP = HN + 4, LP = L + 1;          // SP: conflict-free mma fragments; LP: column reads
@@ -414,7 +416,10 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
             }
     }
     __syncthreads();
-    float* out = rec + ((long long)(bb * H + h) * nC + c) * (mode == 0 ? FRec::SIZE : BRec::SIZE);
+    const long long chunk = (long long)(bb * H + h) * nC + c;
+    const bool fwd = mode != 1, bwd = mode != 0;
+    float* fout = rec + chunk * FRec::SIZE;
+    float* bout = (mode == 2 ? brec : rec) + chunk * BRec::SIZE;
     const float(*Aab)[LP] = G[0], (*Aak)[LP] = G[1], (*Arb)[LP] = G[2], (*Ark)[LP] = G[3];
     if (wid == 0) {                                  // (3) column s of M = I + Aab M (rows of M above s are 0)
         if (lane < L) {
@@ -430,14 +435,17 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
         }
     } else {
         const int e0 = tid - 32, ne = WKV_INTRA_THREADS - 32;
-        const int PLo = mode == 0 ? FRec::PL : BRec::PL;
-        for (int e = e0; e < HN; e += ne) out[PLo + e] = PL[e];
-        if (mode == 0) {
+        if (fwd) {
             using R = FRec;
+            float* out = fout;
+            for (int e = e0; e < HN; e += ne) out[R::PL + e] = PL[e];
             put_section<L>(out + R::KM, HN, [&](int j, int t) { return kh[t][j] * PL[j]; }, e0, ne);       // Kt^T
             put_section<L>(out + R::KM + LN, HN, [&](int j, int t) { return bh[t][j] * PL[j]; }, e0, ne);  // Bt^T
-        } else {
+        }
+        if (bwd) {
             using R = BRec;
+            float* out = bout;
+            for (int e = e0; e < HN; e += ne) out[R::PL + e] = PL[e];
             put_section<HN>(out + R::TM + LN, L, [&](int t, int j) { return kh[t][j] * PL[j]; }, e0, ne);  // Kt
             put_section<L>(out + R::KM, HN, [&](int j, int t) { return rt[t][j]; }, e0, ne);               // rt^T
             put_section<L>(out + R::KM + LN, HN, [&](int j, int t) { return at[t][j]; }, e0, ne);          // at^T
@@ -467,8 +475,9 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
         __syncwarp();
         put_tile_frag(sz + 128 * nt, W);
     };
-    if (mode == 0) {
+    if (fwd) {
         using R = FRec;
+        float* out = fout;
         for (int nt = wid; nt < HN / 8; nt += 4) {   // Qa = M at, Qr = rt + Arb Qa
             m_then_arb([&](int kk, int j) { return at[kk][j]; }, [&](int t, int j) { return rt[t][j]; },
                        out + R::TM, out + R::TM + LN, nt);
@@ -477,8 +486,11 @@ wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const fl
         if (wid >= 2)                                // Ca = M Aak, Cr = Ark + Arb Ca
             m_then_arb([&](int kk, int s) { return Aak[kk][s]; }, [&](int t, int s) { return Ark[t][s]; },
                        out + R::LQ, out + R::LQ + LL, wid - 2);
-    } else {
+        __syncwarp();                                // W is rewritten by the backward set's tiles
+    }
+    if (bwd) {
         using R = BRec;
+        float* out = bout;
         for (int nt = wid; nt < HN / 8; nt += 4) {   // Qb = M^T Bt
             float qb[4] = {0.f, 0.f, 0.f, 0.f};
             mm3<L>(qb, [&](int m, int kk) { return Mi[kk][m]; }, [&](int kk, int n) { return bh[kk][8 * nt + n]; });

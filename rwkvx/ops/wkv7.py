@@ -102,8 +102,9 @@ CUC = KernelFile("wkv7_chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CH
                  derived=lambda v, xtype: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
                                            "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD),
                                            "WKV_SPLIT_OPERATORS": int(SPLIT_OPERATORS[xtype])})
-WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, T=INT, H=INT,
-                         mode=INT)
+WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, brec=F32_OUT.opt(),
+                         T=INT, H=INT, mode=INT)
+INTRA_FORWARD, INTRA_BACKWARD, INTRA_BOTH = 0, 1, 2     # wkv7c_intra's modes: which records it writes
 WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),
                                  s0=F32_OUT.opt(), T=INT, H=INT)
 WKV7C_BACKWARD_STATE = CUC.kernel("wkv7c_backward_state", rec=F32_IN, dy=X_IN, dv=F32_OUT, dx=F32_OUT, ds=F32_OUT,
@@ -204,7 +205,7 @@ def chunked_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
 
 
 def _chunked_work(B: int, T: int, H: int, N: int) -> dict[str, int]:
-    """The chunked method's work buffer: the forward's records, or the backward's records, dS, dX."""
+    """The chunked method's buffers: the forward's records, the backward's records, dS, dX."""
     nc = B * H * n_chunks(T, "chunked")
     return {"frec": nc * _record_floats(N, FWD_RECORD), "brec": nc * _record_floats(N, BWD_RECORD),
             "ds": nc * N * N, "dx": B * T * H * N}
@@ -244,7 +245,7 @@ def _state_smem_bytes(N: int, P: int, kw: int, n_square: int, xtype: str) -> int
 
 
 def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None,
-                  method: str = "sequential") -> dict[str, int]:
+                  method: str = "sequential", kept_records: bool = False) -> dict[str, int]:
     """fp32 scratch sizes in elements::
 
         sa       [B, T, H, N]               forward -> backward (sa_t of every token)
@@ -253,13 +254,19 @@ def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | 
 
     ``split`` is the backward split (default :func:`backward_split`). For the chunked methods: ckpt is
     [B, H, ceil(T/16), N, N] (the states entering the chunks) and partials the work buffer of the forward
-    and the backward (chunk records; dS and dX), whatever the split."""
+    and the backward (chunk records; dS and dX), whatever the split; with ``kept_records`` the backward's
+    records are a buffer of their own, ``records`` (written by a forward given it, read by the backward:
+    see :func:`forward`), and partials holds the rest."""
     _check(B, T, H, N)
     _check_method(method, N)
     if method in CHUNKED_METHODS:
         work = _chunked_work(B, T, H, N)
-        return {"sa": B * T * H * N, "ckpt": B * H * n_chunks(T, method) * N * N,
-                "partials": max(work["frec"], work["brec"] + work["ds"] + work["dx"])}
+        sizes = {"sa": B * T * H * N, "ckpt": B * H * n_chunks(T, method) * N * N}
+        if kept_records:
+            return {**sizes, "records": work["brec"], "partials": max(work["frec"], work["ds"] + work["dx"])}
+        return {**sizes, "partials": max(work["frec"], work["brec"] + work["ds"] + work["dx"])}
+    if kept_records:
+        raise ValueError(f"wkv7: kept_records needs a chunked method, got {method!r}")
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7: backward split {P} not allowed for N={N} (one of {_backward_splits(N)})")
@@ -279,9 +286,12 @@ def _split(split: int | None, default: int, allowed: list[int], what: str, N: in
 
 
 def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo, sa=None, ckpt=None,
-            split: int | None = None, method: str = "sequential", partials=None) -> list:
+            split: int | None = None, method: str = "sequential", partials=None, records=None) -> list:
     """wkv7_forward: y = WKV(r, w, k, v, a, b), and with ``sa`` and ``ckpt`` what the backward needs
-    (see module doc). The chunked methods also need ``partials`` (the work buffer)."""
+    (see module doc). The chunked methods also need ``partials`` (the work buffer); given ``records``
+    (with sa and ckpt; scratch_elems(..., kept_records=True)), their forward also writes the backward's
+    chunk records there, computed in the same pass as its own, for a backward given the same ``records``
+    (which then skips computing them)."""
     _check(B, T, H, N)
     _check_method(method, N)
     check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y)
@@ -292,13 +302,20 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
     if method in CHUNKED_METHODS:
         check_buffers("wkv7.forward", partials=partials)
         _check_exact_inputs("wkv7.forward", method, r)
+        if records is not None:
+            if sa is None:
+                raise ValueError("wkv7.forward: records are kept for a backward: pass sa and ckpt too")
+            check_buffers("wkv7.forward", records=records)
         P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.forward", N)
         block, state = _state_launch(B, H, N, P, dev, FWD_RECORD, r.elem, method)
         return [WKV7C_INTRA.launch((n_chunks(T, method), H, B), (INTRA_THREADS, 1, 1), xtype=r.elem,
                                    variant=_operators_variant(N, method), r=r, w=w, k=k, a=a, b=b, rec=partials,
-                                   T=T, H=H, mode=0),
+                                   brec=records, T=T, H=H,
+                                   mode=INTRA_FORWARD if records is None else INTRA_BOTH),
                 WKV7C_FORWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
                                            rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, T=T, H=H)]
+    if records is not None:
+        raise ValueError(f"wkv7.forward: records are kept by the chunked methods only, not {method!r}")
     P = forward_split(B, H, N, dev) if split is None else int(split)
     if P not in _forward_splits(N):
         raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
@@ -307,18 +324,22 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
 
 
 def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
-             dev: DeviceInfo, partials=None, split: int | None = None, method: str = "sequential") -> list:
+             dev: DeviceInfo, partials=None, split: int | None = None, method: str = "sequential",
+             records=None) -> list:
     """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
 
     ``sa`` and ``ckpt`` from :func:`forward` on the same inputs with the same ``method``; (P > 1 or
-    a chunked method) ``partials`` is scratch of :func:`scratch_elems` with the same ``split``."""
+    a chunked method) ``partials`` is scratch of :func:`scratch_elems` with the same ``split``; ``records``
+    the chunk records that forward kept (chunked methods), or None to compute them here."""
     _check(B, T, H, N)
     _check_method(method, N)
     check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt,
                   dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
     if method in CHUNKED_METHODS:
         return _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
-                                 partials, split, method)
+                                 partials, split, method, records)
+    if records is not None:
+        raise ValueError(f"wkv7.backward: records are kept by the chunked methods only, not {method!r}")
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7.backward: split {P} not allowed for N={N} (one of {_backward_splits(N)})")
@@ -338,21 +359,27 @@ def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: 
 
 
 def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev, partials,
-                      split, method) -> list:
-    """A chunked method's backward: records, the reverse state pass (dv, dX, dS), the per-chunk gradients."""
+                      split, method, records) -> list:
+    """A chunked method's backward: records (unless kept by the forward), the reverse state pass (dv, dX,
+    dS), the per-chunk gradients."""
     check_buffers("wkv7.backward", partials=partials)
     _check_exact_inputs("wkv7.backward", method, r)
     P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.backward", N)
     work = _chunked_work(B, T, H, N)
-    rec = partials
-    ds = partials.offset(work["brec"])
-    dx = ds.offset(work["ds"])
     nc = n_chunks(T, "chunked")
     x = dict(xtype=r.elem, variant=_operators_variant(N, method))
+    ops = []
+    if records is None:
+        rec, ds = partials, partials.offset(work["brec"])
+        ops.append(WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec,
+                                      brec=None, T=T, H=H, mode=INTRA_BACKWARD))
+    else:
+        check_buffers("wkv7.backward", records=records)
+        rec, ds = records, partials
+    dx = ds.offset(work["ds"])
     block, state = _state_launch(B, H, N, P, dev, BWD_RECORD, r.elem, method)
-    return [WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec, T=T, H=H, mode=1),
-            WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
-                                        rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),
-            WKV7C_BACKWARD_GRADS.launch((nc, H, B), (4 * N, 1, 1), **x, r=r, w=w, k=k, v=v, a=a, b=b, dy=dy,
-                                        sa=sa, s0=ckpt, ds=ds, dx=dx, dr=dr, dw=dw, dk=dk, da=da, db=db,
-                                        T=T, H=H)]
+    return ops + [WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
+                                              rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),
+                  WKV7C_BACKWARD_GRADS.launch((nc, H, B), (4 * N, 1, 1), **x, r=r, w=w, k=k, v=v, a=a, b=b,
+                                              dy=dy, sa=sa, s0=ckpt, ds=ds, dx=dx, dr=dr, dw=dw, dk=dk, da=da,
+                                              db=db, T=T, H=H)]

@@ -204,6 +204,33 @@ def test_wkv7_chunked_all_splits(dev, monkeypatch, xtype, method, N, key_warps):
             assert np.array_equal(out[name], runs[0][name], equal_nan=True), f"{name} differs for split {P}"
 
 
+@pytest.mark.parametrize("N", [32, 64])
+@pytest.mark.parametrize("xtype, method", [("f32", "chunked"), ("bf16", "chunked"), ("f32", "chunked_exact")])
+def test_wkv7_chunked_kept_records(dev, xtype, method, N):
+    """A forward that keeps the backward's chunk records (intra mode 2, the recompute's forward) gives the
+    same y, sa, ckpt and gradients bit for bit as a backward that computes its records itself."""
+    B, T, H = 2, 75, 2
+    x, dy = make_inputs(B, T, H, N, np.random.default_rng())
+    shp = (B, T, H, N)
+    runs = []
+    for kept in (False, True):
+        case = KernelCase(dev, xtype)
+        inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+        sizes = W.scratch_elems(B, T, H, N, dev.info, method=method, kept_records=kept)
+        y = case.output("y", shp)
+        sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
+        part = case.scratch("partials", sizes["partials"])
+        rec = case.scratch("records", sizes["records"]) if kept else None
+        outs = [case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS]
+        ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, method=method, partials=part,
+                        records=rec)
+        ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
+                          method=method, records=rec)
+        runs.append(case.run(ops))
+    for name in ("y", "sa", "ckpt", *GRADS):
+        assert np.array_equal(runs[1][name], runs[0][name], equal_nan=True), f"{name} differs with kept records"
+
+
 def test_wkv7_chunked_inference_forward(case, dev):
     """Without sa/ckpt the chunked forward gives the same y bit for bit; ckpt slot c is the state
     entering chunk c (checked through y of the chunk's first token)."""
