@@ -24,7 +24,10 @@ def test_layout_invariants(R, C, N, rpt):
         assert qx * ry <= 1024 and L["grid"][0] * qx == C // 4
         assert L["tiles"] * L["rpt"] >= R > (L["tiles"] - 1) * L["rpt"]
         assert L["pp"] == L["tiles"] * ry and L["tiles"] <= 65535
-    assert tm.scratch_elems(R, C, N, H200, rpt) >= C * 6 * tm.layout(R, C, H200, tm.SHIFT_N, rpt)["pp"]
+    S = tm.shift_backward_layout(R, C, H200, rpt)          # what shift_backward launches
+    assert (C // 4) % S["qx"] == 0 and S["grid"][0] * S["qx"] == C // 4 and S["qx"] * S["ry"] <= 256
+    assert S["tiles"] * S["rpt"] >= R > (S["tiles"] - 1) * S["rpt"] and S["pp"] == S["tiles"] * S["ry"]
+    assert tm.scratch_elems(R, C, N, H200, rpt) >= C * 6 * S["pp"]
     assert tm.scratch_elems(R, C, N, H200, rpt) >= C * 5 * tm.layout(R, C, H200, N, rpt)["pp"]
 
 

@@ -123,6 +123,16 @@ extern "C" __global__ void tm_shift_fwd(const floatX* x,
 //            same sequence);  dx = or += (acc != 0)
 //   dm_j  += d_j[t] * (shift(x)[t] - x[t])   -> partials[Pp, 6, C]
 // dx must not alias x or any d_j (neighbouring rows are read across thread boundaries).
+//
+// Each thread walks its rows backwards in steps of SR rows and issues every load of a step
+// before using any: 16 bytes of each array per thread in flight (bf16: 2 rows of 8 bytes; f32: 1 row).
+// Loads stay raw (bf16 pairs) until used; x[row] and d_j[row + 1] are carried, raw, from the step
+// before, so each element is loaded once. The sums run in the order of a row-at-a-time walk.
+// (Before, bf16 went one row per step re-reading d_j[row + 1] from L1, and ptxas, at 128 registers,
+// issued a row's loads in three rounds: 0.236 ms at B8 T4096 C768 on the H200, 40% of copy.)
+// <= 128 registers in both element types; shift_backward_layout (ops/timemix.py) launches 64-thread
+// blocks where C allows, so 8 blocks (16 warps) fit an SM.
+
 extern "C" __global__ void tm_shift_bwd(const floatX* x,
                                         const float* m0, const float* m1, const float* m2,
                                         const float* m3, const float* m4, const float* m5,
@@ -131,6 +141,7 @@ extern "C" __global__ void tm_shift_bwd(const floatX* x,
                                         floatX* dx, float* partials,
                                         int R, int C, int T, int rpt, int acc)
 {
+    constexpr int SR = 16 / (4 * (int)sizeof(floatX));            // rows per step
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
     const tm_rows rr = tm_my_rows(R, rpt);
     const float* mp[6] = {m0, m1, m2, m3, m4, m5};
@@ -140,42 +151,58 @@ extern "C" __global__ void tm_shift_bwd(const floatX* x,
     for (int j = 0; j < 6; ++j) { m[j] = load4_scalar(mp[j] + c0); part[j] = f4_zero(); }
 
     if (rr.beg < rr.end) {
-        // walk the rows backwards carrying x[row]. d_j[row + 1] was this thread's d_j one step earlier:
-        // with f32 it is carried in registers (H200, B8 T4096 C768: 0.296 -> 0.224 ms), with bf16 read
-        // again from L1 (carried: 0.236 -> 0.318 ms).
-        constexpr bool CARRY = sizeof(floatX) == sizeof(float);
-        f4 xcur = load4(x + (tm_size)(rr.end - 1) * C + c0);
-        f4 dnext[6];
-        if constexpr (CARRY) {                                     // only the range's last row loads its successor
-            const bool end_has_next = (rr.end - 1) % T != T - 1;  // then rr.end < R
+        int row = rr.end - 1;                                      // the step's first (highest) row
+        quadX xtop = load_quad(x + (tm_size)row * C + c0);            // x[row]
+        quadX dnext[6];                                           // d_j[row + 1]
+        const bool end_has_next = row % T != T - 1;                // then row + 1 < R
+#pragma unroll
+        for (int j = 0; j < 6; ++j)
+            dnext[j] = end_has_next ? load_quad(dp[j] + (tm_size)(row + 1) * C + c0) : quadX{};
+        for (; row >= rr.beg; row -= SR) {
+            quadX xm1[SR], dc[SR][6], gin[SR];                    // x[r - 1], d_j[r], dx[r] of r = row - k
+#pragma unroll
+            for (int k = 0; k < SR; ++k) {
+                const int r = row - k;
+                const bool ok = k == 0 || r >= rr.beg;
+                const tm_size off = (tm_size)r * C + c0;
+                xm1[k] = (ok && r > 0) ? load_quad(x + off - C) : quadX{};
+#pragma unroll
+                for (int j = 0; j < 6; ++j) dc[k][j] = ok ? load_quad(dp[j] + off) : quadX{};
+                gin[k] = (ok && acc) ? load_quad(dx + off) : quadX{};
+            }
+            // m opaque to the compiler once per step: else it keeps 1 - m in 24 more registers (159 in all)
 #pragma unroll
             for (int j = 0; j < 6; ++j)
-                dnext[j] = end_has_next ? load4(dp[j] + (tm_size)rr.end * C + c0) : f4_zero();
-        }
-        for (int row = rr.end - 1; row >= rr.beg; --row) {
-            const tm_size off = (tm_size)row * C + c0;
-            const int t = row % T;
-            const f4 xm1 = (row > 0) ? load4(x + off - C) : f4_zero();
-            const bool has_next = (t != T - 1);      // then row + 1 < R
-            f4 g;
-            if (acc) g = load4(dx + off); else g = f4_zero();
-            float xx[4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) xx[e] = (t == 0 ? 0.f : xm1.v[e]) - xcur.v[e];
+                for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(m[j].v[e]));
+            const int t0 = row % T;
 #pragma unroll
-            for (int j = 0; j < 6; ++j) {
-                const f4 dc = load4(dp[j] + off);
-                f4 dn = f4_zero();
-                if (has_next) dn = CARRY ? dnext[j] : load4(dp[j] + off + C);
+            for (int k = 0; k < SR; ++k) {
+                const int r = row - k;
+                if (k > 0 && r < rr.beg) break;
+                const int t = t0 - k < 0 ? t0 - k + T : t0 - k;
+                const bool has_next = t != T - 1;                  // then row + 1 < R
+                const f4 xc = widen(k == 0 ? xtop : xm1[k - 1]);
+                const f4 xp = widen(xm1[k]);
+                f4 g = widen(gin[k]);
+                float xx[4];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    g.v[e] += dc.v[e] * (1.f - m[j].v[e]) + dn.v[e] * m[j].v[e];
-                    part[j].v[e] += dc.v[e] * xx[e];
+                for (int e = 0; e < 4; ++e) xx[e] = (t == 0 ? 0.f : xp.v[e]) - xc.v[e];
+#pragma unroll
+                for (int j = 0; j < 6; ++j) {
+                    const f4 dcur = widen(dc[k][j]);
+                    const f4 dn = widen(has_next ? (k == 0 ? dnext[j] : dc[k - 1][j]) : quadX{});
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        g.v[e] += dcur.v[e] * (1.f - m[j].v[e]) + dn.v[e] * m[j].v[e];
+                        part[j].v[e] += dcur.v[e] * xx[e];
+                    }
                 }
-                if constexpr (CARRY) dnext[j] = dc;
+                store4(dx + (tm_size)r * C + c0, g);
             }
-            store4(dx + off, g);
-            xcur = xm1;
+            xtop = xm1[SR - 1];
+#pragma unroll
+            for (int j = 0; j < 6; ++j) dnext[j] = dc[SR - 1][j];
         }
     }
     const tm_size pr = (tm_size)blockIdx.y * blockDim.y + threadIdx.y;

@@ -54,6 +54,7 @@ HEAD_SIZES = (4, 8, 16, 32, 64, 128)
 REDUCE_BY = 8                   # reduce_partials rows (its summation order)
 SHIFT_N = 4                     # the shift and LoRA kernels ignore the head size: one build serves all
 _MAX_QX = 256
+SHIFT_BWD_BLOCKS_PER_SM = 24    # 64-thread blocks: 3 waves of 8 per SM (<= 128 registers), 4 of 6
 
 CU = KernelFile("timemix", constants={"TM_DECAY_SCALE": DECAY_SCALE, "TM_GN_EPS": GN_EPS, "TM_L2_EPS": L2_EPS},
                 variants={"HEAD_SIZE": HEAD_SIZES})
@@ -93,24 +94,27 @@ def _check(R: int, C: int, N: int) -> None:
         raise ValueError(f"rows R={R} must be positive")
 
 
-def layout(R: int, C: int, dev: DeviceInfo, N: int = 4, rows_per_tile: int | None = None) -> dict:
+def layout(R: int, C: int, dev: DeviceInfo, N: int = 4, rows_per_tile: int | None = None, *,
+           qx: int | None = None, threads: int = _MAX_QX, blocks_per_sm: int | None = None) -> dict:
     """Thread layout of the row kernels (see the header of timemix.cu).
 
     Returns dict(qx, ry, rpt, tiles, grid, block, pp): block = (qx, ry); grid = (C/4/qx, tiles);
     ``pp`` = tiles*ry partial rows written by a backward kernel. ``rows_per_tile`` defaults to a value
-    that gives about reduce.BLOCKS_PER_SM blocks per multiprocessor.
+    that gives about ``blocks_per_sm`` (default reduce.BLOCKS_PER_SM) blocks per multiprocessor.
+    ``qx`` (a divisor of C/4, a multiple of N/4) and ``threads`` (per block) override the default of
+    up to 256 threads per block.
     """
     _check(R, C, N)
     q4 = C // 4
     g = N // 4
-    if q4 <= _MAX_QX:
-        qx = q4
-    else:
-        qx = max(d for d in range(g, _MAX_QX + 1, g) if q4 % d == 0)
-    ry = max(1, _MAX_QX // qx)
+    if qx is None:
+        qx = q4 if q4 <= threads else max(d for d in range(g, threads + 1, g) if q4 % d == 0)
+    elif q4 % qx or qx % g:
+        raise ValueError(f"qx={qx} must divide C/4={q4} and be a multiple of N/4={g}")
+    ry = max(1, threads // qx)
     gx = q4 // qx
     if rows_per_tile is None:
-        rpt = max(1, math.ceil(R * gx / (_reduce.BLOCKS_PER_SM * dev.sm_count)))
+        rpt = max(1, math.ceil(R * gx / ((blocks_per_sm or _reduce.BLOCKS_PER_SM) * dev.sm_count)))
         rpt = ry * math.ceil(rpt / ry)
     else:
         rpt = int(rows_per_tile)
@@ -123,10 +127,22 @@ def layout(R: int, C: int, dev: DeviceInfo, N: int = 4, rows_per_tile: int | Non
                 pp=tiles * ry)
 
 
+def shift_backward_layout(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> dict:
+    """tm_shift_bwd's layout: blocks of 64 threads (64 quads of one row, or 32 quads of two) when C/4 is
+    a multiple of 32, else the generic one. The kernel takes <= 128 registers, so 64-thread blocks fill
+    the register file: 16 warps per SM (192-thread blocks, C = 768's generic layout, fit 2: 12 warps).
+    Default rows per tile: about SHIFT_BWD_BLOCKS_PER_SM blocks per SM."""
+    q4 = C // 4
+    if q4 % 32:
+        return layout(R, C, dev, SHIFT_N, rows_per_tile)
+    return layout(R, C, dev, SHIFT_N, rows_per_tile, qx=64 if q4 % 64 == 0 else 32, threads=64,
+                  blocks_per_sm=SHIFT_BWD_BLOCKS_PER_SM)
+
+
 def scratch_elems(R: int, C: int, N: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
     """fp32 elements of the ``partials`` scratch needed by shift_backward, prep_backward and gn_backward
     (the maximum of the three; pass the same ``rows_per_tile`` as to the builders)."""
-    ls = layout(R, C, dev, SHIFT_N, rows_per_tile)
+    ls = shift_backward_layout(R, C, dev, rows_per_tile)
     lh = layout(R, C, dev, N, rows_per_tile)
     return C * max(6 * ls["pp"], 5 * lh["pp"], 3 * lh["pp"])
 
@@ -165,7 +181,7 @@ def shift_backward(x, mix, douts, dx, dmix, partials, R: int, C: int, T: int, de
         raise ValueError("shift_backward: 6 mix vectors, 6 output grads, 6 mix grads")
     if R % T:
         raise ValueError(f"R={R} must be a multiple of T={T}")
-    L = layout(R, C, dev, SHIFT_N, rows_per_tile)
+    L = shift_backward_layout(R, C, dev, rows_per_tile)
     ops = [_row_launch(TM_SHIFT_BWD, L, SHIFT_N, xtype_of("timemix.shift_backward", x, dx, *douts), x=x,
                        **{f"m{j}": m for j, m in enumerate(mix)}, **{f"d{j}": d for j, d in enumerate(douts)},
                        dx=dx, partials=partials, R=R, C=C, T=T, rpt=L["rpt"], acc=int(bool(accumulate_dx)))]
