@@ -4,7 +4,7 @@
 //
 // Buffers: x, y, dy, dx floatX [R, C] row-major; w, b float32 [C]; mean, rstd float32 [R]; part float32.
 // Requires C % 4 == 0 and row buffers aligned to 4 elements (ops/layernorm.py checks). fp32 math.
-// LN_WARPS, LN_BY come from the declaration in rwkvx/ops/layernorm.py.
+// LN_WARPS, LN_BY, LN_NQ come from the declaration in rwkvx/ops/layernorm.py.
 //
 // Kernels (one warp per row for the row-wise ones; block = (LN_WARPS*32), grid = ceil(R / LN_WARPS)):
 //   ln_forward(x, w, b, y, x_copy, mean, rstd, R, C, eps)
@@ -22,8 +22,8 @@
 //       followed by reduce_cols (reduce.cu) on each half.
 
 #include "common.cuh"
-#if !defined(LN_WARPS) || !defined(LN_BY)
-#error "layernorm.cu: LN_WARPS and LN_BY come from rwkvx/ops/layernorm.py"
+#if !defined(LN_WARPS) || !defined(LN_BY) || !defined(LN_NQ)
+#error "layernorm.cu: LN_WARPS, LN_BY and LN_NQ come from rwkvx/ops/layernorm.py"
 #endif
 
 static __device__ __forceinline__ float ln_warp_sum(float v)
@@ -33,7 +33,13 @@ static __device__ __forceinline__ float ln_warp_sum(float v)
     return v;
 }
 
-extern "C" __global__ void __launch_bounds__(LN_WARPS * 32)
+// The row kernels keep a row's first 32*LN_NQ quads (quad i = lane + 32k, k < LN_NQ) in registers:
+// their loads are issued together, one memory round trip per row, and the later passes read the
+// registers. Quads beyond (C > 128*LN_NQ) are read again in each pass. Sums run in the same order as a
+// loop over i = lane, lane + 32, ... (Such a loop, loading, using, then storing one quad at a time,
+// waited for each load in turn: bf16 forward 0.0367 ms at R*C = 32768*768 on the H200, 64% of copy.)
+// No __launch_bounds__: with one, ptxas squeezed some LN_NQ builds to 32 registers and spilled.
+extern "C" __global__ void
 ln_forward(const floatX* x, const float* __restrict__ w, const float* __restrict__ b,
            floatX* y, floatX* __restrict__ x_copy, float* __restrict__ mean_out,
            float* __restrict__ rstd_out, int R, int C, float eps)
@@ -44,19 +50,31 @@ ln_forward(const floatX* x, const float* __restrict__ w, const float* __restrict
     const int C4 = C >> 2;
     const floatX* xr = x + (long long)r * C;
     floatX* cr = x_copy ? x_copy + (long long)r * C : nullptr;
-    float s = 0.0f;
-    for (int i = lane; i < C4; i += 32) {
-        const f4 v = load4(xr + 4 * i);
-        s += (v.v[0] + v.v[1]) + (v.v[2] + v.v[3]);
-        if (cr) store4(cr + 4 * i, v);   // exact: floatX -> f32 -> floatX round-trips
+    quadX v[LN_NQ];
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k) v[k] = lane + 32 * k < C4 ? load_quad(xr + 4 * (lane + 32 * k)) : quadX{};
+    if (cr) {                                   // the copy is exact: the loaded bits are stored
+#pragma unroll
+        for (int k = 0; k < LN_NQ; ++k)
+            if (lane + 32 * k < C4) store_quad(cr + 4 * (lane + 32 * k), v[k]);
+        for (int i = lane + 32 * LN_NQ; i < C4; i += 32) store_quad(cr + 4 * i, load_quad(xr + 4 * i));
     }
+    float s = 0.0f;
+    auto add = [&](const f4& u) { s += (u.v[0] + u.v[1]) + (u.v[2] + u.v[3]); };
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k)
+        if (lane + 32 * k < C4) add(widen(v[k]));
+    for (int i = lane + 32 * LN_NQ; i < C4; i += 32) add(load4(xr + 4 * i));
     const float mu = ln_warp_sum(s) / (float)C;
     float q = 0.0f;
-    for (int i = lane; i < C4; i += 32) {
-        const f4 v = load4(xr + 4 * i);
-        const float a = v.v[0] - mu, bb = v.v[1] - mu, c = v.v[2] - mu, d = v.v[3] - mu;
+    auto addq = [&](const f4& u) {
+        const float a = u.v[0] - mu, bb = u.v[1] - mu, c = u.v[2] - mu, d = u.v[3] - mu;
         q += (a * a + bb * bb) + (c * c + d * d);
-    }
+    };
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k)
+        if (lane + 32 * k < C4) addq(widen(v[k]));
+    for (int i = lane + 32 * LN_NQ; i < C4; i += 32) addq(load4(xr + 4 * i));
     const float rs = 1.0f / sqrtf(ln_warp_sum(q) / (float)C + eps);
     if (lane == 0) {
         if (mean_out) mean_out[r] = mu;
@@ -64,17 +82,23 @@ ln_forward(const floatX* x, const float* __restrict__ w, const float* __restrict
     }
     if (y) {
         floatX* yr = y + (long long)r * C;
-        for (int i = lane; i < C4; i += 32) {
-            const f4 v = load4(xr + 4 * i), ww = load4(w + 4 * i), bv = load4(b + 4 * i);
+        auto out = [&](int i, const f4& u) {       // y may alias x: a quad is read before it is written
+            const f4 ww = load4(w + 4 * i), bv = load4(b + 4 * i);
             f4 o;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o.v[e] = (v.v[e] - mu) * rs * ww.v[e] + bv.v[e];
+            for (int e = 0; e < 4; ++e) o.v[e] = (u.v[e] - mu) * rs * ww.v[e] + bv.v[e];
             store4(yr + 4 * i, o);
-        }
+        };
+#pragma unroll
+        for (int k = 0; k < LN_NQ; ++k)
+            if (lane + 32 * k < C4) out(lane + 32 * k, widen(v[k]));
+        for (int i = lane + 32 * LN_NQ; i < C4; i += 32) out(i, load4(xr + 4 * i));
     }
 }
 
-extern "C" __global__ void __launch_bounds__(LN_WARPS * 32)
+// dx: x, dy and (accumulate) the old dx of the row's first 32*LN_NQ quads are loaded together into
+// registers, as in ln_forward.
+extern "C" __global__ void
 ln_backward_dx(const floatX* __restrict__ x, const float* __restrict__ w, const floatX* dy,
                const float* __restrict__ mean, const float* __restrict__ rstd, floatX* dx,
                int R, int C, int accumulate)
@@ -83,33 +107,50 @@ ln_backward_dx(const floatX* __restrict__ x, const float* __restrict__ w, const 
     const int r = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     if (r >= R) return;
     const int C4 = C >> 2;
-    const float mu = mean[r], rs = rstd[r];
     const floatX* xr = x + (long long)r * C;
     const floatX* dyr = dy + (long long)r * C;
-    float sg = 0.0f, sgx = 0.0f;
-    for (int i = lane; i < C4; i += 32) {
-        const f4 v = load4(xr + 4 * i), d = load4(dyr + 4 * i), ww = load4(w + 4 * i);
-        const float g0 = d.v[0] * ww.v[0], g1 = d.v[1] * ww.v[1], g2 = d.v[2] * ww.v[2], g3 = d.v[3] * ww.v[3];
-        sg += (g0 + g1) + (g2 + g3);
-        sgx += (g0 * ((v.v[0] - mu) * rs) + g1 * ((v.v[1] - mu) * rs))
-             + (g2 * ((v.v[2] - mu) * rs) + g3 * ((v.v[3] - mu) * rs));
+    floatX* dxr = dx + (long long)r * C;
+    quadX v[LN_NQ], d[LN_NQ], p[LN_NQ];
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k) {
+        const int i = lane + 32 * k;
+        v[k] = i < C4 ? load_quad(xr + 4 * i) : quadX{};
+        d[k] = i < C4 ? load_quad(dyr + 4 * i) : quadX{};
+        p[k] = accumulate && i < C4 ? load_quad(dxr + 4 * i) : quadX{};
     }
+    const float mu = mean[r], rs = rstd[r];
+    float sg = 0.0f, sgx = 0.0f;
+    auto add = [&](const f4& xv, const f4& dv, const f4& ww) {
+        const float g0 = dv.v[0] * ww.v[0], g1 = dv.v[1] * ww.v[1], g2 = dv.v[2] * ww.v[2], g3 = dv.v[3] * ww.v[3];
+        sg += (g0 + g1) + (g2 + g3);
+        sgx += (g0 * ((xv.v[0] - mu) * rs) + g1 * ((xv.v[1] - mu) * rs))
+             + (g2 * ((xv.v[2] - mu) * rs) + g3 * ((xv.v[3] - mu) * rs));
+    };
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k) {
+        const int i = lane + 32 * k;
+        if (i < C4) add(widen(v[k]), widen(d[k]), load4(w + 4 * i));
+    }
+    for (int i = lane + 32 * LN_NQ; i < C4; i += 32) add(load4(xr + 4 * i), load4(dyr + 4 * i), load4(w + 4 * i));
     const float invC = 1.0f / (float)C;
     const float mg = ln_warp_sum(sg) * invC;
     const float mgx = ln_warp_sum(sgx) * invC;
-    floatX* dxr = dx + (long long)r * C;
-    for (int i = lane; i < C4; i += 32) {
-        const f4 v = load4(xr + 4 * i), d = load4(dyr + 4 * i), ww = load4(w + 4 * i);
+    auto out = [&](int i, const f4& xv, const f4& dv, const f4& old) {
+        const f4 ww = load4(w + 4 * i);
         f4 o;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o.v[e] = rs * (d.v[e] * ww.v[e] - mg - ((v.v[e] - mu) * rs) * mgx);
+        for (int e = 0; e < 4; ++e) o.v[e] = rs * (dv.v[e] * ww.v[e] - mg - ((xv.v[e] - mu) * rs) * mgx);
         if (accumulate) {
-            const f4 p = load4(dxr + 4 * i);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) o.v[e] += p.v[e];
+            for (int e = 0; e < 4; ++e) o.v[e] += old.v[e];
         }
         store4(dxr + 4 * i, o);
-    }
+    };
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k)
+        if (lane + 32 * k < C4) out(lane + 32 * k, widen(v[k]), widen(d[k]), widen(p[k]));
+    for (int i = lane + 32 * LN_NQ; i < C4; i += 32)        // dx may alias dy: a quad is read before it is written
+        out(i, load4(xr + 4 * i), load4(dyr + 4 * i), accumulate ? load4(dxr + 4 * i) : f4_zero());
 }
 
 extern "C" __global__ void __launch_bounds__(32 * LN_BY)

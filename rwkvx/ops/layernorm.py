@@ -39,17 +39,25 @@ from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, INT, X_IN, X_OUT, Kerne
 from . import reduce as _reduce
 from ._common import DeviceInfo, check_rows, xtype_of
 
-WARPS = 8            # rows (one warp each) per block of the row kernels
+WARPS = 4            # rows (one warp each) per block of the row kernels: 128-thread blocks divide the
+                     # register file finely (fp32 ln_backward_dx, 130-168 registers: 3 blocks of 4 warps)
 BY = 8               # row streams per block of ln_backward_dwdb
 REDUCE_BY = 16       # reduce_partials rows (its summation order)
+NQS = (1, 2, 4, 6, 8)  # LN_NQ variants: quads per lane the row kernels keep in registers (see _nq)
 
-CU = KernelFile("layernorm", constants={"LN_WARPS": WARPS, "LN_BY": BY})
+CU = KernelFile("layernorm", constants={"LN_WARPS": WARPS, "LN_BY": BY}, variants={"LN_NQ": NQS})
 LN_FORWARD = CU.kernel("ln_forward", x=X_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(), x_copy=X_OUT.opt(),
                        mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), R=INT, C=INT, eps=FLOAT)
 LN_BACKWARD_DX = CU.kernel("ln_backward_dx", x=X_IN, w=F32_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN,
                            dx=X_OUT, R=INT, C=INT, accumulate=INT)
 LN_BACKWARD_DWDB = CU.kernel("ln_backward_dwdb", x=X_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN, part=F32_OUT,
                              R=INT, C=INT, rows_per_tile=INT)
+
+
+def _nq(C: int) -> int:
+    """LN_NQ for rows of C: the fewest quads per lane that hold the whole row (C <= 128*LN_NQ: the row
+    kernels read each element once); wider rows than 1024 keep 8 and read the rest again in each pass."""
+    return next((q for q in NQS if 128 * q >= C), NQS[-1])
 
 
 def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
@@ -65,8 +73,8 @@ def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS, x_copy=
     if x_copy is not None and int(x_copy) in (int(x), int(y) if y is not None else -1):
         raise ValueError("layernorm.forward: x_copy must not alias x or y")
     return [LN_FORWARD.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=x.elem,
-                              x=x, w=w, b=b, y=y, x_copy=x_copy, mean_out=mean, rstd_out=rstd, R=R, C=C,
-                              eps=eps)]
+                              variant={"LN_NQ": _nq(C)}, x=x, w=w, b=b, y=y, x_copy=x_copy,
+                              mean_out=mean, rstd_out=rstd, R=R, C=C, eps=eps)]
 
 
 def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: DeviceInfo,
@@ -84,14 +92,16 @@ def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: Dev
     if accumulate_dx and int(dx) == int(dy):
         raise ValueError("layernorm.backward: dx may alias dy only without accumulate_dx")
     rpt, n = _reduce.tiles(R, C, dev, rows_per_tile)
+    nq = {"LN_NQ": _nq(C)}
     ops = []
     if not stats_valid:
         ops += forward(x, w, w, None, mean, rstd, R, C, eps)
-    ops.append(LN_BACKWARD_DWDB.launch((math.ceil(C / 128), n, 1), (32, BY, 1), xtype=xtype, x=x, dy=dy,
-                                       mean=mean, rstd=rstd, part=scratch, R=R, C=C, rows_per_tile=rpt))
+    ops.append(LN_BACKWARD_DWDB.launch((math.ceil(C / 128), n, 1), (32, BY, 1), xtype=xtype, variant=nq,
+                                       x=x, dy=dy, mean=mean, rstd=rstd, part=scratch, R=R, C=C,
+                                       rows_per_tile=rpt))
     ops += _reduce.partials(scratch, n, C, [dw], REDUCE_BY, accumulate_dparams)
     ops += _reduce.partials(scratch.offset(n * C), n, C, [db], REDUCE_BY, accumulate_dparams)
-    ops.append(LN_BACKWARD_DX.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=xtype, x=x, w=w,
-                                     dy=dy, mean=mean, rstd=rstd, dx=dx, R=R, C=C,
+    ops.append(LN_BACKWARD_DX.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=xtype, variant=nq,
+                                     x=x, w=w, dy=dy, mean=mean, rstd=rstd, dx=dx, R=R, C=C,
                                      accumulate=int(bool(accumulate_dx))))
     return ops
