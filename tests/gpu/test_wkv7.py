@@ -175,6 +175,27 @@ def test_wkv7_chunked_key_warps(case, dev, monkeypatch, key_warps, B, T, H, N):
     run_case(case, dev, B, T, H, N, method="chunked")
 
 
+def chunked_run(dev, xtype, method, inputs, split=None, kept_records=False) -> dict:
+    """Forward + backward of a chunked method on ``inputs`` (make_inputs' pair, B, T, H, N = the shapes')
+    at state-pass row split ``split``, the backward's records kept by the forward or computed by itself."""
+    x, dy = inputs
+    shp = x["r"].shape
+    B, T, H, N = shp
+    case = KernelCase(dev, xtype)
+    inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+    sizes = W.scratch_elems(B, T, H, N, dev.info, method=method, kept_records=kept_records)
+    y = case.output("y", shp)
+    sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
+    part = case.scratch("partials", sizes["partials"])
+    rec = case.scratch("records", sizes["records"]) if kept_records else None
+    outs = [case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS]
+    ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, split=split, method=method,
+                    partials=part, records=rec)
+    ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
+                      split=split, method=method, records=rec)
+    return case.run(ops)
+
+
 @pytest.mark.parametrize("key_warps", W.KEY_WARPS)
 @pytest.mark.parametrize("N", [32, 64])
 @pytest.mark.parametrize("xtype, method", [("f32", "chunked"), ("bf16", "chunked"), ("f32", "chunked_exact")])
@@ -182,23 +203,8 @@ def test_wkv7_chunked_all_splits(dev, monkeypatch, xtype, method, N, key_warps):
     """Every state-pass row split gives the same y, sa, ckpt and gradients bit for bit (at one group shape:
     the two sum the products over the keys in different orders)."""
     monkeypatch.setattr(W, "chunked_key_warps", lambda *_: key_warps)
-    B, T, H = 2, 75, 2
-    x, dy = make_inputs(B, T, H, N, np.random.default_rng())
-    shp = (B, T, H, N)
-    runs = []
-    for P in W._chunked_splits(N):
-        case = KernelCase(dev, xtype)
-        inp = {n: case.input(n, x[n]) for n in "rwkvab"}
-        sizes = W.scratch_elems(B, T, H, N, dev.info, method=method)
-        y = case.output("y", shp)
-        sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
-        part = case.scratch("partials", sizes["partials"])
-        outs = [case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS]
-        ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, split=P, method=method,
-                        partials=part)
-        ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
-                          split=P, method=method)
-        runs.append(case.run(ops))
+    inputs = make_inputs(2, 75, 2, N, np.random.default_rng())
+    runs = [chunked_run(dev, xtype, method, inputs, split=P) for P in W._chunked_splits(N)]
     for P, out in zip(W._chunked_splits(N)[1:], runs[1:]):
         for name in ("y", "sa", "ckpt", *GRADS):
             assert np.array_equal(out[name], runs[0][name], equal_nan=True), f"{name} differs for split {P}"
@@ -209,24 +215,8 @@ def test_wkv7_chunked_all_splits(dev, monkeypatch, xtype, method, N, key_warps):
 def test_wkv7_chunked_kept_records(dev, xtype, method, N):
     """A forward that keeps the backward's chunk records (intra mode 2, the recompute's forward) gives the
     same y, sa, ckpt and gradients bit for bit as a backward that computes its records itself."""
-    B, T, H = 2, 75, 2
-    x, dy = make_inputs(B, T, H, N, np.random.default_rng())
-    shp = (B, T, H, N)
-    runs = []
-    for kept in (False, True):
-        case = KernelCase(dev, xtype)
-        inp = {n: case.input(n, x[n]) for n in "rwkvab"}
-        sizes = W.scratch_elems(B, T, H, N, dev.info, method=method, kept_records=kept)
-        y = case.output("y", shp)
-        sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
-        part = case.scratch("partials", sizes["partials"])
-        rec = case.scratch("records", sizes["records"]) if kept else None
-        outs = [case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS]
-        ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, method=method, partials=part,
-                        records=rec)
-        ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
-                          method=method, records=rec)
-        runs.append(case.run(ops))
+    inputs = make_inputs(2, 75, 2, N, np.random.default_rng())
+    runs = [chunked_run(dev, xtype, method, inputs, kept_records=kept) for kept in (False, True)]
     for name in ("y", "sa", "ckpt", *GRADS):
         assert np.array_equal(runs[1][name], runs[0][name], equal_nan=True), f"{name} differs with kept records"
 
