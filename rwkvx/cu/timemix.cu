@@ -126,7 +126,7 @@ extern "C" __global__ void tm_shift_fwd(const floatX* x,
 //
 // Each thread walks its rows backwards in steps of SR rows and issues every load of a step
 // before using any: 16 bytes of each array per thread in flight (bf16: 2 rows of 8 bytes; f32: 1 row).
-// Loads stay raw (bf16 pairs) until used; x[row] and d_j[row + 1] are carried, raw, from the step
+// Loads stay as loaded (quadX) until used; x[row] and d_j[row + 1] are carried, as loaded, from the step
 // before, so each element is loaded once. The sums run in the order of a row-at-a-time walk.
 // (Before, bf16 went one row per step re-reading d_j[row + 1] from L1, and ptxas, at 128 registers,
 // issued a row's loads in three rounds: 0.236 ms at B8 T4096 C768 on the H200, 40% of copy.)
@@ -152,14 +152,14 @@ extern "C" __global__ void tm_shift_bwd(const floatX* x,
 
     if (rr.beg < rr.end) {
         int row = rr.end - 1;                                      // the step's first (highest) row
-        quadX xtop = load_quad(x + (tm_size)row * C + c0);            // x[row]
-        quadX dnext[6];                                           // d_j[row + 1]
+        quadX xtop = load_quad(x + (tm_size)row * C + c0);         // x[row]
+        quadX dnext[6];                                            // d_j[row + 1]
         const bool end_has_next = row % T != T - 1;                // then row + 1 < R
 #pragma unroll
         for (int j = 0; j < 6; ++j)
             dnext[j] = end_has_next ? load_quad(dp[j] + (tm_size)(row + 1) * C + c0) : quadX{};
         for (; row >= rr.beg; row -= SR) {
-            quadX xm1[SR], dc[SR][6], gin[SR];                    // x[r - 1], d_j[r], dx[r] of r = row - k
+            quadX xm1[SR], dc[SR][6], gin[SR];                     // x[r - 1], d_j[r], dx[r] of r = row - k
 #pragma unroll
             for (int k = 0; k < SR; ++k) {
                 const int r = row - k;
