@@ -27,13 +27,14 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+from .dtypes import ELEM_BYTES
 from .errors import check_cublas
 
 WORKSPACE_BYTES = 32 << 20
 # cudaDataType_t of GEMM operands/outputs and cublasComputeType_t, by rwkvx's names (ops.GemmPrecision)
 CUDA_TYPES = {"f32": 0, "bf16": 14}                 # CUDA_R_32F, CUDA_R_16BF
 COMPUTE_TYPES = {"fp32": 68, "tf32": 77}            # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32
-_ELEM_BYTES = {0: 4, 14: 2}
+_ELEM_BYTES = {code: ELEM_BYTES[name] for name, code in CUDA_TYPES.items()}   # by cudaDataType_t
 _SCALE_F32 = 0                                      # alpha, beta: float for both compute types
 # cublasLt.h (CUDA 13) attribute enums
 _DESC_TRANSA, _DESC_TRANSB = 3, 4

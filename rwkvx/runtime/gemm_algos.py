@@ -11,6 +11,7 @@ the timing and runs the heuristic's first candidate (what cublasGemmEx runs).
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import tempfile
@@ -101,7 +102,7 @@ def choose(lt, new: dict, scratch: tuple[int, int] | None = None) -> dict:
     todo = {}
     for shape, op in new.items():
         saved = known.get(shape.key())
-        if tune and isinstance(saved, str) and len(saved) == 2 * 64:
+        if tune and isinstance(saved, str) and len(saved) == 2 * ctypes.sizeof(Algo):
             chosen[shape] = Algo.from_buffer_copy(bytes.fromhex(saved))
         else:
             todo[shape] = op
