@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rwkvx.config import DECAY_SCALE
-from rwkvx.ops import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
+from rwkvx.cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from rwkvx.runtime import gemm as G
 from rwkvx.runtime.dtypes import ELEM_BYTES, XTYPES, to_storage
 
@@ -49,7 +49,8 @@ class Buffers:
 
 def record(benchmark, dev, ops, nbytes: float = 0.0, flops: float = 0.0, ceiling: str = "copy") -> None:
     """Time ``ops`` (CUDA events) and store ms, GB/s, TFLOP/s and the roofline share in extra_info."""
-    from rwkvx.runtime import EventTimer, Plan
+    from rwkvx._core import Plan
+    from rwkvx.runtime import EventTimer
     plan = Plan(dev, ops)
     plan.run()
     dev.synchronize()
@@ -68,7 +69,8 @@ def record(benchmark, dev, ops, nbytes: float = 0.0, flops: float = 0.0, ceiling
 
 def time_alone(dev, op, runs: int = 20) -> float:
     """ms of one op run alone (CUDA events, after a warm-up run): scripts/*_launches.py's unit."""
-    from rwkvx.runtime import EventTimer, Plan
+    from rwkvx._core import Plan
+    from rwkvx.runtime import EventTimer
     plan = Plan(dev, [op])
     plan.run()
     dev.synchronize()
@@ -281,7 +283,7 @@ def test_wkv7(benchmark, dev, xtype, shape, direction, method):
     """One row per method x element type x shape x direction. The roofline is the copy rate over the
     bytes the op must move (inputs, outputs, what the forward saves for the backward): the chunked
     method's work buffer (chunk records, dS) is traffic on top of that floor, so it lowers the share."""
-    from rwkvx.runtime import Plan
+    from rwkvx._core import Plan
     if method == "chunked_exact" and xtype != "f32":
         pytest.skip("chunked_exact takes f32 inputs (the fp32 precision's path)")
     Bw, Tw, Hw = WKV_SHAPES[shape]
@@ -342,7 +344,7 @@ def test_moba(benchmark, dev, xtype, method, shape, direction):
     elif direction == "forward":
         record(benchmark, dev, fwd, nbytes=4 * rc * _x(xtype), flops=4 * N * visible, ceiling=ceiling)
     else:
-        from rwkvx.runtime import Plan
+        from rwkvx._core import Plan
         Plan(dev, fwd).run()                       # the selection and lse the backward reads
         ops = moba.backward(q, k, v, o, b(rc), b(rc), b(rc), b(rc), scratch, Bm, Tm, H, N, chunk, TOP_K,
                             dev.info, method=method)

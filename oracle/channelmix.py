@@ -1,4 +1,4 @@
-"""Twin of rwkvx/cu/channelmix.cu: the element-wise parts of the channel mix (FFN).
+"""Twin of rwkvx/cu/channelmix/channelmix.cu: the element-wise parts of the channel mix (FFN).
 
 k = relu(Lin(x + (shift(x) - x) * x_k; key))^2 ; out = Lin(k; value). The two GEMMs are the model's
 (oracle/model.pyx); here are the token-shift mix and the squared ReLU. Rows [R, C], R = B*T.

@@ -1,4 +1,4 @@
-"""Twin of rwkvx/cu/decode.cu: the single-token step kernels of generation.
+"""Twin of rwkvx/cu/decode/decode.cu: the single-token step kernels of generation.
 
 Each is the forward twin of its family run on one token that continues a carried state (a sequence of
 length 1 after the state's tokens), so no formula is written twice. Shapes: one row per sequence,

@@ -1,4 +1,4 @@
-"""Twin of rwkvx/cu/embedding.cu: the token-embedding gather and its gradient."""
+"""Twin of rwkvx/cu/embedding/embedding.cu: the token-embedding gather and its gradient."""
 from __future__ import annotations
 
 import numpy as np

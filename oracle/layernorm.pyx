@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=True, wraparound=True, annotation_typing=False
 # Python-level code keeps normal indexing; the loop kernels opt out of the checks one by one.
-"""Twin of rwkvx/cu/layernorm.cu: LayerNorm, and the GroupNorm that RWKV's ln_x is (one group per head).
+"""Twin of rwkvx/cu/layernorm/layernorm.cu: LayerNorm, and the GroupNorm that RWKV's ln_x is (one group per head).
 
 Each group of n = C / groups channels of a row is normalised, then scaled and shifted per channel;
 LayerNorm is the one-group case. The variance is the biased (population) one, eps inside the square

@@ -1,4 +1,4 @@
-"""Twin of rwkvx/cu/reduce.cu: the column sums that turn per-tile partial sums into a [C] vector."""
+"""Twin of rwkvx/cu/reduce/reduce.cu: the column sums that turn per-tile partial sums into a [C] vector."""
 from __future__ import annotations
 
 import numpy as np

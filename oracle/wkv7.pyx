@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=True, wraparound=True, annotation_typing=False
 # Python-level code keeps normal indexing; the loop kernels opt out of the checks one by one.
-"""Twin of rwkvx/cu/wkv7.cu: the WKV7 recurrence, forward and backward, in double.
+"""Twin of rwkvx/cu/wkv7/sequential.cu: the WKV7 recurrence, forward and backward, in double.
 
 Per (batch, head), state S N x N (row i = value index, column j = key index), S = 0 before t = 0
 (or, for a stateful forward, the state a previous call ended with):

@@ -12,17 +12,16 @@ PyTorch ``.pth`` files (:mod:`rwkvx.pth`, no PyTorch needed), inferring their Co
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import struct
-import tempfile
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any
 
 import numpy as np
 
+from .atomic_io import atomic_write
 from .config import Config
 from .params import ParamDict, check_params, param_shapes, rwkv_block_shapes
 from .pth import WRITE_DTYPES, is_zip, read_pth, write_pth
@@ -56,51 +55,6 @@ def _encode(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[b
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw, arrays
-
-
-@contextlib.contextmanager
-def atomic_files(*paths: str | os.PathLike) -> Iterator[list[BinaryIO]]:
-    """Temporary files beside ``paths``, open for binary writing. When the block ends without an error,
-    each is fsynced and renamed over its path, in the order given; on an error they are deleted and
-    the paths are left as they were."""
-    paths = [Path(p) for p in paths]
-    umask = os.umask(0)
-    os.umask(umask)
-    temps: list[str] = []
-    files: list[BinaryIO] = []
-    try:
-        for path in paths:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            temps.append(tmp)
-            files.append(os.fdopen(fd, "wb"))
-            os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes the file owner-only; give it a normal file's mode
-        yield files
-        for f in files:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        for tmp, path in zip(temps, paths):
-            os.replace(tmp, path)
-    except BaseException:
-        for f in files:
-            f.close()
-        for tmp in temps:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        raise
-    for parent in dict.fromkeys(p.parent for p in paths):
-        dir_fd = os.open(parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Any) -> None:
-    """Call ``write(fileobj)`` on a temporary file beside ``path``, fsync it, then rename it over ``path``."""
-    with atomic_files(path) as (f,):
-        write(f)
 
 
 def save_checkpoint(path: str | os.PathLike, cfg: Config, params: ParamDict,

@@ -271,7 +271,7 @@ def _default_out() -> Path:
 
 def _write_bytes(path: Path, data: bytes) -> None:
     """Atomically write ``data`` to ``path``."""
-    from .checkpoint import atomic_write
+    from .atomic_io import atomic_write
 
     atomic_write(path, lambda f: f.write(data))
 

@@ -9,7 +9,7 @@ fed token by token.
 
 **Step** (one token per sequence): the same :class:`rwkvx.model.StepBuilder` forward on B rows of the
 model's arena (its weights and transients), with the parts that look at earlier tokens (token shifts,
-WKV, MoBA) replaced by rwkvx/cu/decode.cu's single-token kernels reading and updating the state arena.
+WKV, MoBA) replaced by rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state arena.
 The token ids and the position (a device int MoBA reads) come from pinned memory, the logits [B, V]
 go back to pinned memory, and the whole step is one CUDA graph, replayed per token.
 
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from .model import Layout, Model, StepBuilder
-from .ops import decode, wkv7
-from .ops._common import carve, carved_bytes
+from .cu import decode, wkv7
+from .cu._common import carve, carved_bytes
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
 from .validate import check_tokens
@@ -160,7 +160,8 @@ class Decoder:
     """
 
     def __init__(self, model: Model, max_len: int) -> None:
-        from .runtime import Graph, Plan
+        from ._core import Plan
+        from .runtime import Graph
         if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < model.T:
             raise ValueError(f"max_len must be an int >= the prompt length {model.T}, got {max_len!r}")
         self.model, self.dev, self.cfg = model, model.dev, model.cfg

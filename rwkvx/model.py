@@ -17,7 +17,7 @@ import numpy as np
 from . import validate
 from .config import Config
 from .optim import Schedule
-from .ops import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
+from .cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from .params import ParamDict, check_params, param_shapes
 from .runtime import gemm
 from .runtime.device import DeviceInfo
@@ -151,7 +151,7 @@ class Layout:
         for name in ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "ln0_mean", "ln0_rstd"):
             self._add(name, R, "f32")
         # with recompute the chunked WKV7's recomputed forward also writes the backward's chunk records
-        # (one pass for both, rwkvx.ops.wkv7.forward), kept through the channel mix until the block's
+        # (one pass for both, rwkvx.cu.wkv7.forward), kept through the channel mix until the block's
         # WKV7 backward: they lead the WKV7 work buffer's set and the channel mix's
         keep = recompute and self.methods["wkv7"] in wkv7.CHUNKED_METHODS
         for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"],
@@ -257,7 +257,7 @@ class StepOps:
 
 
 class StepBuilder:
-    """Composes the step from the op builders of :mod:`rwkvx.ops` and cuBLAS GEMMs of ``precision``."""
+    """Composes the step from the op builders of :mod:`rwkvx.cu` and cuBLAS GEMMs of ``precision``."""
 
     def __init__(self, layout: Layout, base: int, host: dict[str, int]):
         self.L = layout
@@ -662,7 +662,8 @@ class Model:
         if not isinstance(recompute, bool):
             raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
         check_params(cfg, params)
-        from .runtime import Device, Plan  # raises RuntimeError without a GPU
+        from ._core import Plan
+        from .runtime import Device  # raises RuntimeError without a GPU
         self.cfg, self.B, self.T, self.precision, self.recompute = cfg, batch_size, seq_len, precision, recompute
         self.dev = Device.get()
         self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods)
@@ -731,7 +732,7 @@ class Model:
     def logits(self) -> np.ndarray:
         """Logits ``[B*T, V]`` (float32) of the last forward (its final LayerNorm's output), through the
         head chunk by chunk of rows."""
-        from .runtime import Plan
+        from ._core import Plan
         if getattr(self, "_head_plans", None) is None:
             self._head_plans = [Plan(self.dev, ops) for ops in self.ops.head]
         V, rows, buf = self.cfg.vocab_size, self.layout.head_rows, self.builder.buf("logits")
@@ -762,7 +763,7 @@ class Model:
 
     def mean_loss(self) -> float:
         """The mean loss of the last step, from the pinned per-token losses, reduced in double."""
-        from .runtime import sum_float64
+        from ._core import sum_float64
         return sum_float64(self._pinned["loss_t"].array(np.float64, (self.B * self.T,))) * self.inv_count()
 
     def run_step(self) -> None:
@@ -780,7 +781,7 @@ class Model:
     def configure_optimizer(self, schedule: Schedule, weight_decay: float = 0.0,
                             grad_clip: float | None = None) -> None:
         """Set up AdamW (moments zeroed, step 0) and the training plan ``train_step`` replays."""
-        from .runtime import Plan
+        from ._core import Plan
         b = self.builder.buf
         self.dev.upload(b("adam_table"), self.layout.adam_table)
         self.dev.upload(b("adam_lrmul"), self.layout.adam_lrmul)
@@ -815,7 +816,7 @@ class Model:
 
     def evaluate(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> float:
         """Mean loss on one batch: forward and loss only, the parameters untouched."""
-        from .runtime import Plan
+        from ._core import Plan
         if getattr(self, "_eval_plan", None) is None:
             ops = self.ops
             self._eval_plan = Plan(self.dev, ops.stage_tokens + ops.stage_targets + ops.forward + ops.evaluate)

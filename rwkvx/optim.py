@@ -1,7 +1,7 @@
 """AdamW and the learning-rate schedule (SPEC §3), RWKV-LM conventions, PyTorch AdamW semantics.
 
 This docstring is the contract shared by the numpy optimizer below (CPU backend) and the fused GPU
-kernel (``rwkvx/cu/adamw.cu``). Both implement exactly these formulas.
+kernel (``rwkvx/cu/adamw/adamw.cu``). Both implement exactly these formulas.
 
 Learning-rate schedule (``lr_at(t)``), t = 1, 2, ... is the number of the step being taken
 (the first update uses t = 1)::

@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .atomic_io import atomic_write
 from .runtime.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 
 # torch storage type -> (dtype code as in safetensors, numpy dtype of the stored bytes)
@@ -307,7 +308,6 @@ def write_pth(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], dtype:
     released models are stored) or ``"fp32"``. ``torch.load(path, weights_only=True)`` returns a dict
     of contiguous CPU tensors with these names and shapes.
     """
-    from .checkpoint import atomic_write
 
     if dtype not in WRITE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(WRITE_DTYPES)}, got {dtype!r}")

@@ -13,8 +13,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from test_kernels import C, H, MOBA_SHAPES, N, TOP_K, Buffers, sdpa_dense, time_alone  # noqa: E402
 
-from rwkvx.ops import moba  # noqa: E402
-from rwkvx.runtime import Device, Plan  # noqa: E402
+from rwkvx.cu import moba  # noqa: E402
+from rwkvx._core import Plan  # noqa: E402
+from rwkvx.runtime import Device  # noqa: E402
 
 
 def main() -> None:

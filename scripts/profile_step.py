@@ -14,7 +14,8 @@ import numpy as np
 from rwkvx import Config, init_params
 from rwkvx.model import PRECISIONS, Model
 from rwkvx.presets import get_preset
-from rwkvx.runtime import EventTimer, Plan
+from rwkvx._core import Plan
+from rwkvx.runtime import EventTimer
 from rwkvx.runtime.ops import Gemm, Launch, flatten_ops
 
 

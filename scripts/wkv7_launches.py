@@ -3,7 +3,7 @@ split: where the forward's and the backward's time goes (benchmarks/test_kernels
 
 Usage: python scripts/wkv7_launches.py [LABEL] [--method chunked|chunked_exact] [--xtype bf16|f32]
 [--stages NS] [--split-operators 0|1] [--split P] [--key-warps 1|2] [--shape B,T,H ...].
---stages and --split-operators time other values of rwkvx/ops/wkv7.py's CHUNKED_STAGES and
+--stages and --split-operators time other values of rwkvx/cu/wkv7/ops.py's CHUNKED_STAGES and
 SPLIT_OPERATORS[xtype] (the kernels are compiled with them), --split and --key-warps other state-pass
 shapes than chunked_split and chunked_key_warps choose, for choosing those. Needs a GPU.
 """
@@ -14,8 +14,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from test_kernels import N, Buffers, _wkv_inputs, time_alone  # noqa: E402  (the benchmarks' inputs)
 
-from rwkvx.ops import wkv7  # noqa: E402
-from rwkvx.runtime import Device, Plan  # noqa: E402
+from rwkvx.cu import wkv7  # noqa: E402
+from rwkvx._core import Plan  # noqa: E402
+from rwkvx.runtime import Device  # noqa: E402
 
 SHAPES = ((8, 4096, 12), (1, 16384, 12))       # (B, T, H) at N = 64
 

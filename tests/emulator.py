@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-import rwkvx.ops  # noqa: F401  (declares every kernel)
+import rwkvx.cu  # noqa: F401  (declares every kernel)
 from rwkvx import oracle as O
 from rwkvx.runtime.dtypes import ELEM_BYTES
 from rwkvx.runtime.kernel import KernelFile
@@ -147,7 +147,7 @@ def _wkv7_forward(mem, a, op):
     x = [_bthn(mem, a[n], B, T, H, N) for n in "rwkvab"]
     mem.write(a["y"], O.wkv7_forward(*x))
     if a["ckpt"]:                    # the state after the last token of each chunk of CHUNK tokens
-        from rwkvx.ops.wkv7 import CHUNK, n_chunks
+        from rwkvx.cu.wkv7 import CHUNK, n_chunks
         nC = n_chunks(T)
         ck = np.zeros((B, H, nC, N, N))
         for c in range(nC):

@@ -1,7 +1,7 @@
-"""CPU tests of rwkvx/ops/adamw.py: the flat layout, the chunk table and the device state."""
+"""CPU tests of rwkvx/cu/adamw/ops.py: the flat layout, the chunk table and the device state."""
 import numpy as np
 
-from rwkvx.ops import adamw as aw
+from rwkvx.cu import adamw as aw
 
 SHAPES = {
     "rwkv.emb.weight": (97, 64),

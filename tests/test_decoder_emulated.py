@@ -10,7 +10,7 @@ from emulator import Memory, run
 from rwkvx import Config
 from rwkvx.decoder import PREFILL_METHODS, decoder_ops, state_sizes
 from rwkvx.model import Layout, StepBuilder
-from rwkvx.ops._common import carve, carved_bytes
+from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.oracle import Oracle, rel_err
 from rwkvx.runtime.device import H200
 

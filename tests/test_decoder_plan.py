@@ -6,8 +6,8 @@ import pytest
 from rwkvx import Config
 from rwkvx.decoder import PREFILL_METHODS, DecodeStepBuilder, PrefillBuilder, state_sizes
 from rwkvx.model import Layout
-from rwkvx.ops import decode, layernorm, wkv7
-from rwkvx.ops._common import carve, carved_bytes
+from rwkvx.cu import decode, layernorm, wkv7
+from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.ops import Copy, Gemm, Launch, flatten_ops
 

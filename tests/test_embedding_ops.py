@@ -1,7 +1,7 @@
-"""CPU tests of rwkvx/ops/embedding.py: the host-side token sort behind the deterministic gradient."""
+"""CPU tests of rwkvx/cu/embedding/ops.py: the host-side token sort behind the deterministic gradient."""
 import numpy as np
 
-from rwkvx.ops import embedding as emb
+from rwkvx.cu import embedding as emb
 
 
 def test_sort_tokens():

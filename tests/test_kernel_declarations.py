@@ -1,11 +1,11 @@
-"""Every kernel prototype in rwkvx/cu/*.cu matches its declaration in rwkvx/ops (count, order, names,
+"""Every kernel prototype in rwkvx/cu/<family>/*.cu matches its declaration in rwkvx/cu (count, order, names,
 types), every declared kernel exists and every kernel is declared; declarations bind arguments by
 name and reject missing, extra and mistyped ones. No GPU or NVRTC needed."""
 import re
 
 import pytest
 
-import rwkvx.ops  # noqa: F401  (declares every kernel file)
+import rwkvx.cu  # noqa: F401  (declares every kernel file)
 from rwkvx.runtime import DevPtr
 from rwkvx.runtime.kernel import F32_IN, INT, X_IN, X_OUT, Arg, KernelFile
 from rwkvx.runtime.nvrtc import CU_DIR
@@ -36,17 +36,22 @@ def parse_prototypes(text: str) -> dict[str, list[tuple[str, Arg]]]:
     return out
 
 
-CU_FILES = sorted(CU_DIR.glob("*.cu"))
+CU_FILES = sorted(CU_DIR.glob("*/*.cu"))
+
+
+def module_id(path) -> str:
+    """The kernel module id of a file: "<family>/<file>"."""
+    return f"{path.parent.name}/{path.stem}"
 
 
 def test_every_cu_file_is_declared():
-    assert {p.stem for p in CU_FILES} == set(KernelFile.registry)
+    assert {module_id(p) for p in CU_FILES} == set(KernelFile.registry)
 
 
-@pytest.mark.parametrize("path", CU_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", CU_FILES, ids=module_id)
 def test_prototypes_match_declarations(path):
     found = parse_prototypes(path.read_text())
-    declared = KernelFile.registry[path.stem].kernels
+    declared = KernelFile.registry[module_id(path)].kernels
     assert set(found) == set(declared), (f"{path.name}: kernels without declaration "
                                          f"{sorted(set(found) - set(declared))}, declared but missing "
                                          f"{sorted(set(declared) - set(found))}")
@@ -59,7 +64,7 @@ def test_prototypes_match_declarations(path):
 def test_no_constant_is_defined_in_cuda_that_python_passes():
     for path in CU_FILES:
         text = path.read_text()
-        kf = KernelFile.registry[path.stem]
+        kf = KernelFile.registry[module_id(path)]
         for name in [*kf.constants, *kf.variants]:
             assert not re.search(rf"^\s*#\s*define\s+{name}\b", text, re.M), f"{path.name} defines {name} itself"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rwkvx.oracle import moba_attention_backward, moba_attention_forward, moba_logsumexp, moba_select, rel_err
-from rwkvx.ops import moba
+from rwkvx.cu import moba
 from rwkvx.runtime.dtypes import from_storage, to_storage
 
 TILE = moba.MMA_ROWS                       # keys per tile (forward, dq) and per dk/dv CTA

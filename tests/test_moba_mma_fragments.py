@@ -10,12 +10,12 @@ ldsm_nrow / ldsm_ncol, mload_a / mload_b / mload_bt, mma_xyt, mma_pz, mstage_row
 flat shared-memory image whose row padding holds NaN, so an address off by one element shows. Their
 products must equal plain matrix products: X Y^T for mma_xyt, P Z for mma_pz with P given as C fragments
 (the C -> A reuse of the probabilities without shuffles); their shared-memory reads must be free of bank
-conflicts with the row strides of rwkvx/ops/moba.py.
+conflicts with the row strides of rwkvx/cu/moba/ops.py.
 """
 import numpy as np
 import pytest
 
-from rwkvx.ops import moba
+from rwkvx.cu import moba
 from rwkvx.runtime.dtypes import ELEM_BYTES
 
 LANES = 32

@@ -10,7 +10,7 @@ staged. Also checks that the tiles cover exactly the own-block queries and then 
 
 import pytest
 
-from rwkvx.ops import moba
+from rwkvx.cu import moba
 
 
 class Buffers:

@@ -1,8 +1,8 @@
-"""CPU tests of the MoBA launch builders (rwkvx/ops/moba.py): scratch sizes, shared-memory layouts,
+"""CPU tests of the MoBA launch builders (rwkvx/cu/moba/ops.py): scratch sizes, shared-memory layouts,
 launch lists. No GPU needed (plans assume an H200); compiling moba.cu is tests/test_nvrtc_compile.py's job."""
 import pytest
 
-from rwkvx.ops import moba
+from rwkvx.cu import moba
 from rwkvx.runtime import DevPtr, Launch
 from rwkvx.runtime.device import H200
 
@@ -70,7 +70,7 @@ def test_builders(B, T, H, N, chunk, top_k, fwd_names, bwd_names):
     assert [op.name for op in fwd] == fwd_names
     assert [op.name for op in bwd] == bwd_names
     for op in fwd + bwd:
-        assert isinstance(op, Launch) and op.module == "moba"
+        assert isinstance(op, Launch) and op.module == "moba/moba"
         assert dict(op.defines)["HEAD_SIZE"] == str(N)
         assert op.smem <= H200.smem_per_block
         assert op.block[0] * op.block[1] * op.block[2] <= 1024
@@ -165,7 +165,7 @@ def test_mma_kernels_do_not_spill(xtype, N):
     ok, why = nvrtc.nvrtc_available()
     if not ok:
         pytest.skip(f"NVRTC is not installed/usable: {why}")
-    usage = nvrtc.resource_usage("moba", "sm_90", moba.CU.defines(xtype, {"HEAD_SIZE": N}))
+    usage = nvrtc.resource_usage("moba/moba", "sm_90", moba.CU.defines(xtype, {"HEAD_SIZE": N}))
     mma = {name: u for name, u in usage.items() if name.endswith("_mma")}
     assert len(mma) == 5
     assert all(u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 for u in mma.values()), mma

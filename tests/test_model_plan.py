@@ -5,7 +5,7 @@ import pytest
 
 from rwkvx import Config
 from rwkvx.model import CHANNEL_MIX_STATE, FORWARD_STATE, Layout, StepBuilder, kernel_methods
-from rwkvx.ops import moba, wkv7
+from rwkvx.cu import moba, wkv7
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.dtypes import from_storage, storage_dtype
 from rwkvx.runtime.kernel import KernelFile

@@ -1,11 +1,11 @@
 """Every rwkvx/cu/*.cu compiles with NVRTC for sm_90 (no GPU needed) with every define set its
-declaration (rwkvx/ops) launches it with: each variant (head size ...) x each element type (float, bf16).
+declaration (rwkvx/cu) launches it with: each variant (head size ...) x each element type (float, bf16).
 Also: the CUBIN disk cache works.
 """
 
 import pytest
 
-import rwkvx.ops  # noqa: F401  (declares every kernel file)
+import rwkvx.cu  # noqa: F401  (declares every kernel file)
 from rwkvx.runtime import nvrtc
 from rwkvx.runtime.kernel import KernelFile
 

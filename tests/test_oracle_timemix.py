@@ -1,4 +1,4 @@
-"""CPU validation of the time-mix twins (oracle/timemix.py), the references of rwkvx/cu/timemix.cu.
+"""CPU validation of the time-mix twins (oracle/timemix.py), the references of rwkvx/cu/timemix/timemix.cu.
 
 Each analytic backward is checked against central finite differences of its forward, so the GPU
 tests rest on trusted references; the forwards are checked against SPEC §2.3 spot values.

@@ -445,7 +445,7 @@ def test_plan_run_dispatch_with_fake_driver():
 
 # ---------------------------------------------------------------- cuBLASLt shapes and algorithm choice (no GPU)
 def test_gemm_shape_alignment_and_key():
-    from rwkvx.runtime.cublas import GemmShape, alignment
+    from rwkvx.runtime.gemm_shape import GemmShape, alignment
     assert [alignment(p) for p in (0x100, 0x7000, 0x108, 0x102, 0x10)] == [256, 256, 8, 2, 16]
     op = G.linear(DevPtr(0x1000, "bf16"), DevPtr(0x2008, "bf16"), DevPtr(0x3000, "f32"), rows=6, n_in=4, n_out=5,
                   beta=1.0, precision="bf16")
@@ -476,7 +476,7 @@ class _FakeLt:
         self.asked = []
 
     def candidates(self, shape, count):
-        from rwkvx.runtime.cublas import Algo
+        from rwkvx.runtime.gemm_shape import Algo
         self.asked.append(count)
         algos = [Algo() for _ in range(count)]
         for i, a in enumerate(algos):
@@ -487,7 +487,7 @@ class _FakeLt:
 def test_gemm_algo_choice_from_the_cache_file_or_untimed(tmp_path, monkeypatch):
     import json
     from rwkvx.runtime import gemm_algos
-    from rwkvx.runtime.cublas import Algo, GemmShape
+    from rwkvx.runtime.gemm_shape import Algo, GemmShape
     monkeypatch.setenv("RWKVX_CACHE_DIR", str(tmp_path))
     lt = _FakeLt()
     op = G.linear(0x1000, 0x2000, 0x3000, rows=6, n_in=4, n_out=5)

@@ -1,8 +1,8 @@
-"""CPU tests of the time-mix launch builders (rwkvx/ops/timemix.py): the row-kernel thread layout and
+"""CPU tests of the time-mix launch builders (rwkvx/cu/timemix/ops.py): the row-kernel thread layout and
 the launch lists of every builder, on an H200 (no GPU needed)."""
 import pytest
 
-from rwkvx.ops import timemix as tm
+from rwkvx.cu import timemix as tm
 from rwkvx.runtime import DevPtr
 from rwkvx.runtime.device import H200
 
@@ -60,7 +60,7 @@ def test_builders_make_launches():
                           dparams=[P() for _ in range(3)], R=R, C=C, N=N, dev=H200)
     launched = [o.name for o in ops]
     assert launched.count("reduce_partials") == 4
-    assert all(o.module in ("timemix", "reduce") for o in ops)
+    assert all(o.module in ("timemix/timemix", "reduce/reduce") for o in ops)
     # the layer-0 prep launch passes no v0 / vl / vp, and says it is layer 0
     pf0 = next(o for o in ops if o.name == "tm_prep_fwd")
     declared = [n for n, _ in tm.TM_PREP_FWD.params]

@@ -1,4 +1,4 @@
-"""The chunked WKV7 algorithm of rwkvx/cu/wkv7_chunked.cu, as its numpy model tests/wkv7_chunked_model.py,
+"""The chunked WKV7 algorithm of rwkvx/cu/wkv7/chunked.cu, as its numpy model tests/wkv7_chunked_model.py,
 against the float64 oracle: exact in float64 (<= 1e-10), and in float32 with the kernels' tf32 operand
 rounding within the GPU tests' limits (the tf32 limit 5e-3, with a margin: <= 2e-3), for T not a multiple
 of the chunk (1, 15, 17, 40), decays near both ends of their range, head sizes 32 and 64.

@@ -1,8 +1,8 @@
-"""CPU tests of the WKV7 launch builders (rwkvx/ops/wkv7.py): argument checks, launch lists, scratch
+"""CPU tests of the WKV7 launch builders (rwkvx/cu/wkv7/ops.py): argument checks, launch lists, scratch
 sizes. No GPU needed (plans assume an H200); the kernel itself is tested in tests/gpu/test_wkv7.py."""
 import pytest
 
-from rwkvx.ops import wkv7 as W
+from rwkvx.cu.wkv7 import ops as W
 from rwkvx.runtime import DevPtr
 from rwkvx.runtime.device import H200
 

@@ -1,4 +1,4 @@
-"""A numpy model of the chunked WKV7 kernels (rwkvx/cu/wkv7_chunked.cu), step for step: the same chunk
+"""A numpy model of the chunked WKV7 kernels (rwkvx/cu/wkv7/chunked.cu), step for step: the same chunk
 length, the same intermediate matrices, the same split into an intra-chunk part, a sequential pass over
 chunk states and (backward) a per-chunk gradient part. ``rnd`` is applied where the kernels round an
 operand of a tensor-core product (tf32), so that the model also predicts the kernels' rounding error

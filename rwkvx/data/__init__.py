@@ -248,7 +248,7 @@ class BinidxWriter:
 
     @contextlib.contextmanager
     def _write(self) -> Iterator["BinidxWriter"]:
-        from ..checkpoint import atomic_files
+        from ..atomic_io import atomic_files
 
         idx_path = Path(self.prefix + ".idx")
         with atomic_files(self.prefix + ".bin", idx_path) as (self._bin, idx):

@@ -120,7 +120,7 @@ class DistributedStep:
     data-parallel counterpart of ``Model.train_step``; the ranks' stop requests travel with the loss."""
 
     def __init__(self, model, comm):
-        from ..runtime import Plan
+        from .._core import Plan
         if not hasattr(model, "schedule"):
             raise RuntimeError("DistributedStep: call model.configure_optimizer() first")
         self.model, self.comm, self.dev = model, comm, model.dev
@@ -173,7 +173,7 @@ class DistributedStep:
         self.comm.wait(self.dev)
         gathered = self._gathered.array(np.float64, (self.comm.world_size, self.R + 1))
         self.stop_agreed = bool(gathered[:, self.R].any())
-        from ..runtime import sum_float64
+        from .._core import sum_float64
         # every rank weighs the same: the mean of the ranks' mean losses (of the global batch when the
         # ranks have as many targets each, as every training batch), in the one-GPU summation order
         losses = np.ascontiguousarray(gathered[:, :self.R])

@@ -1,7 +1,10 @@
-"""rwkvx GPU runtime: device + stream, NVRTC compile cache, cuBLAS shim, op records, plans, graphs.
+"""rwkvx GPU runtime: device + stream, NVRTC compile cache, cuBLAS shim, op records, graphs.
+
+The plan executor that runs op lists is the compiled extension above this package, ``rwkvx._core``:
 
 ```python
-from rwkvx.runtime import Device, Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH, Plan, Graph
+from rwkvx._core import Plan
+from rwkvx.runtime import Device, Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH, Graph
 dev = Device.get()
 plan = Plan(dev, ops)                      # each Gemm carries its own precision
 plan.run(); dev.synchronize()
@@ -9,8 +12,7 @@ graph = Graph.capture(dev, plan.run); graph.launch()
 ```
 
 Importing this package needs neither a GPU nor the compiled extension: the op records (``ops``), the GEMM
-helpers (``gemm``) and ``compile_cubin`` work on a CPU; ``Plan`` / ``sum_float64`` come from the compiled
-``rwkvx._core`` on first access; ``Device.get()`` raises RuntimeError without a GPU.
+helpers (``gemm``) and ``compile_cubin`` work on a CPU; ``Device.get()`` raises RuntimeError without a GPU.
 """
 from .device import Device, DeviceBuffer, DeviceInfo, PinnedBuffer
 from .errors import CudaError, NvrtcCompileError
@@ -22,16 +24,6 @@ from .ops import (ARG_KINDS, Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, GemmPrecisi
 from . import gemm
 
 __all__ = ["Device", "DeviceBuffer", "DeviceInfo", "PinnedBuffer", "CudaError", "NvrtcCompileError",
-           "Graph", "Launch", "Gemm", "GemmPrecision", "DevPtr", "Memset", "Copy", "CopyHtoD", "CopyDtoH", "Plan", "sum_float64",
+           "Graph", "Launch", "Gemm", "GemmPrecision", "DevPtr", "Memset", "Copy", "CopyHtoD", "CopyDtoH",
            "EventTimer", "compile_cubin", "compile_source", "cache_dir", "flatten_ops", "ARG_KINDS", "gemm"]
 
-
-def __getattr__(name: str):
-    if name in ("Plan", "sum_float64"):
-        try:
-            from .. import _core
-        except ImportError as e:
-            raise ImportError("rwkvx._core is not built: run `pip install -e .` or "
-                              "`python setup.py build_ext --inplace`") from e
-        return getattr(_core, name)
-    raise AttributeError(f"module 'rwkvx.runtime' has no attribute {name!r}")

@@ -27,27 +27,18 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from .dtypes import ELEM_BYTES
 from .errors import check_cublas
+from .gemm_algos import choose
+from .gemm_shape import Algo, GemmShape
 
 WORKSPACE_BYTES = 32 << 20
-# cudaDataType_t of GEMM operands/outputs and cublasComputeType_t, by rwkvx's names (ops.GemmPrecision)
-CUDA_TYPES = {"f32": 0, "bf16": 14}                 # CUDA_R_32F, CUDA_R_16BF
-COMPUTE_TYPES = {"fp32": 68, "tf32": 77}            # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32
-_ELEM_BYTES = {code: ELEM_BYTES[name] for name, code in CUDA_TYPES.items()}   # by cudaDataType_t
 _SCALE_F32 = 0                                      # alpha, beta: float for both compute types
 # cublasLt.h (CUDA 13) attribute enums
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)                  # A, B, C, D (bytes)
-MAX_ALIGNMENT = 256                                 # cuBLASLt's default alignment requirement
 
 _lib = None
-
-
-class Algo(ctypes.Structure):
-    """cublasLtMatmulAlgo_t: 64 opaque bytes, valid with the cuBLASLt version that produced them."""
-    _fields_ = [("data", ctypes.c_uint64 * 8)]
 
 
 class _HeuristicResult(ctypes.Structure):
@@ -100,45 +91,6 @@ def load_cublaslt() -> ctypes.CDLL:
     lib.cublasLtGetVersion.restype = sz
     _lib = lib
     return lib
-
-
-def alignment(ptr: int) -> int:
-    """The largest power of two (at most MAX_ALIGNMENT) that divides address ``ptr``."""
-    ptr = int(ptr)
-    return MAX_ALIGNMENT if ptr % MAX_ALIGNMENT == 0 else ptr & -ptr
-
-
-@dataclass(frozen=True)
-class GemmShape:
-    """What a GEMM's descriptors and algorithm depend on: ops.Gemm without its addresses and scalars, plus
-    whether it reads C (beta != 0) and the alignment of its operands."""
-    transa: bool
-    transb: bool
-    m: int
-    n: int
-    k: int
-    lda: int
-    ldb: int
-    ldc: int
-    types: tuple                # (A, B, C, compute) enum values (GemmPrecision.codes)
-    reads_c: bool
-    align: tuple                # bytes, of A, B, C
-
-    @classmethod
-    def of(cls, op) -> "GemmShape":
-        """The shape of ops.Gemm ``op``."""
-        return cls(op.transa, op.transb, op.m, op.n, op.k, op.lda, op.ldb, op.ldc, op.precision.codes(),
-                   op.beta != 0.0, tuple(alignment(p) for p in (op.A, op.B, op.C)))
-
-    def key(self) -> str:
-        """A stable text form (the algorithm cache's key)."""
-        ta, tb = "T" if self.transa else "N", "T" if self.transb else "N"
-        return (f"{ta}{tb} m{self.m} n{self.n} k{self.k} ld{self.lda},{self.ldb},{self.ldc} "
-                f"t{','.join(map(str, self.types))} beta{int(self.reads_c)} al{','.join(map(str, self.align))}")
-
-    def c_bytes(self) -> int:
-        """Bytes C spans (column-major m x n, leading dimension ldc)."""
-        return (self.ldc * (self.n - 1) + self.m) * _ELEM_BYTES[self.types[2]]
 
 
 @dataclass(frozen=True)
@@ -241,7 +193,6 @@ class CublasLt:
         """The descriptors and algorithm of each ops.Gemm in ``ops``; the algorithms of new shapes are
         chosen now, timed with their outputs written to ``scratch`` (device address, bytes) when given,
         else to a buffer allocated for the timing."""
-        from .gemm_algos import choose
         shapes = [GemmShape.of(op) for op in ops]
         new = {s: op for s, op in zip(shapes, ops) if s not in self._prepared}
         for shape, algo in choose(self, new, scratch).items():

@@ -16,9 +16,9 @@ import json
 import os
 import tempfile
 
-from .cublas import Algo, GemmShape
+from .cache import cache_root
 from .errors import CudaError
-from .nvrtc import cache_root
+from .gemm_shape import Algo, GemmShape
 
 CANDIDATES = 8
 REPEATS = 10

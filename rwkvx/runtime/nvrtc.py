@@ -27,6 +27,7 @@ import threading
 import warnings
 from pathlib import Path
 
+from .cache import cache_root
 from .errors import CudaError, NvrtcCompileError, check_nvrtc
 from .ops import normalize_defines
 
@@ -112,15 +113,6 @@ def build_options(arch: str = "sm_90", defines=()) -> list[str]:
     opts += [f"--include-path={d}" for d in include_dirs()]
     opts += [f"-D{name}={value}" for name, value in normalize_defines(defines)]
     return opts
-
-
-def cache_root() -> Path:
-    """rwkvx's cache folder (not created here): $RWKVX_CACHE_DIR, else $XDG_CACHE_HOME/rwkvx or ~/.cache/rwkvx."""
-    root = os.environ.get("RWKVX_CACHE_DIR")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "rwkvx"
 
 
 def cache_dir() -> Path:
@@ -246,7 +238,8 @@ def compile_source(name: str, src: str, arch: str = "sm_90", defines=(), *, orig
 
 
 def module_path(module: str) -> Path:
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", module):
+    """rwkvx/cu/<family>/<file>.cu for the kernel module id ``"<family>/<file>"``."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(/[A-Za-z_][A-Za-z0-9_]*)?", module):
         raise ValueError(f"bad kernel module name {module!r}")
     return CU_DIR / f"{module}.cu"
 
@@ -258,7 +251,7 @@ def compile_cubin(module: str, arch: str = "sm_90", defines=(), *, use_cache: bo
         src = path.read_text()
     except OSError as e:
         raise FileNotFoundError(f"kernel module {module!r}: cannot read {path}: {e}") from e
-    return compile_source(path.name, src, arch, defines, origin=str(path), use_cache=use_cache)
+    return compile_source(f"{module}.cu", src, arch, defines, origin=str(path), use_cache=use_cache)
 
 
 _PTXAS_LINE = re.compile(r"Function properties for (\w+)|Compiling entry function '(\w+)'|"
@@ -270,7 +263,7 @@ def resource_usage(module: str, arch: str = "sm_90", defines=()) -> dict[str, di
     """Per kernel of rwkvx/cu/<module>.cu: registers, stack frame and spill bytes from ptxas's report
     (compiled uncached with the same options plus ``--ptxas-options=-v``)."""
     path = module_path(module)
-    _, log = _compile(path.name, path.read_text(), build_options(arch, defines) + ["--ptxas-options=-v"],
+    _, log = _compile(f"{module}.cu", path.read_text(), build_options(arch, defines) + ["--ptxas-options=-v"],
                       str(path))
     usage: dict[str, dict[str, int]] = {}
     current = None

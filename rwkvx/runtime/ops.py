@@ -12,8 +12,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
-from .cublas import COMPUTE_TYPES, CUDA_TYPES
-from .dtypes import ELEM_BYTES, check_elem
+from .dtypes import COMPUTE_TYPES, CUDA_TYPES, ELEM_BYTES, check_elem
 
 ARG_KINDS = ("p", "i", "l", "f", "d")   # device pointer u64, int32, int64, float32, float64
 

@@ -94,7 +94,7 @@ class KernelCase:
     def run(self, ops=None, plan=None) -> dict[str, np.ndarray]:
         """Run ``ops`` (or a ``plan`` built on these buffers) twice from the same buffer contents; outputs
         must agree bit for bit. Returns them (float64)."""
-        from rwkvx.runtime import Plan
+        from rwkvx._core import Plan
         plan = plan or Plan(self.dev, ops)
         runs = []
         for _ in range(2):

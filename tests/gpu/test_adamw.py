@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/adamw.cu through rwkvx.ops.adamw: the fused, graph-replayable AdamW, against its
+"""GPU tests of rwkvx/cu/adamw/adamw.cu through rwkvx.cu.adamw: the fused, graph-replayable AdamW, against its
 one reference, the numpy rwkvx.optim.AdamW (same formulas, same float32 operation order).
 
 Several steps with fresh random gradients: warm-up, cosine, lr_min after total_steps, weight decay only on
@@ -14,7 +14,7 @@ import pytest
 
 from harness import KernelCase, check
 from rwkvx import optim
-from rwkvx.ops import adamw as aw
+from rwkvx.cu import adamw as aw
 
 TOL = 1e-5          # parameters (and their change), m, v after several steps
 NSTEPS = 7
@@ -71,7 +71,7 @@ CONFIGS = [(4, 1024, 1.0, True), (4, 8192, 1.0, False), (1, 1024, 0.5, True), (1
 
 @pytest.mark.parametrize("align,chunk,clip,big", CONFIGS)
 def test_adamw_steps(dev, align, chunk, clip, big):
-    from rwkvx.runtime import Plan
+    from rwkvx._core import Plan
     rng = np.random.default_rng()
     schedule = optim.Schedule(lr_max=0.05, lr_min=0.005, warmup=3, total_steps=6)
     case, segs, n, b, ops, twin = setup(dev, rng, align, chunk, schedule, clip, 0.1)
@@ -106,7 +106,8 @@ def test_adamw_steps(dev, align, chunk, clip, big):
 
 def test_adamw_graph_replay_equals_eager(dev):
     """Five steps eagerly and five as replays of one captured graph give the same bits."""
-    from rwkvx.runtime import Graph, Plan
+    from rwkvx._core import Plan
+    from rwkvx.runtime import Graph
     grads = [grads_for(np.random.default_rng(s), True) for s in range(5)]
     seed = int(np.random.default_rng().integers(1 << 30))
     results = []

@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/channelmix.cu through rwkvx.ops.channelmix, against the twins
+"""GPU tests of rwkvx/cu/channelmix/channelmix.cu through rwkvx.cu.channelmix, against the twins
 rwkvx.oracle.channel_mix_shift_forward / _backward and relu_sq_forward / _backward, in fp32 and bf16
 (harness.KernelCase). fp32 limits: 1e-5 forward, 1e-4 backward."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from harness import check, tolerance
 from rwkvx.oracle import (channel_mix_shift_backward, channel_mix_shift_forward, relu_sq_backward,
                           relu_sq_forward)
-from rwkvx.ops import channelmix as cm
+from rwkvx.cu import channelmix as cm
 
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4

@@ -1,4 +1,4 @@
-"""GPU tests of stateful generation: the single-token kernels of rwkvx/cu/decode.cu against their twins
+"""GPU tests of stateful generation: the single-token kernels of rwkvx/cu/decode/decode.cu against their twins
 (rwkvx.oracle.decode_shift / decode_wkv7 / decode_moba) in fp32 and bf16 (harness.KernelCase), then the
 whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in parallel plus one graph
 replay per token gives the forward's logits at every position (fp32: <= 1e-5 relative), and greedy
@@ -13,7 +13,7 @@ from harness import KernelCase, check, tolerance
 from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
 from rwkvx.oracle import Oracle, decode_moba, decode_shift, decode_wkv7, moba_block_means, rel_err
-from rwkvx.ops import decode as D
+from rwkvx.cu import decode as D
 from rwkvx.runtime.dtypes import round_to
 
 FWD_TOL = 1e-5

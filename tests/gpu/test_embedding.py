@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/embedding.cu through rwkvx.ops.embedding, against the twins
+"""GPU tests of rwkvx/cu/embedding/embedding.cu through rwkvx.cu.embedding, against the twins
 rwkvx.oracle.embedding_forward / embedding_backward, in fp32 and bf16 (harness.KernelCase).
 
 Forward gather (exact: the fp32 weights rounded once to the activation type) and the deterministic
@@ -11,7 +11,7 @@ import pytest
 
 from harness import check, tolerance
 from rwkvx.oracle import embedding_backward, embedding_forward
-from rwkvx.ops import embedding as emb
+from rwkvx.cu import embedding as emb
 from rwkvx.runtime.dtypes import round_to
 
 BWD_TOL = 1e-4
@@ -66,7 +66,7 @@ def test_embedding_forward_backward(case, dev, B, T, V, C, kind):
 
 def test_embedding_backward_new_tokens_same_plan(case, dev):
     """The plan is fixed; new tokens (and their sort) are uploaded into the same buffers, as in a step."""
-    from rwkvx.runtime import Plan
+    from rwkvx._core import Plan
     B, T, V, C = 2, 128, 500, 256
     R = B * T
     rng = np.random.default_rng()

@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/layernorm.cu (+ reduce.cu) through rwkvx.ops.layernorm, against the twins
+"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu) through rwkvx.cu.layernorm, against the twins
 rwkvx.oracle.layernorm_forward / layernorm_backward, in fp32 and bf16 (harness.KernelCase: fresh random
 inputs, poisoned outputs, two bit-identical runs). fp32 limits: 1e-5 forward, 1e-4 backward."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from harness import check, tolerance
 from rwkvx.oracle import layernorm_backward, layernorm_forward
-from rwkvx.ops import layernorm as ln
+from rwkvx.cu import layernorm as ln
 
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4

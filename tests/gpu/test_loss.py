@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/loss.cu through rwkvx.ops.loss, against the twin rwkvx.oracle.cross_entropy_rows,
+"""GPU tests of rwkvx/cu/loss/loss.cu through rwkvx.cu.loss, against the twin rwkvx.oracle.cross_entropy_rows,
 in fp32 and bf16 logits (harness.KernelCase). Per-token losses are float64 on the device; fp32 limits:
 1e-5 loss, 1e-4 dlogits."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from harness import check, tolerance
 from rwkvx.oracle import cross_entropy_rows
-from rwkvx.ops import loss as ce
+from rwkvx.cu import loss as ce
 from rwkvx.validate import IGNORE_INDEX as IGN
 
 FWD_TOL = 1e-5
@@ -70,7 +70,7 @@ def test_loss_only_and_extreme_logits(case):
 
 def test_inv_count_changes_without_new_plan(case, dev):
     """New targets and inv_count uploaded into the same buffers change the result (graph-style reuse)."""
-    from rwkvx.runtime import Plan
+    from rwkvx._core import Plan
     R, V = 32, 2048
     rng = np.random.default_rng()
     logits, t1 = make(R, V, rng, 4)

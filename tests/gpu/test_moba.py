@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/moba.cu through rwkvx.ops.moba, against the twins in rwkvx.oracle
+"""GPU tests of rwkvx/cu/moba/moba.cu through rwkvx.cu.moba, against the twins in rwkvx.oracle
 (moba_select, moba_gate_gaps, moba_attention_forward / _backward, moba_logsumexp), in fp32 and bf16
 (harness.KernelCase: fresh random q, k, v, do, every output and scratch poisoned, two bit-identical runs).
 
@@ -17,7 +17,7 @@ import pytest
 from harness import check, tolerance
 from rwkvx.oracle import (moba_attention_backward, moba_attention_forward, moba_gate_gaps, moba_logsumexp,
                           moba_select)
-from rwkvx.ops import moba
+from rwkvx.cu import moba
 
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4

@@ -53,7 +53,7 @@ def d(dev):
 
 
 def plan_of(dev, ops):
-    from rwkvx.runtime import Plan
+    from rwkvx._core import Plan
     return Plan(dev, ops)
 
 
@@ -180,7 +180,7 @@ def test_pinned_htod_dtoh(d):
     plan.run()
     d.synchronize()
     np.testing.assert_array_equal(vout, np.arange(n, dtype=np.float32) + 0.5)
-    from rwkvx.runtime import sum_float64
+    from rwkvx._core import sum_float64
     h64 = d.alloc_pinned(8 * n)
     v64 = h64.array(np.float64)
     v64[:] = np.arange(n)

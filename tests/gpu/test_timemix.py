@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/timemix.cu through rwkvx.ops.timemix, against the twins in rwkvx.oracle
+"""GPU tests of rwkvx/cu/timemix/timemix.cu through rwkvx.cu.timemix, against the twins in rwkvx.oracle
 (time_shift_*, tanh_* / sigmoid_*, time_mix_prep_*, time_mix_gn_*, column_sums for reduce.cu), in fp32
 and bf16 (harness.KernelCase: fresh random inputs, poisoned outputs and scratch, two bit-identical runs).
 fp32 limits: 1e-5 forward, 1e-4 backward. B = 2, T = 37 (R = 74, not a multiple of 16)."""
@@ -9,8 +9,8 @@ import pytest
 
 from harness import check, tolerance
 from rwkvx import oracle as O
-from rwkvx.ops import reduce as rd
-from rwkvx.ops import timemix as tm
+from rwkvx.cu import reduce as rd
+from rwkvx.cu import timemix as tm
 
 B, T = 2, 37
 R = B * T

@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/wkv7.cu through rwkvx.ops.wkv7, against the twins rwkvx.oracle.wkv7_forward /
+"""GPU tests of rwkvx/cu/wkv7/sequential.cu through rwkvx.cu.wkv7, against the twins rwkvx.oracle.wkv7_forward /
 wkv7_backward, in fp32 and bf16 (harness.KernelCase: fresh inputs, poisoned outputs and scratch, two
 bit-identical runs).
 
@@ -17,11 +17,11 @@ import pytest
 from harness import KernelCase, check, tolerance
 from rwkvx.config import DECAY_SCALE
 from rwkvx.oracle import wkv7_backward, wkv7_forward
-from rwkvx.ops import wkv7 as W
+from rwkvx.cu.wkv7 import ops as W
 
 TOLS = {"sequential": (1e-5, 1e-4), "chunked": (5e-3, 5e-3), "chunked_exact": (1e-5, 1e-5)}  # (y, grads), fp32 inputs
 GRADS = ("dr", "dw", "dk", "dv", "da", "db")
-F32_GRADS = GRADS[1:]          # f32 in every precision (rwkvx/ops/wkv7.py)
+F32_GRADS = GRADS[1:]          # f32 in every precision (rwkvx/cu/wkv7/ops.py)
 
 
 SLOW, FAST = -4.0, 8.0           # decay shifts: w near 1, w near its lower end

@@ -1,0 +1,95 @@
+"""Launch builders for rwkvx/cu/decode/decode.cu: the single-token step kernels of generation.
+
+One step feeds one token per sequence (B rows). The parts of a block that look at earlier tokens read
+what they need from state carried in device memory and update it:
+
+* :func:`shift`: the token shift of the time mix (6 mixes) or the channel mix (1), from ``prev``
+  [B, C] (the previous token's input row), which becomes this token's;
+* :func:`wkv7_step`: one WKV7 token on ``state`` fp32 [B, H, N, N] (S[i, j], row = value index), in place;
+* :func:`moba_step`: MoBA attention of the new query at position ``*pos`` (a device int): its key and
+  value go into the caches ``kc``, ``vc`` floatX [B, Tmax, H, N]; when the token completes a block,
+  that block's key mean goes into ``kmean`` fp32 [B, H, Tmax // chunk, N]; then the gate over the
+  complete past blocks, the top_k - 1 largest (ties: the lower block), softmax attention over them and
+  the query's own block up to itself. ``sel`` int32 [B, H, top_k - 1] (optional) receives the selection.
+
+Activations (x, prev, outputs, r ... b, y, q, k, v, o) are floatX [B, C] (c = h*N + n), 16-byte aligned.
+Twins: ``rwkvx.oracle.decode_shift``, ``decode_wkv7``, ``decode_moba`` (built on the forward twins).
+"""
+from __future__ import annotations
+
+import math
+
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, I32_IN, I32_OUT, INT, X_IN, X_OUT, KernelFile
+
+from .. import moba, wkv7
+from .._common import DeviceInfo, check_buffers, check_rows, grid_stride_blocks, xtype_of
+
+HEAD_SIZES = wkv7.HEAD_SIZES          # every model has RWKV blocks: their head sizes bound the file's
+SHIFT_N = HEAD_SIZES[0]               # dec_shift ignores the head size: one build serves all
+MOBA_THREADS = moba.KM_THREADS        # dec_moba completes a block mean with moba_kmean's partition
+
+CU = KernelFile("decode/decode", constants={"WKV_Q": wkv7.Q, "DEC_MOBA_THREADS": MOBA_THREADS},
+                variants={"HEAD_SIZE": HEAD_SIZES})
+DEC_SHIFT = CU.kernel("dec_shift", x=X_IN, prev=X_OUT, **{f"m{j}": F32_IN.opt() for j in range(6)},
+                      **{f"o{j}": X_OUT.opt() for j in range(6)}, B=INT, C=INT, nmix=INT)
+DEC_WKV7 = CU.kernel("dec_wkv7", r=X_IN, w=X_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN, state=F32_OUT, y=X_OUT, H=INT)
+DEC_MOBA = CU.kernel("dec_moba", q=X_IN, k=X_IN, v=X_IN, kc=X_OUT, vc=X_OUT, kmean=F32_OUT.opt(), pos=I32_IN,
+                     sel_out=I32_OUT.opt(), o=X_OUT, H=INT, Tmax=INT, chunk=INT, K1=INT, maxblk=INT,
+                     scale=FLOAT)
+
+
+def moba_smem_bytes(N: int, chunk: int, top_k: int, maxblk: int) -> int:
+    """Dynamic shared memory of dec_moba (its carve-up in decode.cu): q [N], a reduction buffer
+    [threads], the weighted-value partials [threads], the gates [maxblk], the top list (K1 floats, K1
+    ints) and the scores of the visible keys [top_k * chunk]."""
+    K1 = top_k - 1
+    return 4 * (N + 2 * MOBA_THREADS + maxblk + 2 * K1 + top_k * chunk)
+
+
+def shift(x, prev, mixes, outs, B: int, C: int, dev: DeviceInfo) -> list:
+    """dec_shift: outs[j] = x + (prev - x) * mixes[j] (1 to 6 mixes, fp32 [C]), then prev = x.
+    x, prev, outs[j] [B, C]; outs must not alias x or prev."""
+    if not 1 <= len(mixes) <= 6 or len(mixes) != len(outs):
+        raise ValueError("decode.shift: 1 to 6 mixes, one output each")
+    check_rows("decode.shift", B, C, x, prev, *outs)
+    pad = [None] * (6 - len(mixes))
+    return [DEC_SHIFT.launch((grid_stride_blocks(B * C // 4, dev), 1, 1), (256, 1, 1),
+                             xtype=xtype_of("decode.shift", x, prev, *outs), variant={"HEAD_SIZE": SHIFT_N},
+                             x=x, prev=prev, **{f"m{j}": m for j, m in enumerate([*mixes, *pad])},
+                             **{f"o{j}": o for j, o in enumerate([*outs, *pad])}, B=B, C=C, nmix=len(mixes))]
+
+
+def wkv7_step(r, w, k, v, a, b, state, y, B: int, H: int, N: int) -> list:
+    """dec_wkv7: y = S_t r_t after S_t = S_{t-1} diag(w) + (S_{t-1} a) b^T + v k^T, with S the carried
+    ``state`` fp32 [B, H, N, N] (updated in place); r .. b, y floatX [B, H, N]."""
+    if N not in HEAD_SIZES or B < 1 or H < 1:
+        raise ValueError(f"decode.wkv7_step: B={B}, H={H} must be >= 1 and N={N} one of {HEAD_SIZES}")
+    check_buffers("decode.wkv7_step", r=r, w=w, k=k, v=v, a=a, b=b, state=state, y=y)
+    return [DEC_WKV7.launch((H, B, 1), (N * wkv7.Q, 1, 1), xtype=xtype_of("decode.wkv7_step", r, w, k, v, a, b, y),
+                            variant={"HEAD_SIZE": N}, r=r, w=w, k=k, v=v, a=a, b=b, state=state, y=y, H=H)]
+
+
+def moba_step(q, k, v, kc, vc, kmean, pos, o, B: int, H: int, N: int, Tmax: int, chunk: int, top_k: int,
+              dev: DeviceInfo, sel=None) -> list:
+    """dec_moba (see the module docstring): o [B, H, N] for the query q at position ``*pos`` < Tmax.
+    kmean is required when top_k > 1 and a block can complete (Tmax >= chunk), else None."""
+    for name, val in (("B", B), ("H", H), ("Tmax", Tmax), ("chunk", chunk), ("top_k", top_k)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"decode.moba_step: {name} must be an int >= 1, got {val!r}")
+    if N not in HEAD_SIZES:
+        raise ValueError(f"decode.moba_step: head size N={N} not supported (one of {HEAD_SIZES})")
+    if B * Tmax * H * N >= 2 ** 40:
+        raise ValueError("decode.moba_step: cache too large")
+    K1 = top_k - 1
+    maxblk = Tmax // chunk if K1 else 0          # blocks a cache of Tmax tokens completes (gated)
+    check_buffers("decode.moba_step", q=q, k=k, v=v, kc=kc, vc=vc, o=o)
+    if maxblk and kmean is None:
+        raise ValueError("decode.moba_step: top_k > 1 needs the kmean cache")
+    smem = moba_smem_bytes(N, chunk, top_k, maxblk)
+    if smem > dev.smem_per_block:
+        raise ValueError(f"decode.moba_step: chunk={chunk}, top_k={top_k} and a cache of {Tmax} tokens need "
+                         f"{smem} bytes of shared memory, more than the device's {dev.smem_per_block}")
+    return [DEC_MOBA.launch((H, B, 1), (MOBA_THREADS, 1, 1), xtype=xtype_of("decode.moba_step", q, k, v, kc, vc, o),
+                            variant={"HEAD_SIZE": N}, smem=smem, q=q, k=k, v=v, kc=kc, vc=vc,
+                            kmean=kmean if maxblk else None, pos=pos, sel_out=sel if K1 else None, o=o, H=H,
+                            Tmax=Tmax, chunk=chunk, K1=K1, maxblk=maxblk, scale=1.0 / math.sqrt(N))]

@@ -1,0 +1,193 @@
+// layernorm.cu — LayerNorm over the last dimension C, with weight and bias (rwkvx).
+//
+//   y = (x - mean) * rstd * w + b,   mean = sum(x)/C,  rstd = 1/sqrt(sum((x-mean)^2)/C + eps)
+//
+// Buffers: x, y, dy, dx floatX [R, C] row-major; w, b float32 [C]; mean, rstd float32 [R]; part float32.
+// Requires C % 4 == 0 and row buffers aligned to 4 elements (ops/layernorm.py checks). fp32 math.
+// LN_WARPS, LN_BY, LN_NQ come from the declaration in rwkvx/cu/layernorm/ops.py.
+//
+// Kernels (one warp per row for the row-wise ones; block = (LN_WARPS*32), grid = ceil(R / LN_WARPS)):
+//   ln_forward(x, w, b, y, x_copy, mean, rstd, R, C, eps)
+//       y may be NULL (statistics only); mean / rstd may be NULL (not saved). y may alias x.
+//       x_copy (may be NULL) gets x as read: the residual a GEMM then adds to with beta = 1, written
+//       here because this pass reads x anyway (a separate copy would read it again).
+//   ln_backward_dx(x, w, dy, mean, rstd, dx, R, C, accumulate)
+//       dx = rstd * (g - mean_c(g) - xhat * mean_c(g * xhat)),  g = dy * w,  xhat = (x - mean) * rstd
+//       accumulate = 0: dx = ...; 1: dx += ... . mean / rstd are required (from ln_forward).
+//       dx may alias dy when accumulate == 0 (each element is read and written by the same thread).
+//   ln_backward_dwdb(x, dy, mean, rstd, part, R, C, rows_per_tile)
+//       grid (ceil(C/128), n_tiles), block (32, LN_BY):
+//       part[t, c]           = sum over rows r of tile t of dy[r,c] * xhat[r,c]   (dweight partials)
+//       part[n_tiles*C + t*C + c] = sum over rows r of tile t of dy[r,c]          (dbias partials)
+//       followed by reduce_cols (reduce.cu) on each half.
+
+#include "common.cuh"
+#if !defined(LN_WARPS) || !defined(LN_BY) || !defined(LN_NQ)
+#error "layernorm.cu: LN_WARPS, LN_BY and LN_NQ come from rwkvx/cu/layernorm/ops.py"
+#endif
+
+static __device__ __forceinline__ float ln_warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The row kernels keep a row's first 32*LN_NQ quads (quad i = lane + 32k, k < LN_NQ) in registers:
+// their loads are issued together, one memory round trip per row, and the later passes read the
+// registers. Quads beyond (C > 128*LN_NQ) are read again in each pass. Sums run in the same order as a
+// loop over i = lane, lane + 32, ... (Such a loop, loading, using, then storing one quad at a time,
+// waited for each load in turn: bf16 forward 0.0367 ms at R*C = 32768*768 on the H200, 64% of copy.)
+// No __launch_bounds__: with one, ptxas squeezed some LN_NQ builds to 32 registers and spilled.
+extern "C" __global__ void
+ln_forward(const floatX* x, const float* __restrict__ w, const float* __restrict__ b,
+           floatX* y, floatX* __restrict__ x_copy, float* __restrict__ mean_out,
+           float* __restrict__ rstd_out, int R, int C, float eps)
+{
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    if (r >= R) return;
+    const int C4 = C >> 2;
+    const floatX* xr = x + (long long)r * C;
+    floatX* cr = x_copy ? x_copy + (long long)r * C : nullptr;
+    quadX v[LN_NQ];
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k) v[k] = lane + 32 * k < C4 ? load_quad(xr + 4 * (lane + 32 * k)) : quadX{};
+    if (cr) {                                   // the copy is exact: the loaded bits are stored
+#pragma unroll
+        for (int k = 0; k < LN_NQ; ++k)
+            if (lane + 32 * k < C4) store_quad(cr + 4 * (lane + 32 * k), v[k]);
+        for (int i = lane + 32 * LN_NQ; i < C4; i += 32) store_quad(cr + 4 * i, load_quad(xr + 4 * i));
+    }
+    float s = 0.0f;
+    auto add = [&](const f4& u) { s += (u.v[0] + u.v[1]) + (u.v[2] + u.v[3]); };
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k)
+        if (lane + 32 * k < C4) add(widen(v[k]));
+    for (int i = lane + 32 * LN_NQ; i < C4; i += 32) add(load4(xr + 4 * i));
+    const float mu = ln_warp_sum(s) / (float)C;
+    float q = 0.0f;
+    auto addq = [&](const f4& u) {
+        const float a = u.v[0] - mu, bb = u.v[1] - mu, c = u.v[2] - mu, d = u.v[3] - mu;
+        q += (a * a + bb * bb) + (c * c + d * d);
+    };
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k)
+        if (lane + 32 * k < C4) addq(widen(v[k]));
+    for (int i = lane + 32 * LN_NQ; i < C4; i += 32) addq(load4(xr + 4 * i));
+    const float rs = 1.0f / sqrtf(ln_warp_sum(q) / (float)C + eps);
+    if (lane == 0) {
+        if (mean_out) mean_out[r] = mu;
+        if (rstd_out) rstd_out[r] = rs;
+    }
+    if (y) {
+        floatX* yr = y + (long long)r * C;
+        auto out = [&](int i, const f4& u) {       // y may alias x: a quad is read before it is written
+            const f4 ww = load4(w + 4 * i), bv = load4(b + 4 * i);
+            f4 o;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o.v[e] = (u.v[e] - mu) * rs * ww.v[e] + bv.v[e];
+            store4(yr + 4 * i, o);
+        };
+#pragma unroll
+        for (int k = 0; k < LN_NQ; ++k)
+            if (lane + 32 * k < C4) out(lane + 32 * k, widen(v[k]));
+        for (int i = lane + 32 * LN_NQ; i < C4; i += 32) out(i, load4(xr + 4 * i));
+    }
+}
+
+// dx: x, dy and (accumulate) the old dx of the row's first 32*LN_NQ quads are loaded together into
+// registers, as in ln_forward.
+extern "C" __global__ void
+ln_backward_dx(const floatX* __restrict__ x, const float* __restrict__ w, const floatX* dy,
+               const float* __restrict__ mean, const float* __restrict__ rstd, floatX* dx,
+               int R, int C, int accumulate)
+{
+    const int lane = threadIdx.x & 31;
+    const int r = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
+    if (r >= R) return;
+    const int C4 = C >> 2;
+    const floatX* xr = x + (long long)r * C;
+    const floatX* dyr = dy + (long long)r * C;
+    floatX* dxr = dx + (long long)r * C;
+    quadX v[LN_NQ], d[LN_NQ], p[LN_NQ];
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k) {
+        const int i = lane + 32 * k;
+        v[k] = i < C4 ? load_quad(xr + 4 * i) : quadX{};
+        d[k] = i < C4 ? load_quad(dyr + 4 * i) : quadX{};
+        p[k] = accumulate && i < C4 ? load_quad(dxr + 4 * i) : quadX{};
+    }
+    const float mu = mean[r], rs = rstd[r];
+    float sg = 0.0f, sgx = 0.0f;
+    auto add = [&](const f4& xv, const f4& dv, const f4& ww) {
+        const float g0 = dv.v[0] * ww.v[0], g1 = dv.v[1] * ww.v[1], g2 = dv.v[2] * ww.v[2], g3 = dv.v[3] * ww.v[3];
+        sg += (g0 + g1) + (g2 + g3);
+        sgx += (g0 * ((xv.v[0] - mu) * rs) + g1 * ((xv.v[1] - mu) * rs))
+             + (g2 * ((xv.v[2] - mu) * rs) + g3 * ((xv.v[3] - mu) * rs));
+    };
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k) {
+        const int i = lane + 32 * k;
+        if (i < C4) add(widen(v[k]), widen(d[k]), load4(w + 4 * i));
+    }
+    for (int i = lane + 32 * LN_NQ; i < C4; i += 32) add(load4(xr + 4 * i), load4(dyr + 4 * i), load4(w + 4 * i));
+    const float invC = 1.0f / (float)C;
+    const float mg = ln_warp_sum(sg) * invC;
+    const float mgx = ln_warp_sum(sgx) * invC;
+    auto out = [&](int i, const f4& xv, const f4& dv, const f4& old) {
+        const f4 ww = load4(w + 4 * i);
+        f4 o;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o.v[e] = rs * (dv.v[e] * ww.v[e] - mg - ((xv.v[e] - mu) * rs) * mgx);
+        if (accumulate) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o.v[e] += old.v[e];
+        }
+        store4(dxr + 4 * i, o);
+    };
+#pragma unroll
+    for (int k = 0; k < LN_NQ; ++k)
+        if (lane + 32 * k < C4) out(lane + 32 * k, widen(v[k]), widen(d[k]), widen(p[k]));
+    for (int i = lane + 32 * LN_NQ; i < C4; i += 32)        // dx may alias dy: a quad is read before it is written
+        out(i, load4(xr + 4 * i), load4(dyr + 4 * i), accumulate ? load4(dxr + 4 * i) : f4_zero());
+}
+
+extern "C" __global__ void __launch_bounds__(32 * LN_BY)
+ln_backward_dwdb(const floatX* __restrict__ x, const floatX* __restrict__ dy,
+                 const float* __restrict__ mean, const float* __restrict__ rstd,
+                 float* __restrict__ part, int R, int C, int rows_per_tile)
+{
+    __shared__ float4 shw[LN_BY][32];
+    __shared__ float4 shb[LN_BY][32];
+    const int C4 = C >> 2;
+    const int c4 = blockIdx.x * 32 + threadIdx.x;
+    const int r0 = blockIdx.y * rows_per_tile;
+    const int r1 = min(R, r0 + rows_per_tile);
+    float4 sw = make_float4(0.f, 0.f, 0.f, 0.f), sb = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c4 < C4) {
+#pragma unroll 4
+        for (int r = r0 + threadIdx.y; r < r1; r += LN_BY) {
+            const float mu = mean[r], rs = rstd[r];
+            const f4 v = load4(x + (long long)r * C + 4 * c4), d = load4(dy + (long long)r * C + 4 * c4);
+            sw.x += d.v[0] * ((v.v[0] - mu) * rs); sw.y += d.v[1] * ((v.v[1] - mu) * rs);
+            sw.z += d.v[2] * ((v.v[2] - mu) * rs); sw.w += d.v[3] * ((v.v[3] - mu) * rs);
+            sb.x += d.v[0]; sb.y += d.v[1]; sb.z += d.v[2]; sb.w += d.v[3];
+        }
+    }
+    shw[threadIdx.y][threadIdx.x] = sw;
+    shb[threadIdx.y][threadIdx.x] = sb;
+    __syncthreads();
+    if (threadIdx.y == 0 && c4 < C4) {
+        float4 tw = shw[0][threadIdx.x], tb = shb[0][threadIdx.x];
+#pragma unroll
+        for (int y = 1; y < LN_BY; ++y) {
+            const float4 u = shw[y][threadIdx.x], v = shb[y][threadIdx.x];
+            tw.x += u.x; tw.y += u.y; tw.z += u.z; tw.w += u.w;
+            tb.x += v.x; tb.y += v.y; tb.z += v.z; tb.w += v.w;
+        }
+        const long long n_tiles = gridDim.y;
+        reinterpret_cast<float4*>(part + (long long)blockIdx.y * C)[c4] = tw;
+        reinterpret_cast<float4*>(part + (n_tiles + blockIdx.y) * (long long)C)[c4] = tb;
+    }
+}

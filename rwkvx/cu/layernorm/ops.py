@@ -1,0 +1,107 @@
+"""Launch builders for rwkvx/cu/layernorm/layernorm.cu: LayerNorm over C with weight and bias (ln0, ln1, ln2, ln_out).
+
+    y = (x - mean) * rstd * w + b,  mean = sum_c x / C,  rstd = 1 / sqrt(sum_c (x - mean)^2 / C + eps)
+
+Buffers (row-major, aligned to 4 elements, C % 4 == 0): x, y, dy, dx ``floatX [R, C]``; w, b, dw, db
+``f32 [C]``; mean, rstd ``f32 [R]`` (saved statistics). Rows up to a few million (tiles <= 65535).
+Twin: ``rwkvx.oracle.layernorm_forward`` / ``layernorm_backward``.
+
+Forward::
+
+    ops += layernorm.forward(x, w, b, y, mean, rstd, R, C)      # mean/rstd None: not saved
+    ops += layernorm.forward(x, w, b, y, mean, rstd, R, C, x_copy=out)   # also out = x
+
+``y`` may alias ``x`` (in place). ``x_copy`` (another buffer like ``x``) receives ``x`` as read: the
+residual a following GEMM accumulates into (beta = 1) without a separate device copy.
+
+Backward (one call: statistics if needed, dweight/dbias partials, their reduction, dx)::
+
+    ops += layernorm.backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R, C, dev,
+                              stats_valid=True, accumulate_dx=False, accumulate_dparams=False)
+
+* ``mean``/``rstd`` are required: with ``stats_valid=True`` they hold the forward's statistics of this
+  same ``x``; with ``stats_valid=False`` they are scratch and a statistics-only ``ln_forward`` is added.
+* ``dx``: written (``accumulate_dx=False``) or added to (``True``: dx_total = dx_residual + dLN, the
+  usual case for ln1/ln2 in a residual stream). With ``accumulate_dx=False``, ``dx`` may alias ``dy``
+  (the dx kernel runs last, after the dweight/dbias partials have read dy). ``dx`` must not alias ``x``.
+* ``dw``/``db`` are written (or added to with ``accumulate_dparams``), deterministically:
+  ``ln_backward_dwdb`` writes per-row-tile partials ``f32 [2, n_tiles, C]`` into ``scratch``
+  (:func:`scratch_elems` elements, same ``rows_per_tile``), then ``reduce_partials`` sums each half
+  in a fixed order.
+"""
+from __future__ import annotations
+
+import math
+
+from rwkvx.config import LN_EPS
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, INT, X_IN, X_OUT, KernelFile
+
+from .. import reduce as _reduce
+from .._common import DeviceInfo, check_rows, xtype_of
+
+WARPS = 4            # rows (one warp each) per block of the row kernels: 128-thread blocks divide the
+                     # register file finely (fp32 ln_backward_dx, 130-168 registers: 3 blocks of 4 warps)
+BY = 8               # row streams per block of ln_backward_dwdb
+REDUCE_BY = 16       # reduce_partials rows (its summation order)
+NQS = (1, 2, 4, 6, 8)  # LN_NQ variants: quads per lane the row kernels keep in registers (see _nq)
+
+CU = KernelFile("layernorm/layernorm", constants={"LN_WARPS": WARPS, "LN_BY": BY}, variants={"LN_NQ": NQS})
+LN_FORWARD = CU.kernel("ln_forward", x=X_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(), x_copy=X_OUT.opt(),
+                       mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), R=INT, C=INT, eps=FLOAT)
+LN_BACKWARD_DX = CU.kernel("ln_backward_dx", x=X_IN, w=F32_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN,
+                           dx=X_OUT, R=INT, C=INT, accumulate=INT)
+LN_BACKWARD_DWDB = CU.kernel("ln_backward_dwdb", x=X_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN, part=F32_OUT,
+                             R=INT, C=INT, rows_per_tile=INT)
+
+
+def _nq(C: int) -> int:
+    """LN_NQ for rows of C: the fewest quads per lane that hold the whole row (C <= 128*LN_NQ: the row
+    kernels read each element once); wider rows than 1024 keep 8 and read the rest again in each pass."""
+    return next((q for q in NQS if 128 * q >= C), NQS[-1])
+
+
+def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
+    """fp32 elements of the backward's partials scratch: 2 * n_tiles * C."""
+    return 2 * _reduce.scratch_elems(R, C, dev, rows_per_tile)
+
+
+def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS, x_copy=None) -> list:
+    """ln_forward: y [R,C] = LN(x [R,C]; w, b [C]); mean, rstd [R] saved when not None; ``x_copy``
+    [R,C] = x when not None. ``y=None`` computes only the statistics (used by :func:`backward` with
+    stats_valid=False)."""
+    check_rows("layernorm.forward", R, C, x, w, b, y, x_copy)
+    if x_copy is not None and int(x_copy) in (int(x), int(y) if y is not None else -1):
+        raise ValueError("layernorm.forward: x_copy must not alias x or y")
+    return [LN_FORWARD.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=x.elem,
+                              variant={"LN_NQ": _nq(C)}, x=x, w=w, b=b, y=y, x_copy=x_copy,
+                              mean_out=mean, rstd_out=rstd, R=R, C=C, eps=eps)]
+
+
+def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: DeviceInfo,
+             eps: float = LN_EPS, stats_valid: bool = True, accumulate_dx: bool = False,
+             accumulate_dparams: bool = False, rows_per_tile: int | None = None) -> list:
+    """LayerNorm backward; see the module docstring. Returns 4 launches (5 with stats_valid=False)."""
+    check_rows("layernorm.backward", R, C, x, w, dy, dx, dw, db, scratch)
+    xtype = xtype_of("layernorm.backward", x, dy, dx)
+    if mean is None or rstd is None:
+        raise ValueError("layernorm.backward: mean and rstd buffers [R] are required")
+    if scratch is None:
+        raise ValueError("layernorm.backward: scratch is required (scratch_elems(R, C, dev))")
+    if int(dx) == int(x):
+        raise ValueError("layernorm.backward: dx must not alias x")
+    if accumulate_dx and int(dx) == int(dy):
+        raise ValueError("layernorm.backward: dx may alias dy only without accumulate_dx")
+    rpt, n = _reduce.tiles(R, C, dev, rows_per_tile)
+    nq = {"LN_NQ": _nq(C)}
+    ops = []
+    if not stats_valid:
+        ops += forward(x, w, w, None, mean, rstd, R, C, eps)
+    ops.append(LN_BACKWARD_DWDB.launch((math.ceil(C / 128), n, 1), (32, BY, 1), xtype=xtype, variant=nq,
+                                       x=x, dy=dy, mean=mean, rstd=rstd, part=scratch, R=R, C=C,
+                                       rows_per_tile=rpt))
+    ops += _reduce.partials(scratch, n, C, [dw], REDUCE_BY, accumulate_dparams)
+    ops += _reduce.partials(scratch.offset(n * C), n, C, [db], REDUCE_BY, accumulate_dparams)
+    ops.append(LN_BACKWARD_DX.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=xtype, variant=nq,
+                                     x=x, w=w, dy=dy, mean=mean, rstd=rstd, dx=dx, R=R, C=C,
+                                     accumulate=int(bool(accumulate_dx))))
+    return ops

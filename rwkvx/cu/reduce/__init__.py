@@ -1,0 +1,5 @@
+"""Kernel family ``reduce``: the fixed-order reduction of per-tile partial sums.
+
+The CUDA source, its declared interface and launch builders (:mod:`.ops`) and README.md live in this
+folder; the float64 twin is ``rwkvx.oracle.reduce``."""
+from .ops import *  # noqa: F401,F403  (the family's public builders, constants and declarations)

@@ -1,0 +1,385 @@
+"""Launch builders for rwkvx/cu/wkv7/sequential.cu and wkv7_chunked.cu: the RWKV-7 WKV recurrence (forward and backward).
+
+Per sequence b and head h (N = head size), S is N x N (row i = value index, column j = key index),
+S = 0 before t = 0::
+
+    sa_t = S_{t-1} a_t ;  S_t = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T ;  y_t = S_t r_t
+
+(the model passes a = -kk, b = kk * a_rate; w is the decay in (0, 1)). Twin of
+``rwkvx.oracle.wkv7_forward`` / ``wkv7_backward``.
+
+Buffers (16-byte aligned; outputs must not alias inputs):
+
+* r, w, k, v, a, b, dy, y, dr: floatX ``[B, T, H, N]`` (= row-major ``[B*T, C]``, c = h*N + n);
+  dw, dk, dv, da, db: f32 of the same shape (they feed the time mix's parameter-gradient sums, in which
+  bf16 rounding of each token's term would not cancel out).
+* ``sa`` f32 ``[B, T, H, N]`` (sa_t = S_{t-1} a_t) and ``ckpt`` f32 ``[B, H, nC, N, N]``, nC = ceil(T/CHUNK)
+  (slot c = the state after the last token of chunk c): what the forward saves for the backward,
+  written by :func:`forward` when given (pass neither for an inference-only forward) and read by
+  :func:`backward`, which must get them from a forward over the same r, w, k, v, a, b. The backward
+  steps the state back from the checkpoints (no recomputation; see rwkvx/cu/wkv7/sequential.cu).
+* ``partials`` f32 ``[5, P, B, T, H, N]``: backward scratch for the row-split column reductions, only
+  when the backward split P > 1 (see :func:`backward_split`); ``None`` otherwise.
+
+Sizes: :func:`scratch_elems`. Use::
+
+    ops += wkv7.forward(r, w, k, v, a, b, y, B, T, H, N, dev, sa=sa, ckpt=ckpt)
+    ops += wkv7.backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
+                         partials=partials)
+
+All gradients are *written* (not accumulated). Deterministic (no atomics): with P > 1 the per-split
+partial sums are added in a fixed order (split 0, then 1, ..., P-1) by ``wkv7_backward_reduce``.
+
+Methods (``method=``): ``"sequential"`` (rwkvx/cu/wkv7/sequential.cu, the default: one token at a time, fp32) and
+``"chunked"`` (rwkvx/cu/wkv7/chunked.cu, N in {32, 64}: chunks of CHUNKED_L = 16 tokens, intra-chunk
+operators for all chunks in parallel, a sequential pass over chunk states with its products on tensor
+cores in tf32, the backward's per-chunk gradients in parallel again; for the ``tf32`` and ``bf16``
+precisions, error ~1e-3 against float64) and ``"chunked_exact"`` (the same kernels with every product in
+3xTF32, each operand a tf32 hi + lo pair, and the chunk records kept in fp32: fp32-class results, error
+~3e-7, for the ``fp32`` precision; f32 inputs only). The sequential and chunked methods save different
+things: ``sa``/``ckpt`` of one are only valid for the backward of the same method. The chunked methods'
+``ckpt`` holds the state *entering* each chunk of 16 tokens, and they need ``partials``, a work buffer of
+:func:`scratch_elems`, in the forward and in the backward.
+
+Splits: the forward splits the N state rows of each (b, h) over ``P_f`` blocks (rows are independent);
+the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become per-split partials).
+Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``. The
+chunked method's ``split`` is the row split of its state passes, forward and backward alike (8 rows per
+group of one or two warps, two each taking half of the keys; :func:`chunked_split`,
+:func:`chunked_key_warps`).
+
+Why the chunked forward saves S0 (the state entering each chunk) rather than letting the backward
+recompute it: the backward's per-chunk gradient kernel needs S0 of every chunk at once (it runs over
+all chunks in parallel); recomputing them is a second sequential pass, as long as the forward's.
+"""
+from __future__ import annotations
+
+import math
+
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, LONG, X_IN, X_OUT, KernelFile
+
+from rwkvx.runtime.dtypes import ELEM_BYTES
+
+from .._common import DeviceInfo, check_buffers
+
+HEAD_SIZES = (4, 8, 16, 32, 64, 128)
+Q = 4                 # lanes per state row (block = N/P * Q threads)
+CHUNK = 8             # checkpoint interval in tokens (the backward steps back at most CHUNK-1 tokens)
+BWD_MAXT = 256        # backward threads per block at most (N = 128 needs P_b >= 2)
+REDUCE_BLOCKS_PER_SM = 8
+
+METHODS = ("sequential", "chunked", "chunked_exact")
+CHUNKED_METHODS = ("chunked", "chunked_exact")
+CHUNKED_L = 16        # tokens per chunk of the chunked method
+CHUNKED_HEAD_SIZES = (32, 64)
+CHUNKED_STAGES = 3    # chunks of inputs in flight in the state passes (2, 4 and 6 measured no faster)
+INTRA_THREADS = 128   # wkv7c_intra: one warp per Gram matrix of a chunk
+# Chunk operators' products (intra's Gram matrices and products with M, the gradient kernel's [L, L] ones)
+# in 3xTF32, per element type; with bf16 inputs one tf32 pass (error ~1e-3) is below their rounding, and
+# takes intra 0.473 -> 0.408 ms and the gradient kernel 1.170 -> 1.121 ms at B8 T4096 H12 (H200).
+SPLIT_OPERATORS = {"f32": True, "bf16": False}
+KEY_WARPS = (1, 2)    # warps per 8 state rows in the state passes (2: each half of the keys)
+
+
+def _record_floats(N: int, n_square: int) -> int:
+    """fp32 size of one chunk record of wkv7c_intra: 4 [L, N] sections, n_square [L, L] ones, PL [N]."""
+    return 4 * CHUNKED_L * N + n_square * CHUNKED_L * CHUNKED_L + N
+
+
+FWD_RECORD, BWD_RECORD = 2, 3     # [L, L] sections of the forward / backward record
+
+CU = KernelFile("wkv7/sequential", constants={"WKV_Q": Q, "WKV_CHUNK": CHUNK, "WKV_BWD_MAXT": BWD_MAXT},
+                variants={"HEAD_SIZE": HEAD_SIZES})
+_RWKVAB = dict(r=X_IN, w=X_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN)
+WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, sa_out=F32_OUT.opt(), ckpt=F32_OUT.opt(),
+                         T=INT, H=INT)
+WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F32_IN,
+                          dr=X_OUT, dw=F32_OUT, dk=F32_OUT, dv=F32_OUT, da=F32_OUT, db=F32_OUT,
+                          part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
+CUC = KernelFile("wkv7/chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES,
+                                            "WKV_INTRA_THREADS": INTRA_THREADS},
+                 variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES, "WKV_KEY_WARPS": KEY_WARPS, "WKV_EXACT": (0, 1)},
+                 derived=lambda v, xtype: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
+                                           "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD),
+                                           "WKV_SPLIT_OPERATORS": int(SPLIT_OPERATORS[xtype])})
+WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, brec=F32_OUT.opt(),
+                         T=INT, H=INT, mode=INT)
+INTRA_FORWARD, INTRA_BACKWARD, INTRA_BOTH = 0, 1, 2     # wkv7c_intra's modes: which records it writes
+WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),
+                                 s0=F32_OUT.opt(), T=INT, H=INT)
+WKV7C_BACKWARD_STATE = CUC.kernel("wkv7c_backward_state", rec=F32_IN, dy=X_IN, dv=F32_OUT, dx=F32_OUT, ds=F32_OUT,
+                                  T=INT, H=INT)
+WKV7C_BACKWARD_GRADS = CUC.kernel("wkv7c_backward_grads", **_RWKVAB, dy=X_IN, sa=F32_IN, s0=F32_IN, ds=F32_IN,
+                                  dx=F32_IN, dr=X_OUT, dw=F32_OUT, dk=F32_OUT, da=F32_OUT, db=F32_OUT,
+                                  T=INT, H=INT)
+WKV7_BACKWARD_REDUCE = CU.kernel("wkv7_backward_reduce", part=F32_IN, dr=X_OUT, dw=F32_OUT, dk=F32_OUT,
+                                 da=F32_OUT, db=F32_OUT, n=LONG, P=INT)
+
+
+def n_chunks(T: int, method: str = "sequential") -> int:
+    """Checkpointed chunks of a sequence of T tokens (CHUNK tokens each, CHUNKED_L for the chunked method)."""
+    size = CHUNKED_L if method in CHUNKED_METHODS else CHUNK
+    return (int(T) + size - 1) // size
+
+
+def _check_method(method: str, N: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"wkv7: method must be one of {METHODS}, got {method!r}")
+    if method in CHUNKED_METHODS and N not in CHUNKED_HEAD_SIZES:
+        raise ValueError(f"wkv7: the chunked method supports head sizes {CHUNKED_HEAD_SIZES}, got N={N}")
+
+
+def _check_exact_inputs(what: str, method: str, r) -> None:
+    if method == "chunked_exact" and r.elem != "f32":
+        raise ValueError(f"{what}: method chunked_exact takes f32 inputs (fp32 precision), got {r.elem}")
+
+
+def _check(B: int, T: int, H: int, N: int) -> None:
+    for name, x in (("B", B), ("T", T), ("H", H), ("N", N)):
+        if not isinstance(x, int) or isinstance(x, bool):
+            raise TypeError(f"wkv7: {name} must be an int, got {type(x).__name__}")
+        if x < 1:
+            raise ValueError(f"wkv7: {name} must be >= 1, got {x}")
+    if N not in HEAD_SIZES:
+        raise ValueError(f"wkv7: head size N={N} not supported (one of {HEAD_SIZES})")
+    if B > 65535 or H > 65535:
+        raise ValueError(f"wkv7: B={B} and H={H} must be <= 65535 (grid dimensions)")
+    if B * T * H * N >= 2 ** 40:
+        raise ValueError("wkv7: tensor too large")
+
+
+# ------------------------------------------------------------------------------------------------
+# splits
+# ------------------------------------------------------------------------------------------------
+def _forward_splits(N: int) -> list[int]:
+    pmax = max(1, min(8, N * Q // 32))          # keep >= one full warp per block
+    return [p for p in (1, 2, 4, 8) if p <= pmax]
+
+
+def _backward_splits(N: int) -> list[int]:
+    pmax = max(1, min(Q, N // 8))
+    return [p for p in (1, 2, 4) if p <= pmax and N * Q // p <= BWD_MAXT]
+
+
+def forward_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
+    """Default forward row split: the P minimising the busiest SM's threads, ceil(B*H*P/SMs) * N*Q/P
+    (ties: the smaller P, i.e. less redundant input staging)."""
+    best, best_load = 1, None
+    for p in _forward_splits(N):
+        load = math.ceil(B * H * p / dev.sm_count) * (N * Q // p)
+        if best_load is None or load < best_load:
+            best, best_load = p, load
+    return best
+
+
+def backward_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
+    """Default backward row split: the largest allowed P with B*H*P <= SMs (at least the smallest
+    allowed P; N = 128 needs P >= 2). P > 1 costs a reduction pass over 5*(P+1) [B,T,H,N] tensors, so
+    it is used only where B*H alone leaves more than half of the SMs idle."""
+    ok = _backward_splits(N)
+    best = ok[0]
+    for p in ok:
+        if B * H * p <= dev.sm_count:
+            best = p
+    return best
+
+
+def _chunked_splits(N: int) -> list[int]:
+    return [p for p in (1, 2, 4, 8) if N // p >= 8]          # >= one group (8 state rows) per block
+
+
+STATE_BLOCKS_PER_SM = 3   # blocks per SM of chunked_split's one wave (by shared memory 16-row blocks fit 3, 32-row 2)
+STATE_WARPS_PER_SM = 12   # state-pass warps per SM up to which two warps per 8 rows pay (see chunked_key_warps)
+
+
+def chunked_split(B: int, H: int, N: int, dev: DeviceInfo) -> int:
+    """Default state-pass row split of the chunked method: the largest P that leaves a block two groups of
+    8 state rows or more and puts the B*H*P blocks in one wave (STATE_BLOCKS_PER_SM per SM), else 1. The
+    passes are latency-bound per warp: more, smaller blocks hide each other's latency while they fit at
+    once (H200, N64 bf16, forward state pass at P = 1 / 2 / 4, one warp per 8 rows: B8 T4096 0.654 /
+    0.681 / 0.595 ms; B1 T16384 2.80 / 2.00 / 1.90; B16 T512 0.142 / 0.111 / 0.153; B8 T4096 H64 2.09 /
+    2.40 / 3.21)."""
+    ok = [p for p in _chunked_splits(N) if N // p >= 16] or _chunked_splits(N)[:1]
+    fits = [p for p in ok if B * H * p <= STATE_BLOCKS_PER_SM * dev.sm_count]
+    return fits[-1] if fits else ok[0]
+
+
+def _chunked_work(B: int, T: int, H: int, N: int) -> dict[str, int]:
+    """The chunked method's buffers: the forward's records, the backward's records, dS, dX."""
+    nc = B * H * n_chunks(T, "chunked")
+    return {"frec": nc * _record_floats(N, FWD_RECORD), "brec": nc * _record_floats(N, BWD_RECORD),
+            "ds": nc * N * N, "dx": B * T * H * N}
+
+
+def chunked_key_warps(B: int, H: int, N: int, dev: DeviceInfo) -> int:
+    """Warps per 8 state rows of the state passes: two (each half of the keys, then their partial sums
+    added: half the chain of dependent products per chunk) while the pass's warps stay within
+    STATE_WARPS_PER_SM per SM, else one (no exchange work). H200, N64 bf16, forward / backward state
+    pass, one -> two warps: B8 T4096 (P4) 0.595 / 0.636 ms -> 0.542 / 0.589; B1 T16384 (P4) 1.90 / 1.95
+    -> 1.39 / 1.43; B16 T512 (P2) 0.111 / 0.122 -> 0.134 / 0.144; B8 T4096 H64 (P1) 2.09 / 2.25 ->
+    2.50 / 2.72 (P2)."""
+    return 2 if B * H * (N // 8) * 2 <= STATE_WARPS_PER_SM * dev.sm_count else 1
+
+
+def _operators_variant(N: int, method: str) -> dict:
+    """The variant of the per-chunk kernels (intra, grads): no state rows, so one warp per group."""
+    return {"HEAD_SIZE": N, "WKV_KEY_WARPS": 1, "WKV_EXACT": int(method == "chunked_exact")}
+
+
+def _state_launch(B: int, H: int, N: int, P: int, dev: DeviceInfo, n_square: int, xtype: str,
+                  method: str) -> tuple[tuple, dict]:
+    """A state pass's block at row split P, and its variant (head size, warps per 8 rows, 3xTF32) and
+    shared memory as launch arguments."""
+    kw = chunked_key_warps(B, H, N, dev)
+    variant = {"HEAD_SIZE": N, "WKV_KEY_WARPS": kw, "WKV_EXACT": int(method == "chunked_exact")}
+    return (4 * kw * N // P, 1, 1), dict(variant=variant, smem=_state_smem_bytes(N, P, kw, n_square, xtype))
+
+
+def _state_smem_bytes(N: int, P: int, kw: int, n_square: int, xtype: str) -> int:
+    """Dynamic shared memory of wkv7c_forward_state / wkv7c_backward_state (state_smem_floats in
+    rwkvx/cu/wkv7/chunked.cu, which traps when given less)."""
+    L, NR, NS = CHUNKED_L, N // P, CHUNKED_STAGES
+    rows = -(-NS * L * (NR + 8) * ELEM_BYTES[xtype] // 16) * 4
+    group = 8 * (N + 4) + kw * 2 * L * 8 + (kw * 8 * 32 if kw > 1 else 0)    # GROUP_FLOATS
+    return 4 * (NS * _record_floats(N, n_square) + rows + NR // 8 * group)
+
+
+def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None,
+                  method: str = "sequential", kept_records: bool = False) -> dict[str, int]:
+    """fp32 scratch sizes in elements::
+
+        sa       [B, T, H, N]               forward -> backward (sa_t of every token)
+        ckpt     [B, H, ceil(T/CHUNK), N, N]  forward -> backward (state checkpoints)
+        partials [5, P, B, T, H, N]         backward scratch, 0 when the backward split P == 1
+
+    ``split`` is the backward split (default :func:`backward_split`). For the chunked methods: ckpt is
+    [B, H, ceil(T/16), N, N] (the states entering the chunks) and partials the work buffer of the forward
+    and the backward (chunk records; dS and dX), whatever the split; with ``kept_records`` the backward's
+    records are a buffer of their own, ``records`` (written by a forward given it, read by the backward:
+    see :func:`forward`), and partials holds the rest."""
+    _check(B, T, H, N)
+    _check_method(method, N)
+    if method in CHUNKED_METHODS:
+        work = _chunked_work(B, T, H, N)
+        sizes = {"sa": B * T * H * N, "ckpt": B * H * n_chunks(T, method) * N * N}
+        if kept_records:
+            return {**sizes, "records": work["brec"], "partials": max(work["frec"], work["ds"] + work["dx"])}
+        return {**sizes, "partials": max(work["frec"], work["brec"] + work["ds"] + work["dx"])}
+    if kept_records:
+        raise ValueError(f"wkv7: kept_records needs a chunked method, got {method!r}")
+    P = backward_split(B, H, N, dev) if split is None else int(split)
+    if P not in _backward_splits(N):
+        raise ValueError(f"wkv7: backward split {P} not allowed for N={N} (one of {_backward_splits(N)})")
+    return {"sa": B * T * H * N,
+            "ckpt": B * H * n_chunks(T) * N * N,
+            "partials": 5 * P * B * T * H * N if P > 1 else 0}
+
+
+# ------------------------------------------------------------------------------------------------
+# launches
+# ------------------------------------------------------------------------------------------------
+def _split(split: int | None, default: int, allowed: list[int], what: str, N: int) -> int:
+    P = default if split is None else int(split)
+    if P not in allowed:
+        raise ValueError(f"{what}: split {P} not allowed for N={N} (one of {allowed})")
+    return P
+
+
+def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo, sa=None, ckpt=None,
+            split: int | None = None, method: str = "sequential", partials=None, records=None) -> list:
+    """wkv7_forward: y = WKV(r, w, k, v, a, b), and with ``sa`` and ``ckpt`` what the backward needs
+    (see module doc). The chunked methods also need ``partials`` (the work buffer); given ``records``
+    (with sa and ckpt; scratch_elems(..., kept_records=True)), their forward also writes the backward's
+    chunk records there, computed in the same pass as its own, for a backward given the same ``records``
+    (which then skips computing them)."""
+    _check(B, T, H, N)
+    _check_method(method, N)
+    check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y)
+    if (sa is None) != (ckpt is None):
+        raise ValueError("wkv7.forward: pass both sa and ckpt (for a backward) or neither")
+    if sa is not None:
+        check_buffers("wkv7.forward", sa=sa, ckpt=ckpt)
+    if method in CHUNKED_METHODS:
+        check_buffers("wkv7.forward", partials=partials)
+        _check_exact_inputs("wkv7.forward", method, r)
+        if records is not None:
+            if sa is None:
+                raise ValueError("wkv7.forward: records are kept for a backward: pass sa and ckpt too")
+            check_buffers("wkv7.forward", records=records)
+        P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.forward", N)
+        block, state = _state_launch(B, H, N, P, dev, FWD_RECORD, r.elem, method)
+        return [WKV7C_INTRA.launch((n_chunks(T, method), H, B), (INTRA_THREADS, 1, 1), xtype=r.elem,
+                                   variant=_operators_variant(N, method), r=r, w=w, k=k, a=a, b=b, rec=partials,
+                                   brec=records, T=T, H=H,
+                                   mode=INTRA_FORWARD if records is None else INTRA_BOTH),
+                WKV7C_FORWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
+                                           rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, T=T, H=H)]
+    if records is not None:
+        raise ValueError(f"wkv7.forward: records are kept by the chunked methods only, not {method!r}")
+    P = forward_split(B, H, N, dev) if split is None else int(split)
+    if P not in _forward_splits(N):
+        raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
+    return [WKV7_FORWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant={"HEAD_SIZE": N},
+                                r=r, w=w, k=k, v=v, a=a, b=b, y=y, sa_out=sa, ckpt=ckpt, T=T, H=H)]
+
+
+def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
+             dev: DeviceInfo, partials=None, split: int | None = None, method: str = "sequential",
+             records=None) -> list:
+    """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
+
+    ``sa`` and ``ckpt`` from :func:`forward` on the same inputs with the same ``method``; (P > 1 or
+    a chunked method) ``partials`` is scratch of :func:`scratch_elems` with the same ``split``; ``records``
+    the chunk records that forward kept (chunked methods), or None to compute them here."""
+    _check(B, T, H, N)
+    _check_method(method, N)
+    check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt,
+                  dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
+    if method in CHUNKED_METHODS:
+        return _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
+                                 partials, split, method, records)
+    if records is not None:
+        raise ValueError(f"wkv7.backward: records are kept by the chunked methods only, not {method!r}")
+    P = backward_split(B, H, N, dev) if split is None else int(split)
+    if P not in _backward_splits(N):
+        raise ValueError(f"wkv7.backward: split {P} not allowed for N={N} (one of {_backward_splits(N)})")
+    n = B * T * H * N
+    if P > 1:
+        check_buffers("wkv7.backward", partials=partials)
+    grads = dict(dr=dr, dw=dw, dk=dk, da=da, db=db)
+    variant = {"HEAD_SIZE": N}
+    ops = [WKV7_BACKWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant=variant,
+                                r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt, dv=dv, **grads,
+                                part=partials if P > 1 else None, T=T, H=H, n=n)]
+    if P > 1:
+        grid = max(1, min(math.ceil(n // 4 / 256), REDUCE_BLOCKS_PER_SM * dev.sm_count))
+        ops.append(WKV7_BACKWARD_REDUCE.launch((grid, 1, 1), (256, 1, 1), xtype=r.elem, variant=variant,
+                                               part=partials, **grads, n=n, P=P))
+    return ops
+
+
+def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev, partials,
+                      split, method, records) -> list:
+    """A chunked method's backward: records (unless kept by the forward), the reverse state pass (dv, dX,
+    dS), the per-chunk gradients."""
+    check_buffers("wkv7.backward", partials=partials)
+    _check_exact_inputs("wkv7.backward", method, r)
+    P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.backward", N)
+    work = _chunked_work(B, T, H, N)
+    nc = n_chunks(T, "chunked")
+    x = dict(xtype=r.elem, variant=_operators_variant(N, method))
+    ops = []
+    if records is None:
+        rec, ds = partials, partials.offset(work["brec"])
+        ops.append(WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec,
+                                      brec=None, T=T, H=H, mode=INTRA_BACKWARD))
+    else:
+        check_buffers("wkv7.backward", records=records)
+        rec, ds = records, partials
+    dx = ds.offset(work["ds"])
+    block, state = _state_launch(B, H, N, P, dev, BWD_RECORD, r.elem, method)
+    return ops + [WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
+                                              rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),
+                  WKV7C_BACKWARD_GRADS.launch((nc, H, B), (4 * N, 1, 1), **x, r=r, w=w, k=k, v=v, a=a, b=b,
+                                              dy=dy, sa=sa, s0=ckpt, ds=ds, dx=dx, dr=dr, dw=dw, dk=dk, da=da,
+                                              db=db, T=T, H=H)]
