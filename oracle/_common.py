@@ -1,6 +1,6 @@
 """What every oracle twin shares: the model's constants, the float64-compute convention, the one GEMM.
 
-Numerics (SPEC §4): each twin computes in float64 and returns its float outputs in the dtype of its
+Numerics (docs/SPEC.md §4): each twin computes in float64 and returns its float outputs in the dtype of its
 inputs, rounded once. A float32 oracle therefore keeps float32 tensors *between* ops, as an fp32 GPU
 keeps them in memory, while inside an op it behaves like a kernel that accumulates in registers
 without loss. This also makes the float32 oracle independent of the CPU and the BLAS build: float32
@@ -114,7 +114,7 @@ def shift_mix_backward(x: np.ndarray, mixes: np.ndarray, douts: np.ndarray,
 
 
 def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
-    """The one error measure of SPEC §4: ||a - ref|| / ||ref|| over all elements, in float64
+    """The one error measure of docs/SPEC.md §4: ||a - ref|| / ||ref|| over all elements, in float64
     (0 when both are zero, inf when only ref is)."""
     a, ref = np.asarray(a, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     num, den = float(np.linalg.norm(a - ref)), float(np.linalg.norm(ref))

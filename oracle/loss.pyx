@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=True, wraparound=True, annotation_typing=False
 # Python-level code keeps normal indexing; the loop kernel opts out of the checks.
-"""Twin of rwkvx/cu/loss/loss.cu: the cross-entropy, always in float64 (SPEC §3).
+"""Twin of rwkvx/cu/loss/loss.cu: the cross-entropy, always in float64 (docs/SPEC.md §3).
 
 Per row: loss = logsumexp(z) - z[target]; its gradient softmax(z) - onehot(target). Rows whose
 target is ignore_index contribute nothing.

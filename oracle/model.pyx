@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=True, wraparound=True, annotation_typing=False
-"""The oracle model: RWKV-X forward and hand-written backward on the CPU (SPEC §2.3).
+"""The oracle model: RWKV-X forward and hand-written backward on the CPU (docs/SPEC.md §2.3).
 
 Readable reference, not a fast path. The model is the op twins of the GPU kernel families (one
 module each: embedding, layernorm, timemix, wkv7, moba, channelmix, loss) chained by GEMMs

@@ -1,4 +1,4 @@
-"""Twin of rwkvx/cu/timemix/timemix.cu: the element-wise parts of the RWKV-7 time mix (SPEC §2.3 TimeMix).
+"""Twin of rwkvx/cu/timemix/timemix.cu: the element-wise parts of the RWKV-7 time mix (docs/SPEC.md §2.3 TimeMix).
 
 The GEMMs (r, k, v, the LoRAs, the output) are the model's (oracle/model.pyx), the recurrence is
 oracle/wkv7.pyx; here is everything between them, as the GPU fuses it:

@@ -253,7 +253,7 @@ def export_rwkv7_pth(path: str | os.PathLike, cfg: Config, params: ParamDict, dt
                      drop_attention: bool = False) -> None:
     """Write the model as an RWKV-LM x070 state dict in PyTorch's ``.pth`` format, atomically.
 
-    Names and shapes are RWKV-LM's (SPEC §2.4 without the ``rwkv.`` prefix, plus block 0's unused
+    Names and shapes are RWKV-LM's (docs/SPEC.md §2.4 without the ``rwkv.`` prefix, plus block 0's unused
     ``att.v0/v1/v2`` as zeros), so RWKV-LM's code loads the file with ``torch.load`` and a strict
     ``load_state_dict``. ``dtype``: ``"bf16"`` (as BlinkDL's releases) or ``"fp32"``. RWKV-LM has no
     MoBA blocks: a model with attention blocks is refused unless ``drop_attention`` is true, which

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the GPU when usable, else the CPU oracle")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="GPU precision: fp32 (exact), tf32 (tensor-core GEMMs), bf16 (bf16 GEMMs and "
-                        "activations, fp32 master weights; SPEC §4); the CPU backend computes in --cpu-dtype")
+                        "activations, fp32 master weights; docs/SPEC.md §4); the CPU backend computes in --cpu-dtype")
     g.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="GPU: recompute each block's forward in the backward (default; least memory), or "
                         "keep every block's transients (--no-recompute: faster, more memory)")

@@ -1,4 +1,4 @@
-"""Model configuration: the fields of SPEC §2.1 and the block order of §2.2."""
+"""Model configuration: the fields of docs/SPEC.md §2.1 and the block order of §2.2."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Numerical constants of the model (SPEC §2.3), shared by the oracle and the kernels (as NVRTC defines).
+# Numerical constants of the model (docs/SPEC.md §2.3), shared by the oracle and the kernels (as NVRTC defines).
 LN_EPS = 1e-5                    # every LayerNorm
 GN_EPS = 64e-5                   # ln_x GroupNorm, for every head size
 L2_EPS = 1e-12                   # l2-normalise: x / max(||x||, 1e-12)
@@ -31,7 +31,7 @@ def _require_int(name: str, value: Any, minimum: int) -> None:
 class Config:
     """An RWKV-X model: RWKV-7 blocks interleaved with MoBA attention blocks.
 
-    Fields left as ``None`` get the derived defaults of SPEC §2.1 (``ffn_dim`` = 4·C, LoRA ranks
+    Fields left as ``None`` get the derived defaults of docs/SPEC.md §2.1 (``ffn_dim`` = 4·C, LoRA ranks
     from sqrt(C)). Invalid values raise ``ValueError`` (or ``TypeError``) naming the field.
     """
 
@@ -84,7 +84,7 @@ class Config:
         return self.n_rwkv_layer + self.n_attn_layer
 
     def block_order(self) -> list[tuple[str, int]]:
-        """The blocks in execution order, as ``("rwkv", i)`` / ``("attn", j)`` (SPEC §2.2)."""
+        """The blocks in execution order, as ``("rwkv", i)`` / ``("attn", j)`` (docs/SPEC.md §2.2)."""
         L, M = self.n_rwkv_layer, self.n_attn_layer
         if M == 0:
             return [("rwkv", i) for i in range(L)]

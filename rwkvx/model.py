@@ -523,7 +523,7 @@ class StepBuilder:
                     R=self.R, C=self.cfg.n_embd, N=self.cfg.head_size, dev=self.dev)
 
     def rwkv_forward(self, i: int, xin, for_backward: bool = False) -> list:
-        """x1 = xin + TimeMix(LN1(xin)) (SPEC §2.3), leaving every transient the backward needs; only
+        """x1 = xin + TimeMix(LN1(xin)) (docs/SPEC.md §2.3), leaving every transient the backward needs; only
         ``for_backward`` (the forward the backward reads: the recompute, or the forward itself without
         recompute) saves the WKV state for it."""
         R, C, dev, mm = self.R, self.cfg.n_embd, self.dev, self.mm
@@ -606,7 +606,7 @@ class StepBuilder:
                     chunk=cfg.moba_chunk_size, top_k=cfg.moba_top_k, dev=self.dev, method=self.methods["moba"])
 
     def attn_forward(self, j: int, xin, attend: bool = True) -> list:
-        """x1 = xin + Attn_j(LN1(xin)) (SPEC §2.3, MoBA). Without ``attend`` (the recompute) the block's
+        """x1 = xin + Attn_j(LN1(xin)) (docs/SPEC.md §2.3, MoBA). Without ``attend`` (the recompute) the block's
         kept MoBA output and selection (:data:`ATTENTION_KEPT`) stand for the attention."""
         R, C, b = self.R, self.cfg.n_embd, self.buf
         pre = f"moba.{j}."
@@ -643,7 +643,7 @@ class Model:
     moments and every activation live in one device arena sized at construction; a step allocates
     nothing and synchronises only to read the per-token losses.
 
-    ``precision`` (SPEC §4): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM operands and
+    ``precision`` (docs/SPEC.md §4): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM operands and
     activations; fp32 master weights, gradients, optimizer state, WKV state and statistics).
     ``recompute`` (default True): the backward recomputes each block's forward from its saved input;
     False keeps every block's transients instead (more memory, no second forward). ``methods``

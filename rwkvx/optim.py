@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule (SPEC §3), RWKV-LM conventions, PyTorch AdamW semantics.
+"""AdamW and the learning-rate schedule (docs/SPEC.md §3), RWKV-LM conventions, PyTorch AdamW semantics.
 
 This docstring is the contract shared by the numpy optimizer below (CPU backend) and the fused GPU
 kernel (``rwkvx/cu/adamw/adamw.cu``). Both implement exactly these formulas.

@@ -1,4 +1,4 @@
-"""Parameter names, shapes and the RWKV-LM x070 initialisation (SPEC §2.4)."""
+"""Parameter names, shapes and the RWKV-LM x070 initialisation (docs/SPEC.md §2.4)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ from .config import Config
 
 ParamDict = dict[str, np.ndarray]
 
-_EXP_HALF_NEG = math.exp(-0.5)  # the decay scale exp(-0.5) of SPEC §2.3
+_EXP_HALF_NEG = math.exp(-0.5)  # the decay scale exp(-0.5) of docs/SPEC.md §2.3
 
 
 def rwkv_block_shapes(cfg: Config, i: int) -> dict[str, tuple[int, ...]]:

@@ -40,7 +40,7 @@ from .params import ParamDict, check_params
 from .runtime import gemm
 from .validate import IGNORE_INDEX, check_targets, check_tokens
 
-PRECISIONS = gemm.PRECISIONS  # the GPU precision modes of SPEC §4
+PRECISIONS = gemm.PRECISIONS  # the GPU precision modes of docs/SPEC.md §4
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 
@@ -53,7 +53,7 @@ class Backend(abc.ABC):
       loss (float, reduced in float64). Inputs are validated int64 ``[B, T]`` arrays.
     * ``evaluate(tokens, targets)``: the mean loss, no update.
     * ``forward(tokens)``: logits ``[B, T, V]`` as a numpy array (for sampling).
-    * ``get_params()``: host float32 copies of every parameter (SPEC §2.4 names).
+    * ``get_params()``: host float32 copies of every parameter (docs/SPEC.md §2.4 names).
     * ``optimizer_state()`` / ``load_optimizer_state(state)``: the
       ``{"tensors": {"optim.m.<name>", "optim.v.<name>"}, "meta": {"optim_step": int, ...}}``
       dict of :meth:`rwkvx.optim.AdamW.state_dict` (host float32 moments).

@@ -1,4 +1,4 @@
-"""Input checks shared by the CPU oracle and the GPU model (SPEC §3).
+"""Input checks shared by the CPU oracle and the GPU model (docs/SPEC.md §3).
 
 Both run these before doing any work, so a bad token or target id is reported as a clear
 ``ValueError`` naming the first bad position, instead of an out-of-bounds read on the device.

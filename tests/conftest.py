@@ -40,7 +40,7 @@ def make_random_params(cfg, seed=0):
 
 
 def make_training_like_params(cfg, seed=0):
-    """SPEC §4's training-like model: init_params(cfg) with its zero-initialised matrices (w1, a1, v1,
+    """docs/SPEC.md §4's training-like model: init_params(cfg) with its zero-initialised matrices (w1, a1, v1,
     g1, att.output, ffn.value) filled with N(0, 0.02^2); float32."""
     rng = np.random.default_rng(seed)
     return {k: (0.02 * rng.standard_normal(v.shape)).astype(np.float32) if v.ndim == 2 and not v.any()

@@ -73,7 +73,7 @@ def test_pth_loads_trains_and_exports_back(tmp_path, tokens, capsys):
 
 def test_init_from_upgrades_rwkv7_to_rwkvx(tmp_path, tokens, capsys):
     """--n-attn-layer 1 on the 2-block RWKV-7 fixture: attention block 0 follows RWKV blocks 0 and 1
-    (SPEC §2.2), so it starts as a copy of block 1's ln1/ln2, r/k/v/o and channel mix. A learning rate
+    (docs/SPEC.md §2.2), so it starts as a copy of block 1's ln1/ln2, r/k/v/o and channel mix. A learning rate
     of 1e-9 leaves the trained values within 1e-6 of where they started."""
     run = tmp_path / "x"
     assert main(["train", "--init-from", str(PTH), "--n-attn-layer", "1", "--chunk", "4", "--top-k", "2",

@@ -1,4 +1,4 @@
-"""Config defaults, validation and block order (SPEC §2.1, §2.2)."""
+"""Config defaults, validation and block order (docs/SPEC.md §2.1, §2.2)."""
 import pytest
 
 from rwkvx import Config

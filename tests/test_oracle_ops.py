@@ -1,5 +1,5 @@
 """Op-level oracle functions against plain Python/numpy references and finite differences, and the
-whole oracle forward against a direct per-token transcription of SPEC §2.3."""
+whole oracle forward against a direct per-token transcription of docs/SPEC.md §2.3."""
 import math
 
 import numpy as np
@@ -106,7 +106,7 @@ def _ln(x, w, b, eps=1e-5):
 
 
 def _reference_logits(cfg, P, tokens):
-    """SPEC §2.3 transcribed token by token (one sequence), dense causal MoBA by masking."""
+    """docs/SPEC.md §2.3 transcribed token by token (one sequence), dense causal MoBA by masking."""
     C, H, N, T = cfg.n_embd, cfg.n_head, cfg.head_size, len(tokens)
     vec = lambda name: P[name].reshape(-1)
     x = np.array([P["rwkv.emb.weight"][t] for t in tokens])

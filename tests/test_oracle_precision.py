@@ -1,4 +1,4 @@
-"""The float32 oracle is as accurate as an ideal fp32 GPU step (SPEC §4), on every CPU and BLAS build.
+"""The float32 oracle is as accurate as an ideal fp32 GPU step (docs/SPEC.md §4), on every CPU and BLAS build.
 
 The float32 oracle keeps float32 tensors between ops and computes inside every op in float64,
 rounding the outputs once (oracle/_common.py). Both oracles get the same float32 parameters, as in

@@ -1,7 +1,7 @@
 """CPU validation of the time-mix twins (oracle/timemix.py), the references of rwkvx/cu/timemix/timemix.cu.
 
 Each analytic backward is checked against central finite differences of its forward, so the GPU
-tests rest on trusted references; the forwards are checked against SPEC §2.3 spot values.
+tests rest on trusted references; the forwards are checked against docs/SPEC.md §2.3 spot values.
 """
 import math
 
@@ -109,7 +109,7 @@ def test_prep_reference_fd(layer, N):
 
 
 def test_prep_forward_formulas():
-    """Spot values straight from SPEC §2.3."""
+    """Spot values straight from docs/SPEC.md §2.3."""
     rng = np.random.default_rng(4)
     N, R, C = 4, 2, 8
     A, _ = _prep_inputs(rng, R, C, 1)

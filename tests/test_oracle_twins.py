@@ -34,7 +34,7 @@ def test_channel_mix_shift_matches_definition_and_fd(B, T):
     x = rng.standard_normal((B * T, C))
     mix = rng.uniform(0, 1, C)
     xk = channel_mix_shift_forward(x, mix, T)
-    for r in range(B * T):                       # straight from SPEC: shift(x)[t] = x[t-1], 0 at t = 0
+    for r in range(B * T):                       # straight from docs/SPEC.md §2.3: shift(x)[t] = x[t-1], 0 at t = 0
         prev = x[r - 1] if r % T else np.zeros(C)
         np.testing.assert_allclose(xk[r], x[r] + (prev - x[r]) * mix, rtol=1e-15, atol=1e-15)
     dxk = rng.standard_normal(x.shape)

@@ -1,4 +1,4 @@
-"""init_params: names, shapes, initial values and determinism (SPEC §2.4)."""
+"""init_params: names, shapes, initial values and determinism (docs/SPEC.md §2.4)."""
 import math
 
 import numpy as np

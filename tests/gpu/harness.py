@@ -2,7 +2,7 @@
 
 A :class:`KernelCase` owns the device buffers of one test. ``input`` uploads values rounded to the
 buffer's element type and keeps, in ``case.seen[name]``, the float64 values the kernel reads (the
-twin runs on exactly those, SPEC §4); ``output`` buffers are poisoned (NaN / an impossible int) before
+twin runs on exactly those, docs/SPEC.md §4); ``output`` buffers are poisoned (NaN / an impossible int) before
 every run; ``inout`` buffers are reset to their initial values before every run; ``scratch`` buffers
 are poisoned and not read back. :meth:`KernelCase.run` runs the ops twice from the same state, asserts
 that every output is bit-identical between the runs, and returns the outputs as float64 arrays.
@@ -17,11 +17,11 @@ import numpy as np
 from rwkvx.oracle import rel_err
 from rwkvx.runtime.dtypes import from_storage, poison_bits, to_storage
 
-BF16_TOL = 1e-2          # SPEC §4: a kernel in bf16 against its float64 twin on the same rounded inputs
+BF16_TOL = 1e-2          # docs/SPEC.md §4: a kernel in bf16 against its float64 twin on the same rounded inputs
 
 
 def tolerance(xtype: str, f32_tol: float) -> float:
-    """The limit of a kernel test: ``f32_tol`` in fp32, SPEC's bf16 limit in bf16."""
+    """The limit of a kernel test: ``f32_tol`` in fp32, the bf16 kernel limit of docs/SPEC.md §4 in bf16."""
     return f32_tol if xtype == "f32" else BF16_TOL
 
 

@@ -5,7 +5,7 @@
 1. the selection first: it must equal the twin's wherever the twin's gate gap (last selected minus first
    left-out gate) is >= the precision's margin; near-ties may differ (the GPU gate is fp32), and the GPU
    selection is then what the twins are given for everything else;
-2. o and lse (fp32: <= 1e-5); 3. dq, dk, dv (fp32: <= 1e-4). bf16: SPEC's 1e-2 on the rounded inputs.
+2. o and lse (fp32: <= 1e-5); 3. dq, dk, dv (fp32: <= 1e-4). bf16: docs/SPEC.md's 1e-2 on the rounded inputs.
 The tensor-core kernels (method "mma": tf32 for f32 activations, bf16 for bf16) against the same twins:
 tf32 <= 5e-3, bf16 <= 1e-2 (tests/test_moba_mma_emulation.py checks that budget on CPU).
 """

@@ -1,4 +1,4 @@
-// moba.cu — MoBA sparse attention (SPEC §2.3 "Attn (MoBA)"), forward and backward, fp32 math, flash-style.
+// moba.cu — MoBA sparse attention (docs/SPEC.md §2.3 "Attn (MoBA)"), forward and backward, fp32 math, flash-style.
 //
 // Layout: q, k, v, o, do, dq, dk, dv floatX [B, T, H, N] (= row-major [B*T, C], c = h*N + n), aligned to
 // 4 elements; tiles are widened to fp32 in shared memory. N = HEAD_SIZE (compile-time, 4..256); chunk,

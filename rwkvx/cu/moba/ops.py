@@ -1,4 +1,4 @@
-"""Launch builders for rwkvx/cu/moba/moba.cu: MoBA sparse attention (SPEC §2.3), fp32 math, flash-style.
+"""Launch builders for rwkvx/cu/moba/moba.cu: MoBA sparse attention (docs/SPEC.md §2.3), fp32 math, flash-style.
 
 No T x T buffer: memory is O(B*T*C*top_k) (see :func:`scratch_sizes`). Every builder returns
 ``list[Launch]`` (plain data, no GPU needed). Buffers are typed device pointers (DevPtr).

@@ -1,6 +1,6 @@
 // rwkvx/cu/timemix/timemix.cu -- element-wise parts of the RWKV-7 (x070) TimeMix block, forward and backward.
 //
-// SPEC §2.3. The GEMMs (receptance/key/value/output and the LoRA products) run in cuBLAS, the WKV
+// docs/SPEC.md §2.3. The GEMMs (receptance/key/value/output and the LoRA products) run in cuBLAS, the WKV
 // recurrence in wkv7.cu; this file holds everything in between:
 //
 //   tm_shift_fwd / tm_shift_bwd        token shift + 6-way mix (x_r, x_w, x_k, x_v, x_a, x_g)
