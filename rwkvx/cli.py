@@ -100,7 +100,7 @@ def _token_count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m rwkvx`` parser: the ``train``, ``sample``, ``prepare`` and ``export`` subcommands."""
     from .dist.world import DEFAULT_TIMEOUT_S
-    from .train import PRECISIONS
+    from .precision import PRECISION_NAMES as PRECISIONS
     from .presets import DEFAULT_PRESET, PRESETS
     from .pth import WRITE_DTYPES
     from .tokenizer import TOKENIZERS

@@ -19,24 +19,14 @@ from .config import Config
 from .optim import Schedule
 from .cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from .params import ParamDict, check_params, param_shapes
+from .precision import Precision, resolve_precision
 from .runtime import gemm
 from .runtime.device import DeviceInfo
 from .runtime.dtypes import ELEM_BYTES, from_storage, poison_bits, storage_dtype, to_storage
 from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Gemm, Memset, flatten_ops
 
-PRECISIONS = gemm.PRECISIONS
 HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
-XTYPES = {"fp32": "f32", "tf32": "f32", "bf16": "bf16"}  # activation element type of each precision
 
-
-def kernel_methods(cfg: Config, precision: str) -> dict[str, str]:
-    """The WKV7 and MoBA kernel methods of a precision where they support the head size: the chunked
-    WKV7 on tensor cores (3xTF32 in fp32), MoBA's mma kernels in tf32 and bf16 and its exact CUDA-core
-    kernels in fp32; elsewhere the sequential WKV7."""
-    fast = precision != "fp32"
-    chunked = "chunked" if fast else "chunked_exact"
-    return {"wkv7": chunked if cfg.head_size in wkv7.CHUNKED_HEAD_SIZES else "sequential",
-            "moba": "mma" if fast and cfg.head_size in moba.MMA_HEAD_SIZES else "exact"}
 _ALIGN = 256  # bytes; every buffer starts 256-byte aligned (vector kernels, cuBLAS)
 
 
@@ -76,16 +66,17 @@ class Layout:
     Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat f32, same offsets per tensor), the per-step
     inputs, one saved input per block, and one block's worth of transients shared by all blocks (with
     ``recompute=False``, also every other block's :data:`FORWARD_STATE`, as ``name@position``).
-    Activations have element type ``xtype`` = XTYPES[precision]; ``methods`` are the precision's kernel
-    methods (:func:`kernel_methods`).
+    Activations have the precision's element type ``xtype``; ``methods`` are its kernel methods
+    (:meth:`rwkvx.precision.Precision.kernel_methods`), overridden by ``methods`` where given.
     """
 
-    def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: str = "fp32",
+    def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: str | Precision = "fp32",
                  recompute: bool = True, methods: dict[str, str] | None = None):
-        xtype = XTYPES[precision]
+        precision = resolve_precision(precision)
+        xtype = precision.xtype
         self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
         self.precision, self.recompute = precision, recompute
-        self.methods = kernel_methods(cfg, precision)
+        self.methods = precision.kernel_methods(cfg)
         if methods is not None:
             if set(methods) - set(self.methods):
                 raise ValueError(f"methods: unknown kernel families {sorted(set(methods) - set(self.methods))}")
@@ -267,7 +258,7 @@ class StepBuilder:
         self.R = self.B * self.T
         self.base = base
         self.host = host  # pinned host pointers: tokens, targets, emb_order, ...
-        self.mm = layout.precision          # the GEMMs' mode (gemm.resolve)
+        self.mm = layout.precision.gemm     # every GEMM's mode
         self.methods = layout.methods       # the WKV7 and MoBA kernel methods
         self.block_pos: int | None = None   # the block being built: selects its own forward state
 
@@ -647,18 +638,17 @@ class Model:
     activations; fp32 master weights, gradients, optimizer state, WKV state and statistics).
     ``recompute`` (default True): the backward recomputes each block's forward from its saved input;
     False keeps every block's transients instead (more memory, no second forward). ``methods``
-    overrides kernel methods of :func:`kernel_methods` (e.g. ``{"wkv7": "sequential"}``).
+    overrides the precision's kernel methods (e.g. ``{"wkv7": "sequential"}``).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
-                 precision: str = "fp32", recompute: bool = True, methods: dict[str, str] | None = None):
+                 precision: str | Precision = "fp32", recompute: bool = True, methods: dict[str, str] | None = None):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        precision = resolve_precision(precision)
         if not isinstance(recompute, bool):
             raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
         check_params(cfg, params)

@@ -37,10 +37,9 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config
 from .optim import AdamW, Schedule
 from .params import ParamDict, check_params
-from .runtime import gemm
+from .precision import resolve_precision
 from .validate import IGNORE_INDEX, check_targets, check_tokens
 
-PRECISIONS = gemm.PRECISIONS  # the GPU precision modes of docs/SPEC.md §4
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 
@@ -310,8 +309,7 @@ class Trainer:
         if not isinstance(cfg, Config):
             raise TypeError("cfg must be an rwkvx.Config")
         check_params(cfg, params)
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        precision = resolve_precision(precision).name
         if not isinstance(recompute, bool):
             raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from rwkvx import Config
-from rwkvx.model import CHANNEL_MIX_STATE, FORWARD_STATE, Layout, StepBuilder, kernel_methods
+from rwkvx.model import CHANNEL_MIX_STATE, FORWARD_STATE, Layout, StepBuilder
+from rwkvx.precision import resolve_precision
 from rwkvx.cu import moba, wkv7
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.dtypes import from_storage, storage_dtype
@@ -73,11 +74,11 @@ def test_kernel_methods_of_each_precision():
         cfg = Config(vocab_size=64, n_embd=2 * N, head_size=N, n_rwkv_layer=1, n_attn_layer=1,
                      moba_chunk_size=16, moba_top_k=2)
         chunked = N in wkv7.CHUNKED_HEAD_SIZES
-        assert kernel_methods(cfg, "fp32")["wkv7"] == ("chunked_exact" if chunked else "sequential")
+        assert resolve_precision("fp32").kernel_methods(cfg)["wkv7"] == ("chunked_exact" if chunked else "sequential")
         for precision in ("tf32", "bf16"):
-            assert kernel_methods(cfg, precision)["wkv7"] == ("chunked" if chunked else "sequential")
-            assert kernel_methods(cfg, precision)["moba"] == ("mma" if N in moba.MMA_HEAD_SIZES else "exact")
-        assert kernel_methods(cfg, "fp32")["moba"] == "exact"
+            assert resolve_precision(precision).kernel_methods(cfg)["wkv7"] == ("chunked" if chunked else "sequential")
+            assert resolve_precision(precision).kernel_methods(cfg)["moba"] == ("mma" if N in moba.MMA_HEAD_SIZES else "exact")
+        assert resolve_precision("fp32").kernel_methods(cfg)["moba"] == "exact"
     for precision, exact in (("fp32", "1"), ("tf32", "0"), ("bf16", "0")):
         _, ops = build(dict(vocab_size=67, n_embd=128, head_size=64, n_rwkv_layer=2), 1, 40, precision)
         wkv = [op for op in flatten_ops(ops.step) if isinstance(op, Launch) and op.name.startswith("wkv7")]

@@ -6,6 +6,7 @@ import pytest
 
 from rwkvx.runtime import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, GemmPrecision, Launch, Memset, flatten_ops
 from rwkvx.runtime import gemm as G
+from rwkvx.precision import PRECISION_NAMES, resolve_precision
 from rwkvx.runtime.ops import as_ptr
 
 
@@ -103,19 +104,30 @@ def test_gemm_precision_validation(kwargs):
 def test_gemm_precisions_carry_their_compute_type():
     assert G.FP32.codes() == (0, 0, 0, 68) and G.TF32.codes() == (0, 0, 0, 77)
     assert G.linear(1, 2, 3, 10, 4, 6, precision=G.TF32).precision is G.TF32
-    assert G.PRECISIONS == ("fp32", "tf32", "bf16")
+    assert tuple(G.PRESETS) == PRECISION_NAMES
 
 
 def test_gemm_mode_resolves_from_operand_types():
+    bf16, tf32 = resolve_precision("bf16").gemm, resolve_precision("tf32").gemm
     x, w, y32 = DevPtr(256, "bf16"), DevPtr(512, "bf16"), DevPtr(1024, "f32")
-    assert G.linear(x, w, y32, 10, 4, 6, precision="bf16").precision == GemmPrecision("bf16", "bf16", "f32")
-    assert G.linear(x, w, DevPtr(2048, "bf16"), 10, 4, 6, precision="bf16").precision.c == "bf16"
+    assert G.linear(x, w, y32, 10, 4, 6, precision=bf16).precision == GemmPrecision("bf16", "bf16", "f32")
+    assert G.linear(x, w, DevPtr(2048, "bf16"), 10, 4, 6, precision=bf16).precision.c == "bf16"
     f = DevPtr(256, "f32")
-    assert G.linear(f, f, f, 10, 4, 6, precision="tf32").precision == G.TF32
+    assert G.linear(f, f, f, 10, 4, 6, precision=tf32).precision == G.TF32
     with pytest.raises(TypeError):
-        G.linear(f, w, y32, 10, 4, 6, precision="bf16")     # a bf16 GEMM with an fp32 operand
-    with pytest.raises(ValueError):
-        G.linear(x, w, y32, 10, 4, 6, precision="fp16")
+        G.linear(f, w, y32, 10, 4, 6, precision=bf16)       # a bf16 GEMM with an fp32 operand
+    with pytest.raises(TypeError):
+        G.linear(x, w, y32, 10, 4, 6, precision="bf16")     # modes are resolved by rwkvx.precision only
+
+
+def test_precision_is_resolved_once_by_name():
+    p = resolve_precision("bf16")
+    assert resolve_precision(p) is p and (p.xtype, str(p)) == ("bf16", "bf16")
+    assert [resolve_precision(n).xtype for n in PRECISION_NAMES] == ["f32", "f32", "bf16"]
+    with pytest.raises(ValueError, match="fp32, tf32, bf16"):
+        resolve_precision("fp16")
+    with pytest.raises(TypeError):
+        resolve_precision(16)
 
 
 def test_typed_pointers():
@@ -448,7 +460,7 @@ def test_gemm_shape_alignment_and_key():
     from rwkvx.runtime.gemm_shape import GemmShape, alignment
     assert [alignment(p) for p in (0x100, 0x7000, 0x108, 0x102, 0x10)] == [256, 256, 8, 2, 16]
     op = G.linear(DevPtr(0x1000, "bf16"), DevPtr(0x2008, "bf16"), DevPtr(0x3000, "f32"), rows=6, n_in=4, n_out=5,
-                  beta=1.0, precision="bf16")
+                  beta=1.0, precision=resolve_precision("bf16").gemm)
     s = GemmShape.of(op)
     assert (s.m, s.n, s.k, s.transa, s.transb, s.reads_c) == (5, 6, 4, True, False, True)
     assert s.align == (8, 256, 256) and s.types == (14, 14, 0, 68)     # A is the weight (0x2008)
