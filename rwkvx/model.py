@@ -26,6 +26,7 @@ from .runtime.dtypes import ELEM_BYTES, from_storage, poison_bits, storage_dtype
 from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Gemm, Memset, flatten_ops
 
 HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
+DEFAULT_RECOMPUTE = True      # the backward recomputes each block's forward (least memory)
 
 _ALIGN = 256  # bytes; every buffer starts 256-byte aligned (vector kernels, cuBLAS)
 
@@ -71,7 +72,7 @@ class Layout:
     """
 
     def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: str | Precision = "fp32",
-                 recompute: bool = True, methods: dict[str, str] | None = None):
+                 recompute: bool = DEFAULT_RECOMPUTE, methods: dict[str, str] | None = None):
         precision = resolve_precision(precision)
         xtype = precision.xtype
         self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
@@ -636,13 +637,13 @@ class Model:
 
     ``precision`` (docs/SPEC.md §4): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM operands and
     activations; fp32 master weights, gradients, optimizer state, WKV state and statistics).
-    ``recompute`` (default True): the backward recomputes each block's forward from its saved input;
+    ``recompute`` (default :data:`DEFAULT_RECOMPUTE`, True): the backward recomputes each block's forward from its saved input;
     False keeps every block's transients instead (more memory, no second forward). ``methods``
     overrides the precision's kernel methods (e.g. ``{"wkv7": "sequential"}``).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
-                 precision: str | Precision = "fp32", recompute: bool = True, methods: dict[str, str] | None = None):
+                 precision: str | Precision = "fp32", recompute: bool = DEFAULT_RECOMPUTE, methods: dict[str, str] | None = None):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
