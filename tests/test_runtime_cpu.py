@@ -271,6 +271,8 @@ def test_plan_packs_arguments():
     assert len(plan) == 7
     assert dev.calls == [("m", "k1", (("HEAD_SIZE", "64"),)), ("m", "k2", ())]
     assert plan.names[0] == "k1" and plan.names[1] == "cublasLtMatmul op #1" and plan.names[3] == "k2"
+    assert plan.names[2] == "cuMemsetD8Async op #2" and plan.names[4:] == [
+        "cuMemcpyDtoDAsync op #4", "cuMemcpyHtoDAsync op #5", "cuMemcpyDtoHAsync op #6"]
     assert [len(p) for p in dev.cublas.prepared][-1] == 1      # one prepare call with the plan's one GEMM
     packed = plan.packed_args(0)
     assert len(packed) == 5 * 8
