@@ -119,10 +119,10 @@ def _check_against_oracle(cfg, params, B, T, precision, loss_tol, tol, rng, reco
 def test_head_in_row_chunks_matches_oracle(name, random_params, record_property, monkeypatch):
     """Logits in 64-row chunks (the last one partial): the head gradient accumulated over chunks and
     the logits read back chunk by chunk still meet the fp32 limits."""
-    from rwkvx import model as model_module
+    from rwkvx import arena as arena_module
     kwargs, B, T = CASES[name]
     cfg = Config(**kwargs)
-    monkeypatch.setattr(model_module, "HEAD_CHUNK_BYTES", 64 * cfg.vocab_size * 4)
+    monkeypatch.setattr(arena_module, "HEAD_CHUNK_BYTES", 64 * cfg.vocab_size * 4)
     rng = np.random.default_rng()
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
     _check_against_oracle(cfg, params, B, T, "fp32", *TOLERANCES["fp32"], rng, record_property, ignore_some=True)
