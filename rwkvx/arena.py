@@ -90,8 +90,8 @@ class Layout:
         self.param_shapes = shapes
         for region in ("params", "grads", "adam_m", "adam_v"):
             self._add(region, n_flat, "f32")
-        # the weights as the GEMMs read them (bf16 only; refreshed by AdamW)
-        self._add("params_x", n_flat if xtype == "bf16" else 0, xtype)
+        # the weights as bf16 GEMM operands (refreshed by AdamW); empty where the GEMMs read the f32 weights
+        self._add("params_x", n_flat if precision.gemm.bf16_operands else 0, xtype)
         self.adam_table, self.adam_lrmul = adamw.build_table(self.param_segments)
         self.adam_chunks = len(self.adam_lrmul)
         self._add("adam_table", self.adam_table.size, "i32")

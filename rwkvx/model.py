@@ -14,7 +14,7 @@ from .config import Config
 from .cu import adamw, embedding, loss
 from .optim import Schedule
 from .params import ParamDict, check_params
-from .precision import Precision, resolve_precision
+from .precision import DEFAULT_PRECISION, Precision, resolve_precision
 from .runtime.dtypes import from_storage, poison_bits, storage_dtype, to_storage
 from .runtime.ops import Gemm, flatten_ops
 from .step import StepBuilder
@@ -30,15 +30,18 @@ class Model:
     moments and every activation live in one device arena sized at construction; a step allocates
     nothing and synchronises only to read the per-token losses.
 
-    ``precision`` (docs/SPEC.md §4): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM operands and
-    activations; fp32 master weights, gradients, optimizer state, WKV state and statistics).
-    ``recompute`` (default :data:`DEFAULT_RECOMPUTE`, True): the backward recomputes each block's forward from its saved input;
-    False keeps every block's transients instead (more memory, no second forward). ``methods``
-    overrides the precision's kernel methods (e.g. ``{"wkv7": "sequential"}``).
+    ``precision`` (docs/SPEC.md §4; a :class:`~rwkvx.precision.Precision` or its name, default
+    :data:`rwkvx.precision.DEFAULT_PRECISION`): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM
+    operands and activations; fp32 master weights, gradients, optimizer state, WKV state and statistics);
+    the attribute ``precision`` is the resolved :class:`~rwkvx.precision.Precision`.
+    ``recompute`` (default :data:`DEFAULT_RECOMPUTE`): the backward recomputes each block's forward
+    from its saved input; False keeps every block's transients instead (more memory, no second forward).
+    ``methods`` overrides the precision's kernel methods (e.g. ``{"wkv7": "sequential"}``).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
-                 precision: str | Precision = "fp32", recompute: bool = DEFAULT_RECOMPUTE, methods: dict[str, str] | None = None):
+                 precision: Precision | str = DEFAULT_PRECISION, recompute: bool = DEFAULT_RECOMPUTE,
+                 methods: dict[str, str] | None = None):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -89,7 +92,7 @@ class Model:
         check_params(self.cfg, params)
         flat = self._upload_region("params", params)
         if self.layout.counts["params_x"]:
-            self.dev.upload(self.builder.buf("params_x"), to_storage("bf16", flat))
+            self.dev.upload(self.builder.buf("params_x"), to_storage(self.layout.elems["params_x"], flat))
 
     def params(self) -> ParamDict:
         """The current parameters, downloaded, name-keyed."""
@@ -258,7 +261,7 @@ class Model:
         """Fill gradients and every activation with NaN (tests: whatever a step leaves unwritten shows)."""
         L = self.layout
         self.dev.upload(self.arena.ptr + L.offsets["tokens"], L.poison_image())
-        self.dev.upload(self.builder.buf("grads"), poison_bits("f32", L.counts["grads"]))
+        self.dev.upload(self.builder.buf("grads"), poison_bits(L.elems["grads"], L.counts["grads"]))
 
     def memory_bytes(self) -> int:
         """Bytes of the device arena (weights, gradients, optimizer state, activations, scratch)."""
