@@ -45,10 +45,10 @@ WKV_F32_GRADS = ("ddecay", "dkp", "dvp", "dwa", "dwb")
 SHARED_MOBA_SCRATCH = ("part", "lpart")
 
 
-def head_chunk_rows(R: int, V: int, xtype: str) -> int:
-    """Rows of one head / cross-entropy chunk: as many as fit HEAD_CHUNK_BYTES of logits, a multiple
+def head_chunk_rows(R: int, V: int, xtype: str, chunk_bytes: int) -> int:
+    """Rows of one head / cross-entropy chunk: as many as fit ``chunk_bytes`` of logits, a multiple
     of 64 rows (at least 64), at most R."""
-    rows = max(64, HEAD_CHUNK_BYTES // (V * ELEM_BYTES[xtype]) // 64 * 64)
+    rows = max(64, chunk_bytes // (V * ELEM_BYTES[xtype]) // 64 * 64)
     return min(R, rows)
 
 
@@ -62,11 +62,16 @@ class Layout:
     Activations have the element type ``xtype`` of ``precision`` (a :class:`~rwkvx.precision.Precision`
     or its name); ``methods`` are its kernel methods (:meth:`rwkvx.precision.Precision.kernel_methods`),
     overridden by ``methods`` where given. ``recompute``: the backward recomputes each block's forward
-    (see :class:`rwkvx.model.Model`).
+    (see :class:`rwkvx.model.Model`). ``head_chunk_bytes``: the most bytes of logits the head computes at
+    once; the head and the cross entropy run over the rows in chunks of :attr:`head_rows`
+    (:func:`head_chunk_rows`).
     """
 
     def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: Precision | str,
-                 recompute: bool, methods: dict[str, str] | None = None):
+                 recompute: bool, methods: dict[str, str] | None = None, *,
+                 head_chunk_bytes: int = HEAD_CHUNK_BYTES):
+        if isinstance(head_chunk_bytes, bool) or not isinstance(head_chunk_bytes, int) or head_chunk_bytes < 1:
+            raise ValueError(f"head_chunk_bytes must be a positive int, got {head_chunk_bytes!r}")
         precision = resolve_precision(precision)
         xtype = precision.xtype
         self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
@@ -110,7 +115,7 @@ class Layout:
             self._add(name, R * C, X)
         self._add("lnout_mean", R, "f32")
         self._add("lnout_rstd", R, "f32")
-        self.head_rows = head_chunk_rows(R, V, X)
+        self.head_rows = head_chunk_rows(R, V, X, head_chunk_bytes)
         # buffers never live at once share one region (_add_shared), one set at a time: the head's row
         # chunk of logits (then dlogits), the WKV7 work buffer, MoBA's partial outputs, the channel mix's
         # backward gradients (each set lives inside the head or inside one part of one block's pass)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import validate
-from .arena import Layout
+from .arena import HEAD_CHUNK_BYTES, Layout
 from .config import Config
 from .cu import adamw, embedding, loss
 from .optim import Schedule
@@ -37,11 +37,13 @@ class Model:
     ``recompute`` (default :data:`DEFAULT_RECOMPUTE`): the backward recomputes each block's forward
     from its saved input; False keeps every block's transients instead (more memory, no second forward).
     ``methods`` overrides the precision's kernel methods (e.g. ``{"wkv7": "sequential"}``).
+    ``head_chunk_bytes`` (default :data:`rwkvx.arena.HEAD_CHUNK_BYTES`): the most bytes of logits the head
+    computes at once (the head and the cross entropy run over the rows in chunks of at least 64 rows).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
                  precision: Precision | str = DEFAULT_PRECISION, recompute: bool = DEFAULT_RECOMPUTE,
-                 methods: dict[str, str] | None = None):
+                 methods: dict[str, str] | None = None, *, head_chunk_bytes: int = HEAD_CHUNK_BYTES):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -55,7 +57,8 @@ class Model:
         from .runtime import Device  # raises RuntimeError without a GPU
         self.cfg, self.B, self.T, self.precision, self.recompute = cfg, batch_size, seq_len, precision, recompute
         self.dev = Device.get()
-        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods)
+        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods,
+                             head_chunk_bytes=head_chunk_bytes)
         self.arena = self.dev.alloc(self.layout.total)
         R = batch_size * seq_len
         self._pinned = {name: self.dev.alloc_pinned(self.layout.nbytes(name))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rwkvx import Config
-from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, Layout
+from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, Layout, head_chunk_rows
 from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.precision import DEFAULT_PRECISION, resolve_precision
 from rwkvx.step import StepBuilder
@@ -206,6 +206,25 @@ def test_head_and_loss_run_in_row_chunks():
         head_dw = [op for op in flatten_ops(ops.loss) if isinstance(op, Gemm)
                    and op.C == BASE + layout.offsets["grads"] + 4 * layout.param_offsets["rwkv.head.weight"][0]]
         assert [op.beta for op in head_dw] == [0.0] + [1.0] * (len(ce) - 1)   # accumulated in a fixed order
+
+
+def test_head_chunk_bytes_sets_the_row_chunks():
+    """``head_chunk_bytes`` caps the logits of one chunk: room for 64 rows (or less) gives 64-row chunks, the
+    last one partial, for the head and the cross entropy alike; the default holds this config's rows at once."""
+    kwargs, B, T = CONFIGS[2]                  # 135 rows
+    cfg = Config(**kwargs)
+    V = cfg.vocab_size
+    for chunk_bytes in (64 * V * 4, 1):
+        layout = Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE, head_chunk_bytes=chunk_bytes)
+        assert layout.head_rows == 64 and layout.counts["logits"] == 64 * V
+        ops = StepBuilder(layout, BASE, host_buffers(B, T)).build()
+        ce = [op for op in flatten_ops(ops.loss) if isinstance(op, Launch) and op.name == "cross_entropy_loss"]
+        assert len(ops.head) == 3 and [op.grid[0] for op in ce] == [64, 64, 7]
+    assert Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE).head_rows == B * T
+    assert head_chunk_rows(1000, 100, "bf16", 3 * 64 * 100 * 2 + 1) == 192
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError):
+            Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE, head_chunk_bytes=bad)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
