@@ -64,6 +64,15 @@ cdef enum OpKind:
     OP_HTOD = 4
     OP_DTOH = 5
 
+# The memory ops: their record kind, the driver call that runs them (named in errors), and the fields
+# holding their destination and source addresses (a memset has no source).
+MEMORY_OPS = {
+    Memset: (OP_MEMSET, "cuMemsetD8Async", "ptr", None),
+    Copy: (OP_COPY, "cuMemcpyDtoDAsync", "dst", "src"),
+    CopyHtoD: (OP_HTOD, "cuMemcpyHtoDAsync", "dst", "host_ptr"),
+    CopyDtoH: (OP_DTOH, "cuMemcpyDtoHAsync", "host_ptr", "src"),
+}
+
 cdef struct OpRec:
     int kind
     # launch
@@ -84,6 +93,13 @@ cdef struct OpRec:
 
 cdef enum:
     ARG_SLOT = 8          # every kernel argument gets an 8-byte, 8-aligned slot
+
+cdef union ArgSlot:       # one argument's slot, by kind (ops.ARG_KINDS)
+    uint64_t p
+    int32_t i
+    int64_t l
+    float f
+    double d
 
 
 cdef class Plan:
@@ -170,11 +186,7 @@ cdef class Plan:
 
         cdef size_t slot = 0
         cdef OpRec* r
-        cdef int32_t vi
-        cdef int64_t vl
-        cdef float vf
-        cdef double vd
-        cdef uint64_t vp
+        cdef ArgSlot arg
         cdef unsigned char* dst
         cdef int i
         for i, op in enumerate(ops):
@@ -195,23 +207,20 @@ cdef class Plan:
                 self._arg_offsets.append((slot, len(op.args)))
                 for kind, value in op.args:
                     dst = self.argbuf + slot * ARG_SLOT
+                    arg.p = 0       # a 4-byte argument leaves the rest of its slot zero
                     if kind == "p":
-                        vp = <uint64_t>value
-                        memcpy(dst, &vp, sizeof(uint64_t))
+                        arg.p = value
                     elif kind == "i":
-                        vi = <int32_t>value
-                        memcpy(dst, &vi, sizeof(int32_t))
+                        arg.i = value
                     elif kind == "l":
-                        vl = <int64_t>value
-                        memcpy(dst, &vl, sizeof(int64_t))
+                        arg.l = value
                     elif kind == "f":
-                        vf = <float>value
-                        memcpy(dst, &vf, sizeof(float))
+                        arg.f = value
                     elif kind == "d":
-                        vd = <double>value
-                        memcpy(dst, &vd, sizeof(double))
+                        arg.d = value
                     else:  # ops.Launch validated the kinds already
                         raise TypeError(f"Plan: bad argument kind {kind!r} in {op.name}")
+                    memcpy(dst, &arg, ARG_SLOT)
                     self.argptrs[slot] = <void*>dst
                     slot += 1
                 self._names.append(op.name)
@@ -227,26 +236,12 @@ cdef class Plan:
                 r.a, r.b, r.c = op.A, op.B, op.C
                 self._arg_offsets.append(None)
                 self._names.append(f"cublasLtMatmul op #{i}")
-            elif isinstance(op, Memset):
-                r.kind = OP_MEMSET
-                r.dst, r.nbytes = op.ptr, op.nbytes
+            elif type(op) in MEMORY_OPS:
+                r.kind, call, dst_field, src_field = MEMORY_OPS[type(op)]
+                r.dst, r.nbytes = getattr(op, dst_field), op.nbytes
+                r.src = getattr(op, src_field) if src_field else 0
                 self._arg_offsets.append(None)
-                self._names.append(f"cuMemsetD8Async op #{i}")
-            elif isinstance(op, Copy):
-                r.kind = OP_COPY
-                r.dst, r.src, r.nbytes = op.dst, op.src, op.nbytes
-                self._arg_offsets.append(None)
-                self._names.append(f"cuMemcpyDtoDAsync op #{i}")
-            elif isinstance(op, CopyHtoD):
-                r.kind = OP_HTOD
-                r.dst, r.src, r.nbytes = op.dst, op.host_ptr, op.nbytes
-                self._arg_offsets.append(None)
-                self._names.append(f"cuMemcpyHtoDAsync op #{i}")
-            elif isinstance(op, CopyDtoH):
-                r.kind = OP_DTOH
-                r.dst, r.src, r.nbytes = op.host_ptr, op.src, op.nbytes
-                self._arg_offsets.append(None)
-                self._names.append(f"cuMemcpyDtoHAsync op #{i}")
+                self._names.append(f"{call} op #{i}")
             else:  # flatten_ops rejects anything else
                 raise TypeError(f"Plan: unsupported op {type(op).__name__}")
         self.n = len(ops)

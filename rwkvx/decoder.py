@@ -7,7 +7,7 @@ arena: the last LN1 and LN2 rows (the token shifts), the WKV state, MoBA's keys,
 the complete key blocks. The model's own forward kernels can expose these states, so the prompt is not
 fed token by token.
 
-**Step** (one token per sequence): the same :class:`rwkvx.model.StepBuilder` forward on B rows of the
+**Step** (one token per sequence): the same :class:`rwkvx.step.StepBuilder` forward on B rows of the
 model's arena (its weights and transients), with the parts that look at earlier tokens (token shifts,
 WKV, MoBA) replaced by rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state arena.
 The token ids and the position (a device int MoBA reads) come from pinned memory, the logits [B, V]
@@ -24,11 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from .model import Layout, Model, StepBuilder
+from .arena import Layout
 from .cu import decode, wkv7
 from .cu._common import carve, carved_bytes
+from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
+from .step import StepBuilder
 from .validate import check_tokens
 
 
@@ -175,8 +177,8 @@ class Decoder:
         self._pinned_in = self.dev.alloc_pinned(4 * (B + 1))                 # tokens, then the position
         self._pinned_logits = self.dev.alloc_pinned(B * V * ELEM_BYTES[X])
         Plan(self.dev, [Memset(self.arena.ptr, self.arena.nbytes)]).run()      # no garbage in the state
-        prefill_ops, step_ops = decoder_ops(model.layout, model.arena.ptr, self.state, self.max_len, model.ops.stage_tokens, self._pinned_in.ptr,
-                                            self._pinned_logits.ptr)
+        prefill_ops, step_ops = decoder_ops(model.layout, model.arena.ptr, self.state, self.max_len,
+                                            model.ops.stage_tokens, self._pinned_in.ptr, self._pinned_logits.ptr)
         self._prefill_plan = Plan(self.dev, prefill_ops)
         self._graph = None
         if self.max_len > self.P:

@@ -12,7 +12,8 @@ from collections import defaultdict
 import numpy as np
 
 from rwkvx import Config, init_params
-from rwkvx.model import PRECISIONS, Model
+from rwkvx.model import Model
+from rwkvx.precision import DEFAULT_PRECISION, PRECISION_NAMES
 from rwkvx.presets import get_preset
 from rwkvx._core import Plan
 from rwkvx.runtime import EventTimer
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int)
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--n-attn-layer", type=int, help="override the preset's attention blocks (0: pure RWKV-7)")
-    ap.add_argument("--precision", default="fp32", choices=PRECISIONS)
+    ap.add_argument("--precision", default=DEFAULT_PRECISION, choices=PRECISION_NAMES)
     ap.add_argument("--rows", type=int, default=40, help="op families listed (the costliest first)")
     args = ap.parse_args()
     preset = get_preset(args.preset, "gpu")

@@ -5,7 +5,9 @@ import pytest
 
 from rwkvx import Config
 from rwkvx.decoder import PREFILL_METHODS, DecodeStepBuilder, PrefillBuilder, state_sizes
-from rwkvx.model import Layout
+from rwkvx.arena import Layout
+from rwkvx.model import DEFAULT_RECOMPUTE
+from rwkvx.precision import DEFAULT_PRECISION
 from rwkvx.cu import decode, layernorm, wkv7
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.runtime.device import H200
@@ -27,7 +29,8 @@ FORWARD_ONLY_OF_SEQUENCES = {"tm_shift_fwd", "cm_shift_mix", "wkv7_forward", "mo
 
 
 def build(kwargs, B, P, max_len):
-    layout = Layout(Config(**kwargs), B, P, H200, methods=PREFILL_METHODS)
+    layout = Layout(Config(**kwargs), B, P, H200, DEFAULT_PRECISION, DEFAULT_RECOMPUTE,
+                    methods=PREFILL_METHODS)
     sizes = state_sizes(layout, max_len)
     state = carve(STATE, sizes)
     args = (layout, BASE, state, max_len)

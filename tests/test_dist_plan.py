@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from rwkvx.dist.step import AllReduce, GatherLoss, Join, build_program, grad_buckets
-from rwkvx.model import StepBuilder
+from rwkvx.step import StepBuilder
 from rwkvx.runtime.ops import Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
 from test_model_plan import BASE, CONFIGS, build
 

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from rwkvx import Config
-from rwkvx.model import CHANNEL_MIX_STATE, FORWARD_STATE, Layout, StepBuilder
-from rwkvx.precision import resolve_precision
+from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, Layout, head_chunk_rows
+from rwkvx.model import DEFAULT_RECOMPUTE
+from rwkvx.precision import DEFAULT_PRECISION, resolve_precision
+from rwkvx.step import StepBuilder
 from rwkvx.cu import moba, wkv7
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.dtypes import from_storage, storage_dtype
@@ -31,7 +33,7 @@ def host_buffers(B, T):
 
 
 def build(kwargs, B, T, precision="fp32"):
-    layout = Layout(Config(**kwargs), B, T, H200, precision)
+    layout = Layout(Config(**kwargs), B, T, H200, precision, DEFAULT_RECOMPUTE)
     return layout, StepBuilder(layout, BASE, host_buffers(B, T)).build()
 
 
@@ -102,7 +104,8 @@ def test_bf16_optimizer_refreshes_the_weights_copy():
 def test_memory_is_linear_in_tokens():
     kwargs = CONFIGS[3][0]
     # from T = 32768 on the WKV work buffer outgrows the logits chunk it shares a region with
-    per_token = [Layout(Config(**kwargs), 1, T, H200).total for T in (32768, 65536, 131072)]
+    per_token = [Layout(Config(**kwargs), 1, T, H200, DEFAULT_PRECISION, DEFAULT_RECOMPUTE).total
+                 for T in (32768, 65536, 131072)]
     d1, d2 = per_token[1] - per_token[0], per_token[2] - per_token[1]
     assert d2 == pytest.approx(2 * d1, rel=1e-3)       # no T^2 term
 
@@ -113,7 +116,7 @@ def test_block_scratch_shares_the_logits_region():
     WKV7 backward's kept records (live through the channel mix) leading the WKV7 and channel mix sets; none
     of them is forward state kept for a backward."""
     kwargs, B, T = CONFIGS[3]
-    layout = Layout(Config(**kwargs), B, T, H200, "bf16")
+    layout = Layout(Config(**kwargs), B, T, H200, "bf16", DEFAULT_RECOMPUTE)
     start = layout.offsets["logits"]
     sets = (("logits",), ("wkv_records", "wkv_partials"), ("moba_part", "moba_lpart"),
             ("wkv_records", "dkf", "dxk2", "dh2"))
@@ -130,7 +133,7 @@ def test_block_scratch_shares_the_logits_region():
 def test_poison_image_reads_as_poison_in_every_buffer(precision):
     """Where the shared region's buffers overlap, each still reads as NaN in its own element type."""
     kwargs, B, T = CONFIGS[1]
-    layout = Layout(Config(**kwargs), B, T, H200, precision)
+    layout = Layout(Config(**kwargs), B, T, H200, precision, DEFAULT_RECOMPUTE)
     assert layout.offsets["logits"] == layout.offsets["moba_part"] and layout.nbytes("logits") > 0
     image, start = layout.poison_image(), layout.offsets["tokens"]
     for name in list(layout.offsets)[list(layout.offsets).index("tokens"):]:
@@ -203,6 +206,25 @@ def test_head_and_loss_run_in_row_chunks():
         head_dw = [op for op in flatten_ops(ops.loss) if isinstance(op, Gemm)
                    and op.C == BASE + layout.offsets["grads"] + 4 * layout.param_offsets["rwkv.head.weight"][0]]
         assert [op.beta for op in head_dw] == [0.0] + [1.0] * (len(ce) - 1)   # accumulated in a fixed order
+
+
+def test_head_chunk_bytes_sets_the_row_chunks():
+    """``head_chunk_bytes`` caps the logits of one chunk: room for 64 rows (or less) gives 64-row chunks, the
+    last one partial, for the head and the cross entropy alike; the default holds this config's rows at once."""
+    kwargs, B, T = CONFIGS[2]                  # 135 rows
+    cfg = Config(**kwargs)
+    V = cfg.vocab_size
+    for chunk_bytes in (64 * V * 4, 1):
+        layout = Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE, head_chunk_bytes=chunk_bytes)
+        assert layout.head_rows == 64 and layout.counts["logits"] == 64 * V
+        ops = StepBuilder(layout, BASE, host_buffers(B, T)).build()
+        ce = [op for op in flatten_ops(ops.loss) if isinstance(op, Launch) and op.name == "cross_entropy_loss"]
+        assert len(ops.head) == 3 and [op.grid[0] for op in ce] == [64, 64, 7]
+    assert Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE).head_rows == B * T
+    assert head_chunk_rows(1000, 100, "bf16", 3 * 64 * 100 * 2 + 1) == 192
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError):
+            Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE, head_chunk_bytes=bad)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

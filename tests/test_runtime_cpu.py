@@ -4,6 +4,7 @@ import struct
 import numpy as np
 import pytest
 
+from gemm_cases import GEMM_CASES
 from rwkvx.runtime import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, GemmPrecision, Launch, Memset, flatten_ops
 from rwkvx.runtime import gemm as G
 from rwkvx.precision import PRECISION_NAMES, resolve_precision
@@ -185,61 +186,26 @@ def _read_rowmajor(flat, r, c, ld):
 X, W, Y = 1000, 2000, 3000
 
 
-@pytest.mark.parametrize("helper", ["linear", "linear_dx", "linear_dw", "matmul", "matmul_dx", "matmul_dw"])
+@pytest.mark.parametrize("helper", GEMM_CASES)
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 @pytest.mark.parametrize("pad", [0, 3])
 def test_gemm_helper_mapping(helper, beta, pad):
+    """Each helper's Gemm, run column-major on padded row-major operands (X holds the first, W the second,
+    Y the output), gives its row-major product and leaves the padding alone."""
     rng = np.random.default_rng(0)
     R, n_in, n_out, alpha = 7, 5, 6, 1.5
-    if helper == "linear":          # y = x @ W^T
-        a, w = rng.normal(size=(R, n_in)), rng.normal(size=(n_out, n_in))
-        out0 = rng.normal(size=(R, n_out))
-        ref = alpha * a @ w.T + beta * out0
-        lds = dict(ld_x=n_in + pad, ld_w=n_in + pad, ld_y=n_out + pad)
-        call = lambda: G.linear(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
-        bufs = (a, lds["ld_x"]), (w, lds["ld_w"]), (out0, lds["ld_y"])
-    elif helper == "linear_dx":     # dx = dy @ W
-        a, w = rng.normal(size=(R, n_out)), rng.normal(size=(n_out, n_in))
-        out0 = rng.normal(size=(R, n_in))
-        ref = alpha * a @ w + beta * out0
-        lds = dict(ld_dy=n_out + pad, ld_w=n_in + pad, ld_dx=n_in + pad)
-        call = lambda: G.linear_dx(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
-        bufs = (a, lds["ld_dy"]), (w, lds["ld_w"]), (out0, lds["ld_dx"])
-    elif helper == "linear_dw":     # dW = dy^T @ x ; here X holds x, W holds dy, Y holds dW
-        a, w = rng.normal(size=(R, n_in)), rng.normal(size=(R, n_out))
-        out0 = rng.normal(size=(n_out, n_in))
-        ref = alpha * w.T @ a + beta * out0
-        lds = dict(ld_x=n_in + pad, ld_dy=n_out + pad, ld_dw=n_in + pad)
-        call = lambda: G.linear_dw(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
-        bufs = (a, lds["ld_x"]), (w, lds["ld_dy"]), (out0, lds["ld_dw"])
-    elif helper == "matmul":        # y = x @ W, W [in,out]
-        a, w = rng.normal(size=(R, n_in)), rng.normal(size=(n_in, n_out))
-        out0 = rng.normal(size=(R, n_out))
-        ref = alpha * a @ w + beta * out0
-        lds = dict(ld_x=n_in + pad, ld_w=n_out + pad, ld_y=n_out + pad)
-        call = lambda: G.matmul(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
-        bufs = (a, lds["ld_x"]), (w, lds["ld_w"]), (out0, lds["ld_y"])
-    elif helper == "matmul_dx":     # dx = dy @ W^T
-        a, w = rng.normal(size=(R, n_out)), rng.normal(size=(n_in, n_out))
-        out0 = rng.normal(size=(R, n_in))
-        ref = alpha * a @ w.T + beta * out0
-        lds = dict(ld_dy=n_out + pad, ld_w=n_out + pad, ld_dx=n_in + pad)
-        call = lambda: G.matmul_dx(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
-        bufs = (a, lds["ld_dy"]), (w, lds["ld_w"]), (out0, lds["ld_dx"])
-    else:                           # dW = x^T @ dy ; X holds x, W holds dy, Y holds dW
-        a, w = rng.normal(size=(R, n_in)), rng.normal(size=(R, n_out))
-        out0 = rng.normal(size=(n_in, n_out))
-        ref = alpha * a.T @ w + beta * out0
-        lds = dict(ld_x=n_in + pad, ld_dy=n_out + pad, ld_dw=n_out + pad)
-        call = lambda: G.matmul_dw(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)  # noqa: E731
-        bufs = (a, lds["ld_x"]), (w, lds["ld_dy"]), (out0, lds["ld_dw"])
-    g = call()
+    case = GEMM_CASES[helper]
+    sizes = case.sizes(R, n_in, n_out)
+    first, second, out0 = [rng.normal(size=shape) for shape in sizes]
+    ref = alpha * case.product(first, second) + beta * out0
+    lds = {keyword: cols + pad for keyword, (_, cols) in zip(case.ld_keywords, sizes)}
+    g = getattr(G, helper)(X, W, Y, R, n_in, n_out, beta, alpha=alpha, **lds)
     assert isinstance(g, Gemm)
-    mem = {p: _rowmajor_buffer(arr, ld) for p, (arr, ld) in zip((X, W, Y), bufs)}
+    out_ld = lds[case.ld_keywords[2]]
+    mem = {p: _rowmajor_buffer(arr, ld) for p, arr, ld in zip((X, W, Y), (first, second, out0), lds.values())}
     if beta == 0.0:      # beta = 0 must not read C: poison it (NaN * 0 would leak through otherwise)
         mem[Y][:] = np.where(np.isnan(mem[Y]), np.nan, 0.0)
     emulate_sgemm(g, mem)
-    out_ld = bufs[2][1]
     got = _read_rowmajor(mem[Y], *ref.shape, out_ld)
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     if pad:   # padding columns untouched
@@ -305,6 +271,8 @@ def test_plan_packs_arguments():
     assert len(plan) == 7
     assert dev.calls == [("m", "k1", (("HEAD_SIZE", "64"),)), ("m", "k2", ())]
     assert plan.names[0] == "k1" and plan.names[1] == "cublasLtMatmul op #1" and plan.names[3] == "k2"
+    assert plan.names[2] == "cuMemsetD8Async op #2" and plan.names[4:] == [
+        "cuMemcpyDtoDAsync op #4", "cuMemcpyHtoDAsync op #5", "cuMemcpyDtoHAsync op #6"]
     assert [len(p) for p in dev.cublas.prepared][-1] == 1      # one prepare call with the plan's one GEMM
     packed = plan.packed_args(0)
     assert len(packed) == 5 * 8

@@ -1,6 +1,6 @@
 """The training step of one data-parallel GPU rank, captured as one CUDA graph with its NCCL calls.
 
-:func:`build_program` cuts the model's step (:class:`rwkvx.model.StepOps`) at the backward's
+:func:`build_program` cuts the model's step (:class:`rwkvx.step.StepOps`) at the backward's
 gradient-ready points and puts a collective at each cut, in this order::
 
     stage + forward + loss, copy the per-token losses (+ this rank's stop flag) to a send buffer

@@ -18,9 +18,9 @@ matmul_dw      dW = x^T @ dy       x  [R,in]   (dy [R,out]) dW [in,out]
 Every helper computes ``out = alpha * product + beta * out`` with the element and compute types of its
 ``precision``, given per GEMM so that one plan can mix them: a :class:`~rwkvx.runtime.ops.GemmPrecision`
 (the presets below), or a :class:`GemmMode` (how a model precision runs its GEMMs), which gives the types
-from the element types of the typed operands (bf16 operands: an fp32 or bf16 output, fp32 accumulation). ``ld_*`` keywords override the leading dimension (row stride, in elements) of a
-row-major operand, e.g. to read or write a column slice of a wider buffer; the default is the dense row
-length.
+from the element types of the typed operands (bf16 operands: an fp32 or bf16 output, fp32 accumulation).
+``ld_*`` keywords override the leading dimension (row stride, in elements) of a row-major operand, e.g. to
+read or write a column slice of a wider buffer; the default is the dense row length.
 """
 from __future__ import annotations
 
@@ -58,57 +58,93 @@ def resolve(precision: GemmPrecision | GemmMode, A, B, C) -> GemmPrecision:
     raise TypeError(f"GEMM precision must be a GemmPrecision or a GemmMode, got {precision!r}")
 
 
-def _gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, precision) -> Gemm:
-    return Gemm(transa, transb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc, resolve(precision, A, B, C))
+# Each helper's operands (first, second, output) as stored, row-major, in the helper's dimensions: the
+# table above as data. The product out [P, Q] = left [P, K] @ right [K, Q] reads each factor as stored or
+# transposed ([K, P] / [Q, K] in memory); cuBLAS computes the column-major out^T = right^T @ left^T.
+_SHAPES = {
+    "linear": (("rows", "n_in"), ("n_out", "n_in"), ("rows", "n_out")),
+    "linear_dx": (("rows", "n_out"), ("n_out", "n_in"), ("rows", "n_in")),
+    "linear_dw": (("rows", "n_in"), ("rows", "n_out"), ("n_out", "n_in")),
+    "matmul": (("rows", "n_in"), ("n_in", "n_out"), ("rows", "n_out")),
+    "matmul_dx": (("rows", "n_out"), ("n_in", "n_out"), ("rows", "n_in")),
+    "matmul_dw": (("rows", "n_in"), ("rows", "n_out"), ("n_in", "n_out")),
+}
 
 
-def _ld(v, default):
-    return default if v is None else v
+@dataclass(frozen=True)
+class _ColumnMajor:
+    """A helper's product as one cuBLAS GEMM: which operand is A (the right factor; the left is B),
+    whether each is transposed, and the helper dimensions that are m, n and k."""
+    a: int              # 0: the first operand, 1: the second
+    transa: bool
+    transb: bool
+    m: str
+    n: str
+    k: str
 
 
-def linear(x, W, y, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_w=None, ld_y=None,
+def _column_major(first: tuple, second: tuple, out: tuple) -> _ColumnMajor:
+    """The GEMM of out [P, Q] = left @ right for operands stored with the shapes ``first``, ``second``:
+    the left factor is the one with a dimension P, K the dimension the output lacks."""
+    P, Q = out
+    (K,) = {*first, *second} - {P, Q}
+    left = 0 if P in first else 1
+    left_shape, right_shape = (first, second)[left], (first, second)[1 - left]
+    return _ColumnMajor(a=1 - left, transa=right_shape == (Q, K), transb=left_shape == (K, P), m=Q, n=P, k=K)
+
+
+_COLUMN_MAJOR = {helper: _column_major(*shapes) for helper, shapes in _SHAPES.items()}
+
+
+def _product(helper: str, operands: tuple, lds: tuple, rows: int, n_in: int, n_out: int, alpha: float,
+             beta: float, precision: GemmPrecision | GemmMode) -> Gemm:
+    """The Gemm of ``helper`` on ``operands`` (first, second, output) with leading dimensions ``lds``
+    (None: the dense row length of the operand as stored)."""
+    size = {"rows": rows, "n_in": n_in, "n_out": n_out}
+    cm = _COLUMN_MAJOR[helper]
+    ld = [size[shape[1]] if given is None else given for shape, given in zip(_SHAPES[helper], lds)]
+    A, B, C = operands[cm.a], operands[1 - cm.a], operands[2]
+    return Gemm(cm.transa, cm.transb, size[cm.m], size[cm.n], size[cm.k], alpha, A, ld[cm.a], B, ld[1 - cm.a],
+                beta, C, ld[2], resolve(precision, A, B, C))
+
+
+def linear(x: int, W: int, y: int, rows: int, n_in: int, n_out: int, beta: float = 0.0, *, alpha: float = 1.0,
+           ld_x: int | None = None, ld_w: int | None = None, ld_y: int | None = None,
            precision: GemmPrecision | GemmMode = FP32) -> Gemm:
     """y [rows,n_out] = alpha * x [rows,n_in] @ W[n_out,n_in]^T + beta * y."""
-    # y^T (n_out x rows) = W (col-major view W^T [n_in,n_out], transposed) @ x^T (view [n_in,rows])
-    return _gemm("T", "N", n_out, rows, n_in, alpha, W, _ld(ld_w, n_in), x, _ld(ld_x, n_in),
-                beta, y, _ld(ld_y, n_out), precision)
+    return _product("linear", (x, W, y), (ld_x, ld_w, ld_y), rows, n_in, n_out, alpha, beta, precision)
 
 
-def linear_dx(dy, W, dx, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_dy=None, ld_w=None, ld_dx=None,
+def linear_dx(dy: int, W: int, dx: int, rows: int, n_in: int, n_out: int, beta: float = 0.0, *,
+              alpha: float = 1.0, ld_dy: int | None = None, ld_w: int | None = None, ld_dx: int | None = None,
               precision: GemmPrecision | GemmMode = FP32) -> Gemm:
     """dx [rows,n_in] = alpha * dy [rows,n_out] @ W [n_out,n_in] + beta * dx."""
-    # dx^T (n_in x rows) = W^T (view [n_in,n_out]) @ dy^T (view [n_out,rows])
-    return _gemm("N", "N", n_in, rows, n_out, alpha, W, _ld(ld_w, n_in), dy, _ld(ld_dy, n_out),
-                beta, dx, _ld(ld_dx, n_in), precision)
+    return _product("linear_dx", (dy, W, dx), (ld_dy, ld_w, ld_dx), rows, n_in, n_out, alpha, beta, precision)
 
 
-def linear_dw(x, dy, dW, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_dy=None, ld_dw=None,
+def linear_dw(x: int, dy: int, dW: int, rows: int, n_in: int, n_out: int, beta: float = 0.0, *,
+              alpha: float = 1.0, ld_x: int | None = None, ld_dy: int | None = None, ld_dw: int | None = None,
               precision: GemmPrecision | GemmMode = FP32) -> Gemm:
     """dW [n_out,n_in] = alpha * dy^T [n_out,rows] @ x [rows,n_in] + beta * dW."""
-    # dW^T (n_in x n_out) = x^T (view [n_in,rows]) @ dy (view of dy^T [n_out,rows], transposed)
-    return _gemm("N", "T", n_in, n_out, rows, alpha, x, _ld(ld_x, n_in), dy, _ld(ld_dy, n_out),
-                beta, dW, _ld(ld_dw, n_in), precision)
+    return _product("linear_dw", (x, dy, dW), (ld_x, ld_dy, ld_dw), rows, n_in, n_out, alpha, beta, precision)
 
 
-def matmul(x, W, y, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_w=None, ld_y=None,
+def matmul(x: int, W: int, y: int, rows: int, n_in: int, n_out: int, beta: float = 0.0, *, alpha: float = 1.0,
+           ld_x: int | None = None, ld_w: int | None = None, ld_y: int | None = None,
            precision: GemmPrecision | GemmMode = FP32) -> Gemm:
     """y [rows,n_out] = alpha * x [rows,n_in] @ W [n_in,n_out] + beta * y."""
-    # y^T (n_out x rows) = W^T (view [n_out,n_in]) @ x^T (view [n_in,rows])
-    return _gemm("N", "N", n_out, rows, n_in, alpha, W, _ld(ld_w, n_out), x, _ld(ld_x, n_in),
-                beta, y, _ld(ld_y, n_out), precision)
+    return _product("matmul", (x, W, y), (ld_x, ld_w, ld_y), rows, n_in, n_out, alpha, beta, precision)
 
 
-def matmul_dx(dy, W, dx, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_dy=None, ld_w=None, ld_dx=None,
+def matmul_dx(dy: int, W: int, dx: int, rows: int, n_in: int, n_out: int, beta: float = 0.0, *,
+              alpha: float = 1.0, ld_dy: int | None = None, ld_w: int | None = None, ld_dx: int | None = None,
               precision: GemmPrecision | GemmMode = FP32) -> Gemm:
     """dx [rows,n_in] = alpha * dy [rows,n_out] @ W[n_in,n_out]^T + beta * dx."""
-    # dx^T (n_in x rows) = W (view W^T [n_out,n_in], transposed) @ dy^T (view [n_out,rows])
-    return _gemm("T", "N", n_in, rows, n_out, alpha, W, _ld(ld_w, n_out), dy, _ld(ld_dy, n_out),
-                beta, dx, _ld(ld_dx, n_in), precision)
+    return _product("matmul_dx", (dy, W, dx), (ld_dy, ld_w, ld_dx), rows, n_in, n_out, alpha, beta, precision)
 
 
-def matmul_dw(x, dy, dW, rows, n_in, n_out, beta=0.0, *, alpha=1.0, ld_x=None, ld_dy=None, ld_dw=None,
+def matmul_dw(x: int, dy: int, dW: int, rows: int, n_in: int, n_out: int, beta: float = 0.0, *,
+              alpha: float = 1.0, ld_x: int | None = None, ld_dy: int | None = None, ld_dw: int | None = None,
               precision: GemmPrecision | GemmMode = FP32) -> Gemm:
     """dW [n_in,n_out] = alpha * x^T [n_in,rows] @ dy [rows,n_out] + beta * dW."""
-    # dW^T (n_out x n_in) = dy^T (view [n_out,rows]) @ x (view of x^T [n_in,rows], transposed)
-    return _gemm("N", "T", n_out, n_in, rows, alpha, dy, _ld(ld_dy, n_out), x, _ld(ld_x, n_in),
-                beta, dW, _ld(ld_dw, n_out), precision)
+    return _product("matmul_dw", (x, dy, dW), (ld_x, ld_dy, ld_dw), rows, n_in, n_out, alpha, beta, precision)

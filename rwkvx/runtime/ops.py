@@ -10,7 +10,7 @@ Validation errors: wrong *type or kind* -> TypeError, wrong *value* -> ValueErro
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .dtypes import COMPUTE_TYPES, CUDA_TYPES, ELEM_BYTES, check_elem
 
@@ -246,54 +246,45 @@ class Gemm:
                                  f"transa={self.transa}, transb={self.transb})")
 
 
+class _MemoryOp:
+    """Validation shared by the memory ops: every field an address (:func:`as_ptr`) but ``nbytes``, a
+    byte count >= 0."""
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, what = getattr(self, f.name), f"{type(self).__name__}.{f.name}"
+            object.__setattr__(self, f.name, _as_count(value, what) if f.name == "nbytes" else as_ptr(value, what))
+
+
 @dataclass(frozen=True)
-class Memset:
+class Memset(_MemoryOp):
     """Zero ``nbytes`` at device ``ptr`` asynchronously on the stream."""
     ptr: int
     nbytes: int
 
-    def __post_init__(self):
-        object.__setattr__(self, "ptr", as_ptr(self.ptr, "Memset.ptr"))
-        object.__setattr__(self, "nbytes", _as_count(self.nbytes, "Memset.nbytes"))
-
 
 @dataclass(frozen=True)
-class Copy:
+class Copy(_MemoryOp):
     """Asynchronous device-to-device copy of ``nbytes``."""
     dst: int
     src: int
     nbytes: int
 
-    def __post_init__(self):
-        object.__setattr__(self, "dst", as_ptr(self.dst, "Copy.dst"))
-        object.__setattr__(self, "src", as_ptr(self.src, "Copy.src"))
-        object.__setattr__(self, "nbytes", _as_count(self.nbytes, "Copy.nbytes"))
-
 
 @dataclass(frozen=True)
-class CopyHtoD:
+class CopyHtoD(_MemoryOp):
     """Asynchronous host-to-device copy from pinned host memory (read when the op executes)."""
     dst: int
     host_ptr: int
     nbytes: int
 
-    def __post_init__(self):
-        object.__setattr__(self, "dst", as_ptr(self.dst, "CopyHtoD.dst"))
-        object.__setattr__(self, "host_ptr", as_ptr(self.host_ptr, "CopyHtoD.host_ptr"))
-        object.__setattr__(self, "nbytes", _as_count(self.nbytes, "CopyHtoD.nbytes"))
-
 
 @dataclass(frozen=True)
-class CopyDtoH:
+class CopyDtoH(_MemoryOp):
     """Asynchronous device-to-host copy into pinned host memory."""
     host_ptr: int
     src: int
     nbytes: int
-
-    def __post_init__(self):
-        object.__setattr__(self, "host_ptr", as_ptr(self.host_ptr, "CopyDtoH.host_ptr"))
-        object.__setattr__(self, "src", as_ptr(self.src, "CopyDtoH.src"))
-        object.__setattr__(self, "nbytes", _as_count(self.nbytes, "CopyDtoH.nbytes"))
 
 
 OP_TYPES = (Launch, Gemm, Memset, Copy, CopyHtoD, CopyDtoH)

@@ -73,12 +73,13 @@ def test_reduced_precision_matches_oracle(name, precision, training_like, record
                           record_property, ignore_some=True)
 
 
-def _check_against_oracle(cfg, params, B, T, precision, loss_tol, tol, rng, record_property, ignore_some):
+def _check_against_oracle(cfg, params, B, T, precision, loss_tol, tol, rng, record_property, ignore_some,
+                          **model_options):
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     targets = rng.integers(0, cfg.vocab_size, (B, T))
     if ignore_some:
         targets[rng.random((B, T)) < 0.2] = -100     # ignore_index
-    model = Model(cfg, params, B, T, precision=precision)
+    model = Model(cfg, params, B, T, precision=precision, **model_options)
     oracle = Oracle(cfg, params, dtype=np.float64)
     print(f"\n{len(model.ops.head)} head chunk(s) of {model.layout.head_rows} rows", end="")
 
@@ -116,16 +117,15 @@ def _check_against_oracle(cfg, params, B, T, precision, loss_tol, tol, rng, reco
 
 
 @pytest.mark.parametrize("name", ["odd_T", "T1024"])
-def test_head_in_row_chunks_matches_oracle(name, random_params, record_property, monkeypatch):
+def test_head_in_row_chunks_matches_oracle(name, random_params, record_property):
     """Logits in 64-row chunks (the last one partial): the head gradient accumulated over chunks and
     the logits read back chunk by chunk still meet the fp32 limits."""
-    from rwkvx import model as model_module
     kwargs, B, T = CASES[name]
     cfg = Config(**kwargs)
-    monkeypatch.setattr(model_module, "HEAD_CHUNK_BYTES", 64 * cfg.vocab_size * 4)
     rng = np.random.default_rng()
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
-    _check_against_oracle(cfg, params, B, T, "fp32", *TOLERANCES["fp32"], rng, record_property, ignore_some=True)
+    _check_against_oracle(cfg, params, B, T, "fp32", *TOLERANCES["fp32"], rng, record_property, ignore_some=True,
+                          head_chunk_bytes=64 * cfg.vocab_size * 4)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -9,6 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
+from gemm_cases import GEMM_CASES
 from rwkvx.oracle import rel_err
 from rwkvx.runtime import (Copy, CopyDtoH, CopyHtoD, CudaError, Graph, Launch, Memset,
                            gemm as G)
@@ -194,42 +195,20 @@ SHAPES = [(300, 256, 384), (1, 7, 5), (129, 64, 33)]
 def _gemm_case(d, helper, rows, n_in, n_out, beta, rng, precision=G.FP32):
     """Returns (op, output buffer, output shape, float64 reference on the operands as stored)."""
     f32 = np.float32
-    if helper == "linear":
-        a, w, o = rng.normal(size=(rows, n_in)), rng.normal(size=(n_out, n_in)), rng.normal(size=(rows, n_out))
-        ref_fn = lambda a, w, o: a @ w.T + beta * o                     # noqa: E731
-        fn = G.linear
-    elif helper == "linear_dx":
-        a, w, o = rng.normal(size=(rows, n_out)), rng.normal(size=(n_out, n_in)), rng.normal(size=(rows, n_in))
-        ref_fn = lambda a, w, o: a @ w + beta * o                       # noqa: E731
-        fn = G.linear_dx
-    elif helper == "linear_dw":
-        a, w, o = rng.normal(size=(rows, n_in)), rng.normal(size=(rows, n_out)), rng.normal(size=(n_out, n_in))
-        ref_fn = lambda a, w, o: w.T @ a + beta * o                     # noqa: E731
-        fn = G.linear_dw
-    elif helper == "matmul":
-        a, w, o = rng.normal(size=(rows, n_in)), rng.normal(size=(n_in, n_out)), rng.normal(size=(rows, n_out))
-        ref_fn = lambda a, w, o: a @ w + beta * o                       # noqa: E731
-        fn = G.matmul
-    elif helper == "matmul_dx":
-        a, w, o = rng.normal(size=(rows, n_out)), rng.normal(size=(n_in, n_out)), rng.normal(size=(rows, n_in))
-        ref_fn = lambda a, w, o: a @ w.T + beta * o                     # noqa: E731
-        fn = G.matmul_dx
-    else:
-        a, w, o = rng.normal(size=(rows, n_in)), rng.normal(size=(rows, n_out)), rng.normal(size=(n_in, n_out))
-        ref_fn = lambda a, w, o: a.T @ w + beta * o                     # noqa: E731
-        fn = G.matmul_dw
+    case = GEMM_CASES[helper]
+    a, w, o = [rng.normal(size=shape) for shape in case.sizes(rows, n_in, n_out)]
     o = o.astype(f32)
     if beta == 0.0:
         o[:] = np.nan                  # beta = 0 must not read the output
     assert precision.a == precision.b        # both operands share the element type here
     ea = ew = precision.a
-    ref = ref_fn(round_to(ea, a), round_to(ew, w), np.nan_to_num(o.astype(np.float64)))
+    ref = case.product(round_to(ea, a), round_to(ew, w)) + beta * np.nan_to_num(o.astype(np.float64))
     ba, bw, bo = d.to_device(to_storage(ea, a)), d.to_device(to_storage(ew, w)), d.to_device(o)
-    op = fn(ba.typed(ea), bw.typed(ew), bo.typed("f32"), rows, n_in, n_out, beta, precision=precision)
+    op = getattr(G, helper)(ba.typed(ea), bw.typed(ew), bo.typed("f32"), rows, n_in, n_out, beta, precision=precision)
     return op, (ba, bw, bo), o.shape, ref
 
 
-@pytest.mark.parametrize("helper", ["linear", "linear_dx", "linear_dw", "matmul", "matmul_dx", "matmul_dw"])
+@pytest.mark.parametrize("helper", GEMM_CASES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("precision,tol", [("fp32", 1e-6), ("tf32", 5e-3), ("bf16", 1e-5)])
 def test_gemm_vs_numpy(d, helper, shape, precision, tol):

@@ -1,0 +1,223 @@
+"""The GPU model's memory: :class:`Layout` places every device buffer of a (config, B, T, precision,
+recompute) model in one arena, as offsets from its base.
+
+The buffer sets named here say which transients a block keeps for its backward and which buffers share
+memory; :mod:`rwkvx.step` addresses the buffers by name, :mod:`rwkvx.model` allocates the arena once.
+Computing a layout needs no GPU (the device's properties come as a
+:class:`~rwkvx.runtime.device.DeviceInfo`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import Config
+from .cu import adamw, channelmix, layernorm, moba, timemix, wkv7
+from .params import param_shapes
+from .precision import Precision, resolve_precision
+from .runtime.device import DeviceInfo
+from .runtime.dtypes import ELEM_BYTES, poison_bits
+
+HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
+
+_ALIGN = 256  # bytes; every buffer starts 256-byte aligned (vector kernels, cuBLAS)
+
+
+def _round_up(n: int, a: int = _ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+# Transients the backward reads from its own block's forward: with recompute=False each block keeps its
+# own copies (block 0 uses the shared ones); with recompute=True the backward recomputes them.
+FORWARD_STATE = {
+    "rwkv": ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "hw", "ha", "hv",
+             "hg", "decay", "kp", "vp", "wa", "wb", "y", "z", "ln1_mean", "ln1_rstd", "wkv_sa", "wkv_ckpt"),
+    "attn": ("h1", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist"),
+}
+# What an attention block keeps for its backward even with recompute=True: the recompute skips the MoBA
+# forward, the one part of a block whose cost grows with the attended keys (T * chunk * top_k), for
+# B*T*(C + H) activations and the query lists per attention block.
+ATTENTION_KEPT = ("y", "moba_lse", "moba_idx", "moba_qlist")
+CHANNEL_MIX_STATE = ("x1", "h2", "xk2", "kf", "ln2_mean", "ln2_rstd")
+# The WKV7 gradients that only feed the time mix's prep backward: f32 in every precision (its parameter
+# gradients sum them over the tokens after near-cancelling projections, where bf16 rounding would show).
+WKV_F32_GRADS = ("ddecay", "dkp", "dvp", "dwa", "dwb")
+# MoBA scratch that lives inside one attention block's forward or backward (shares the logits' region)
+SHARED_MOBA_SCRATCH = ("part", "lpart")
+
+
+def head_chunk_rows(R: int, V: int, xtype: str, chunk_bytes: int) -> int:
+    """Rows of one head / cross-entropy chunk: as many as fit ``chunk_bytes`` of logits, a multiple
+    of 64 rows (at least 64), at most R."""
+    rows = max(64, chunk_bytes // (V * ELEM_BYTES[xtype]) // 64 * 64)
+    return min(R, rows)
+
+
+class Layout:
+    """Every device buffer of a (config, B, T, precision, recompute) model: name -> (offset, element type,
+    count) in one arena.
+
+    Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat f32, same offsets per tensor), the per-step
+    inputs, one saved input per block, and one block's worth of transients shared by all blocks (with
+    ``recompute=False``, also every other block's :data:`FORWARD_STATE`, as ``name@position``).
+    Activations have the element type ``xtype`` of ``precision`` (a :class:`~rwkvx.precision.Precision`
+    or its name); ``methods`` are its kernel methods (:meth:`rwkvx.precision.Precision.kernel_methods`),
+    overridden by ``methods`` where given. ``recompute``: the backward recomputes each block's forward
+    (see :class:`rwkvx.model.Model`). ``head_chunk_bytes``: the most bytes of logits the head computes at
+    once; the head and the cross entropy run over the rows in chunks of :attr:`head_rows`
+    (:func:`head_chunk_rows`).
+    """
+
+    def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: Precision | str,
+                 recompute: bool, methods: dict[str, str] | None = None, *,
+                 head_chunk_bytes: int = HEAD_CHUNK_BYTES):
+        if isinstance(head_chunk_bytes, bool) or not isinstance(head_chunk_bytes, int) or head_chunk_bytes < 1:
+            raise ValueError(f"head_chunk_bytes must be a positive int, got {head_chunk_bytes!r}")
+        precision = resolve_precision(precision)
+        xtype = precision.xtype
+        self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
+        self.precision, self.recompute = precision, recompute
+        self.methods = precision.kernel_methods(cfg)
+        if methods is not None:
+            if set(methods) - set(self.methods):
+                raise ValueError(f"methods: unknown kernel families {sorted(set(methods) - set(self.methods))}")
+            self.methods.update(methods)
+        self.offsets: dict[str, int] = {}
+        self.elems: dict[str, str] = {}
+        self.counts: dict[str, int] = {}
+        self.total = 0
+        C, F, V, H, N = cfg.n_embd, cfg.ffn_dim, cfg.vocab_size, cfg.n_head, cfg.head_size
+        R = B * T
+        X = xtype
+        shapes = param_shapes(cfg)
+        self.param_segments, n_flat = adamw.flat_layout(shapes)
+        # name -> (offset, size) in floats; the same offsets in params, grads, adam_m and adam_v
+        self.param_offsets = {seg[0]: (seg[1], seg[2]) for seg in self.param_segments}
+        self.param_shapes = shapes
+        for region in ("params", "grads", "adam_m", "adam_v"):
+            self._add(region, n_flat, "f32")
+        # the weights as bf16 GEMM operands (refreshed by AdamW); empty where the GEMMs read the f32 weights
+        self._add("params_x", n_flat if precision.gemm.bf16_operands else 0, xtype)
+        self.adam_table, self.adam_lrmul = adamw.build_table(self.param_segments)
+        self.adam_chunks = len(self.adam_lrmul)
+        self._add("adam_table", self.adam_table.size, "i32")
+        self._add("adam_lrmul", self.adam_lrmul.size, "f32")
+        self._add("adam_state", adamw.STATE_DOUBLES, "f64")
+        self._add("adam_partials", adamw.scratch_elems(self.adam_chunks), "f64")
+        # per-step inputs (written from pinned host memory inside the step)
+        for name, count in self.host_inputs(R).items():
+            self._add(name, count, "f64" if name == "inv_count" else "i32")
+        self._add("loss_t", R, "f64")
+        # saved activations: each block's input and the final residual stream
+        self._add("emb_out", R * C, X)
+        for i in range(cfg.n_blocks + 1):
+            self._add(f"block_in.{i}", R * C, X)
+        for name in ("v_first", "dv_first", "lnout"):
+            self._add(name, R * C, X)
+        self._add("lnout_mean", R, "f32")
+        self._add("lnout_rstd", R, "f32")
+        self.head_rows = head_chunk_rows(R, V, X, head_chunk_bytes)
+        # buffers never live at once share one region (_add_shared), one set at a time: the head's row
+        # chunk of logits (then dlogits), the WKV7 work buffer, MoBA's partial outputs, the channel mix's
+        # backward gradients (each set lives inside the head or inside one part of one block's pass)
+        shared: dict[str, dict[str, tuple[int, str]]] = {
+            "head": {"logits": (self.head_rows * V, X)}, "wkv": {}, "moba": {},
+            "ffn": {"dkf": (R * F, X), "dxk2": (R * C, X), "dh2": (R * C, X)}}
+        self._add("dx", R * C, X)
+        self._add("dlnout", R * C, X)
+        if cfg.n_attn_layer:
+            moba_sizes = moba.scratch_sizes(B, T, H, N, cfg.moba_chunk_size, cfg.moba_top_k)
+            for j in range(cfg.n_attn_layer):  # kept per block: the selection is read back after a step
+                self._add(f"moba_sel.{j}", *moba_sizes["sel"])
+        # one block's transients, shared by every block (blocks run one after another)
+        rc = ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "decay",
+              "kp", "vp", "wa", "wb", "y", "z", "x1", "h2", "xk2",
+              "dz", "dy", "dg", "dr2", "dkp2", "dvp2", "dr", "ddecay", "dkp", "dvp", "dwa", "dwb",
+              "dk", "dv", "dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1")
+        for name in rc:
+            self._add(name, R * C, "f32" if name in WKV_F32_GRADS else X)
+        for name, d in (("hw", cfg.dim_w), ("ha", cfg.dim_a), ("hv", cfg.dim_v), ("hg", cfg.dim_g)):
+            self._add(name, R * d, X)
+            self._add("d" + name, R * d, X)
+        self._add("kf", R * F, X)
+        for name in ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "ln0_mean", "ln0_rstd"):
+            self._add(name, R, "f32")
+        # with recompute the chunked WKV7's recomputed forward also writes the backward's chunk records
+        # (one pass for both, rwkvx.cu.wkv7.forward), kept through the channel mix until the block's
+        # WKV7 backward: they lead the WKV7 work buffer's set and the channel mix's
+        keep = recompute and self.methods["wkv7"] in wkv7.CHUNKED_METHODS
+        for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"],
+                                              kept_records=keep).items():
+            if name == "partials":
+                shared["wkv"]["wkv_partials"] = (count, "f32")
+            elif name == "records":
+                for kept_by in ("wkv", "ffn"):
+                    shared[kept_by] = {"wkv_records": (count, "f32"), **shared[kept_by]}
+            else:
+                self._add("wkv_" + name, count, "f32")
+        if cfg.n_attn_layer:
+            for name, (count, elem) in moba_sizes.items():
+                if name in SHARED_MOBA_SCRATCH:
+                    shared["moba"]["moba_" + name] = (count, elem)
+                elif name != "sel":
+                    self._add("moba_" + name, count, elem)
+        self._add_shared(shared)
+        self._add("partials", max(layernorm.scratch_elems(R, C, dev), channelmix.scratch_elems(R, C, dev),
+                                  timemix.scratch_elems(R, C, N, dev)), "f32")
+        for pos, (kind, _) in enumerate(cfg.block_order()):
+            if not recompute:
+                kept = FORWARD_STATE[kind] + CHANNEL_MIX_STATE if pos else ()
+            else:
+                kept = ATTENTION_KEPT if kind == "attn" else ()
+            for name in kept:
+                if name in self.counts:
+                    self._add(f"{name}@{pos}", self.counts[name], self.elems[name])
+
+    @staticmethod
+    def host_inputs(R: int) -> dict[str, int]:
+        """Elements of each per-step input staged from pinned host memory (int32; inv_count f64)."""
+        return {"tokens": R, "targets": R, "emb_order": R, "emb_seg_start": R + 1, "emb_n_seg": 1,
+                "inv_count": 1}
+
+    def _add(self, name: str, count: int, elem: str) -> None:
+        self.offsets[name] = self.total
+        self.elems[name] = elem
+        self.counts[name] = count
+        self.total += _round_up(max(count * ELEM_BYTES[elem], 1))
+
+    def _add_shared(self, sets: dict[str, dict[str, tuple[int, str]]]) -> None:
+        """Sets of buffers of which only one is ever live (each is written and read inside the head, or
+        inside one block's forward or backward): every set laid out from the same offset, in a region as
+        large as the largest set. A buffer named in several sets (live while either is) leads each."""
+        start, end = self.total, self.total
+        for buffers in sets.values():
+            self.total = start
+            for name, (count, elem) in buffers.items():
+                if name in self.offsets:
+                    if self.offsets[name] != self.total:
+                        raise ValueError(f"Layout: shared buffer {name} must lead every set that names it")
+                    self.total += _round_up(max(count * ELEM_BYTES[elem], 1))
+                else:
+                    self._add(name, count, elem)
+            end = max(end, self.total)
+        self.total = end
+
+    def poison_image(self) -> np.ndarray:
+        """The arena's bytes from the per-step inputs on, every buffer NaN (floats) or -0x5eadbeef (i32)."""
+        start = self.offsets["tokens"]
+        image = np.zeros(self.total - start, np.uint8)
+        names = list(self.offsets)[list(self.offsets).index("tokens"):]
+        # narrowest element type last: where the shared region's buffers overlap, bf16 NaN pairs
+        # (0x7FC0 7FC0) still read as NaN in an f32 buffer, while f32 NaN bits would leave every other
+        # bf16 element +0
+        for name in sorted(names, key=lambda n: -ELEM_BYTES[self.elems[n]]):
+            bits = poison_bits(self.elems[name], self.counts[name]).view(np.uint8)
+            image[self.offsets[name] - start:self.offsets[name] - start + bits.size] = bits
+        return image
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of buffer ``name``."""
+        return self.counts[name] * ELEM_BYTES[self.elems[name]]
+
+    def bytes_per_token(self) -> float:
+        """Arena bytes divided by B*T (the parameter regions included)."""
+        return self.total / (self.B * self.T)

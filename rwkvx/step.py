@@ -1,0 +1,424 @@
+"""The training step as op lists: :class:`StepBuilder` composes forward, loss and backward op by op from
+the launch builders of :mod:`rwkvx.cu` and cuBLAS GEMMs, on the buffers of a :class:`~rwkvx.arena.Layout`;
+:class:`StepOps` holds the result.
+
+With the layout's ``recompute`` the backward runs each block's forward again from its saved input;
+without, every block keeps the transients its backward reads. Building the op lists needs no GPU
+(pointers are base + offset, typed by the element type of their buffer), so plans are tested on CPU CI;
+:class:`rwkvx.model.Model` runs them through :class:`rwkvx._core.Plan`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .arena import Layout
+from .cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
+from .runtime import gemm
+from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
+
+
+@dataclass
+class StepOps:
+    """The op lists of one step. ``forward`` ends with the final LayerNorm's output; ``loss`` runs the
+    head and cross-entropy chunk by chunk of rows (logits, loss, dlogits in place, the head's gradients);
+    ``evaluate`` is ``loss`` without gradients; ``head[c]`` computes the logits of chunk c alone.
+
+    ``grad_ready``: ``(k, names)`` pairs in backward order: after ``backward[:k]`` the gradients of
+    ``names`` are final (no later op of the step touches them) — where a data-parallel step starts
+    reducing them (:mod:`rwkvx.dist.step`). Every parameter is named exactly once."""
+    stage_tokens: list
+    stage_targets: list
+    forward: list
+    loss: list
+    backward: list
+    evaluate: list
+    head: list
+    grad_ready: list = field(default_factory=list)
+
+    @property
+    def step(self) -> list:
+        """The whole step without the optimizer: inputs staged, forward, loss, backward."""
+        return self.stage_tokens + self.stage_targets + self.forward + self.loss + self.backward
+
+
+class StepBuilder:
+    """Composes the step from the launch builders of :mod:`rwkvx.cu` and cuBLAS GEMMs in the layout's
+    precision, on the arena of ``layout`` at device address ``base``; ``host`` holds the pinned host
+    addresses of the per-step inputs and of ``loss_t`` (:meth:`~rwkvx.arena.Layout.host_inputs`)."""
+
+    def __init__(self, layout: Layout, base: int, host: dict[str, int]):
+        self.L = layout
+        self.cfg = layout.cfg
+        self.dev = layout.dev
+        self.B, self.T = layout.B, layout.T
+        self.R = self.B * self.T
+        self.base = base
+        self.host = host  # pinned host pointers: tokens, targets, emb_order, ...
+        self.mm = layout.precision.gemm     # every GEMM's mode
+        self.methods = layout.methods       # the WKV7 and MoBA kernel methods
+        self.block_pos: int | None = None   # the block being built: selects its own forward state
+
+    # -- addresses ----------------------------------------------------------------------------
+    def buf(self, name: str) -> DevPtr | None:
+        """Typed device pointer of buffer ``name``; None for an empty buffer."""
+        own = f"{name}@{self.block_pos}"
+        if own in self.L.offsets:
+            name = own
+        if not self.L.counts[name]:
+            return None
+        return DevPtr(self.base + self.L.offsets[name], self.L.elems[name])
+
+    def p(self, name: str) -> DevPtr:
+        """Device address of parameter ``name``."""
+        return self.buf("params").offset(self.L.param_offsets[name][0])
+
+    def w(self, name: str) -> DevPtr:
+        """Parameter ``name`` as a GEMM operand: the bf16 copy in bf16 mode, else the fp32 weight."""
+        if self.L.counts["params_x"]:
+            return self.buf("params_x").offset(self.L.param_offsets[name][0])
+        return self.p(name)
+
+    def gp(self, name: str) -> DevPtr:
+        """Device address of the gradient of parameter ``name``."""
+        return self.buf("grads").offset(self.L.param_offsets[name][0])
+
+    # -- the step -----------------------------------------------------------------------------
+    def build(self) -> StepOps:
+        """Every op list of the step (:class:`StepOps`)."""
+        stage = {n: CopyHtoD(self.buf(n), self.host[n], self.L.nbytes(n)) for n in self.L.host_inputs(self.R)}
+        stage_tokens = [stage.pop("tokens")]
+        forward, loss_ops, backward = self.forward(), self.loss(), self.backward()
+        return StepOps(stage_tokens, list(stage.values()), forward, loss_ops, backward,
+                       self.loss(with_grad=False), [self.head_logits(r0) for r0 in self.head_chunks()],
+                       self.grad_ready)
+
+    def forward(self) -> list:
+        """Embedding (and ln0), every block in order, and the final LayerNorm into ``lnout``."""
+        cfg, R, C, V, dev = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size, self.dev
+        ops = []
+        x0 = self.buf("block_in.0")
+        if cfg.ln0:
+            ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"),
+                                     self.buf("emb_out"), R, C, V, dev)
+            ops += layernorm.forward(self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"),
+                                     self.p("rwkv.blocks.0.ln0.bias"), x0,
+                                     self.buf("ln0_mean"), self.buf("ln0_rstd"), R, C)
+        else:
+            ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"), x0, R, C, V, dev)
+        for pos, (kind, idx) in enumerate(cfg.block_order()):
+            self.block_pos = pos
+            xin, xout = self.buf(f"block_in.{pos}"), self.buf(f"block_in.{pos + 1}")
+            if kind == "rwkv":
+                ops += self.rwkv_forward(idx, xin, for_backward=not self.L.recompute)
+            else:
+                ops += self.attn_forward(idx, xin)
+            ops += self.channel_mix_forward(self._prefix(kind, idx), xout)
+        self.block_pos = None
+        final = self.buf(f"block_in.{cfg.n_blocks}")
+        ops += layernorm.forward(final, self.p("rwkv.ln_out.weight"), self.p("rwkv.ln_out.bias"),
+                                 self.buf("lnout"), self.buf("lnout_mean"), self.buf("lnout_rstd"), R, C)
+        return ops
+
+    def head_chunks(self) -> range:
+        """First row of each head / cross-entropy chunk."""
+        return range(0, self.R, self.L.head_rows)
+
+    def head_logits(self, r0: int) -> list:
+        """Logits of rows [r0, r0 + rows) into the chunk buffer ``logits``."""
+        rows, C, V = min(self.L.head_rows, self.R - r0), self.cfg.n_embd, self.cfg.vocab_size
+        return [gemm.linear(self.buf("lnout").offset(r0 * C), self.w("rwkv.head.weight"), self.buf("logits"),
+                            rows, C, V, precision=self.mm)]
+
+    def loss(self, with_grad: bool = True) -> list:
+        """Head and cross-entropy per row chunk: float64 per-token losses, and ``with_grad`` dlogits in
+        place, the head's weight gradient accumulated over the chunks in order, and dlnout."""
+        C, V, mm = self.cfg.n_embd, self.cfg.vocab_size, self.mm
+        lnout, dlogits = self.buf("lnout"), self.buf("logits")
+        ops = []
+        for r0 in self.head_chunks():
+            rows = min(self.L.head_rows, self.R - r0)
+            ops += self.head_logits(r0)
+            ops += loss.cross_entropy(self.buf("logits"), self.buf("targets").offset(r0),
+                                      self.buf("loss_t").offset(r0), dlogits if with_grad else None,
+                                      self.buf("inv_count"), rows, V)
+            if with_grad:
+                ops += [gemm.linear_dw(lnout.offset(r0 * C), dlogits, self.gp("rwkv.head.weight"), rows, C, V,
+                                       beta=1.0 if r0 else 0.0, precision=mm),
+                        gemm.linear_dx(dlogits, self.w("rwkv.head.weight"), self.buf("dlnout").offset(r0 * C),
+                                       rows, C, V, precision=mm)]
+        ops.append(CopyDtoH(self.host["loss_t"], self.buf("loss_t"), self.L.nbytes("loss_t")))
+        return ops
+
+    def backward(self) -> list:
+        """From dlnout (the loss's output) back to the embedding, with every gradient but the head's."""
+        cfg, R, C, V, dev = self.cfg, self.R, self.cfg.n_embd, self.cfg.vocab_size, self.dev
+        dx = self.buf("dx")
+        final = self.buf(f"block_in.{cfg.n_blocks}")
+        ops = layernorm.backward(final, self.p("rwkv.ln_out.weight"), self.buf("dlnout"), dx,
+                                  self.gp("rwkv.ln_out.weight"), self.gp("rwkv.ln_out.bias"),
+                                  self.buf("lnout_mean"), self.buf("lnout_rstd"), self.buf("partials"),
+                                  R, C, dev)
+        self.grad_ready = []
+        self._grads_ready(ops, "rwkv.head.", "rwkv.ln_out.")
+        ln0 = ("rwkv.blocks.0.ln0.weight", "rwkv.blocks.0.ln0.bias") if cfg.ln0 else ()
+        ops.append(Memset(self.buf("dv_first"), self.L.nbytes("dv_first")))
+        for pos, (kind, idx) in reversed(list(enumerate(cfg.block_order()))):
+            self.block_pos = pos
+            xin = self.buf(f"block_in.{pos}")
+            prefix = self._prefix(kind, idx)
+            if self.L.recompute:    # the block's forward again from its saved input, then back through it
+                if kind == "rwkv":
+                    ops += self.rwkv_forward(idx, xin, for_backward=True)
+                else:
+                    ops += self.attn_forward(idx, xin, attend=False)
+                ops += self.channel_mix_forward(prefix, None)
+            ops += self.channel_mix_backward(prefix)
+            ops += self.rwkv_backward(idx, xin) if kind == "rwkv" else self.attn_backward(idx, xin)
+            self._grads_ready(ops, prefix, exclude=ln0)   # block 0's ln0 comes after the last block
+        self.block_pos = None
+        demb_in = dx
+        if cfg.ln0:
+            demb_in = self.buf("dh1")
+            ops += layernorm.backward(self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"), dx,
+                                      demb_in, self.gp("rwkv.blocks.0.ln0.weight"),
+                                      self.gp("rwkv.blocks.0.ln0.bias"), self.buf("ln0_mean"),
+                                      self.buf("ln0_rstd"), self.buf("partials"), R, C, dev)
+        ops += embedding.backward(demb_in, self.buf("tokens"), self.buf("emb_order"),
+                                  self.buf("emb_seg_start"), self.buf("emb_n_seg"),
+                                  self.gp("rwkv.emb.weight"), R, C, V)
+        self._grads_ready(ops, "rwkv.emb.", *ln0)
+        return ops
+
+    def _grads_ready(self, ops: list, *prefixes: str, exclude: tuple = ()) -> None:
+        """Mark the gradients of the parameters named by ``prefixes`` final after ``ops`` so far."""
+        names = tuple(n for n in self.L.param_offsets if n.startswith(prefixes) and n not in exclude)
+        self.grad_ready.append((len(ops), names))
+
+    def optimizer(self, weight_decay: float, clip: bool) -> list:
+        """One fused AdamW update of every parameter (rwkvx/optim.py's formulas; state on device)."""
+        b = self.buf
+        return adamw.step(b("params"), b("grads"), b("adam_m"), b("adam_v"), b("adam_table"),
+                          b("adam_lrmul"), b("adam_state"), self.L.adam_chunks, b("adam_partials"),
+                          weight_decay=weight_decay, clip=clip, params_x=self.buf("params_x"))
+
+    @staticmethod
+    def _prefix(kind: str, idx: int) -> str:
+        return f"rwkv.blocks.{idx}." if kind == "rwkv" else f"moba.{idx}."
+
+    # -- shared block parts ---------------------------------------------------------------------
+    def _residual_add(self, act, weight, out, n_in: int) -> list:
+        """out += act @ weight^T: ``out`` holds the residual, copied there by the LayerNorm that read it."""
+        return [gemm.linear(act, weight, out, self.R, n_in, self.cfg.n_embd, beta=1.0, precision=self.mm)]
+
+    # The token shifts, the WKV recurrence and the MoBA attention are the parts of a block that look
+    # at other tokens; each is one method, so that rwkvx.decoder's stateful builders can replace them.
+    def channel_shift(self, prefix: str) -> list:
+        """xk2 = h2 + (shift(h2) - h2) * ffn.x_k of block ``prefix``."""
+        return channelmix.shift_mix(self.buf("h2"), self.p(prefix + "ffn.x_k"), self.buf("xk2"), self.R,
+                                    self.T, self.cfg.n_embd, self.dev)
+
+    def time_shift(self, i: int) -> list:
+        """The six token-shift mixes xr .. xg of h1 in RWKV block i."""
+        att, b = f"rwkv.blocks.{i}.att.", self.buf
+        mixes = tuple(self.p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
+        return timemix.shift_forward(b("h1"), mixes, tuple(b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")),
+                                     self.R, self.cfg.n_embd, self.T, self.dev)
+
+    def wkv(self, i: int, for_backward: bool) -> list:
+        """y = WKV7(r, decay, kp, v', wa, wb) of RWKV block i (v' = vp, or v in block 0); with
+        ``for_backward`` it also saves what wkv7's backward reads (sa and the state checkpoints)."""
+        b, cfg = self.buf, self.cfg
+        saved = dict(sa=b("wkv_sa"), ckpt=b("wkv_ckpt"), records=self._wkv_records()) if for_backward else {}
+        return wkv7.forward(b("r"), b("decay"), b("kp"), self._value(i), b("wa"), b("wb"), b("y"),
+                            self.B, self.T, cfg.n_head, cfg.head_size, self.dev, **saved,
+                            method=self.methods["wkv7"], partials=b("wkv_partials"))
+
+    def _wkv_records(self) -> DevPtr | None:
+        """The WKV7 backward's chunk records as the recomputed forward keeps them (recompute, chunked), else None."""
+        return self.buf("wkv_records") if "wkv_records" in self.L.offsets else None
+
+    def attention(self, j: int) -> list:
+        """y = MoBA attention of (q, k, v) = (r, k, v) in attention block j."""
+        b = self.buf
+        return moba.forward(b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
+
+    def channel_mix_forward(self, prefix: str, xout) -> list:
+        """h2 = LN2(x1); kf = relu(xk2 @ key^T)^2; xout = x1 + kf @ value^T (skipped when None)."""
+        R, C, F, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.dev
+        b = self.buf
+        ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
+                                b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C, x_copy=xout)
+        ops += self.channel_shift(prefix)
+        ops.append(gemm.linear(b("xk2"), self.w(prefix + "ffn.key.weight"), b("kf"), R, C, F, precision=self.mm))
+        ops += channelmix.relu_sq(b("kf"), b("kf"), R * F, dev)
+        if xout is not None:
+            ops += self._residual_add(b("kf"), self.w(prefix + "ffn.value.weight"), xout, F)
+        return ops
+
+    def channel_mix_backward(self, prefix: str) -> list:
+        """From dx (= d block output) to dx = d x1 (in place), with the FFN and ln2 gradients."""
+        R, C, F, T, dev, mm = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev, self.mm
+        b, dx = self.buf, self.buf("dx")
+        ops = [gemm.linear_dw(b("kf"), dx, self.gp(prefix + "ffn.value.weight"), R, F, C, precision=mm),
+               gemm.linear_dx(dx, self.w(prefix + "ffn.value.weight"), b("dkf"), R, F, C, precision=mm)]
+        ops += channelmix.relu_sq_backward(b("dkf"), b("kf"), b("dkf"), R * F, dev, src_is_k=True)
+        ops += [gemm.linear_dw(b("xk2"), b("dkf"), self.gp(prefix + "ffn.key.weight"), R, C, F, precision=mm),
+                gemm.linear_dx(b("dkf"), self.w(prefix + "ffn.key.weight"), b("dxk2"), R, C, F, precision=mm)]
+        ops += channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), b("dh2"),
+                                       self.gp(prefix + "ffn.x_k"), b("partials"), R, T, C, dev)
+        ops += layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), dx,
+                                  self.gp(prefix + "ln2.weight"), self.gp(prefix + "ln2.bias"),
+                                  b("ln2_mean"), b("ln2_rstd"), b("partials"), R, C, dev, accumulate_dx=True)
+        return ops
+
+    def _ln1_forward(self, prefix: str, xin) -> list:
+        R, C, b = self.R, self.cfg.n_embd, self.buf
+        return layernorm.forward(xin, self.p(prefix + "ln1.weight"), self.p(prefix + "ln1.bias"),
+                                 b("h1"), b("ln1_mean"), b("ln1_rstd"), R, C, x_copy=b("x1"))
+
+    def _ln1_backward(self, prefix: str, xin) -> list:
+        R, C, b = self.R, self.cfg.n_embd, self.buf
+        return layernorm.backward(xin, self.p(prefix + "ln1.weight"), b("dh1"), b("dx"),
+                                  self.gp(prefix + "ln1.weight"), self.gp(prefix + "ln1.bias"),
+                                  b("ln1_mean"), b("ln1_rstd"), b("partials"), R, C, self.dev, accumulate_dx=True)
+
+    # -- RWKV-7 time mix ------------------------------------------------------------------------
+    def _lora(self, i: int) -> list[tuple[str, str, str, str, int]]:
+        """(input, hidden, output, letter, rank) of the LoRA paths of RWKV block i."""
+        cfg = self.cfg
+        paths = [("xw", "hw", "wl", "w", cfg.dim_w), ("xa", "ha", "al", "a", cfg.dim_a)]
+        if i > 0:
+            paths.append(("xv", "hv", "vl", "v", cfg.dim_v))
+        paths.append(("xg", "hg", "g", "g", cfg.dim_g))
+        return paths
+
+    def _prep_inputs(self, i: int) -> dict:
+        """The arguments prep_forward and prep_backward share for RWKV block i."""
+        b, p, att = self.buf, self.p, f"rwkv.blocks.{i}.att."
+        return dict(k=b("k"), v=b("v"), wl=b("wl"), al=b("al"), vl=b("vl"), v_first=b("v_first"),
+                    w0=p(att + "w0"), a0=p(att + "a0"), v0=p(att + "v0") if i else None,
+                    k_k=p(att + "k_k"), k_a=p(att + "k_a"), R=self.R, C=self.cfg.n_embd,
+                    N=self.cfg.head_size, layer=i, dev=self.dev)
+
+    def _value(self, i: int) -> DevPtr:
+        """v' of RWKV block i, the WKV's value: vp after the value residual, or v itself in block 0."""
+        return self.buf("vp") if i else self.buf("v")
+
+    def _gn_inputs(self, i: int) -> dict:
+        """The arguments gn_forward and gn_backward share for RWKV block i."""
+        b, p, att = self.buf, self.p, f"rwkv.blocks.{i}.att."
+        return dict(y=b("y"), r=b("r"), kp=b("kp"), vp=self._value(i), g=b("g"),
+                    ln_w=p(att + "ln_x.weight"), ln_b=p(att + "ln_x.bias"), r_k=p(att + "r_k"),
+                    R=self.R, C=self.cfg.n_embd, N=self.cfg.head_size, dev=self.dev)
+
+    def rwkv_forward(self, i: int, xin, for_backward: bool = False) -> list:
+        """x1 = xin + TimeMix(LN1(xin)) (docs/SPEC.md §2.3), leaving every transient the backward needs; only
+        ``for_backward`` (the forward the backward reads: the recompute, or the forward itself without
+        recompute) saves the WKV state for it."""
+        R, C, dev, mm = self.R, self.cfg.n_embd, self.dev, self.mm
+        pre, b = f"rwkv.blocks.{i}.", self.buf
+        att = pre + "att."
+        ops = self._ln1_forward(pre, xin)
+        ops += self.time_shift(i)
+        for src, dst, name in (("xr", "r", "receptance"), ("xk", "k", "key"), ("xv", "v", "value")):
+            ops.append(gemm.linear(b(src), self.w(f"{att}{name}.weight"), b(dst), R, C, C, precision=mm))
+        for src, hid, out, letter, rank in self._lora(i):
+            ops.append(gemm.matmul(b(src), self.w(f"{att}{letter}1"), b(hid), R, C, rank, precision=mm))
+            if letter == "w":
+                ops += timemix.tanh_forward(b(hid), b(hid), R * rank, dev)
+            elif letter == "g":
+                ops += timemix.sigmoid_forward(b(hid), b(hid), R * rank, dev)
+            ops.append(gemm.matmul(b(hid), self.w(f"{att}{letter}2"), b(out), R, rank, C, precision=mm))
+        ops += timemix.prep_forward(**self._prep_inputs(i), decay=b("decay"), kp=b("kp"), vp=b("vp"),
+                                    wa=b("wa"), wb=b("wb"))
+        ops += self.wkv(i, for_backward)
+        ops += timemix.gn_forward(**self._gn_inputs(i), z=b("z"))
+        ops += self._residual_add(b("z"), self.w(att + "output.weight"), b("x1"), C)
+        return ops
+
+    def rwkv_backward(self, i: int, xin) -> list:
+        """From dx = d x1 to dx = d xin (in place), with every TimeMix and ln1 gradient of block i."""
+        R, C, T, N, H, dev, mm = (self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head,
+                                  self.dev, self.mm)
+        pre, b, p, gp = f"rwkv.blocks.{i}.", self.buf, self.p, self.gp
+        att = pre + "att."
+        dx = b("dx")
+        gn = self._gn_inputs(i)
+        ops = [gemm.linear_dw(b("z"), dx, gp(att + "output.weight"), R, C, C, precision=mm),
+               gemm.linear_dx(dx, self.w(att + "output.weight"), b("dz"), R, C, C, precision=mm)]
+        ops += timemix.gn_backward(**gn, dz=b("dz"), dy=b("dy"), dg=b("dg"), dr2=b("dr2"), dkp2=b("dkp2"),
+                                   dvp2=b("dvp2"), partials=b("partials"),
+                                   dparams=(gp(att + "ln_x.weight"), gp(att + "ln_x.bias"), gp(att + "r_k")))
+        ops += wkv7.backward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("dy"), b("wkv_sa"),
+                             b("wkv_ckpt"), b("dr"), b("ddecay"), b("dkp"), b("dvp"), b("dwa"), b("dwb"),
+                             self.B, T, H, N, dev, partials=b("wkv_partials"), method=self.methods["wkv7"],
+                             records=self._wkv_records())
+        dparams = [gp(att + n) for n in ("w0", "a0", "k_k", "k_a")] + ([gp(att + "v0")] if i else [])
+        ops += timemix.prep_backward(**self._prep_inputs(i),
+                                     d_decay=b("ddecay"), dkp=b("dkp"), dvp=b("dvp"), dwa=b("dwa"), dwb=b("dwb"),
+                                     dkp2=b("dkp2"), dvp2=b("dvp2"), dr=b("dr"), dr2=b("dr2"), dr_out=b("dr"),
+                                     dk=b("dk"), dv=b("dv"), dwl=b("dwl"), dal=b("dal"), dvl=b("dvl"),
+                                     dv_first=b("dv_first"), partials=b("partials"), dparams=dparams)
+        # projections r, k, v: dx* = d(out) @ W, dW = d(out)^T x*
+        for src, dsrc, dout, name in (("xr", "dxr", "dr", "receptance"), ("xk", "dxk", "dk", "key"),
+                                      ("xv", "dxv", "dv", "value")):
+            ops += [gemm.linear_dw(b(src), b(dout), gp(f"{att}{name}.weight"), R, C, C, precision=mm),
+                    gemm.linear_dx(b(dout), self.w(f"{att}{name}.weight"), b(dsrc), R, C, C, precision=mm)]
+        # LoRA paths: out = act(src @ W1) @ W2
+        grads_of = {"wl": "dwl", "al": "dal", "vl": "dvl", "g": "dg"}
+        for src, hid, out, letter, rank in self._lora(i):
+            dout, dhid = b(grads_of[out]), b("d" + hid)
+            ops += [gemm.matmul_dw(b(hid), dout, gp(f"{att}{letter}2"), R, rank, C, precision=mm),
+                    gemm.matmul_dx(dout, self.w(f"{att}{letter}2"), dhid, R, rank, C, precision=mm)]
+            if letter == "w":
+                ops += timemix.tanh_backward(b(hid), dhid, dhid, R * rank, dev)
+            elif letter == "g":
+                ops += timemix.sigmoid_backward(b(hid), dhid, dhid, R * rank, dev)
+            ops.append(gemm.matmul_dw(b(src), dhid, gp(f"{att}{letter}1"), R, C, rank, precision=mm))
+            # xv feeds both the value projection and the v LoRA: accumulate its gradient
+            beta = 1.0 if letter == "v" else 0.0
+            ops.append(gemm.matmul_dx(dhid, self.w(f"{att}{letter}1"), b("d" + src), R, C, rank, beta=beta,
+                                      precision=mm))
+        dmix = tuple(gp(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
+        ops += timemix.shift_backward(b("h1"), tuple(p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")),
+                                      tuple(b(n) for n in ("dxr", "dxw", "dxk", "dxv", "dxa", "dxg")),
+                                      b("dh1"), dmix, b("partials"), R, C, T, dev)
+        ops += self._ln1_backward(pre, xin)
+        return ops
+
+    # -- MoBA attention -------------------------------------------------------------------------
+    def _moba_args(self, j: int) -> dict:
+        cfg = self.cfg
+        scratch = {name: (self.buf(f"moba_sel.{j}") if name == "sel" else self.buf("moba_" + name))
+                   for name in moba.SCRATCH_NAMES}
+        return dict(scratch=scratch, B=self.B, T=self.T, H=cfg.n_head, N=cfg.head_size,
+                    chunk=cfg.moba_chunk_size, top_k=cfg.moba_top_k, dev=self.dev, method=self.methods["moba"])
+
+    def attn_forward(self, j: int, xin, attend: bool = True) -> list:
+        """x1 = xin + Attn_j(LN1(xin)) (docs/SPEC.md §2.3, MoBA). Without ``attend`` (the recompute) the block's
+        kept MoBA output and selection (:data:`rwkvx.arena.ATTENTION_KEPT`) stand for the attention."""
+        R, C, b = self.R, self.cfg.n_embd, self.buf
+        pre = f"moba.{j}."
+        ops = self._ln1_forward(pre, xin)
+        for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
+            ops.append(gemm.linear(b("h1"), self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
+        if attend:
+            ops += self.attention(j)
+        ops += self._residual_add(b("y"), self.w(pre + "att.output.weight"), b("x1"), C)
+        return ops
+
+    def attn_backward(self, j: int, xin) -> list:
+        """From dx = d x1 to dx = d xin (in place), with the attention and ln1 gradients."""
+        R, C, b, gp, mm = self.R, self.cfg.n_embd, self.buf, self.gp, self.mm
+        pre = f"moba.{j}."
+        dx = b("dx")
+        ops = [gemm.linear_dw(b("y"), dx, gp(pre + "att.output.weight"), R, C, C, precision=mm),
+               gemm.linear_dx(dx, self.w(pre + "att.output.weight"), b("dz"), R, C, C, precision=mm)]
+        ops += moba.backward(b("r"), b("k"), b("v"), b("y"), b("dz"), b("dr"), b("dk"), b("dv"),
+                             **self._moba_args(j))
+        for n, (dsrc, name) in enumerate((("dr", "receptance"), ("dk", "key"), ("dv", "value"))):
+            ops += [gemm.linear_dw(b("h1"), b(dsrc), gp(f"{pre}att.{name}.weight"), R, C, C, precision=mm),
+                    gemm.linear_dx(b(dsrc), self.w(f"{pre}att.{name}.weight"), b("dh1"), R, C, C,
+                                   beta=1.0 if n else 0.0, precision=mm)]
+        ops += self._ln1_backward(pre, xin)
+        return ops
