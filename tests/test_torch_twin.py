@@ -13,9 +13,6 @@ from rwkvx import Config  # noqa: E402
 from rwkvx.config import DECAY_SCALE  # noqa: E402
 from rwkvx.oracle import Oracle, rel_err, wkv7_backward, wkv7_forward  # noqa: E402
 
-# float64 against float64: only the order of the sums differs
-EXACT = 1e-10
-
 CASES = {
     "hybrid": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
                     moba_chunk_size=8, moba_top_k=2), 2, 64),
@@ -34,26 +31,18 @@ def _case(name, params_factory, seed):
     return cfg, params_factory(cfg, seed), tokens, targets
 
 
-def _assert_matches(twin, ref_loss, ref_grads, tol):
-    assert abs(twin.loss - ref_loss) <= tol * abs(ref_loss), (twin.loss, ref_loss)
-    assert set(twin.grads) == set(ref_grads)
-    errors = {n: rel_err(twin.grads[n], g) for n, g in ref_grads.items()}
-    bad = {n: e for n, e in errors.items() if e > tol}
-    assert not bad, bad
-
-
 @pytest.mark.parametrize("name", CASES)
 def test_float64_twin_matches_the_oracle(name, random_params):
     cfg, params, tokens, targets = _case(name, random_params, 3)
     oracle = Oracle(cfg, params)
     twin = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64")
-    _assert_matches(twin, *oracle.loss_and_grads(tokens, targets), EXACT)
+    torch_twin.assert_matches(twin, *oracle.loss_and_grads(tokens, targets))
     for own, ref, gaps, ref_gaps in zip(twin.selection, oracle.moba_selection(tokens), twin.gate_gaps,
                                         oracle.moba_gate_gaps(tokens), strict=True):
         assert own.dtype == np.int32 and np.array_equal(own, ref)
         assert np.array_equal(np.isinf(gaps), np.isinf(ref_gaps))
         finite = np.isfinite(ref_gaps)
-        np.testing.assert_allclose(gaps[finite], ref_gaps[finite], rtol=0, atol=EXACT)
+        np.testing.assert_allclose(gaps[finite], ref_gaps[finite], rtol=0, atol=torch_twin.ORACLE_TOL)
 
 
 def test_float64_twin_follows_a_forced_selection(random_params):
@@ -63,7 +52,7 @@ def test_float64_twin_follows_a_forced_selection(random_params):
     own = Oracle(cfg, params).moba_selection(tokens)
     assert not all(np.array_equal(f, o) for f, o in zip(forced, own))
     twin = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64", selection=forced)
-    _assert_matches(twin, *Oracle(cfg, params).loss_and_grads(tokens, targets, selection=forced), EXACT)
+    torch_twin.assert_matches(twin, *Oracle(cfg, params).loss_and_grads(tokens, targets, selection=forced))
 
 
 def _wkv_inputs(seed, B=2, T=7, H=2, N=4, dtype=torch.float64):
@@ -82,12 +71,12 @@ def test_wkv7_function_matches_the_oracle_twin():
     y.backward(dy)
     decay = torch.exp(-DECAY_SCALE * torch.sigmoid(w)).detach()
     arrays = [t.detach().numpy() for t in (r, decay, k, v, a, b)]
-    np.testing.assert_allclose(y.detach().numpy(), wkv7_forward(*arrays), rtol=0, atol=EXACT)
+    np.testing.assert_allclose(y.detach().numpy(), wkv7_forward(*arrays), rtol=0, atol=torch_twin.ORACLE_TOL)
     ref = list(wkv7_backward(*arrays, dy.numpy()))
     s = torch.sigmoid(w).detach().numpy()
     ref[1] = ref[1] * arrays[1] * (-DECAY_SCALE) * s * (1 - s)          # through decay(w)
     for name, t, want in zip("rwkvab", ins, ref):
-        np.testing.assert_allclose(t.grad.numpy(), want, rtol=0, atol=EXACT, err_msg=f"d{name}")
+        np.testing.assert_allclose(t.grad.numpy(), want, rtol=0, atol=torch_twin.ORACLE_TOL, err_msg=f"d{name}")
 
 
 def test_wkv7_function_passes_gradcheck():

@@ -28,10 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from rwkvx.config import DECAY_SCALE, GN_EPS, L2_EPS, LN_EPS, Config
+from rwkvx.oracle import rel_err
 from rwkvx.params import check_params
 from rwkvx.validate import IGNORE_INDEX, check_targets, check_tokens
 
 RECIPES = ("float64", "autocast_bf16")
+ORACLE_TOL = 1e-10       # the float64 recipe against the float64 oracle: only the order of the sums differs
 MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 
 
@@ -269,3 +271,13 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
     grads = {n: (np.zeros(p.shape) if p.grad is None else p.grad.double().cpu().numpy()) for n, p in P.items()}
     return TwinResult(loss.item(), grads, [s.cpu().numpy().astype(np.int32) for s in own],
                       [g.cpu().numpy() for g in gaps])
+
+
+def assert_matches(result: TwinResult, loss: float, grads: dict[str, np.ndarray], tol: float = ORACLE_TOL) -> None:
+    """Assert that ``result`` has the loss and every gradient of a reference (``loss``, ``grads``: the
+    oracle's), each within ``tol`` relative (docs/SPEC.md §4's rel_err per tensor)."""
+    assert abs(result.loss - loss) <= tol * abs(loss), (result.loss, loss)
+    assert set(result.grads) == set(grads)
+    errors = {n: rel_err(result.grads[n], g) for n, g in grads.items()}
+    bad = {n: e for n, e in errors.items() if e > tol}
+    assert not bad, bad
