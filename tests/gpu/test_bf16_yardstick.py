@@ -19,6 +19,7 @@ Needs PyTorch with CUDA besides rwkvx's GPU; skipped otherwise, with the reason.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,7 +64,7 @@ def _append_table(case: str, seed: int, rows: list[tuple[str, float, float]]) ->
     path = os.environ.get(TABLE_ENV)
     if not path:
         return
-    old = open(path, encoding="utf-8").read() if os.path.exists(path) else TABLE_HEADER
+    old = Path(path).read_text(encoding="utf-8") if os.path.exists(path) else TABLE_HEADER
     new = "".join(f"{case},{seed},{name},{mine:.6e},{theirs:.6e}\n" for name, mine, theirs in rows)
     atomic_write(path, lambda f: f.write((old + new).encode()))
 
@@ -72,25 +73,25 @@ def _append_table(case: str, seed: int, rows: list[tuple[str, float, float]]) ->
 def test_bf16_gradients_within_the_pytorch_yardstick(kind, N, T, seed, training_like, record_property):
     cfg, params, tokens, targets = _inputs(kind, N, T, seed, training_like)
     B = tokens.shape[0]
+    case = f"{kind}-N{N}-T{T}"
     model = Model(cfg, params, B, T, precision="bf16")
     model.poison()
     loss, grads = model.loss_and_grads(tokens, targets)
     selection = model.moba_selection() if cfg.n_attn_layer else None
     del model                                          # its arena, before torch's memory grows
     for name, g in grads.items():
-        assert np.isfinite(g).all(), f"seed {seed}: {name}: non-finite gradient (unwritten?)"
+        assert np.isfinite(g).all(), f"{case} seed {seed}: {name}: non-finite gradient (unwritten?)"
 
     # the twins attend with rwkvx's selection; it may differ from the float64 gate's only at near-ties
     ref = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64", "cuda", selection=selection)
     for j, (got, own, gap) in enumerate(zip(selection or [], ref.selection, ref.gate_gaps)):
         wrong = (got != own).any(axis=-1) & (gap >= NEAR_TIE["bf16"])
-        assert not wrong.any(), (f"seed {seed}: attention block {j}: rwkvx selects otherwise at "
+        assert not wrong.any(), (f"{case} seed {seed}: attention block {j}: rwkvx selects otherwise at "
                                  f"{int(wrong.sum())} queries with gate margins >= {NEAR_TIE['bf16']}")
     yard = torch_twin.loss_and_grads(cfg, params, tokens, targets, "autocast_bf16", "cuda", selection=selection)
     torch.cuda.empty_cache()
 
     rows = [(name, rel_err(grads[name], g), rel_err(yard.grads[name], g)) for name, g in ref.grads.items()]
-    case = f"{kind}-N{N}-T{T}"
     _append_table(case, seed, rows)
     mine, theirs = (float(np.median([row[i] for row in rows])) for i in (1, 2))
     worst = max(rows, key=lambda row: row[1])
@@ -99,10 +100,10 @@ def test_bf16_gradients_within_the_pytorch_yardstick(kind, N, T, seed, training_
     print(f"\n{case} seed {seed}: loss {loss_errs[0]:.2e} (yardstick {loss_errs[1]:.2e}); gradients median "
           f"{mine:.2e} (yardstick {theirs:.2e}), worst {worst[0]} {worst[1]:.2e} (yardstick {worst[2]:.2e})")
     over = sorted((row for row in rows if row[1] > SLACK * max(row[2], FLOOR)), key=lambda row: row[2] / row[1])
-    assert not over, (f"seed {seed}: {len(over)} gradient(s) less accurate than {SLACK} x the PyTorch "
+    assert not over, (f"{case} seed {seed}: {len(over)} gradient(s) less accurate than {SLACK} x the PyTorch "
                       f"yardstick (floor {FLOOR}); worst first (tensor, rwkvx, yardstick): "
                       + ", ".join(f"{n} {m:.2e} {t:.2e}" for n, m, t in over[:8]))
-    assert mine <= theirs, f"seed {seed}: median gradient error {mine:.2e} > the yardstick's {theirs:.2e}"
+    assert mine <= theirs, f"{case} seed {seed}: median gradient error {mine:.2e} > the yardstick's {theirs:.2e}"
 
 
 @pytest.mark.parametrize("kind", KINDS)
