@@ -6,8 +6,8 @@ q = l % 4, a0 = A(g, k0 + q), a1 = A(g + 8, k0 + q), a2 = A(g, k0 + q + 4), a3 =
 
 frag_pos is read from the kernels' source (wkv7/fragments.cuh) and evaluated here (its body is integer
 arithmetic that means the same in Python, / as //), so the test checks the formula the GPU runs; so is
-put_section's inverse
-(which element of the operand each 16-byte piece of a section holds), against frag_pos.
+put_section's inverse (which element of the operand each 16-byte piece of a section holds), against
+frag_pos.
 """
 import re
 

@@ -248,10 +248,8 @@ moba_fwd_past(const floatX* __restrict__ q, const floatX* __restrict__ k, const 
     int *qtok = sm.qtok, *qent = sm.qent;
 
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
-    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
     int j;
-    if (!moba_past_queries<MOBA_FQ>(offs, offs + (nblk + 1), qlist + (size_t)bh * Emax, nblk, K1, qent, qtok, j))
-        return;
+    if (!moba_past_queries<MOBA_FQ>(idx, qlist, bh, nblk, Emax, K1, 1, qent, qtok, j)) return;
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     moba_load_rows(sm.Q, q + hoff, tstride, qtok, MOBA_FQ);
@@ -413,11 +411,8 @@ moba_bwd_dq_past(const floatX* __restrict__ q, const floatX* __restrict__ k, con
     int *qtok = sm.qtok, *qent = sm.qent;
 
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
-    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
     int j;
-    if (!moba_past_queries<MOBA_DQ_Q>(offs, offs + 2 * (nblk + 1), qlist + (size_t)bh * Emax, nblk, K1, qent, qtok,
-                                      j))
-        return;
+    if (!moba_past_queries<MOBA_DQ_Q>(idx, qlist, bh, nblk, Emax, K1, 2, qent, qtok, j)) return;
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     moba_dq_load_queries(sm.Q, sm.dO, sm.lse, sm.D, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,

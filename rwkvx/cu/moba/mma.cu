@@ -394,6 +394,18 @@ static __device__ __forceinline__ void moba_online_softmax(float (&s)[MK / 8][4]
 // The first query row of this thread's warp in a forward or dq CTA (MQM tiles of 16 rows per warp).
 static __device__ __forceinline__ int moba_mq_r0() { return 16 * MQM * (threadIdx.x >> 5); }
 
+// f(mt, i, row) for each query row of this thread in a forward or dq CTA: rows g (i = 0) and g + 8 (i = 1)
+// of the warp's row tile mt, row its index in the CTA's tile (what C fragment slots 2i, 2i + 1 hold).
+template <class F>
+static __device__ __forceinline__ void moba_mq_rows(F f)
+{
+    const int r0 = moba_mq_r0();
+#pragma unroll
+    for (int mt = 0; mt < MQM; ++mt)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) f(mt, i, r0 + 16 * mt + acc_m(2 * i));
+}
+
 // Online softmax of the warp's 16 * MQM queries (sm.Q rows from moba_mq_r0(), tokens sm.qtok, staged by
 // the caller with cp.async, not yet committed) over keys u .. uend-1 in tiles of MK. Per thread and row
 // tile mt: rows g and g+8 -> m[mt][i] (running max, log2 domain), l[mt][i] (sum), o[mt] (un-normalised).
@@ -445,31 +457,25 @@ moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
 {
     const MobaMFwdSmem sm;
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
-    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
     int j;
-    if (!moba_past_queries<MQ>(offs, offs + (nblk + 1), qlist + (size_t)bh * Emax, nblk, K1, sm.qent, sm.qtok, j))
-        return;
+    if (!moba_past_queries<MQ>(idx, qlist, bh, nblk, Emax, K1, 1, sm.qent, sm.qtok, j)) return;
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     moba_mstage_fwd_queries(sm, q + hoff, tstride);
     float m[MQM][2], l[MQM][2], o[MQM][MNT][4];
     moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E,
                      m, l, o);
-    const int r0 = moba_mq_r0();
+    moba_mq_rows([&](int mt, int i, int row) {
+        const int p = sm.qent[row];
+        if (p < 0) return;
+        const size_t e = (size_t)bh * T * K1 + p;
+        const float inv = 1.f / l[mt][i];
 #pragma unroll
-    for (int mt = 0; mt < MQM; ++mt)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int p = sm.qent[r0 + 16 * mt + acc_m(2 * i)];
-            if (p < 0) continue;
-            const size_t e = (size_t)bh * T * K1 + p;
-            const float inv = 1.f / l[mt][i];
-#pragma unroll
-            for (int nt = 0; nt < MNT; ++nt)
-                *reinterpret_cast<float2*>(part + e * HS + mfrag_col(nt, 0)) =
-                    make_float2(o[mt][nt][2 * i] * inv, o[mt][nt][2 * i + 1] * inv);
-            if ((threadIdx.x & 3) == 0) lpart[e] = (m[mt][i] + log2f(l[mt][i])) * MOBA_LN2;
-        }
+        for (int nt = 0; nt < MNT; ++nt)
+            *reinterpret_cast<float2*>(part + e * HS + mfrag_col(nt, 0)) =
+                make_float2(o[mt][nt][2 * i] * inv, o[mt][nt][2 * i + 1] * inv);
+        if ((threadIdx.x & 3) == 0) lpart[e] = (m[mt][i] + log2f(l[mt][i])) * MOBA_LN2;
+    });
 }
 
 // (6m) = (6) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block MQT, smem MobaMFwdSmem
@@ -488,32 +494,28 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
     moba_mstage_fwd_queries(sm, q + hoff, tstride);
     float m[MQM][2], l[MQM][2], acc[MQM][MNT][4];
     moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, m, l, acc);
-    const int r0 = moba_mq_r0();
-#pragma unroll
-    for (int mt = 0; mt < MQM; ++mt)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int t = qtok[r0 + 16 * mt + acc_m(2 * i)];
-            if (t < 0) continue;
-            float mi = m[mt][i] * MOBA_LN2, li = l[mt][i];      // natural-log domain, as lpart
-            moba_merge_partials(sel, lpart, part, ((size_t)bh * T + t) * K1, K1, mi, li,
-                                [&](const float* pr, float alpha, float beta) {
-#pragma unroll
-                for (int nt = 0; nt < MNT; ++nt) {
-                    const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
-                    acc[mt][nt][2 * i] = fmaf(acc[mt][nt][2 * i], alpha, beta * pv.x);
-                    acc[mt][nt][2 * i + 1] = fmaf(acc[mt][nt][2 * i + 1], alpha, beta * pv.y);
-                }
-            });
-            floatX* orow = o + hoff + (size_t)t * tstride;
-            const float inv = 1.f / li;
+    moba_mq_rows([&](int mt, int i, int row) {
+        const int t = qtok[row];
+        if (t < 0) return;
+        float mi = m[mt][i] * MOBA_LN2, li = l[mt][i];      // natural-log domain, as lpart
+        moba_merge_partials(sel, lpart, part, ((size_t)bh * T + t) * K1, K1, mi, li,
+                            [&](const float* pr, float alpha, float beta) {
 #pragma unroll
             for (int nt = 0; nt < MNT; ++nt) {
-                orow[mfrag_col(nt, 0)] = from_f32(acc[mt][nt][2 * i] * inv);
-                orow[mfrag_col(nt, 1)] = from_f32(acc[mt][nt][2 * i + 1] * inv);
+                const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
+                acc[mt][nt][2 * i] = fmaf(acc[mt][nt][2 * i], alpha, beta * pv.x);
+                acc[mt][nt][2 * i + 1] = fmaf(acc[mt][nt][2 * i + 1], alpha, beta * pv.y);
             }
-            if ((threadIdx.x & 3) == 0) lse[(size_t)bh * T + t] = mi + logf(li);
+        });
+        floatX* orow = o + hoff + (size_t)t * tstride;
+        const float inv = 1.f / li;
+#pragma unroll
+        for (int nt = 0; nt < MNT; ++nt) {
+            orow[mfrag_col(nt, 0)] = from_f32(acc[mt][nt][2 * i] * inv);
+            orow[mfrag_col(nt, 1)] = from_f32(acc[mt][nt][2 * i + 1] * inv);
         }
+        if ((threadIdx.x & 3) == 0) lse[(size_t)bh * T + t] = mi + logf(li);
+    });
 }
 
 // --- backward dq -------------------------------------------------------------------------------
@@ -600,28 +602,22 @@ moba_bwd_dq_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k,
 {
     const MobaMDqSmem sm;
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
-    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
     int j;
-    if (!moba_past_queries<MQ>(offs, offs + (nblk + 1), qlist + (size_t)bh * Emax, nblk, K1, sm.qent, sm.qtok, j))
-        return;
+    if (!moba_past_queries<MQ>(idx, qlist, bh, nblk, Emax, K1, 1, sm.qent, sm.qtok, j)) return;
     const size_t tstride = (size_t)H * HS;
     const size_t hoff = ((size_t)b * T * H + h) * HS;
     moba_mstage_dq_queries(sm, q + hoff, dout + hoff, lse, delta, tstride, (size_t)bh * T);
     float acc[MQM][MNT][4];
     moba_mdq_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E, acc);
-    const int r0 = moba_mq_r0();
+    moba_mq_rows([&](int mt, int i, int row) {
+        const int p = sm.qent[row];
+        if (p < 0) return;
+        float* pr = part + ((size_t)bh * T * K1 + p) * HS;
 #pragma unroll
-    for (int mt = 0; mt < MQM; ++mt)
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int p = sm.qent[r0 + 16 * mt + acc_m(2 * i)];
-            if (p < 0) continue;
-            float* pr = part + ((size_t)bh * T * K1 + p) * HS;
-#pragma unroll
-            for (int nt = 0; nt < MNT; ++nt)
-                *reinterpret_cast<float2*>(pr + mfrag_col(nt, 0)) =
-                    make_float2(acc[mt][nt][2 * i] * scale, acc[mt][nt][2 * i + 1] * scale);
-        }
+        for (int nt = 0; nt < MNT; ++nt)
+            *reinterpret_cast<float2*>(pr + mfrag_col(nt, 0)) =
+                make_float2(acc[mt][nt][2 * i] * scale, acc[mt][nt][2 * i + 1] * scale);
+    });
 }
 
 // (9m) = (9) on tensor cores: grid (nblk*ceil(chunk/MQ), H, B), block MQT, smem MobaMDqSmem
@@ -640,7 +636,7 @@ moba_bwd_dq_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, 
     moba_mstage_dq_queries(sm, q + hoff, dout + hoff, lse, delta, tstride, (size_t)bh * T);
     float acc[MQM][MNT][4];
     moba_mdq_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, acc);
-    const int r0 = moba_mq_r0();
+    const int r0 = moba_mq_r0();     // a loop: moba_mq_rows changes this kernel's machine code (bf16, N = 128)
 #pragma unroll
     for (int mt = 0; mt < MQM; ++mt)
 #pragma unroll

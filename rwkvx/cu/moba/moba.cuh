@@ -106,14 +106,18 @@ static __device__ __forceinline__ bool moba_find_tile(const int* __restrict__ to
     return true;
 }
 
-// The query tile of a key-block-centric CTA: tile `tile` of the entries t*K1 + s of qlist that selected
-// block j (blockIdx.x indexes the tiles through toff). qent[r] = entry, qtok[r] = t (-1 past the end).
-// False when this CTA has no tile. Ends with __syncthreads().
+// The query tile of a key-block-centric CTA of (b, h) = bh: tile `tile` of the entries t*K1 + s of qlist
+// that selected block j (blockIdx.x indexes the tiles through the tile offsets in row `toff_row` of idx:
+// 1 toff_f, 2 toff_d). qent[r] = entry, qtok[r] = t (-1 past the end). False when this CTA has no tile.
+// Ends with __syncthreads().
 template <int TQ>
-static __device__ __forceinline__ bool moba_past_queries(const int* __restrict__ offs, const int* __restrict__ toff,
-                                                         const int* __restrict__ qlist_bh, int nblk, int K1,
+static __device__ __forceinline__ bool moba_past_queries(const int* __restrict__ idx, const int* __restrict__ qlist,
+                                                         int bh, int nblk, int Emax, int K1, int toff_row,
                                                          int* qent, int* qtok, int& j)
 {
+    const int* offs = idx + (size_t)bh * 3 * (nblk + 1);
+    const int* toff = offs + toff_row * (nblk + 1);
+    const int* qlist_bh = qlist + (size_t)bh * Emax;
     int tile;
     if (!moba_find_tile(toff, nblk, blockIdx.x, j, tile)) return false;
     const int e0 = offs[j] + tile * TQ;
