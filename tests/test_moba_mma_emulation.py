@@ -18,6 +18,8 @@ from rwkvx.oracle import moba_attention_backward, moba_attention_forward, moba_l
 from rwkvx.cu import moba
 from rwkvx.runtime.dtypes import from_storage, to_storage
 
+from seeding import seeded_rng
+
 TILE = moba.MMA_ROWS                       # keys per tile (forward, dq) and per dk/dv CTA
 LOG2E, LN2 = np.float32(np.log2(np.e)), np.float32(np.log(2.0))
 MMA_TOL = {"tf32": 5e-3, "bf16": 1e-2}     # the GPU tests' limits (tests/gpu/test_moba.py)
@@ -137,7 +139,7 @@ def _inputs(shape, operand, rng):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-T{}-H{}-N{}-c{}-k{}".format(*s))
 def test_mma_algorithm_matches_the_twins(shape, operand):
     B, T, H, N, chunk, top_k = shape
-    (q, k, v, do), store = _inputs(shape, operand, np.random.default_rng(hash(shape) % 2**32))
+    (q, k, v, do), store = _inputs(shape, operand, seeded_rng(hash(shape) % 2**32))
     sel = moba_select(q, k, chunk, top_k)
     o, lse, dq, dk, dv = emulate(q, k, v, do, chunk, sel, operand, store)
     o_ref, _ = moba_attention_forward(q, k, v, chunk, top_k, selection=sel)
@@ -153,7 +155,7 @@ def test_mma_algorithm_matches_the_twins(shape, operand):
 def test_emulation_detects_a_wrong_merge():
     """The comparison can fail: dropping the second slot's partial is far outside the limits."""
     shape = (1, 256, 1, 64, 32, 3)
-    (q, k, v, do), store = _inputs(shape, "tf32", np.random.default_rng(1))
+    (q, k, v, do), store = _inputs(shape, "tf32", seeded_rng(1))
     sel = moba_select(q, k, 32, 3)
     o_ref, _ = moba_attention_forward(q, k, v, 32, 3, selection=sel)
     broken = sel.copy()
