@@ -4,8 +4,8 @@ docs/SPEC.md §4 tolerances: fp32, any parameters: loss <= 1e-5, logits and ever
 per tensor). Reduced precisions on a training-like model (init_params with its zero matrices filled with
 N(0, 0.02^2)): every gradient (and the logits) tf32 <= 3e-2, bf16 <= 1e-1; loss tf32 <= 1e-4, bf16 <= 1e-3.
 Random-parameter models in tf32 are also held to 5e-3 (the kernels' own tf32 limit).
-Fresh random parameters and inputs every run (the seeds are in a failure's report), except the tf32 random-parameter
-cases, which run over fixed seeds; the device outputs are poisoned before every check.
+Fresh random parameters and inputs every run (the seeds are in a failure's report), except the tf32
+random-parameter cases, which run over fixed seeds; the device outputs are poisoned before every check.
 """
 import numpy as np
 import pytest
@@ -50,8 +50,8 @@ TRAINING_LIKE_TOLERANCES = {"tf32": (1e-4, 3e-2), "bf16": (1e-3, 1e-1)}   # (los
 # test_model_matches_oracle in tf32 runs these cases over fixed seeds, so that a miss can be replayed.
 TF32_CASES = ("sparse_hybrid", "C256_N64")
 TF32_SEEDS = range(8)
-# The (case, seed) pairs of those whose worst tf32 gradient is over docs/SPEC.md's 5e-3, with the error measured;
-# each is a strict xfail, so it must keep failing, and any other pair must pass.
+# The (case, seed) pairs of those whose worst tf32 gradient is over docs/SPEC.md's 5e-3, each with the error
+# measured; each is a strict xfail, so it must keep failing, and every other pair must pass.
 TF32_OVER_LIMIT: dict[tuple[str, int], str] = {}
 
 
@@ -62,7 +62,8 @@ def _parity_params():
     for c in TF32_CASES:
         for seed in TF32_SEEDS:
             reason = TF32_OVER_LIMIT.get((c, seed))
-            marks = [pytest.mark.xfail(reason=f"tf32 gradient over 5e-3: {reason}", strict=True)] if reason else []
+            marks = [pytest.mark.xfail(reason=f"tf32 gradient over 5e-3: {reason}", strict=True)] if reason \
+                else []
             out.append(pytest.param(c, "tf32", seed, marks=marks, id=f"{c}-tf32-seed{seed}"))
     return out
 
