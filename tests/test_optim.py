@@ -4,8 +4,10 @@ import math
 import numpy as np
 import pytest
 
-from rwkvx.optim import AdamW, Schedule, clip_coefficient, global_grad_norm, lr_multiplier, \
-    uses_weight_decay
+from rwkvx.optim import AdamW, Schedule
+from rwkvx.oracle.adamw import clip_coefficient, global_grad_norm, lr_multiplier, uses_weight_decay
+
+from seeding import seeded_rng
 
 from seeding import seeded_rng
 

@@ -1,5 +1,6 @@
 """GPU tests of rwkvx/cu/adamw/adamw.cu through rwkvx.cu.adamw: the fused, graph-replayable AdamW, against its
-one reference, the numpy rwkvx.optim.AdamW (same formulas, same float32 operation order).
+twin rwkvx.oracle.adamw (same formulas, same float32 operation order), as the CPU optimizer rwkvx.optim.AdamW
+runs it.
 
 Several steps with fresh random gradients: warm-up, cosine, lr_min after total_steps, weight decay only on
 2-D *.weight tensors, 2x lr for att.w0, global-norm clipping (active, inactive, off), tensors split across
