@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 # cython: annotation_typing=False
-"""Twin of rwkvx/cu/moba/moba.cu: MoBA sparse attention (docs/SPEC.md §2.3 "Attn (MoBA)"), forward and backward.
+"""Twin of the kernels of rwkvx/cu/moba/ (select.cu, exact.cu, mma.cu): MoBA sparse attention (docs/SPEC.md
+§2.3 "Attn (MoBA)"), forward and backward.
 
 Arrays are [B, T, H, N] (batch, time, head, head channel), float64 or float32; everything is computed in
 double and the outputs come back in the inputs' dtype (float32 only when all inputs are float32), except

@@ -1,11 +1,11 @@
-"""CPU check of the register bookkeeping of moba.cu's tensor-core helpers against the PTX ISA.
+"""CPU check of the register bookkeeping of mma.cu's tensor-core helpers against the PTX ISA.
 
 ``mma_bf16`` / ``mma_tf32`` implement one warp-wide mma.sync exactly as the PTX ISA defines its
 fragments ("Matrix Fragments for mma.m16n8k16" with .bf16, "mma.m16n8k8" with .tf32: which lane holds
 which element of A, B, C); ``ldmatrix_x4`` implements ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16
 ("Warp-level matrix load instruction: ldmatrix": lane 8i + r gives the address of row r of matrix i,
 register i of lane l receives row l/4, elements 2(l%4), 2(l%4)+1 of matrix i, or with .trans the matrix
-transposed). The functions below transliterate moba.cu's lane arithmetic (ldsm_row16 / ldsm_col16 /
+transposed). The functions below transliterate mma.cu's lane arithmetic (ldsm_row16 / ldsm_col16 /
 ldsm_nrow / ldsm_ncol, mload_a / mload_b / mload_bt, mma_xyt, mma_pz, mstage_row / mstage_col) over a
 flat shared-memory image whose row padding holds NaN, so an address off by one element shows. Their
 products must equal plain matrix products: X Y^T for mma_xyt, P Z for mma_pz with P given as C fragments
@@ -61,7 +61,7 @@ def mma_tf32(c, a, b):
 
 
 def mma16(kind, c, a, b):
-    """moba.cu's mma16: c += A (16x16) B (16x8) from per-lane pairs a[4], b[2]."""
+    """mma.cu's mma16: c += A (16x16) B (16x8) from per-lane pairs a[4], b[2]."""
     if kind == "bf16":
         return mma_bf16(c, a, b)
     # two k8 steps: {a_lo.x, a_hi.x, a_lo.y, a_hi.y} x {b.x, b.y}
@@ -82,7 +82,7 @@ def ldmatrix_x4(smem, addrs, trans):
     return regs
 
 
-# moba.cu's lane -> row / column offsets of the ldmatrix addresses
+# mma.cu's lane -> row / column offsets of the ldmatrix addresses
 def ldsm_row16(lane):
     return lane & 15
 
@@ -157,7 +157,7 @@ def mload_bt(kind, sm, Z, ld, k0, n0):
 
 
 def mma_xyt(kind, sm, X, r0, Y, ld, NT, KD, MT=1):
-    """moba.cu's mma_xyt: c[m][nt] = X[r0+16m : r0+16m+16, :KD] Y[8nt:8nt+8, :KD]^T, per-lane C fragments;
+    """mma.cu's mma_xyt: c[m][nt] = X[r0+16m : r0+16m+16, :KD] Y[8nt:8nt+8, :KD]^T, per-lane C fragments;
     each B fragment loaded once for the MT row tiles."""
     c = [[[[0.0] * 4 for _ in range(LANES)] for _ in range(NT)] for _ in range(MT)]
     for k0 in range(0, KD, 16):
@@ -171,7 +171,7 @@ def mma_xyt(kind, sm, X, r0, Y, ld, NT, KD, MT=1):
 
 
 def mma_pz(kind, p, sm, Z, ld, MNT, KD):
-    """moba.cu's mma_pz: o[m][nt] = P_m Z[:KD, 8nt:8nt+8] with P_m (16 x KD) given as C fragments p[m][KD/8]."""
+    """mma.cu's mma_pz: o[m][nt] = P_m Z[:KD, 8nt:8nt+8] with P_m (16 x KD) given as C fragments p[m][KD/8]."""
     MT = len(p)
     o = [[[[0.0] * 4 for _ in range(LANES)] for _ in range(MNT)] for _ in range(MT)]
     for ks in range(KD // 16):
@@ -187,7 +187,7 @@ def mma_pz(kind, p, sm, Z, ld, MNT, KD):
 
 
 def gather(c, rows, cols):
-    """The matrix [16, 8 * NT] held by C fragments c[nt] (mfrag_row / mfrag_col of moba.cu)."""
+    """The matrix [16, 8 * NT] held by C fragments c[nt] (acc_m / mfrag_col of mma.cu)."""
     M = np.full((rows, cols), np.nan)
     for nt, frag in enumerate(c):
         for lane in range(LANES):
@@ -232,7 +232,7 @@ def bank_conflicts(sm):
 def test_score_and_value_products(kind, HS, keys):
     rng = seeded_rng(7)
     ld = moba.mma_tiles(HS, XTYPE[kind])["MOBA_MMA_LD"]
-    # the forward's and dq's row tiles per warp (moba.cu's MQM), and one (dk/dv)
+    # the forward's and dq's row tiles per warp (mma.cu's MQM), and one (dk/dv)
     for MT in sorted({moba.MMA_ROWS // 16 // (moba.mma_query_threads(HS, XTYPE[kind]) // LANES), 1}):
         r0 = 16
         X = rng.standard_normal((r0 + 16 * MT, HS))
@@ -269,7 +269,7 @@ def test_a_wrong_layout_is_caught():
         assert bank_conflicts(sm)
 
 
-# moba.cu's staging map: 16-byte unit i of an R-row tile -> (row, element)
+# mma.cu's staging map: 16-byte unit i of an R-row tile -> (row, element)
 def mstage_row(i, mrowv):
     return i // mrowv
 

@@ -1,4 +1,4 @@
-"""CPU check of the double-buffered tile schedules of moba.cu's tensor-core kernels (method "mma").
+"""CPU check of the double-buffered tile schedules of mma.cu's tensor-core kernels (method "mma").
 
 Transliterates the loops of moba_mfwd_attend / moba_mdq_attend (key tiles) and moba_bwd_dkdv_mma
 (query tiles, with the query-list entries fetched to QRAW one tile ahead) as sequences of phases

@@ -1,5 +1,5 @@
 """CPU tests of the MoBA launch builders (rwkvx/cu/moba/ops.py): scratch sizes, shared-memory layouts,
-launch lists. No GPU needed (plans assume an H200); compiling moba.cu is tests/test_nvrtc_compile.py's job."""
+launch lists. No GPU needed (plans assume an H200); compiling the kernel files is tests/test_nvrtc_compile.py's job."""
 import pytest
 
 from rwkvx.cu import moba
@@ -70,7 +70,8 @@ def test_builders(B, T, H, N, chunk, top_k, fwd_names, bwd_names):
     assert [op.name for op in fwd] == fwd_names
     assert [op.name for op in bwd] == bwd_names
     for op in fwd + bwd:
-        assert isinstance(op, Launch) and op.module == "moba/moba"
+        assert isinstance(op, Launch)
+        assert op.module == ("moba/select" if op.name in moba.SELECT_CU.kernels else "moba/exact")
         assert dict(op.defines)["HEAD_SIZE"] == str(N)
         assert op.smem <= H200.smem_per_block
         assert op.block[0] * op.block[1] * op.block[2] <= 1024
@@ -117,7 +118,7 @@ def test_mma_builders(N, xtype):
     assert grids["moba_fwd_own_mma"] == grids["moba_bwd_dq_own_mma"] == (nblk * -(-chunk // rows), H, B)
     assert grids["moba_bwd_dkdv_mma"] == (-(-chunk // rows), nblk, B * H)
     for op in fwd + bwd:
-        assert dict(op.defines)["MOBA_MMA"] == "1"
+        assert op.module == ("moba/mma" if op.name.endswith("_mma") else "moba/select")
         assert op.smem <= H200.smem_per_block
     smem = {op.name: op.smem for op in fwd + bwd}
     assert smem["moba_fwd_own_mma"] == moba.mma_smem_bytes(N, "MFWD", xtype)
@@ -165,7 +166,7 @@ def test_mma_kernels_do_not_spill(xtype, N):
     ok, why = nvrtc.nvrtc_available()
     if not ok:
         pytest.skip(f"NVRTC is not installed/usable: {why}")
-    usage = nvrtc.resource_usage("moba/moba", "sm_90", moba.CU.defines(xtype, {"HEAD_SIZE": N}))
+    usage = nvrtc.resource_usage("moba/mma", "sm_90", moba.MMA_CU.defines(xtype, {"HEAD_SIZE": N}))
     mma = {name: u for name, u in usage.items() if name.endswith("_mma")}
     assert len(mma) == 5
     assert all(u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 for u in mma.values()), mma

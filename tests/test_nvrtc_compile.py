@@ -1,4 +1,4 @@
-"""Every rwkvx/cu/*.cu compiles with NVRTC for sm_90 (no GPU needed) with every define set its
+"""Every rwkvx/cu/<family>/<file>.cu compiles with NVRTC for sm_90 (no GPU needed) with every define set its
 declaration (rwkvx/cu) launches it with: each variant (head size ...) x each element type (float, bf16).
 Also: the CUBIN disk cache works.
 """

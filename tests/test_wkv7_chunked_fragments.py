@@ -1,11 +1,12 @@
-"""CPU check of the chunk records' fragment order in rwkvx/cu/wkv7/chunked.cu: wkv7c_intra writes element
+"""CPU check of the chunk records' fragment order of rwkvx/cu/wkv7/chunked.cu: wkv7c_intra writes element
 (m, k) of an [M][K] A operand at frag_pos<K>(m, k); the state passes' frag_a(FragOp) gives lane l of k-step
 k0 of an m-tile the four floats at ((k0 / 8) * 32 + l) * 4 of that tile. Those must be the lane's a0..a3 of
 mma.m16n8k8 .tf32 as the PTX ISA defines them ("Matrix Fragments for mma.m16n8k8"): with g = l / 4,
 q = l % 4, a0 = A(g, k0 + q), a1 = A(g + 8, k0 + q), a2 = A(g, k0 + q + 4), a3 = A(g + 8, k0 + q + 4).
 
-frag_pos is read from the kernel source and evaluated here (its body is integer arithmetic that means
-the same in Python, / as //), so the test checks the formula the GPU runs; so is put_section's inverse
+frag_pos is read from the kernels' source (wkv7/fragments.cuh) and evaluated here (its body is integer
+arithmetic that means the same in Python, / as //), so the test checks the formula the GPU runs; so is
+put_section's inverse
 (which element of the operand each 16-byte piece of a section holds), against frag_pos.
 """
 import re
@@ -13,13 +14,15 @@ import re
 import numpy as np
 import pytest
 
-from rwkvx.runtime.nvrtc import module_path
+from rwkvx.runtime.nvrtc import CU_DIR
+
+FRAGMENTS = CU_DIR / "wkv7" / "fragments.cuh"     # frag_pos, put_section
 
 from seeding import seeded_rng
 
 
 def _frag_pos():
-    src = module_path("wkv7/chunked").read_text()
+    src = FRAGMENTS.read_text()
     body = re.search(r"int frag_pos\(int m, int k\) \{\s*return (.*?);\s*\}", src, re.S).group(1)
     expr = " ".join(body.split()).replace("/", "//")         # C's integer division (non-negative operands)
     return lambda m, k, K: eval(expr, {"K": K, "m": m, "k": k})   # noqa: S307 (the repository's own source)
@@ -46,7 +49,7 @@ def test_fragment_order_is_the_ptx_a_layout(M, K):
 
 
 def _put_section_index():
-    src = module_path("wkv7/chunked").read_text()
+    src = FRAGMENTS.read_text()
     found = re.search(r"void put_section\(.*?const int (tile = .*?);\s*const int (m = .*?);", src, re.S)
     body = ", ".join(found.groups())
     names = {}

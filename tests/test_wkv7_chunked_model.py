@@ -1,4 +1,4 @@
-"""The chunked WKV7 algorithm of rwkvx/cu/wkv7/chunked.cu, as its numpy model tests/wkv7_chunked_model.py,
+"""The chunked WKV7 algorithm of rwkvx/cu/wkv7/chunked.cu, as its numpy model rwkvx/cu/wkv7/chunked_model.py,
 against the float64 oracle: exact in float64 (<= 1e-10), and in float32 with the kernels' tf32 operand
 rounding within the GPU tests' limits (the tf32 limit 5e-3, with a margin: <= 2e-3), for T not a multiple
 of the chunk (1, 15, 17, 40), decays near both ends of their range, head sizes 32 and 64.
@@ -10,9 +10,10 @@ algorithm's own 1-2e-7), where single tf32 operands give 1e-4 to 5e-4."""
 import numpy as np
 import pytest
 
-import wkv7_chunked_model as CM
 from rwkvx.config import DECAY_SCALE
+from rwkvx.cu.wkv7 import chunked_model as CM
 from rwkvx.oracle import rel_err, wkv7_backward, wkv7_forward
+from rwkvx.runtime.dtypes import round_tf32
 
 from seeding import seeded_rng
 
@@ -38,10 +39,10 @@ CASES = [(1, 64, 0.0), (15, 64, 0.0), (17, 32, 0.0), (40, 64, -4.0), (40, 64, 8.
 def _split3(x):
     """3xTF32 operands: x as tf32 hi + lo, summed in float32 (the lo x lo term that 3xTF32 drops is not
     modelled; at most 2^-22 of a product, it is the size of the rounding of lo, which is)."""
-    return CM._split(np.asarray(x, np.float32), CM.tf32).astype(np.float32)
+    return CM._split(np.asarray(x, np.float32), round_tf32).astype(np.float32)
 
 
-PRECISIONS = {"f64": (CM.identity, np.float64, 1e-10), "tf32": (CM.tf32, np.float32, 2e-3),
+PRECISIONS = {"f64": (CM.identity, np.float64, 1e-10), "tf32": (round_tf32, np.float32, 2e-3),
               "3xtf32": (_split3, np.float32, 1e-5)}
 
 
@@ -81,4 +82,4 @@ def test_tf32_rounding():
     one = np.float32(1.0)
     ulp = np.float32(2.0 ** -10)
     x = np.array([1 + 2.0 ** -11, -(1 + 2.0 ** -11), 1 + 2.0 ** -12, 1 + 3 * 2.0 ** -11], np.float32)
-    np.testing.assert_array_equal(CM.tf32(x), np.array([one + ulp, -(one + ulp), one, one + 2 * ulp], np.float32))
+    np.testing.assert_array_equal(round_tf32(x), np.array([one + ulp, -(one + ulp), one, one + 2 * ulp], np.float32))

@@ -65,6 +65,14 @@ def round_to(elem: str, x) -> np.ndarray:
     return from_storage(elem, to_storage(elem, x)).astype(np.float64)
 
 
+
+def round_tf32(x) -> np.ndarray:
+    """float32 values of ``x`` rounded to tf32 (10 explicit mantissa bits), to nearest, ties away from zero:
+    what ``cvt.rna.tf32.f32`` gives a tensor-core operand."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
+
+
 def poison_bits(elem: str, shape) -> np.ndarray:
     """Host storage filled with a value no kernel writes by accident: NaN for floats, -0x5eadbeef for ints."""
     if check_elem(elem) == "i32":

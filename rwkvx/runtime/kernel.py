@@ -1,11 +1,11 @@
-"""Declared kernel interfaces: each rwkvx/cu/<file>.cu is described once, in Python, by a :class:`KernelFile`.
+"""Declared kernel interfaces: each rwkvx/cu/<family>/<file>.cu is described once, in Python, by a :class:`KernelFile`.
 
 A ``KernelFile`` holds the compile-time constants the file shares with its launchers (they reach the
 kernel as NVRTC defines and are written nowhere else), the values of its per-launch variants (e.g.
 ``HEAD_SIZE``) and, for every ``extern "C" __global__`` kernel, the parameters in prototype order with
 their types. Launch builders bind arguments by name through :meth:`Kernel.launch`: a missing, extra or
 mistyped argument is an error when the op list is built. tests/test_kernel_declarations.py parses every
-prototype in rwkvx/cu/*.cu and checks it against these declarations.
+prototype in rwkvx/cu/<family>/*.cu and checks it against these declarations.
 
 Parameter types (``Arg``): pointers to the activation element type ``floatX`` (``X_IN`` = ``const
 floatX*``, ``X_OUT`` = ``floatX*``), to fp32 (``F32_IN``/``F32_OUT``), fp64, int32, and the scalars
@@ -66,7 +66,7 @@ def xtype_defines(xtype: str) -> tuple[tuple[str, int], ...]:
 
 
 class KernelFile:
-    """The declared interface of rwkvx/cu/<module>.cu (see the module docstring).
+    """The declared interface of rwkvx/cu/<module>.cu, ``module`` = ``"<family>/<file>"`` (see the module docstring).
 
     ``constants``: name -> value, passed to every compile of the file. ``variants``: define name ->
     the values launches of this file use (the CPU compile test builds every combination with every

@@ -1,4 +1,4 @@
-"""GPU tests of rwkvx/cu/moba/moba.cu through rwkvx.cu.moba, against the twins in rwkvx.oracle
+"""GPU tests of the kernels of rwkvx/cu/moba/ through rwkvx.cu.moba, against the twins in rwkvx.oracle
 (moba_select, moba_gate_gaps, moba_attention_forward / _backward, moba_logsumexp), in fp32 and bf16
 (harness.KernelCase: fresh random q, k, v, do, every output and scratch poisoned, two bit-identical runs).
 

@@ -17,7 +17,7 @@
 #include "common.cuh"
 #if !defined(ST_STEP) || !defined(ST_NORM) || !defined(ADAMW_THREADS) || !defined(ADAMW_FIN_THREADS) || \
     !defined(ADAMW_CLIP_EPS)
-#error "adamw.cu: the state indices ST_* and the block sizes come from rwkvx/cu/adamw/ops.py"
+#error "adamw/adamw.cu: the state indices ST_* and the block sizes come from rwkvx/cu/adamw/ops.py"
 #endif
 
 extern "C" __global__ void adamw_step_begin(double* st, double b1, double b2)

@@ -22,7 +22,7 @@
 
 #include "common.cuh"
 #ifndef CM_BY
-#error "channelmix.cu: CM_BY comes from rwkvx/cu/channelmix/ops.py"
+#error "channelmix/channelmix.cu: CM_BY comes from rwkvx/cu/channelmix/ops.py"
 #endif
 
 extern "C" __global__ void __launch_bounds__(256)

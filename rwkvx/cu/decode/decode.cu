@@ -16,7 +16,7 @@
 
 #include "common.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_Q) || !defined(DEC_MOBA_THREADS)
-#error "decode.cu: HEAD_SIZE, WKV_Q and DEC_MOBA_THREADS come from rwkvx/cu/decode/ops.py"
+#error "decode/decode.cu: HEAD_SIZE, WKV_Q and DEC_MOBA_THREADS come from rwkvx/cu/decode/ops.py"
 #endif
 #include "wkv7/state.cuh"
 

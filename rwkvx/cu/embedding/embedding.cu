@@ -18,7 +18,7 @@
 
 #include "common.cuh"
 #ifndef EMB_BY
-#error "embedding.cu: EMB_BY comes from rwkvx/cu/embedding/ops.py"
+#error "embedding/embedding.cu: EMB_BY comes from rwkvx/cu/embedding/ops.py"
 #endif
 
 extern "C" __global__ void __launch_bounds__(256)

@@ -23,7 +23,7 @@
 
 #include "common.cuh"
 #if !defined(LN_WARPS) || !defined(LN_BY) || !defined(LN_NQ)
-#error "layernorm.cu: LN_WARPS, LN_BY and LN_NQ come from rwkvx/cu/layernorm/ops.py"
+#error "layernorm/layernorm.cu: LN_WARPS, LN_BY and LN_NQ come from rwkvx/cu/layernorm/ops.py"
 #endif
 
 static __device__ __forceinline__ float ln_warp_sum(float v)

@@ -45,7 +45,7 @@
 
 #include "common.cuh"
 #if !defined(CE_THREADS) || !defined(CE_QUADS) || !defined(CE_CLUSTER) || !defined(CE_MIN_BLOCKS)
-#error "loss.cu: CE_THREADS, CE_QUADS, CE_CLUSTER and CE_MIN_BLOCKS come from rwkvx/cu/loss/ops.py"
+#error "loss/loss.cu: CE_THREADS, CE_QUADS, CE_CLUSTER and CE_MIN_BLOCKS come from rwkvx/cu/loss/ops.py"
 #endif
 #define CE_WARPS (CE_THREADS / 32)
 #define CE_SPAN (CE_CLUSTER * CE_THREADS)   // threads sharing one row

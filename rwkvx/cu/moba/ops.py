@@ -1,4 +1,5 @@
-"""Launch builders for rwkvx/cu/moba/moba.cu: MoBA sparse attention (docs/SPEC.md §2.3), fp32 math, flash-style.
+"""Launch builders for rwkvx/cu/moba/select.cu, exact.cu and mma.cu: MoBA sparse attention (docs/SPEC.md §2.3),
+fp32 math, flash-style.
 
 No T x T buffer: memory is O(B*T*C*top_k) (see :func:`scratch_sizes`). Every builder returns
 ``list[Launch]`` (plain data, no GPU needed). Buffers are typed device pointers (DevPtr).
@@ -38,13 +39,13 @@ Usage::
     ops  = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, top_k, dev)
     ops += moba.backward(q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k, dev)
 
-Determinism: no floating-point atomics; replays are bit-identical (see moba.cu's header).
+Determinism: no floating-point atomics; replays are bit-identical (see moba.cuh's header).
 Numerics: gate in fp32 (fmaf chain over n), scores, online softmax and all sums in fp32.
 
 ``method`` (forward and backward, the same for both): ``"exact"`` (default) computes the attention in
 fp32 on CUDA cores; ``"mma"`` (head sizes :data:`MMA_HEAD_SIZES`) on tensor cores: bf16 m16n8k16 for bf16
 activations, tf32 m16n8k8 for f32 ones, fp32 accumulation and softmax statistics, the probabilities
-rounded to the operand type for the second product (moba.cu, "Tensor-core attention"). Selection, gate,
+rounded to the operand type for the second product (mma.cu's header). Selection, gate,
 scratch and the merge are the same for both methods.
 """
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _layout(prefix: str, parts) -> tuple[dict[str, int], int]:
 def smem_layouts(N: int) -> dict[str, tuple[dict[str, int], int]]:
     """The shared-memory carve-up of each kernel group for head size N: name -> (offsets, words).
 
-    The offsets reach moba.cu as defines; the launches ask for 4 * words bytes (select: plus its
+    The offsets reach select.cu and exact.cu as defines; the launches ask for 4 * words bytes (select: plus its
     K1-sized top lists, see :func:`select_smem_bytes`)."""
     t = tiles(N)
     ldh = N + 4                                  # padded row stride: no bank conflicts on columns
@@ -175,32 +176,51 @@ def mma_smem_bytes(N: int, group: str, xtype: str) -> int:
     return 4 * side_words + ELEM_BYTES[xtype] * tile_elems
 
 
-def _derived(variant: dict, xtype: str) -> dict:
+def _select_defines(variant: dict, xtype: str) -> dict:
+    """Defines of select.cu for a head size: the tiles (moba_scan counts tiles of them) and its layout."""
+    N = int(variant["HEAD_SIZE"])
+    return {**tiles(N), **smem_layouts(N)["sel"][0]}
+
+
+def _exact_defines(variant: dict, xtype: str) -> dict:
+    """Defines of exact.cu for a head size: the tiles, the padded row strides and the layouts."""
     N = int(variant["HEAD_SIZE"])
     t = tiles(N)
     out = dict(t, MOBA_LDH=N + 4, MOBA_FLDP=t["MOBA_FK"] + 4, MOBA_DLDP=t["MOBA_DQ_K"] + 4,
-               MOBA_KLDP=t["MOBA_KV_Q"] + 4, MOBA_MMA=int(N in MMA_HEAD_SIZES))
-    for offsets, _ in smem_layouts(N).values():
-        out.update(offsets)
-    if N in MMA_HEAD_SIZES:
-        out.update(mma_tiles(N, xtype), MOBA_MMA_QTHREADS=mma_query_threads(N, xtype))
-        out.update({f"MOBA_MMA_MINB_{group}": blocks for group, blocks in mma_min_blocks(N).items()})
-        for offsets, _, _ in mma_smem_layouts(N, xtype).values():
-            out.update(offsets)
+               MOBA_KLDP=t["MOBA_KV_Q"] + 4)
+    for group in ("fwd", "dq", "kv"):
+        out.update(smem_layouts(N)[group][0])
     return out
 
 
-CU = KernelFile("moba/moba", constants={"MOBA_NTHR": NTHR, "MOBA_SEL_Q": SEL_Q, "MOBA_SEL_J": SEL_J,
-                                   "MOBA_SEL_ILP": SEL_ILP, "MOBA_KM_THREADS": KM_THREADS,
-                                   "MOBA_FILL_THREADS": FILL_THREADS},
-                variants={"HEAD_SIZE": HEAD_SIZES}, derived=_derived)
+def _mma_defines(variant: dict, xtype: str) -> dict:
+    """Defines of mma.cu for a head size and element type: the tiles of the selection's lists, the
+    tensor-core tiles, thread counts, register budgets and layouts."""
+    N = int(variant["HEAD_SIZE"])
+    out = dict(tiles(N), **mma_tiles(N, xtype), MOBA_MMA_QTHREADS=mma_query_threads(N, xtype))
+    out.update({f"MOBA_MMA_MINB_{group}": blocks for group, blocks in mma_min_blocks(N).items()})
+    for offsets, _, _ in mma_smem_layouts(N, xtype).values():
+        out.update(offsets)
+    return out
+
+
+# moba.cuh's constants and the selection's, passed to each of the three files
+_CONSTANTS = {"MOBA_NTHR": NTHR, "MOBA_SEL_Q": SEL_Q, "MOBA_SEL_J": SEL_J, "MOBA_SEL_ILP": SEL_ILP,
+              "MOBA_KM_THREADS": KM_THREADS, "MOBA_FILL_THREADS": FILL_THREADS}
+SELECT_CU = KernelFile("moba/select", constants=_CONSTANTS, variants={"HEAD_SIZE": HEAD_SIZES},
+                       derived=_select_defines)
+EXACT_CU = KernelFile("moba/exact", constants=_CONSTANTS, variants={"HEAD_SIZE": HEAD_SIZES},
+                      derived=_exact_defines)
+MMA_CU = KernelFile("moba/mma", constants=_CONSTANTS, variants={"HEAD_SIZE": MMA_HEAD_SIZES},
+                    derived=_mma_defines)
+_FILES = {"exact": EXACT_CU, "mma": MMA_CU}
 _SIZES = dict(T=INT, H=INT, chunk=INT)
-MOBA_KMEAN = CU.kernel("moba_kmean", k=X_IN, kmean=F32_OUT, cnt=I32_OUT, T=INT, H=INT, chunk=INT, nblk=INT)
-MOBA_SELECT = CU.kernel("moba_select", q=X_IN, kmean=F32_IN, sel=I32_OUT, cnt=I32_OUT, **_SIZES, K1=INT,
+MOBA_KMEAN = SELECT_CU.kernel("moba_kmean", k=X_IN, kmean=F32_OUT, cnt=I32_OUT, T=INT, H=INT, chunk=INT, nblk=INT)
+MOBA_SELECT = SELECT_CU.kernel("moba_select", q=X_IN, kmean=F32_IN, sel=I32_OUT, cnt=I32_OUT, **_SIZES, K1=INT,
                         nblk=INT)
-MOBA_SCAN = CU.kernel("moba_scan", cnt=I32_IN, idx=I32_OUT, nblk=INT)
-MOBA_FILL = CU.kernel("moba_fill", sel=I32_IN, idx=I32_IN, qlist=I32_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT)
-MOBA_BWD_DELTA = CU.kernel("moba_bwd_delta", o=X_IN, dout=X_IN, delta=F32_OUT, B=INT, T=INT, H=INT)
+MOBA_SCAN = SELECT_CU.kernel("moba_scan", cnt=I32_IN, idx=I32_OUT, nblk=INT)
+MOBA_FILL = SELECT_CU.kernel("moba_fill", sel=I32_IN, idx=I32_IN, qlist=I32_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT)
+MOBA_BWD_DELTA = SELECT_CU.kernel("moba_bwd_delta", o=X_IN, dout=X_IN, delta=F32_OUT, B=INT, T=INT, H=INT)
 _QKV = dict(q=X_IN, k=X_IN, v=X_IN)
 _BWD_IN = dict(**_QKV, dout=X_IN, lse=F32_IN, delta=F32_IN)
 # The attention kernels: the same parameters for both methods (the mma names end in "_mma").
@@ -215,7 +235,7 @@ _ATTENTION = {
     "bwd_dkdv": dict(**_BWD_IN, idx=I32_IN.opt(), qlist=I32_IN.opt(), dk=X_OUT, dv=X_OUT, **_SIZES, K1=INT,
                      nblk=INT, Emax=INT, scale=FLOAT),
 }
-_KERNELS = {method: {name: CU.kernel(f"moba_{name}" + ("_mma" if method == "mma" else ""), **params)
+_KERNELS = {method: {name: _FILES[method].kernel(f"moba_{name}" + ("_mma" if method == "mma" else ""), **params)
                      for name, params in _ATTENTION.items()} for method in METHODS}
 
 

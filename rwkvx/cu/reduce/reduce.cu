@@ -12,7 +12,7 @@
 
 #include "common.cuh"
 #ifndef RD_MAX_BY
-#error "reduce.cu: RD_MAX_BY comes from rwkvx/cu/reduce/ops.py"
+#error "reduce/reduce.cu: RD_MAX_BY comes from rwkvx/cu/reduce/ops.py"
 #endif
 
 extern "C" __global__ void __launch_bounds__(32 * RD_MAX_BY)

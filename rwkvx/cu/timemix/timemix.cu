@@ -1,7 +1,7 @@
 // rwkvx/cu/timemix/timemix.cu -- element-wise parts of the RWKV-7 (x070) TimeMix block, forward and backward.
 //
 // docs/SPEC.md §2.3. The GEMMs (receptance/key/value/output and the LoRA products) run in cuBLAS, the WKV
-// recurrence in wkv7.cu; this file holds everything in between:
+// recurrence in wkv7/; this file holds everything in between:
 //
 //   tm_shift_fwd / tm_shift_bwd        token shift + 6-way mix (x_r, x_w, x_k, x_v, x_a, x_g)
 //   tm_tanh_fwd / tm_tanh_bwd          LoRA activation of the decay branch   (on [R, Dw])
@@ -31,7 +31,7 @@
 
 #include "common.cuh"
 #if !defined(HEAD_SIZE) || !defined(TM_DECAY_SCALE) || !defined(TM_GN_EPS) || !defined(TM_L2_EPS)
-#error "timemix.cu: HEAD_SIZE and the TM_* constants come from rwkvx/cu/timemix/ops.py"
+#error "timemix/timemix.cu: HEAD_SIZE and the TM_* constants come from rwkvx/cu/timemix/ops.py"
 #endif
 
 #define TM_N HEAD_SIZE

@@ -1,4 +1,4 @@
-"""Launch builders for rwkvx/cu/wkv7/sequential.cu and wkv7_chunked.cu: the RWKV-7 WKV recurrence (forward and backward).
+"""Launch builders for rwkvx/cu/wkv7/sequential.cu and chunked.cu: the RWKV-7 WKV recurrence (forward and backward).
 
 Per sequence b and head h (N = head size), S is N x N (row i = value index, column j = key index),
 S = 0 before t = 0::

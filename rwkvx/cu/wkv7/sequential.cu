@@ -40,7 +40,7 @@
 
 #include "common.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_Q) || !defined(WKV_CHUNK) || !defined(WKV_BWD_MAXT)
-#error "wkv7.cu: HEAD_SIZE, WKV_Q, WKV_CHUNK and WKV_BWD_MAXT come from rwkvx/cu/wkv7/ops.py"
+#error "wkv7/sequential.cu: HEAD_SIZE, WKV_Q, WKV_CHUNK and WKV_BWD_MAXT come from rwkvx/cu/wkv7/ops.py"
 #endif
 #include "wkv7/state.cuh"
 

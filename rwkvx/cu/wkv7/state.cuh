@@ -1,5 +1,5 @@
 // rwkvx/cu/wkv7/state.cuh -- one token of the RWKV-7 WKV recurrence on a register-held state row, shared by
-// the sequence kernels (wkv7.cu) and the single-token step of generation (decode.cu), so both run the
+// the sequence kernels (wkv7/sequential.cu) and the single-token step of generation (decode.cu), so both run the
 // same arithmetic in the same order.
 //
 // Thread mapping (Q = WKV_Q lanes per state row, lanes of a row adjacent in a warp, M = N/Q elements per

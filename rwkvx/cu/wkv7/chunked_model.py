@@ -23,15 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-L = 16
-
-
-def tf32(x: np.ndarray) -> np.ndarray:
-    """Round float32 values to tf32 (10 explicit mantissa bits), nearest, ties away (cvt.rna.tf32.f32)."""
-    x = np.asarray(x, np.float32)
-    u = x.view(np.uint32).astype(np.uint64)
-    u = ((u + 0x1000) & 0xFFFFE000).astype(np.uint32)
-    return u.view(np.float32)
+from .ops import CHUNKED_L as L
 
 
 def identity(x):

@@ -1,0 +1,120 @@
+"""The PyTorch twin of tests/torch_twin.py on the CPU: its float64 recipe equals the float64 oracle (loss,
+every gradient, the MoBA selection and gate margins), its WKV7 Function is right (against the oracle's
+twin and by gradcheck) and keeps an fp32 state under bf16 inputs, and its autocast bf16 recipe runs and
+stays near float64. These vouch for the twin as the reference and the yardstick of
+tests/gpu/test_bf16_yardstick.py. Skipped without PyTorch (a test-only dependency)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (the twin, a test-only reference, needs it)")
+
+import torch_twin  # noqa: E402  (needs torch)
+from rwkvx import Config  # noqa: E402
+from rwkvx.config import DECAY_SCALE  # noqa: E402
+from rwkvx.oracle import Oracle, rel_err, wkv7_backward, wkv7_forward  # noqa: E402
+from seeding import seeded_rng  # noqa: E402
+
+CASES = {
+    "hybrid": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
+                    moba_chunk_size=8, moba_top_k=2), 2, 64),
+    "rwkv7": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3), 2, 40),
+    "partial_block_top3_no_ln0": (dict(vocab_size=67, n_embd=32, head_size=8, n_rwkv_layer=3, n_attn_layer=1,
+                                       moba_chunk_size=12, moba_top_k=3, ln0=False), 2, 45),
+}
+
+
+def _case(name, params_factory, seed):
+    kwargs, B, T = CASES[name]
+    cfg = Config(**kwargs)
+    rng = seeded_rng(seed)
+    tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
+    targets[rng.random((B, T)) < 0.2] = -100
+    return cfg, params_factory(cfg, seed), tokens, targets
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_float64_twin_matches_the_oracle(name, random_params):
+    cfg, params, tokens, targets = _case(name, random_params, 3)
+    oracle = Oracle(cfg, params)
+    twin = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64")
+    torch_twin.assert_matches(twin, *oracle.loss_and_grads(tokens, targets))
+    for own, ref, gaps, ref_gaps in zip(twin.selection, oracle.moba_selection(tokens), twin.gate_gaps,
+                                        oracle.moba_gate_gaps(tokens), strict=True):
+        assert own.dtype == np.int32 and np.array_equal(own, ref)
+        assert np.array_equal(np.isinf(gaps), np.isinf(ref_gaps))
+        finite = np.isfinite(ref_gaps)
+        np.testing.assert_allclose(gaps[finite], ref_gaps[finite], rtol=0, atol=torch_twin.ORACLE_TOL)
+
+
+def test_float64_twin_follows_a_forced_selection(random_params):
+    """A forced selection (here another model's, so unlike the gate's own) is what both attend with."""
+    cfg, params, tokens, targets = _case("partial_block_top3_no_ln0", random_params, 4)
+    forced = Oracle(cfg, random_params(cfg, 5)).moba_selection(tokens)
+    own = Oracle(cfg, params).moba_selection(tokens)
+    assert not all(np.array_equal(f, o) for f, o in zip(forced, own))
+    twin = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64", selection=forced)
+    torch_twin.assert_matches(twin, *Oracle(cfg, params).loss_and_grads(tokens, targets, selection=forced))
+
+
+def _wkv_inputs(seed, B=2, T=7, H=2, N=4, dtype=torch.float64):
+    """WKV7 inputs as the model makes them: w a decay logit, a = -kk and b = kk * rate with kk unit per head."""
+    g = torch.Generator().manual_seed(seed)
+    r, w, k, v = (torch.randn(B, T, H, N, generator=g, dtype=torch.float64) for _ in range(4))
+    kk = torch.nn.functional.normalize(torch.randn(B, T, H, N, generator=g, dtype=torch.float64), dim=-1)
+    rate = torch.rand(B, T, H, N, generator=g, dtype=torch.float64)
+    return [t.to(dtype) for t in (r, w, k, v, -kk, kk * rate)]
+
+
+def test_wkv7_function_matches_the_oracle_twin():
+    r, w, k, v, a, b = ins = [t.requires_grad_() for t in _wkv_inputs(0)]
+    y = torch_twin.WKV7.apply(*ins)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y.backward(dy)
+    decay = torch.exp(-DECAY_SCALE * torch.sigmoid(w)).detach()
+    arrays = [t.detach().numpy() for t in (r, decay, k, v, a, b)]
+    np.testing.assert_allclose(y.detach().numpy(), wkv7_forward(*arrays), rtol=0, atol=torch_twin.ORACLE_TOL)
+    ref = list(wkv7_backward(*arrays, dy.numpy()))
+    s = torch.sigmoid(w).detach().numpy()
+    ref[1] = ref[1] * arrays[1] * (-DECAY_SCALE) * s * (1 - s)          # through decay(w)
+    for name, t, want in zip("rwkvab", ins, ref):
+        np.testing.assert_allclose(t.grad.numpy(), want, rtol=0, atol=torch_twin.ORACLE_TOL, err_msg=f"d{name}")
+
+
+def test_wkv7_function_passes_gradcheck():
+    ins = [t.requires_grad_() for t in _wkv_inputs(2, B=2, T=5, H=2, N=3)]
+    assert torch.autograd.gradcheck(torch_twin.WKV7.apply, ins)
+
+
+def test_wkv7_function_with_bf16_inputs_keeps_an_fp32_state():
+    """bf16 in, bf16 out and bf16 gradients, but the state and sums are fp32: the output is the float64
+    recurrence on the same rounded inputs, rounded once to bf16, but for the rare element that fp32's
+    rounding moves across a bf16 rounding boundary (a bf16 state would change about half of them)."""
+    ins = [t.requires_grad_() for t in _wkv_inputs(3, B=2, T=64, H=2, N=16, dtype=torch.bfloat16)]
+    y = torch_twin.WKV7.apply(*ins)
+    y.float().square().sum().backward()
+    assert y.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in ins)
+    exact = torch_twin.WKV7.apply(*(t.detach().double() for t in ins)).to(torch.bfloat16)
+    assert (y != exact).double().mean() <= 0.01
+
+
+def test_autocast_recipe_stays_near_float64(training_like):
+    """The autocast recipe (here CPU autocast) is bf16-noisy, not exact, and not broken: the loss within
+    1e-2 and every gradient within 0.25 of float64's, with a median gradient error of at least 1e-3
+    (bf16 keeps 8 significant bits)."""
+    cfg, params, tokens, targets = _case("hybrid", training_like, 6)
+    ref = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64")
+    got = torch_twin.loss_and_grads(cfg, params, tokens, targets, "autocast_bf16", selection=ref.selection)
+    assert abs(got.loss - ref.loss) <= 1e-2 * abs(ref.loss)
+    errors = {n: rel_err(got.grads[n], g) for n, g in ref.grads.items()}
+    assert max(errors.values()) <= 0.25, max(errors.items(), key=lambda kv: kv[1])
+    assert np.median(list(errors.values())) >= 1e-3, errors
+
+
+def test_bad_arguments_are_refused(random_params):
+    cfg, params, tokens, targets = _case("hybrid", random_params, 7)
+    with pytest.raises(ValueError, match="recipe"):
+        torch_twin.loss_and_grads(cfg, params, tokens, targets, "fp16")
+    with pytest.raises(ValueError, match="selection"):
+        torch_twin.loss_and_grads(cfg, params, tokens, targets, selection=[])
+    with pytest.raises(TypeError, match="Config"):
+        torch_twin.loss_and_grads(dict(cfg.__dict__), params, tokens, targets)
