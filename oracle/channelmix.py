@@ -1,7 +1,7 @@
 """Twin of rwkvx/cu/channelmix/channelmix.cu: the element-wise parts of the channel mix (FFN).
 
 k = relu(Lin(x + (shift(x) - x) * x_k; key))^2 ; out = Lin(k; value). The two GEMMs are the model's
-(oracle/model.pyx); here are the token-shift mix and the squared ReLU. Rows [R, C], R = B*T.
+(oracle/model.py); here are the token-shift mix and the squared ReLU. Rows [R, C], R = B*T.
 """
 from __future__ import annotations
 

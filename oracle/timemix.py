@@ -1,12 +1,13 @@
 """Twin of rwkvx/cu/timemix/timemix.cu: the element-wise parts of the RWKV-7 time mix (docs/SPEC.md §2.3 TimeMix).
 
-The GEMMs (r, k, v, the LoRAs, the output) are the model's (oracle/model.pyx), the recurrence is
+The GEMMs (r, k, v, the LoRAs, the output) are the model's (oracle/model.py), the recurrence is
 oracle/wkv7.pyx; here is everything between them, as the GPU fuses it:
   * the token shift making the six mixed inputs xr, xw, xk, xv, xa, xg;
   * tanh / sigmoid of the LoRA hidden layers (decay and gate);
   * "prep": decay, the in-context rate a, kk = l2normalize(k * k_k), k' = k * (1 + (a - 1) * k_a),
     the value residual v' and the WKV inputs wa = -kk, wb = kk * a;
-  * "gn": ln_x GroupNorm of the WKV output, plus the bonus term, times the gate.
+  * "gn": ln_x GroupNorm of the WKV output, plus the bonus term, times the gate; the GroupNorm alone is
+    group_norm_forward / group_norm_backward (its loops: oracle/_norm.pyx).
 Rows [R, C] (R = B*T, channel c = h*N + n); per-channel vectors are [C] (any shape with C elements).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from ._common import (DECAY_SCALE, GN_EPS, L2_EPS, float64_op, heads, shift_mix_backward,
                       shift_mix_forward, sigmoid)
-from .layernorm import group_norm_backward, group_norm_forward
+from ._norm import norm_backward, norm_forward
 from .reduce import column_sums
 
 
@@ -135,6 +136,23 @@ def time_mix_prep_backward(k: np.ndarray, v: np.ndarray, wl: np.ndarray, al: np.
     else:
         out["dv"] = dvp if dvf_in is None else dvp + dvf_in
     return out
+
+
+# ------------------------------------------------------------------ GroupNorm (ln_x: one group per head)
+
+@float64_op
+def group_norm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, groups: int,
+                       eps: float) -> np.ndarray:
+    """y = GroupNorm(x) over the last axis split into ``groups`` groups; x [..., C], w, b [C]."""
+    return norm_forward(x, w, b, groups, eps)[0]
+
+
+@float64_op
+def group_norm_backward(x: np.ndarray, w: np.ndarray, dy: np.ndarray, groups: int,
+                        eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients (dx [..., C], dw [C], db [C]) of :func:`group_norm_forward` for output gradient dy;
+    the bias is not needed, the statistics are recomputed from x."""
+    return norm_backward(x, w, dy, groups, eps)
 
 
 # ------------------------------------------------------------------ gn: GroupNorm + bonus, gated

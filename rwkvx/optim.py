@@ -1,50 +1,7 @@
-"""AdamW and the learning-rate schedule (docs/SPEC.md §3), RWKV-LM conventions, PyTorch AdamW semantics.
-
-This docstring is the contract shared by the numpy optimizer below (CPU backend) and the fused GPU
-kernel (``rwkvx/cu/adamw/adamw.cu``). Both implement exactly these formulas.
-
-Learning-rate schedule (``lr_at(t)``), t = 1, 2, ... is the number of the step being taken
-(the first update uses t = 1)::
-
-    if t < warmup:            lr(t) = lr_max * t / warmup
-    elif t <= total_steps:    progress = (t - warmup) / max(1, total_steps - warmup)
-                              lr(t) = lr_min + 0.5 * (lr_max - lr_min) * (1 + cos(pi * progress))
-    else:                     lr(t) = lr_min
-    (total_steps None: lr(t) = lr_max for every t >= warmup; warmup 0: no warm-up)
-
-So lr(warmup) = lr_max and lr(total_steps) = lr_min.
-
-Parameter groups (RWKV-LM x070):
-
-* weight decay ``wd_p = weight_decay`` only for parameters whose name ends in ``.weight`` and that are
-  2-D (emb, head and every linear ``*.weight`` matrix); every other tensor (LayerNorm weights, the
-  ``[1,1,C]`` vectors, ``r_k``, the LoRA matrices ``w1 w2 a1 a2 v1 v2 g1 g2``) has ``wd_p = 0``;
-* learning-rate multiplier ``mult_p = 2`` for ``*.att.w0``, 1 otherwise.
-
-Gradient clipping (optional, ``grad_clip`` > 0), over all parameters together, before the update::
-
-    total_norm = sqrt(sum over every element g of every gradient of g*g)      # accumulated in float64
-    clip = min(1, grad_clip / (total_norm + 1e-6))                            # PyTorch clip_grad_norm_
-    g <- g * clip         (no change when grad_clip is None or 0)
-
-One AdamW step t (betas (b1, b2) = (0.9, 0.99), eps = 1e-18) for each parameter p with gradient g,
-first moment m and second moment v (m = v = 0 before step 1)::
-
-    lr_p  = lr(t) * mult_p
-    bc1   = 1 - b1**t ;  bc2 = 1 - b2**t                         # host, float64, then float32
-    p     = p * (1 - lr_p * wd_p)                                  # decoupled weight decay, first
-    m     = b1 * m + (1 - b1) * g
-    v     = b2 * v + (1 - b2) * g * g
-    denom = sqrt(v) / sqrt(bc2) + eps
-    p     = p - (lr_p / bc1) * m / denom
-
-Precision: parameters, gradients (cast to float32 on entry), m and v are float32 arrays; the
-per-element arithmetic is float32 (the scalars lr_p/bc1, sqrt(bc2), 1 - lr_p*wd_p, b1, 1-b1, b2,
-1-b2, eps and clip are computed in float64 on the host and rounded to float32 once). The GPU kernel
-uses the same float32 element arithmetic, so the two agree to rounding (fused multiply-adds aside).
-
-State: ``step`` (int, number of updates done), and per parameter ``m`` and ``v``.
-:meth:`AdamW.state_dict` / :meth:`AdamW.load_state_dict` save and restore all of it exactly.
+"""The CPU optimizer: AdamW over a dict of float32 numpy parameters and the learning-rate schedule
+(docs/SPEC.md §3). The formulas are the AdamW twin's, :mod:`rwkvx.oracle.adamw` (its docstring is the contract
+the fused GPU kernel shares); here are the optimizer's state (moments, step count), its checks and its
+checkpoint format.
 """
 from __future__ import annotations
 
@@ -54,24 +11,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
-BETAS = (0.9, 0.99)
-EPS = 1e-18
-CLIP_EPS = 1e-6
-
-
-def uses_weight_decay(name: str, shape: tuple[int, ...]) -> bool:
-    """True for 2-D ``*.weight`` parameters, the only ones RWKV-LM decays."""
-    return name.endswith(".weight") and len(shape) == 2
-
-
-def lr_multiplier(name: str) -> float:
-    """2 for ``att.w0`` (RWKV-LM's lr_2x group), 1 for everything else."""
-    return 2.0 if name.endswith("att.w0") else 1.0
+from rwkvx.oracle.adamw import (BETAS, EPS, adamw_update, clip_coefficient, global_grad_norm, learning_rate,
+                                lr_multiplier, uses_weight_decay)
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Linear warm-up to ``lr_max`` then cosine decay to ``lr_min`` at ``total_steps`` (see module doc)."""
+    """Linear warm-up to ``lr_max`` then cosine decay to ``lr_min`` at ``total_steps``
+    (:func:`rwkvx.oracle.adamw.learning_rate`)."""
 
     lr_max: float = 1e-3
     lr_min: float = 1e-4
@@ -94,14 +41,7 @@ class Schedule:
         """The learning rate of step ``t`` (1-based)."""
         if t < 1:
             raise ValueError(f"step numbers start at 1, got {t}")
-        if t < self.warmup:
-            return self.lr_max * t / self.warmup
-        if self.total_steps is None:
-            return float(self.lr_max)
-        if t > self.total_steps:
-            return float(self.lr_min)
-        progress = (t - self.warmup) / max(1, self.total_steps - self.warmup)
-        return self.lr_min + 0.5 * (self.lr_max - self.lr_min) * (1.0 + math.cos(math.pi * progress))
+        return learning_rate(t, self.lr_max, self.lr_min, self.warmup, self.total_steps)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,24 +51,8 @@ class Schedule:
         return cls(**dict(data))
 
 
-def global_grad_norm(grads: Mapping[str, np.ndarray]) -> float:
-    """sqrt of the sum of squares of every gradient element, accumulated in float64."""
-    total = 0.0
-    for g in grads.values():
-        g64 = np.asarray(g, dtype=np.float64).ravel()
-        total += float(np.dot(g64, g64))
-    return math.sqrt(total)
-
-
-def clip_coefficient(total_norm: float, grad_clip: float | None) -> float:
-    """``min(1, grad_clip / (total_norm + 1e-6))``; 1 when clipping is off (None or 0)."""
-    if not grad_clip:
-        return 1.0
-    return min(1.0, grad_clip / (total_norm + CLIP_EPS))
-
-
 class AdamW:
-    """AdamW over a dict of float32 numpy parameters, updated in place (see the module docstring).
+    """AdamW over a dict of float32 numpy parameters, updated in place (rwkvx.oracle.adamw's formulas).
 
     ``step(grads)`` takes one gradient per parameter (any float dtype, cast to float32), computes
     the learning rate of the next step from ``schedule``, clips, updates, and returns a dict of
@@ -173,28 +97,13 @@ class AdamW:
         clip = clip_coefficient(norm, self.grad_clip)
         t = self.step_count + 1
         lr = self.schedule.lr_at(t)
-        b1, b2 = self.betas
-        bc1 = 1.0 - b1 ** t
-        bc2_sqrt = np.float32(math.sqrt(1.0 - b2 ** t))
-        f32 = np.float32
-        b1f, omb1, b2f, omb2, epsf = f32(b1), f32(1.0 - b1), f32(b2), f32(1.0 - b2), f32(self.eps)
         for name, p in self.params.items():
             g = np.asarray(grads[name], dtype=np.float32)
             if g.shape != p.shape:
                 raise ValueError(f"gradient {name} has shape {g.shape}, parameter has {p.shape}")
-            if clip != 1.0:
-                g = g * f32(clip)
-            lr_p = lr * lr_multiplier(name)
             wd_p = self.weight_decay if uses_weight_decay(name, p.shape) else 0.0
-            if wd_p:
-                p *= f32(1.0 - lr_p * wd_p)
-            m, v = self.m[name], self.v[name]
-            m *= b1f
-            m += omb1 * g
-            v *= b2f
-            v += omb2 * (g * g)
-            denom = np.sqrt(v) / bc2_sqrt + epsf
-            p -= f32(lr_p / bc1) * m / denom
+            adamw_update(p, g, self.m[name], self.v[name], t, lr * lr_multiplier(name), wd_p, clip,
+                         self.betas, self.eps)
         self.step_count = t
         return {"lr": lr, "grad_norm": norm, "clip": clip}
 

@@ -195,7 +195,7 @@ class StepBuilder:
         self.grad_ready.append((len(ops), names))
 
     def optimizer(self, weight_decay: float, clip: bool) -> list:
-        """One fused AdamW update of every parameter (rwkvx/optim.py's formulas; state on device)."""
+        """One fused AdamW update of every parameter (oracle/adamw.py's formulas; state on device)."""
         b = self.buf
         return adamw.step(b("params"), b("grads"), b("adam_m"), b("adam_v"), b("adam_table"),
                           b("adam_lrmul"), b("adam_state"), self.L.adam_chunks, b("adam_partials"),

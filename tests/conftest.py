@@ -1,8 +1,12 @@
-"""Shared fixtures: random (non-zero) model parameters for the oracle tests."""
+"""Shared fixtures: random (non-zero) model parameters for the oracle tests; the hooks of tests/seeding.py,
+which put the seeds a failing test drew in its report."""
 import numpy as np
 import pytest
 
 from rwkvx import init_params
+
+# hooks, found here by name: each test's seeds recorded, a failing test's listed in its report
+from seeding import pytest_runtest_makereport, pytest_runtest_setup, seeded_rng  # noqa: F401
 
 
 def make_random_params(cfg, seed=0):
@@ -12,7 +16,7 @@ def make_random_params(cfg, seed=0):
     gradients; here every tensor is non-zero, activations stay O(1) (matrices scaled by
     1/sqrt(fan_in)), mixes stay in [0, 1] and the decay stays in its natural range.
     """
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng(seed)
     out = {}
     for name, value in init_params(cfg, seed).items():
         shape = value.shape
@@ -42,7 +46,7 @@ def make_random_params(cfg, seed=0):
 def make_training_like_params(cfg, seed=0):
     """docs/SPEC.md §4's training-like model: init_params(cfg) with its zero-initialised matrices (w1, a1, v1,
     g1, att.output, ffn.value) filled with N(0, 0.02^2); float32."""
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng(seed)
     return {k: (0.02 * rng.standard_normal(v.shape)).astype(np.float32) if v.ndim == 2 and not v.any()
             else v.astype(np.float32) for k, v in init_params(cfg, seed).items()}
 

@@ -8,6 +8,8 @@ import pytest
 from rwkvx import Config, init_params, load_checkpoint, save_checkpoint
 from rwkvx.checkpoint import _encode
 
+from seeding import seeded_rng
+
 CFG = Config(vocab_size=50, n_embd=32, head_size=8, n_rwkv_layer=3, n_attn_layer=1,
              moba_chunk_size=4, moba_top_k=2)
 
@@ -21,7 +23,7 @@ def write_raw(path, tensors, metadata=None):
 
 
 def test_round_trip_exact(tmp_path):
-    rng = np.random.default_rng(0)
+    rng = seeded_rng(0)
     params = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in init_params(CFG, 1).items()}
     extra = {"tensors": {"adam.m.rwkv.emb.weight": rng.standard_normal((50, 32))},
              "meta": {"step": 12, "lr": 3e-4}}

@@ -11,6 +11,8 @@ import pytest
 from rwkvx.cli import main
 from rwkvx.train import gpu_unavailable_reason
 
+from seeding import seeded_rng
+
 REPO = Path(__file__).resolve().parents[1]
 # A very small model so each CLI run takes about a second on the CPU.
 TINY = ["--device", "cpu", "--n-embd", "32", "--n-layer", "1", "--n-attn-layer", "1",
@@ -145,7 +147,7 @@ def test_bad_data_writes_nothing(tmp_path, capsys):
 def test_token_file_training(tmp_path, capsys):
     from rwkvx.data import write_binidx
 
-    rng = np.random.default_rng(0)
+    rng = seeded_rng(0)
     docs = [rng.integers(0, 500, n) for n in (300, 200, 400)]
     write_binidx(tmp_path / "toks", docs)
     out = tmp_path / "r"

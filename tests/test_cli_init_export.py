@@ -10,6 +10,8 @@ from rwkvx import Config, load_checkpoint
 from rwkvx.cli import main
 from rwkvx.pth import read_pth
 
+from seeding import seeded_rng
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 PTH = FIXTURES / "rwkv7_tiny_bf16.pth"
 # What scripts/make_pth_fixtures.py writes: V=16, C=8, N=4, L=2, FFN 24, LoRA ranks 4, 2, 6, 10.
@@ -21,7 +23,7 @@ RUN = ["--device", "cpu", "--batch-size", "2", "--seq-len", "16", "--eval-every"
 @pytest.fixture
 def tokens(tmp_path):
     path = tmp_path / "tokens.npy"
-    np.save(path, np.random.default_rng(0).integers(0, 16, 4000).astype(np.uint16))
+    np.save(path, seeded_rng(0).integers(0, 16, 4000).astype(np.uint16))
     return str(path)
 
 

@@ -2,8 +2,8 @@
 import io
 import json
 
-import numpy as np
 import pytest
+from seeding import seeded_rng
 from test_cli import TINY, _fails
 
 from rwkvx.checkpoint import load_checkpoint
@@ -102,7 +102,7 @@ def test_tokenizer_errors_write_nothing(tmp_path, capsys):
 def test_sample_prompt_errors_before_any_output(tmp_path, capsys):
     from rwkvx.data import write_binidx
 
-    write_binidx(tmp_path / "toks", [np.random.default_rng(0).integers(0, 500, 400)])
+    write_binidx(tmp_path / "toks", [seeded_rng(0).integers(0, 500, 400)])
     run = tmp_path / "r"
     assert main(["train", *TINY, "--data", str(tmp_path / "toks"), "--vocab-size", "512",
                  "--steps", "1", "--out", str(run)]) == 0

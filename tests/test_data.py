@@ -9,6 +9,8 @@ import pytest
 from rwkvx.data import (BatchSampler, default_corpus_path, detect_format, eval_batches, load_tokens,
                         read_binidx_index, split_train_val, unigram_entropy, write_binidx)
 
+from seeding import seeded_rng
+
 
 def write_binidx_by_hand(prefix, docs, code=8, dtype="<u2"):
     """An independent MMIDIDX writer (the test's own, straight from the header layout)."""
@@ -64,7 +66,7 @@ def test_raw_bin_round_trip(tmp_path):
 
 @pytest.mark.parametrize("writer", ["by_hand", "module"])
 def test_binidx_round_trip(tmp_path, writer):
-    rng = np.random.default_rng(0)
+    rng = seeded_rng(0)
     docs = [rng.integers(0, 65535, n) for n in (5, 17, 1, 300, 42)]
     prefix = tmp_path / "corpus_text_document"
     if writer == "by_hand":

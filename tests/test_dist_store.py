@@ -15,6 +15,8 @@ from rwkvx.dist.nccl import poll_until
 from rwkvx.dist.store import StoreClient, StoreServer
 from rwkvx.dist.world import _StoreGroup
 
+from seeding import seeded_rng
+
 
 def start_world(n, timeout=10.0):
     """n Worlds of one job, each rank's client in this process (rank 0 also serves)."""
@@ -54,7 +56,7 @@ def on_all(worlds, fn):
 
 def test_collectives_in_rank_order():
     worlds = start_world(3)
-    rng = np.random.default_rng(0)
+    rng = seeded_rng(0)
     data = [rng.standard_normal(1000).astype(np.float32) for _ in worlds]
     for round_ in range(3):
         got = on_all(worlds, lambda w: w.allgather(f"{w.rank}:{round_}".encode() * (w.rank + 1)))

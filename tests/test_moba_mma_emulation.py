@@ -12,6 +12,8 @@ import pytest
 from rwkvx.cu.moba.mma_model import OPERAND, emulate, round_bf16
 from rwkvx.oracle import moba_attention_backward, moba_attention_forward, moba_logsumexp, moba_select, rel_err
 
+from seeding import seeded_rng
+
 MMA_TOL = {"tf32": 5e-3, "bf16": 1e-2}     # the GPU tests' limits (tests/gpu/test_moba.py)
 
 
@@ -36,7 +38,7 @@ def _inputs(shape, operand, rng):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-T{}-H{}-N{}-c{}-k{}".format(*s))
 def test_mma_algorithm_matches_the_twins(shape, operand):
     B, T, H, N, chunk, top_k = shape
-    (q, k, v, do), store = _inputs(shape, operand, np.random.default_rng(hash(shape) % 2**32))
+    (q, k, v, do), store = _inputs(shape, operand, seeded_rng(hash(shape) % 2**32))
     sel = moba_select(q, k, chunk, top_k)
     o, lse, dq, dk, dv = emulate(q, k, v, do, chunk, sel, operand, store)
     o_ref, _ = moba_attention_forward(q, k, v, chunk, top_k, selection=sel)
@@ -52,7 +54,7 @@ def test_mma_algorithm_matches_the_twins(shape, operand):
 def test_emulation_detects_a_wrong_merge():
     """The comparison can fail: dropping the second slot's partial is far outside the limits."""
     shape = (1, 256, 1, 64, 32, 3)
-    (q, k, v, do), store = _inputs(shape, "tf32", np.random.default_rng(1))
+    (q, k, v, do), store = _inputs(shape, "tf32", seeded_rng(1))
     sel = moba_select(q, k, 32, 3)
     o_ref, _ = moba_attention_forward(q, k, v, 32, 3, selection=sel)
     broken = sel.copy()

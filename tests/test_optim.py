@@ -4,8 +4,12 @@ import math
 import numpy as np
 import pytest
 
-from rwkvx.optim import AdamW, Schedule, clip_coefficient, global_grad_norm, lr_multiplier, \
-    uses_weight_decay
+from rwkvx.optim import AdamW, Schedule
+from rwkvx.oracle.adamw import clip_coefficient, global_grad_norm, lr_multiplier, uses_weight_decay
+
+from seeding import seeded_rng
+
+from seeding import seeded_rng
 
 NAMES_SHAPES = {
     "rwkv.emb.weight": (7, 4),                     # 2-D *.weight: decayed
@@ -18,12 +22,12 @@ NAMES_SHAPES = {
 
 
 def _params(seed=0):
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng(seed)
     return {n: rng.standard_normal(s).astype(np.float32) for n, s in NAMES_SHAPES.items()}
 
 
 def _grads(step, scale=1.0):
-    rng = np.random.default_rng(100 + step)
+    rng = seeded_rng(100 + step)
     return {n: (scale * rng.standard_normal(s)).astype(np.float32) for n, s in NAMES_SHAPES.items()}
 
 

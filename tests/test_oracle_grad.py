@@ -11,6 +11,9 @@ import pytest
 from rwkvx import Config
 from rwkvx.oracle import Oracle
 
+from finite_differences import central_difference
+from seeding import seeded_rng
+
 TOL = 1e-6
 SAMPLES = 3       # per tensor: 3 random entries + 3 with the largest analytic gradient
 STEP = 1e-5       # relative step: truncation O(h^2) and roundoff O(eps/h) balance near here
@@ -50,7 +53,7 @@ def _loss(oracle, tokens, targets, sel, ignore_index=-100):
 def _problem(name, random_params, seed=0):
     kwargs, B, T, n_ignored = CONFIGS[name]
     cfg = Config(**kwargs)
-    rng = np.random.default_rng(seed + 1)
+    rng = seeded_rng(seed + 1)
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     targets = rng.integers(0, cfg.vocab_size, (B, T))
     if n_ignored:
@@ -75,23 +78,15 @@ def _sample(grad, rng, tokens=None, is_emb=False):
 
 def fd_errors(oracle, tokens, targets, sel, seed=0):
     """Relative error of every parameter tensor: {name: err}."""
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng(seed)
     _, grads = oracle.loss_and_grads(tokens, targets, selection=sel)
     errors = {}
     for name, grad in grads.items():
         p = oracle.params[name].reshape(-1)          # a view: perturb in place
         idx = _sample(grad, rng, tokens, name == "rwkv.emb.weight")
         analytic = grad.reshape(-1)[idx]
-        numeric = np.empty(idx.size)
-        for n, i in enumerate(idx):
-            orig = p[i]
-            h = STEP * max(1.0, abs(orig))
-            p[i] = orig + h
-            lp = _loss(oracle, tokens, targets, sel)
-            p[i] = orig - h
-            lm = _loss(oracle, tokens, targets, sel)
-            p[i] = orig
-            numeric[n] = (lp - lm) / (2 * h)
+        numeric = np.array([central_difference(lambda: _loss(oracle, tokens, targets, sel), p, i,
+                                               STEP * max(1.0, abs(p[i]))) for i in idx])
         errors[name] = float(np.linalg.norm(analytic - numeric) / np.linalg.norm(numeric))
     return errors
 
@@ -164,7 +159,7 @@ def test_full_selection_is_causal_attention(random_params):
     """T <= chunk * top_k: every past block is selected, so no forced selection matters."""
     cfg = Config(**dict(SMALL, n_rwkv_layer=1, n_attn_layer=1, moba_chunk_size=4, moba_top_k=3))
     oracle = Oracle(cfg, random_params(cfg, 3))
-    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, 12))
+    tokens = seeded_rng(3).integers(0, cfg.vocab_size, (1, 12))
     sel = oracle.moba_selection(tokens)[0]
     for t in range(12):
         expect = list(range(t // 4)) + [-1] * (2 - t // 4)

@@ -10,26 +10,15 @@ from rwkvx.oracle import (LN_EPS, channel_mix_shift_backward, channel_mix_shift_
                           rel_err, relu_sq_forward, time_mix_prep_forward, wkv7_forward)
 from rwkvx.oracle._common import matmul
 
-
-def _fd(f, x, h=1e-6):
-    """Central differences of the scalar f() w.r.t. every element of x (perturbed in place)."""
-    g = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        old = x[i]
-        x[i] = old + h
-        fp = f()
-        x[i] = old - h
-        fm = f()
-        x[i] = old
-        g[i] = (fp - fm) / (2 * h)
-    return g
+from finite_differences import numeric_gradient
+from seeding import seeded_rng
 
 
 # ------------------------------------------------------------------ channelmix
 
 @pytest.mark.parametrize("B,T", [(2, 5), (3, 1)])
 def test_channel_mix_shift_matches_definition_and_fd(B, T):
-    rng = np.random.default_rng(B * 10 + T)
+    rng = seeded_rng(B * 10 + T)
     C = 6
     x = rng.standard_normal((B * T, C))
     mix = rng.uniform(0, 1, C)
@@ -40,24 +29,24 @@ def test_channel_mix_shift_matches_definition_and_fd(B, T):
     dxk = rng.standard_normal(x.shape)
     dx, dmix = channel_mix_shift_backward(dxk, x, mix, T)
     loss = lambda: float((channel_mix_shift_forward(x, mix, T) * dxk).sum())  # noqa: E731
-    assert rel_err(dx, _fd(loss, x)) < 1e-8
-    assert rel_err(dmix, _fd(loss, mix)) < 1e-8
+    assert rel_err(dx, numeric_gradient(loss, x)) < 1e-8
+    assert rel_err(dmix, numeric_gradient(loss, mix)) < 1e-8
     assert dmix.shape == (C,)
 
 
 def test_relu_sq_forward_backward():
-    rng = np.random.default_rng(1)
+    rng = seeded_rng(1)
     h = rng.standard_normal((4, 7))
     np.testing.assert_array_equal(relu_sq_forward(h), np.where(h > 0, h * h, 0.0))
     dk = rng.standard_normal(h.shape)
     loss = lambda: float((relu_sq_forward(h) * dk).sum())  # noqa: E731
-    assert rel_err(relu_sq_backward(dk, h), _fd(loss, h)) < 1e-8
+    assert rel_err(relu_sq_backward(dk, h), numeric_gradient(loss, h)) < 1e-8
 
 
 # ------------------------------------------------------------------ embedding
 
 def test_embedding_forward_backward():
-    rng = np.random.default_rng(2)
+    rng = seeded_rng(2)
     V, C = 9, 4
     tokens = np.array([[5, 1, 5, 0], [1, 5, 8, 1]])
     emb = rng.standard_normal((V, C)).astype(np.float32)
@@ -80,7 +69,7 @@ def test_embedding_forward_backward():
 # ------------------------------------------------------------------ loss
 
 def test_cross_entropy_rows():
-    rng = np.random.default_rng(3)
+    rng = seeded_rng(3)
     R, V = 7, 11
     z = (3 * rng.standard_normal((R, V)) + 20).astype(np.float32)   # a large offset: stable lse
     t = rng.integers(0, V, R)
@@ -106,7 +95,7 @@ def test_cross_entropy_rows():
 # ------------------------------------------------------------------ MoBA log-sum-exp
 
 def test_moba_logsumexp_matches_dense_masked_scores():
-    rng = np.random.default_rng(4)
+    rng = seeded_rng(4)
     B, T, H, N, chunk, top_k = 2, 37, 2, 8, 6, 3
     q, k, v = (rng.standard_normal((B, T, H, N)) for _ in range(3))
     _, sel = moba_attention_forward(q, k, v, chunk, top_k)
@@ -127,7 +116,7 @@ def test_moba_logsumexp_matches_dense_masked_scores():
 # ------------------------------------------------------------------ LayerNorm statistics, reduce
 
 def test_layernorm_stats_and_column_sums():
-    rng = np.random.default_rng(5)
+    rng = seeded_rng(5)
     x = rng.standard_normal((6, 16)) * 2 + 1
     w, b = rng.standard_normal(16), rng.standard_normal(16)
     y, mean, rstd = layernorm_forward(x, w, b, return_stats=True)
@@ -143,7 +132,7 @@ def test_layernorm_stats_and_column_sums():
 # ------------------------------------------------------------------ the numerics convention
 
 def test_float32_in_means_float64_math_rounded_once():
-    rng = np.random.default_rng(6)
+    rng = seeded_rng(6)
     R, C, N = 12, 8, 4
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     a, bm = f32(R, C), f32(C, 5)

@@ -14,6 +14,8 @@ from rwkvx import Config, init_params, load_checkpoint
 from rwkvx.checkpoint import export_rwkv7_pth
 from rwkvx.pth import read_pth, write_pth
 
+from seeding import seeded_rng
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # The fixture model as scripts/make_pth_fixtures.py defines it (V, C, H x N, L, FFN width, LoRA ranks).
 FIXTURE_CFG = Config(vocab_size=16, n_embd=8, head_size=4, n_rwkv_layer=2, ffn_dim=24,
@@ -151,7 +153,7 @@ def test_wrong_shapes_are_clear_errors(tmp_path, ref):
 
 
 def test_write_read_round_trip(tmp_path):
-    rng = np.random.default_rng(5)
+    rng = seeded_rng(5)
     tensors = {"w": rng.standard_normal((5, 7)).astype(np.float32) * 100,
                "v": rng.standard_normal((1, 1, 9)).astype(np.float32),
                "scalar": np.array(-3.25, np.float32), "empty": np.zeros((0, 4), np.float32),
@@ -232,7 +234,7 @@ def _torch():
 
 def test_torch_loads_our_files(tmp_path):
     torch = _torch()
-    rng = np.random.default_rng(9)
+    rng = seeded_rng(9)
     tensors = {"w": rng.standard_normal((6, 5)).astype(np.float32), "s": np.array(0.1, np.float32),
                "big": rng.standard_normal((70, 1000)).astype(np.float32)}
     for dtype, tdtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):

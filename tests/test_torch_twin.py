@@ -12,6 +12,7 @@ import torch_twin  # noqa: E402  (needs torch)
 from rwkvx import Config  # noqa: E402
 from rwkvx.config import DECAY_SCALE  # noqa: E402
 from rwkvx.oracle import Oracle, rel_err, wkv7_backward, wkv7_forward  # noqa: E402
+from seeding import seeded_rng  # noqa: E402
 
 CASES = {
     "hybrid": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
@@ -25,7 +26,7 @@ CASES = {
 def _case(name, params_factory, seed):
     kwargs, B, T = CASES[name]
     cfg = Config(**kwargs)
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng(seed)
     tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
     targets[rng.random((B, T)) < 0.2] = -100
     return cfg, params_factory(cfg, seed), tokens, targets

@@ -8,6 +8,8 @@ from rwkvx.optim import AdamW, Schedule
 from rwkvx.train import (CPUBackend, Trainer, forward_padded, gpu_unavailable_reason, pad_batch,
                          resolve_device)
 
+from seeding import seeded_rng
+
 # A small RWKV-X: two RWKV blocks and one MoBA block (chunk 16, top-2 of 4 blocks per query).
 CFG = Config(vocab_size=256, n_embd=32, n_rwkv_layer=2, n_attn_layer=1, head_size=16,
              moba_chunk_size=16, moba_top_k=2)
@@ -46,7 +48,7 @@ def test_step_matches_oracle_plus_adamw():
     params = init_params(CFG, 3)
     trainer = Trainer(CFG, params, backend="cpu", batch_size=2, seq_len=32, lr=1e-3,
                       lr_min=1e-4, warmup=2, total_steps=4, weight_decay=0.1, grad_clip=0.5)
-    rng = np.random.default_rng(0)
+    rng = seeded_rng(0)
     ref = {n: p.copy() for n, p in params.items()}
     opt = AdamW(ref, Schedule(1e-3, 1e-4, 2, 4), weight_decay=0.1, grad_clip=0.5)
     for _ in range(3):
@@ -136,7 +138,7 @@ def test_bad_inputs():
 def test_evaluate_does_not_change_parameters():
     trainer = _trainer()
     before = trainer.params
-    x = np.random.default_rng(0).integers(0, 256, (B, T))
+    x = seeded_rng(0).integers(0, 256, (B, T))
     l1 = trainer.evaluate(x, x)
     l2 = trainer.evaluate(x, x)
     assert l1 == l2
@@ -145,7 +147,7 @@ def test_evaluate_does_not_change_parameters():
 
 
 def test_float64_cpu_backend_agrees_with_float32():
-    x = np.random.default_rng(1).integers(0, 256, (2, 32))
+    x = seeded_rng(1).integers(0, 256, (2, 32))
     t32 = Trainer(CFG, init_params(CFG, 0), backend="cpu", batch_size=2, seq_len=32)
     t64 = Trainer(CFG, init_params(CFG, 0), backend="cpu", batch_size=2, seq_len=32,
                   cpu_dtype=np.float64)
@@ -168,7 +170,7 @@ def test_evaluate_equals_oracle_loss():
 
     params = init_params(CFG, 2)
     trainer = Trainer(CFG, params, backend="cpu", batch_size=2, seq_len=32)
-    rng = np.random.default_rng(4)
+    rng = seeded_rng(4)
     x = rng.integers(0, 256, (2, 32))
     y = rng.integers(0, 256, (2, 32))
     y[0, :5] = -100

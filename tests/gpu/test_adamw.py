@@ -1,5 +1,6 @@
 """GPU tests of rwkvx/cu/adamw/adamw.cu through rwkvx.cu.adamw: the fused, graph-replayable AdamW, against its
-one reference, the numpy rwkvx.optim.AdamW (same formulas, same float32 operation order).
+twin rwkvx.oracle.adamw (same formulas, same float32 operation order), as the CPU optimizer rwkvx.optim.AdamW
+runs it.
 
 Several steps with fresh random gradients: warm-up, cosine, lr_min after total_steps, weight decay only on
 2-D *.weight tensors, 2x lr for att.w0, global-norm clipping (active, inactive, off), tensors split across
@@ -15,6 +16,8 @@ import pytest
 from harness import KernelCase, check
 from rwkvx import optim
 from rwkvx.cu import adamw as aw
+
+from seeding import seeded_rng
 
 TOL = 1e-5          # parameters (and their change), m, v after several steps
 NSTEPS = 7
@@ -72,7 +75,7 @@ CONFIGS = [(4, 1024, 1.0, True), (4, 8192, 1.0, False), (1, 1024, 0.5, True), (1
 @pytest.mark.parametrize("align,chunk,clip,big", CONFIGS)
 def test_adamw_steps(dev, align, chunk, clip, big):
     from rwkvx._core import Plan
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     schedule = optim.Schedule(lr_max=0.05, lr_min=0.005, warmup=3, total_steps=6)
     case, segs, n, b, ops, twin = setup(dev, rng, align, chunk, schedule, clip, 0.1)
     plan = Plan(dev, ops)
@@ -108,12 +111,12 @@ def test_adamw_graph_replay_equals_eager(dev):
     """Five steps eagerly and five as replays of one captured graph give the same bits."""
     from rwkvx._core import Plan
     from rwkvx.runtime import Graph
-    grads = [grads_for(np.random.default_rng(s), True) for s in range(5)]
-    seed = int(np.random.default_rng().integers(1 << 30))
+    grads = [grads_for(seeded_rng(s), True) for s in range(5)]
+    seed = int(seeded_rng().integers(1 << 30))
     results = []
     for use_graph in (False, True):
         schedule = optim.Schedule(lr_max=0.02, lr_min=0.001, warmup=2, total_steps=5)
-        case, segs, n, b, ops, _ = setup(dev, np.random.default_rng(seed), 4, 512, schedule, 0.7, 0.05)
+        case, segs, n, b, ops, _ = setup(dev, seeded_rng(seed), 4, 512, schedule, 0.7, 0.05)
         plan = Plan(dev, ops)
         case.run(plan=plan)               # uploads the initial state (and checks one step twice)
         case.reset()

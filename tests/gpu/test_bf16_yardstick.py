@@ -33,6 +33,7 @@ from rwkvx import Config  # noqa: E402
 from rwkvx.atomic_io import atomic_write  # noqa: E402
 from rwkvx.model import Model  # noqa: E402
 from rwkvx.oracle import Oracle, rel_err  # noqa: E402
+from seeding import seeded_rng  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason=f"PyTorch {torch.__version__} sees no CUDA device")
@@ -53,7 +54,7 @@ CASES = [pytest.param(kind, N, T, seed, id=f"{kind}-N{N}-T{T}-seed{seed}")
 def _inputs(kind, N, T, seed, params_factory):
     cfg = Config(**SIZES, **KINDS[kind], head_size=N)
     B = BATCH[T]
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng(seed)
     tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
     targets[rng.random((B, T)) < 0.2] = -100          # ignore_index
     return cfg, params_factory(cfg, seed), tokens, targets
@@ -112,7 +113,7 @@ def test_float64_twin_on_the_gpu_matches_the_oracle(kind, random_params):
     float64 oracle: a short batch, so that the oracle is quick, of 4 MoBA blocks, so that the gate chooses."""
     cfg = Config(**SIZES, **KINDS[kind], head_size=64)
     params = random_params(cfg, 0)
-    rng = np.random.default_rng(0)
+    rng = seeded_rng(0)
     tokens, targets = rng.integers(0, cfg.vocab_size, (2, 2, 256))
     twin = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64", "cuda")
     torch_twin.assert_matches(twin, *Oracle(cfg, params).loss_and_grads(tokens, targets))

@@ -11,6 +11,8 @@ from rwkvx.oracle import (channel_mix_shift_backward, channel_mix_shift_forward,
                           relu_sq_forward)
 from rwkvx.cu import channelmix as cm
 
+from seeding import seeded_rng
+
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4
 
@@ -22,7 +24,7 @@ CASES = [(2, 37, 768, None), (3, 50, 768, 7), (1, 1, 64, None), (5, 1, 8, 3), (2
 @pytest.mark.parametrize("B,T,C,rpt", CASES)
 def test_shift_mix(case, dev, B, T, C, rpt):
     R = B * T
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     px, pm = case.input("x", rng.standard_normal((R, C))), case.input("mix", rng.uniform(0, 1, C), "f32")
     po = case.output("xk", (R, C))
     out = case.run(cm.shift_mix(px, pm, po, R, T, C, dev.info))
@@ -34,7 +36,7 @@ def test_shift_mix(case, dev, B, T, C, rpt):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_mix_backward(case, dev, B, T, C, rpt, accumulate):
     R = B * T
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     px, pm = case.input("x", rng.standard_normal((R, C))), case.input("mix", rng.uniform(0, 1, C), "f32")
     pdxk = case.input("dxk", rng.standard_normal((R, C)))
     if accumulate:
@@ -52,7 +54,7 @@ def test_mix_backward(case, dev, B, T, C, rpt, accumulate):
 
 @pytest.mark.parametrize("n", [4 * 1000, 3 * 1001, 1, 32768 * 3])
 def test_relu_sq(case, dev, n):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     ph, pdk = case.input("h", 2 * rng.standard_normal(n)), case.input("dk", rng.standard_normal(n))
     pk, pdh, pdh_k = case.output("k", n), case.output("dh", n), case.output("dh_from_k", n)
     # dh from h, k = relu(h)^2, then dh again from k (the model's in-place form, after k overwrote h)
@@ -68,7 +70,7 @@ def test_relu_sq(case, dev, n):
 
 def test_relu_sq_in_place(case, dev):
     n = 4096
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     ph = case.inout("h", 2 * rng.standard_normal(n))
     out = case.run(cm.relu_sq(ph, ph, n, dev.info))
     check("k", out["h"], relu_sq_forward(case.seen["h"]), tolerance(case.xtype, FWD_TOL))
@@ -77,7 +79,7 @@ def test_relu_sq_in_place(case, dev):
 def test_relu_sq_unaligned(case, dev):
     """Pointers off the vector alignment take the scalar path."""
     n = 1000
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     ph, pk = case.input("h", rng.standard_normal(n + 1)), case.output("k", n + 3)
     out = case.run(cm.relu_sq(ph.offset(1), pk.offset(2), n, dev.info))
     check("k", out["k"][2:2 + n], relu_sq_forward(case.seen["h"][1:]), tolerance(case.xtype, FWD_TOL))

@@ -16,6 +16,8 @@ from rwkvx.oracle import Oracle, decode_moba, decode_shift, decode_wkv7, moba_bl
 from rwkvx.cu import decode as D
 from rwkvx.runtime.dtypes import round_to
 
+from seeding import seeded_rng
+
 FWD_TOL = 1e-5
 
 
@@ -23,7 +25,7 @@ FWD_TOL = 1e-5
 
 @pytest.mark.parametrize("B, C, nmix", [(1, 64, 6), (3, 256, 6), (2, 768, 1), (1, 4, 1)])
 def test_dec_shift(case, dev, B, C, nmix):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = case.input("x", rng.standard_normal((B, C)))
     prev = case.inout("prev", rng.standard_normal((B, C)))
     mixes = [case.input(f"m{j}", rng.uniform(size=C), "f32") for j in range(nmix)]
@@ -38,7 +40,7 @@ def test_dec_shift(case, dev, B, C, nmix):
 
 @pytest.mark.parametrize("B, H, N", [(1, 12, 64), (2, 3, 16), (3, 2, 128), (2, 4, 4), (1, 2, 32), (2, 2, 8)])
 def test_dec_wkv7(case, dev, B, H, N):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     sig = lambda z: 1.0 / (1.0 + np.exp(-z))     # noqa: E731
     shp = (B, H, N)
     kk = rng.standard_normal(shp)
@@ -75,7 +77,7 @@ def _clear_gaps(q, kmean, t, chunk, top_k, margin=1e-4):
 def test_dec_moba(dev, xtype, B, H, N, chunk, top_k, positions):
     Tmax = positions[-1] + 1 + chunk
     for t in positions:
-        rng = np.random.default_rng()
+        rng = seeded_rng()
         for _ in range(20):       # draw until no near-tie of the fp32 gate at the selection edge
             cache = rng.standard_normal((2, B, Tmax, H, N))
             cache[:, :, t:] = np.nan                          # positions >= t: not written yet, never read
@@ -148,7 +150,7 @@ def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision
     from rwkvx.model import Model
     kwargs, B, T, P = DECODE[name]
     cfg = Config(**kwargs)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     seed = int(rng.integers(1 << 31))
     params = training_like(cfg, seed)
     tokens = clear_tokens(cfg, params, B, T, rng, NEAR_TIE[precision])
@@ -179,7 +181,7 @@ def test_decoder_prefill_again_starts_over(dev, training_like):
     kwargs, B, T, P = DECODE["moba"]
     cfg = Config(**kwargs)
     params = training_like(cfg, 1)
-    rng = np.random.default_rng(1)
+    rng = seeded_rng(1)
     a, b = rng.integers(0, cfg.vocab_size, (2, B, P + 3))
     decoder = Decoder(Model(cfg, params, B, P), P + 3)
     try:
@@ -200,7 +202,7 @@ def test_greedy_generate_on_gpu_is_the_argmax_of_forward_reruns(dev, training_li
     kwargs, _, _, _ = DECODE["moba"]
     cfg = Config(**kwargs)
     params = training_like(cfg, 2)
-    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 9))
+    prompt = seeded_rng(2).integers(0, cfg.vocab_size, (1, 9))
     n = 24
     model = Model(cfg, params, 1, prompt.shape[1] + n)
     new = rwkvx.generate(model, prompt, n, temperature=0)             # copies the weights (other shape)

@@ -14,6 +14,8 @@ from rwkvx.oracle import embedding_backward, embedding_forward
 from rwkvx.cu import embedding as emb
 from rwkvx.runtime.dtypes import round_to
 
+from seeding import seeded_rng
+
 BWD_TOL = 1e-4
 
 # (B, T, V, C, token distribution)
@@ -43,7 +45,7 @@ def _upload_sort(case, tok):
 
 @pytest.mark.parametrize("B,T,V,C,kind", CASES)
 def test_embedding_forward_backward(case, dev, B, T, V, C, kind):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     R = B * T
     tok = tokens_for(B, T, V, kind, rng).reshape(-1)
     ptok = case.input("tok", tok, "i32")
@@ -69,7 +71,7 @@ def test_embedding_backward_new_tokens_same_plan(case, dev):
     from rwkvx._core import Plan
     B, T, V, C = 2, 128, 500, 256
     R = B * T
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     ptok, pdx = case.input("tok", np.zeros(R), "i32"), case.input("dx", np.zeros((R, C)))
     pord, pseg, pn = _upload_sort(case, np.zeros(R))
     pdemb = case.output("demb", (V, C), "f32")

@@ -19,6 +19,8 @@ from rwkvx.oracle import (moba_attention_backward, moba_attention_forward, moba_
                           moba_select)
 from rwkvx.cu import moba
 
+from seeding import seeded_rng
+
 FWD_TOL = 1e-5
 BWD_TOL = 1e-4
 GAP = {"f32": 1e-4, "bf16": 1e-4}   # the gate is fp32 over the (rounded) q and block means in both
@@ -78,7 +80,7 @@ def run_case(case, dev, B, T, H, N, chunk, top_k, concentrated, method="exact"):
     shape = (B, T, H, N)
     q, k, v, do = (case.input(n, a) for n, a in zip(("q", "k", "v", "do"),
                                                     make_inputs(B, T, H, N, chunk, concentrated,
-                                                                np.random.default_rng())))
+                                                                seeded_rng())))
     o, dq, dk, dv = (case.output(n, shape) for n in ("o", "dq", "dk", "dv"))
     scratch = {}
     for name, (count, elem) in moba.scratch_sizes(B, T, H, N, chunk, top_k).items():

@@ -4,7 +4,8 @@ docs/SPEC.md §4 tolerances: fp32, any parameters: loss <= 1e-5, logits and ever
 per tensor). Reduced precisions on a training-like model (init_params with its zero matrices filled with
 N(0, 0.02^2)): every gradient (and the logits) tf32 <= 3e-2, bf16 <= 1e-1; loss tf32 <= 1e-4, bf16 <= 1e-3.
 Random-parameter models in tf32 are also held to 5e-3 (the kernels' own tf32 limit).
-Fresh random parameters and inputs every run; the device outputs are poisoned before every check.
+Fresh random parameters and inputs every run (the seeds are in a failure's report), except the tf32
+random-parameter cases, which run over fixed seeds; the device outputs are poisoned before every check.
 """
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from rwkvx import Config
 from rwkvx.model import Model
 from rwkvx.oracle import Oracle, rel_err
+
+from seeding import seeded_rng
 
 # A MoBA gate margin below which the GPU may legitimately pick another block: docs/SPEC.md §4's 1e-4 for fp32
 # gates; with tf32 projections q and k themselves carry ~1e-3 relative error (10-bit mantissa), so
@@ -44,19 +47,32 @@ TOLERANCES = {"fp32": (1e-5, 1e-4), "tf32": (5e-3, 5e-3)}
 TRAINING_LIKE_TOLERANCES = {"tf32": (1e-4, 3e-2), "bf16": (1e-3, 1e-1)}   # (loss, logits and gradients)
 
 
-# Known miss (2026-12-02, H200): with tf32 GEMMs a few gradients of these random-parameter models land
-# at 5.2e-3 to 5.7e-3 on some seeds, just over docs/SPEC.md §4's 5e-3; other seeds pass. Open, not hidden:
-# the cases still run and report, and pass when they do.
-_TF32_MISS = pytest.mark.xfail(reason="tf32 gradients exceed docs/SPEC.md's 5e-3 on some seeds (worst 5.7e-3)",
-                               strict=False)
+# test_model_matches_oracle in tf32 runs these cases over fixed seeds, so that a miss can be replayed.
+TF32_CASES = ("sparse_hybrid", "C256_N64")
+TF32_SEEDS = range(8)
+# The (case, seed) pairs of those whose worst tf32 gradient is over docs/SPEC.md's 5e-3, each with the error
+# measured; each is a strict xfail, so it must keep failing, and every other pair must pass.
+TF32_OVER_LIMIT: dict[tuple[str, int], str] = {}
 
 
-@pytest.mark.parametrize("name, precision", [(c, "fp32") for c in CASES]
-                         + [pytest.param(c, "tf32", marks=_TF32_MISS) for c in ("sparse_hybrid", "C256_N64")])
-def test_model_matches_oracle(name, precision, random_params, record_property):
+def _parity_params():
+    """The parameters of test_model_matches_oracle: every case in fp32 with fresh seeds, the tf32 cases
+    over TF32_SEEDS (seed None: fresh)."""
+    out = [pytest.param(c, "fp32", None, id=f"{c}-fp32") for c in CASES]
+    for c in TF32_CASES:
+        for seed in TF32_SEEDS:
+            reason = TF32_OVER_LIMIT.get((c, seed))
+            marks = [pytest.mark.xfail(reason=f"tf32 gradient over 5e-3: {reason}", strict=True)] if reason \
+                else []
+            out.append(pytest.param(c, "tf32", seed, marks=marks, id=f"{c}-tf32-seed{seed}"))
+    return out
+
+
+@pytest.mark.parametrize("name, precision, seed", _parity_params())
+def test_model_matches_oracle(name, precision, seed, random_params, record_property):
     kwargs, B, T = CASES[name]
     cfg = Config(**kwargs)
-    rng = np.random.default_rng()
+    rng = seeded_rng(seed)
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
     _check_against_oracle(cfg, params, B, T, precision, *TOLERANCES[precision], rng, record_property,
                           ignore_some=name in ("batch_3", "odd_T", "rwkv_only"))
@@ -67,7 +83,7 @@ def test_model_matches_oracle(name, precision, random_params, record_property):
 def test_reduced_precision_matches_oracle(name, precision, training_like, record_property):
     kwargs, B, T = CASES[name]
     cfg = Config(**kwargs)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     params = training_like(cfg, int(rng.integers(1 << 31)))
     _check_against_oracle(cfg, params, B, T, precision, *TRAINING_LIKE_TOLERANCES[precision], rng,
                           record_property, ignore_some=True)
@@ -122,7 +138,7 @@ def test_head_in_row_chunks_matches_oracle(name, random_params, record_property)
     the logits read back chunk by chunk still meet the fp32 limits."""
     kwargs, B, T = CASES[name]
     cfg = Config(**kwargs)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
     _check_against_oracle(cfg, params, B, T, "fp32", *TOLERANCES["fp32"], rng, record_property, ignore_some=True,
                           head_chunk_bytes=64 * cfg.vocab_size * 4)
@@ -135,7 +151,7 @@ def test_no_recompute_is_bit_identical(name, precision, random_params):
     arithmetic, so the same loss and gradients bit for bit."""
     kwargs, B, T = CASES[name]
     cfg = Config(**kwargs)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
     tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
     results = []

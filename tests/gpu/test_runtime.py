@@ -15,6 +15,8 @@ from rwkvx.runtime import (Copy, CopyDtoH, CopyHtoD, CudaError, Graph, Launch, M
                            gemm as G)
 from rwkvx.runtime.dtypes import round_to, to_storage
 
+from seeding import seeded_rng
+
 MOD = "rwkvx_test_runtime"
 SRC = r'''
 extern "C" __global__ void rt_axpy(float* y, const float* x, float a, int n) {
@@ -86,7 +88,7 @@ def test_memory_accounting(d):
 
 
 def test_upload_download_roundtrip(d):
-    x = np.random.default_rng(0).normal(size=(33, 7)).astype(np.float32)
+    x = seeded_rng(0).normal(size=(33, 7)).astype(np.float32)
     buf = d.to_device(x)
     np.testing.assert_array_equal(d.download(buf, x.shape, np.float32), x)
 
@@ -94,7 +96,7 @@ def test_upload_download_roundtrip(d):
 # ------------------------------------------------------------------------------------------ launches
 def test_kernel_through_plan(d):
     n = 1000
-    rng = np.random.default_rng(1)
+    rng = seeded_rng(1)
     x, y = rng.normal(size=n).astype(np.float32), rng.normal(size=n).astype(np.float32)
     bx, by = d.to_device(x), d.to_device(y)
     plan = plan_of(d, [axpy(by, bx, 2.0, n)])
@@ -161,7 +163,7 @@ def test_missing_kernel_is_named(d):
 # ------------------------------------------------------------------------------------------ memset / copies
 def test_memset_and_copies(d):
     n = 4099
-    a = np.random.default_rng(2).normal(size=n).astype(np.float32)
+    a = seeded_rng(2).normal(size=n).astype(np.float32)
     src, dst = d.to_device(a), d.to_device(np.full(n, np.nan, np.float32))
     z = d.to_device(np.full(n, np.nan, np.float32))
     plan_of(d, [Copy(dst, src, 4 * n), Memset(z, 4 * n), Memset(z, 0), Copy(z, src, 0)]).run()
@@ -213,7 +215,7 @@ def _gemm_case(d, helper, rows, n_in, n_out, beta, rng, precision=G.FP32):
 @pytest.mark.parametrize("precision,tol", [("fp32", 1e-6), ("tf32", 5e-3), ("bf16", 1e-5)])
 def test_gemm_vs_numpy(d, helper, shape, precision, tol):
     """fp32, tf32 and bf16 operands with fp32 accumulation (bf16: against float64 on the rounded operands)."""
-    rng = np.random.default_rng(zlib.crc32(f"{helper}{shape}".encode()))
+    rng = seeded_rng(zlib.crc32(f"{helper}{shape}".encode()))
     beta = 0.5 if helper in ("linear_dx", "matmul_dw") else 0.0
     op, bufs, out_shape, ref = _gemm_case(d, helper, *shape, beta, rng, G.PRESETS[precision])
     plan_of(d, [op]).run()
@@ -226,7 +228,7 @@ def test_gemm_vs_numpy(d, helper, shape, precision, tol):
 
 def test_fp32_is_not_tf32(d):
     """Strict fp32 must be clearly more accurate than TF32 on the same large-k product."""
-    rng = np.random.default_rng(5)
+    rng = seeded_rng(5)
     errs = {}
     for precision in ("fp32", "tf32"):
         op, bufs, shape, ref = _gemm_case(d, "linear", 256, 512, 256, 0.0, rng, G.PRESETS[precision])
@@ -250,7 +252,7 @@ def _step_ops(d, rng, n=4096, rows=64, n_in=128, n_out=96):
 
 
 def test_graph_replay_equals_eager(d):
-    ops, keep, (y, n, out, m) = _step_ops(d, np.random.default_rng(3))
+    ops, keep, (y, n, out, m) = _step_ops(d, seeded_rng(3))
     plan = plan_of(d, ops)
     plan.run()                        # eager (also warms modules and cuBLAS)
     d.synchronize()

@@ -12,6 +12,8 @@ from rwkvx import oracle as O
 from rwkvx.cu import reduce as rd
 from rwkvx.cu import timemix as tm
 
+from seeding import seeded_rng
+
 B, T = 2, 37
 R = B * T
 FWD_TOL = 1e-5
@@ -26,7 +28,7 @@ RPTS = [None, 5]          # default row tiles, and 5 rows per tile (not a multip
 
 @pytest.fixture
 def rng():
-    return np.random.default_rng()
+    return seeded_rng()
 
 
 def rand(rng, shape, scale=1.0, offset=0.0):

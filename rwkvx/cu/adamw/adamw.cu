@@ -120,7 +120,7 @@ struct AdamwK {
 
 static __device__ __forceinline__ void adamw_elem(float& p, float g, float& m, float& v, const AdamwK& k)
 {
-    // the formulas of rwkvx/optim.py, same float32 operation order (FMA contraction aside)
+    // the formulas of the twin oracle/adamw.py, same float32 operation order (FMA contraction aside)
     g = g * k.gs;
     p = p * k.decay;
     m = m * k.b1 + k.omb1 * g;

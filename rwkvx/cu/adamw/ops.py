@@ -1,8 +1,9 @@
 """Launch builders for rwkvx/cu/adamw/adamw.cu: fused AdamW over every parameter in one flat float32 buffer,
 replayable in a CUDA graph (the step count, learning rate and clip factor live in device memory).
 
-The formulas are those of :mod:`rwkvx.optim` (its module docstring is the shared contract; the numpy
-``AdamW`` there is the CPU twin). Restated, for step t = 1, 2, ... (t = number of the update being made)::
+The formulas are those of the twin :mod:`rwkvx.oracle.adamw` (its module docstring is the shared contract;
+the CPU optimizer ``rwkvx.optim.AdamW`` runs it). Restated, for step t = 1, 2, ... (t = number of the update
+being made)::
 
     lr(t) = lr_max * t / warmup                                      if t < warmup
           = lr_max                                                   elif total_steps is None
@@ -52,7 +53,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from rwkvx.optim import BETAS, CLIP_EPS, EPS, lr_multiplier, uses_weight_decay
+from rwkvx.oracle.adamw import BETAS, CLIP_EPS, EPS, lr_multiplier, uses_weight_decay
 from rwkvx.runtime.kernel import DOUBLE, F32_IN, F32_OUT, F64_IN, F64_OUT, I32_IN, INT, X_OUT, KernelFile
 
 THREADS = 256            # threads of the per-chunk kernels

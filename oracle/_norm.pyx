@@ -1,10 +1,11 @@
 # cython: language_level=3, boundscheck=True, wraparound=True, annotation_typing=False
 # Python-level code keeps normal indexing; the loop kernels opt out of the checks one by one.
-"""Twin of rwkvx/cu/layernorm/layernorm.cu: LayerNorm, and the GroupNorm that RWKV's ln_x is (one group per head).
+"""The normalisation loops of the oracle: a GroupNorm over the last axis, in double, forward and backward.
 
-Each group of n = C / groups channels of a row is normalised, then scaled and shifted per channel;
-LayerNorm is the one-group case. The variance is the biased (population) one, eps inside the square
-root, as torch.nn.LayerNorm. The loops run in double (see _common for the float64 convention).
+LayerNorm (oracle/layernorm.py) is its one-group case and the time mix's ln_x (oracle/timemix.py) its
+one-group-per-head case. Each group of n = C / groups channels of a row is normalised, then scaled and
+shifted per channel; the variance is the biased (population) one, eps inside the square root, as
+torch.nn.LayerNorm. Inputs and outputs are float64 (the twins' float64_op converts).
 """
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ cimport cython
 import numpy as np
 
 from libc.math cimport sqrt
-
-from ._common import LN_EPS, float64_op
 
 
 @cython.boundscheck(False)
@@ -97,8 +96,10 @@ def _rows(x: np.ndarray, w: np.ndarray, groups: int) -> tuple[np.ndarray, np.nda
     return x.reshape(-1, C), np.ascontiguousarray(w.reshape(C))
 
 
-def _forward(x, w, b, groups, eps):
-    """(y [..., C], mean [R, groups], rstd [R, groups]) of a float64 GroupNorm."""
+def norm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, groups: int,
+                 eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(y [..., C], mean [R, groups], rstd [R, groups]) of the GroupNorm of float64 x [..., C] with
+    float64 w, b [C]; rstd = 1 / sqrt(var + eps)."""
     x2, w = _rows(x, w, groups)
     y = np.empty_like(x2)
     mean = np.empty((x2.shape[0], groups))
@@ -107,38 +108,13 @@ def _forward(x, w, b, groups, eps):
     return y.reshape(x.shape), mean, rstd
 
 
-@float64_op
-def group_norm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, groups: int,
-                       eps: float) -> np.ndarray:
-    """y = GroupNorm(x) over the last axis split into ``groups`` groups; x [..., C], w, b [C]."""
-    return _forward(x, w, b, groups, eps)[0]
-
-
-@float64_op
-def group_norm_backward(x: np.ndarray, w: np.ndarray, dy: np.ndarray, groups: int,
-                        eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Gradients (dx [..., C], dw [C], db [C]) of :func:`group_norm_forward` for output gradient dy;
-    the bias is not needed, the statistics are recomputed from x."""
+def norm_backward(x: np.ndarray, w: np.ndarray, dy: np.ndarray, groups: int,
+                  eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dx [..., C], dw [C], db [C]) of :func:`norm_forward` for the float64 output gradient dy; the
+    statistics are recomputed from x."""
     x2, w = _rows(x, w, groups)
     dx = np.empty_like(x2)
     dw = np.empty(x2.shape[1])
     db = np.empty(x2.shape[1])
     _group_norm_bwd(x2, w, dy.reshape(x2.shape), groups, eps, dx, dw, db)
     return dx.reshape(x.shape), dw, db
-
-
-@float64_op
-def layernorm_forward(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = LN_EPS,
-                      return_stats: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
-    """LayerNorm over the last axis of x [..., C] (typically [R, C]); w, b [C].
-
-    Returns y, or with ``return_stats`` (y, mean [R], rstd [R]): what the GPU forward saves for its
-    backward, rstd = 1 / sqrt(var + eps)."""
-    y, mean, rstd = _forward(x, w, b, 1, eps)
-    return (y, mean[:, 0], rstd[:, 0]) if return_stats else y
-
-
-def layernorm_backward(x: np.ndarray, w: np.ndarray, dy: np.ndarray,
-                       eps: float = LN_EPS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dx, dw, db) of :func:`layernorm_forward`; the bias is not needed."""
-    return group_norm_backward(x, w, dy, 1, eps)

@@ -1,4 +1,3 @@
-# cython: language_level=3, boundscheck=True, wraparound=True, annotation_typing=False
 """The oracle model: RWKV-X forward and hand-written backward on the CPU (docs/SPEC.md §2.3).
 
 Readable reference, not a fast path. The model is the op twins of the GPU kernel families (one
