@@ -50,7 +50,7 @@ def tiny():
     cfg = Config(**preset["model"])
     oracle = Oracle(cfg, init_params(cfg, 0), dtype=np.float32)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, PROMPT + 64))
-    return oracle, tokens, preset["train"]["seq_len"]
+    return oracle, tokens, preset["train"].seq_len
 
 
 def test_cpu_stateful(benchmark, tiny):
@@ -127,7 +127,7 @@ def test_gpu_stateful(benchmark, dev, base_params, precision):
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
 def test_gpu_window_rerun(benchmark, dev, base_params, precision):
-    from rwkvx.train import forward_padded
+    from rwkvx.training.trainer import forward_padded
     cfg, params, tokens = base_params
     model = _model(dev, cfg, params, PROMPT, precision)
     steps = iter(range(PROMPT, PROMPT + 64))

@@ -54,3 +54,15 @@ def atomic_write(path: str | os.PathLike, write: Any) -> None:
     """Call ``write(fileobj)`` on a temporary file beside ``path``, fsync it, then rename it over ``path``."""
     with atomic_files(path) as (f,):
         write(f)
+
+
+def cannot_write(path: str | os.PathLike) -> str | None:
+    """Why ``path`` (a file or a directory, existing or not) cannot be written by this process, or None:
+    its nearest existing ancestor must be a directory this process may create files in."""
+    p = Path(path).absolute()
+    existing = next(a for a in (p.parent, *p.parent.parents) if a.exists())
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"permission denied in {existing}"
+    return None

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .validate import FieldError, require_int
+
 # Numerical constants of the model (docs/SPEC.md §2.3), shared by the oracle and the kernels (as NVRTC defines).
 LN_EPS = 1e-5                    # every LayerNorm
 GN_EPS = 64e-5                   # ln_x GroupNorm, for every head size
@@ -21,10 +23,7 @@ def _lora_rank(factor: float, n_embd: int) -> int:
 
 
 def _require_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Config.{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"Config.{name} must be >= {minimum}, got {value}")
+    require_int("Config", name, value, minimum)
 
 
 @dataclass(frozen=True)
@@ -54,13 +53,13 @@ class Config:
         _require_int("n_embd", self.n_embd, 1)
         _require_int("head_size", self.head_size, 1)
         if self.n_embd % self.head_size:
-            raise ValueError(
-                f"Config.head_size={self.head_size} must divide n_embd={self.n_embd}")
+            raise FieldError("Config", "{head_size} must divide {n_embd}", head_size=self.head_size,
+                             n_embd=self.n_embd)
         _require_int("n_rwkv_layer", self.n_rwkv_layer, 1)
         _require_int("n_attn_layer", self.n_attn_layer, 0)
         if self.n_attn_layer > self.n_rwkv_layer:
-            raise ValueError(
-                f"Config.n_attn_layer={self.n_attn_layer} must be <= n_rwkv_layer={self.n_rwkv_layer}")
+            raise FieldError("Config", "{n_attn_layer} must be <= {n_rwkv_layer}",
+                             n_attn_layer=self.n_attn_layer, n_rwkv_layer=self.n_rwkv_layer)
         _require_int("moba_chunk_size", self.moba_chunk_size, 1)
         _require_int("moba_top_k", self.moba_top_k, 1)
         if not isinstance(self.ln0, bool):

@@ -134,7 +134,7 @@ def open_session(source: Any, batch: int, prompt_len: int, max_len: int) -> Sess
     """The session of ``source`` (Trainer, Model or Oracle) for ``batch`` sequences whose prompt has
     ``prompt_len`` tokens and that grow to at most ``max_len`` tokens fed to the model."""
     from .oracle import Oracle
-    from .train import CPUBackend, GPUBackend, Trainer
+    from .training.trainer import CPUBackend, GPUBackend, Trainer
 
     if isinstance(source, Trainer):
         source = source.backend

@@ -1,7 +1,7 @@
 """Named model + training presets for ``python -m rwkvx train --preset NAME``.
 
-Each preset is a model (keyword arguments of :class:`rwkvx.Config`) and training defaults; command
-line flags override single fields. ``tiny`` is the default: byte-level (V = 256), small enough that
+Each preset is a model (keyword arguments of :class:`rwkvx.Config`) and changes to the training
+defaults of :class:`rwkvx.training.TrainConfig`; command line flags override single fields. ``tiny`` is the default: byte-level (V = 256), small enough that
 ``python -m rwkvx train`` with no arguments finishes in under 3 minutes on a 2-core CPU with the
 oracle, and still learns (the loss ends well below the corpus's unigram byte entropy).
 """
@@ -10,12 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-# Training defaults shared by every preset unless it overrides them.
-_TRAIN_DEFAULTS: dict[str, Any] = {
-    "batch_size": 8, "seq_len": 128, "steps": 1000, "lr": 1e-3, "lr_min": 1e-4, "warmup": 50,
-    "weight_decay": 0.0, "grad_clip": 1.0, "eval_every": 100, "eval_batches": 4, "ckpt_every": 500,
-    "val_fraction": 0.05,
-}
+from .training.config import TrainConfig
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The no-argument default (corpus: rwkvx/data/README.md). The GPU path runs the same model;
@@ -26,8 +21,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         # validation loss ~1.6 nats/byte vs the corpus's unigram entropy 3.31.
         "model": {"vocab_size": 256, "n_embd": 64, "n_rwkv_layer": 2, "n_attn_layer": 1,
                   "head_size": 16, "moba_chunk_size": 32, "moba_top_k": 2},
-        "train": {"batch_size": 8, "seq_len": 128, "steps": 1000, "lr": 4e-3, "lr_min": 4e-4,
-                  "warmup": 20, "eval_every": 100, "eval_batches": 4, "ckpt_every": 250},
+        "train": {"lr": 4e-3, "lr_min": 4e-4, "warmup": 20, "ckpt_every": 250},
     },
     # The issue's "small" config (launch-bound on a GPU): V=256, C=256, L=4, M=1, B=8, T=512.
     "small": {
@@ -53,12 +47,12 @@ GPU_TRAIN: dict[str, dict[str, Any]] = {"tiny": {"batch_size": 32, "seq_len": 25
 
 
 def get_preset(name: str, device: str = "cpu") -> dict[str, Any]:
-    """``{"model": {...}, "train": {...}}`` for preset ``name`` (training defaults filled in)."""
+    """``{"model": {...}, "train": TrainConfig}``: preset ``name``'s model (keyword arguments of
+    :class:`rwkvx.Config`) and training settings on ``device`` ("cpu" or "gpu")."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    preset = copy.deepcopy(PRESETS[name])
-    train = dict(_TRAIN_DEFAULTS)
-    train.update(preset.get("train", {}))
+    preset = PRESETS[name]
+    train = TrainConfig(**preset["train"])
     if device == "gpu":
-        train.update(GPU_TRAIN.get(name, {}))
-    return {"model": preset["model"], "train": train}
+        train = train.replace(**GPU_TRAIN.get(name, {}))
+    return {"model": copy.deepcopy(preset["model"]), "train": train}

@@ -5,11 +5,37 @@ Both run these before doing any work, so a bad token or target id is reported as
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 
 # Targets equal to this are ignored by the loss: the API's default, and the value the GPU model stores
 # on the device for every ignored target whatever ignore_index the caller used.
 IGNORE_INDEX = -100
+
+
+class FieldError(ValueError):
+    """A bad setting of a settings class (``Config``, ``TrainConfig``), naming the fields at fault.
+
+    ``template`` refers to each field as ``{name}``; ``fields`` maps those names to their values.
+    ``str()`` names them ``Owner.name=value``; :meth:`render` lets a caller name them its own way
+    (the CLI names the flags the user typed)."""
+
+    def __init__(self, owner: str, template: str, **fields: Any) -> None:
+        self.owner, self.template, self.fields = owner, template, fields
+        super().__init__(self.render(lambda name, value: f"{owner}.{name}={value!r}"))
+
+    def render(self, spell: Callable[[str, Any], str]) -> str:
+        """The message with each field spelt ``spell(name, value)``."""
+        return self.template.format(**{name: spell(name, value) for name, value in self.fields.items()})
+
+
+def require_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    """``TypeError`` unless ``value`` is an int (not a bool); :class:`FieldError` when below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise FieldError(owner, f"{{{name}}} must be >= {minimum}", **{name: value})
 
 
 def _as_int_array(value, name: str) -> np.ndarray:

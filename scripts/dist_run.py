@@ -24,7 +24,7 @@ from rwkvx.dist.env import device_ordinal
 from rwkvx.dist.launch import visible_gpus
 from rwkvx.presets import get_preset
 from rwkvx.runtime.device import Device
-from rwkvx.train import Trainer
+from rwkvx.training.trainer import Trainer
 
 
 def main() -> None:
@@ -45,10 +45,10 @@ def main() -> None:
     rank, ranks = (0, 1) if world is None else (world.rank, world.world_size)
     preset = get_preset(args.preset, device="gpu")
     cfg = Config(**preset["model"])
-    B = args.batch_size or preset["train"]["batch_size"]
-    T = args.seq_len or preset["train"]["seq_len"]
+    B = args.batch_size or preset["train"].batch_size
+    T = args.seq_len or preset["train"].seq_len
     trainer = Trainer(cfg, init_params(cfg, 0), backend="gpu", batch_size=B, seq_len=T, lr=1e-3,
-                      lr_min=1e-4, warmup=2, total_steps=args.warmup + args.steps, weight_decay=0.1,
+                      lr_min=1e-4, warmup=2, steps=args.warmup + args.steps, weight_decay=0.1,
                       grad_clip=1.0, precision=args.precision, world=world)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 1 << 20).astype(np.uint16)
     sampler = BatchSampler(tokens, B, T, seed=2, rank=rank, world_size=ranks)

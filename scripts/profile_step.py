@@ -40,8 +40,8 @@ def main() -> None:
     preset = get_preset(args.preset, "gpu")
     overrides = {} if args.n_attn_layer is None else {"n_attn_layer": args.n_attn_layer}
     cfg = Config(**{**preset["model"], **overrides})
-    B = args.batch_size or preset["train"]["batch_size"]
-    T = args.seq_len or preset["train"]["seq_len"]
+    B = args.batch_size or preset["train"].batch_size
+    T = args.seq_len or preset["train"].seq_len
     model = Model(cfg, init_params(cfg, 0), B, T, precision=args.precision)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T))
     model.stage_batch(tokens, np.roll(tokens, -1, axis=1))

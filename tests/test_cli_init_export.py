@@ -129,7 +129,7 @@ def test_init_from_errors_write_nothing(tmp_path, tokens, capsys):
         (["--n-layer", "3", "--ffn-dim", "32"], "--n-layer 3 (the checkpoint has 2); --ffn-dim 32 (the "
                                                 "checkpoint has 24)"),
         (["--head-size", "8"], "--head-size 8 (the checkpoint has 4)"),
-        (["--n-attn-layer", "3"], "n_attn_layer=3 must be <= n_rwkv_layer=2"),
+        (["--n-attn-layer", "3"], "--n-attn-layer 3 must be <= --n-layer 2"),
         (["--resume", str(hybrid)], "give one"),
     ]:
         _fails(capsys, tmp_path, [*base, *extra], message)

@@ -1,4 +1,5 @@
-"""Config defaults, validation and block order (docs/SPEC.md §2.1, §2.2)."""
+"""Config defaults, validation and block order (docs/SPEC.md §2.1, §2.2); TrainConfig validation and resume."""
+import numpy as np
 import pytest
 
 from rwkvx import Config
@@ -45,3 +46,50 @@ def test_dict_round_trip():
     assert Config.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="bogus"):
         Config.from_dict({**cfg.to_dict(), "bogus": 1})
+
+
+def test_config_errors_carry_their_fields():
+    from rwkvx.validate import FieldError
+
+    with pytest.raises(FieldError) as exc:
+        Config(vocab_size=10, n_embd=60, head_size=16, n_rwkv_layer=1)
+    assert exc.value.owner == "Config" and exc.value.fields == {"head_size": 16, "n_embd": 60}
+    assert str(exc.value) == "Config.head_size=16 must divide Config.n_embd=60"
+    spelt = exc.value.render(lambda name, value: f"<{name} {value}>")
+    assert spelt == "<head_size 16> must divide <n_embd 60>"
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"batch_size": 0}, "batch_size"), ({"seq_len": 0}, "seq_len"), ({"steps": 0}, "steps"),
+    ({"lr": 0.0}, "lr"), ({"lr_min": -1.0}, "lr_min"), ({"lr": 1e-4, "lr_min": 1e-3}, "lr_min"),
+    ({"warmup": -1}, "warmup"), ({"grad_clip": float("nan")}, "grad_clip"),
+    ({"val_fraction": 1.0}, "val_fraction"), ({"schedule_steps": 0}, "schedule_steps"),
+    ({"cpu_dtype": "float16"}, "cpu_dtype"), ({"eval_batches": 0}, "eval_batches"),
+])
+def test_train_config_errors_name_the_field(changes, field):
+    from rwkvx import TrainConfig
+    from rwkvx.validate import FieldError
+
+    with pytest.raises(FieldError, match=f"TrainConfig.{field}=") as exc:
+        TrainConfig(**changes)
+    assert field in exc.value.fields
+
+
+def test_train_config_types_round_trip_and_resume():
+    from rwkvx import TrainConfig
+
+    with pytest.raises(TypeError, match="recompute"):
+        TrainConfig(recompute=1)
+    with pytest.raises(TypeError, match="colour"):
+        TrainConfig().replace(colour="blue")
+    c = TrainConfig(batch_size=np.int64(4), cpu_dtype=np.float64, precision="tf32", lr=1)
+    assert (c.batch_size, c.cpu_dtype, c.lr) == (4, "float64", 1.0) and type(c.batch_size) is int
+    assert TrainConfig.from_dict(c.to_dict()) == c
+    assert c.schedule.total_steps == c.steps
+
+    # a longer resumed run keeps the cosine's length; stretched, the cosine ends at the new steps
+    saved = TrainConfig(steps=100)
+    assert saved.resumed(steps=300).schedule.total_steps == 100
+    assert saved.resumed(True, steps=300).schedule.total_steps == 300
+    assert saved.resumed(lr=2e-3) == saved.replace(lr=2e-3)        # no new steps: nothing pinned
+    assert saved.resumed(steps=300).resumed(steps=500).schedule.total_steps == 100

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rwkvx.data import (BatchSampler, default_corpus_path, detect_format, eval_batches, load_tokens,
-                        read_binidx_index, split_train_val, unigram_entropy, write_binidx)
+                        read_binidx_index, scored_tokens, split_train_val, unigram_entropy, write_binidx)
 
 from seeding import seeded_rng
 
@@ -271,3 +271,13 @@ def test_embedded_corpus():
     data = load_tokens(None)
     assert data.format == "text" and len(data) == len(raw)
     assert unigram_entropy(data.tokens, 256) == pytest.approx(3.3058, abs=1e-4)
+
+
+@pytest.mark.parametrize("n, batch, T, batches",
+                         [(33, 2, 32, 4), (279, 2, 32, 4), (5000, 8, 64, 4), (100, 1, 10, 3)])
+def test_scored_tokens_counts_distinct_targets(n, batch, T, batches):
+    tokens = np.arange(n)
+    scored = set()
+    for _, targets in eval_batches(tokens, batch, T, batches):
+        scored.update(targets.ravel().tolist())
+    assert scored_tokens(n, batch, T, batches) == len(scored)

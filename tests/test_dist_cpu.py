@@ -18,7 +18,7 @@ from rwkvx.checkpoint import load_checkpoint
 from rwkvx.cli import main
 from rwkvx.data import BatchSampler, eval_batches
 from rwkvx.dist import World
-from rwkvx.train import Trainer
+from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_rng
 
@@ -75,7 +75,7 @@ def test_ranks_together_see_the_one_process_batches(world_size, seed):
 def test_world_size_one_is_the_plain_step():
     cfg = Config(vocab_size=64, n_embd=32, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
                  moba_chunk_size=8, moba_top_k=2)
-    kw = dict(backend="cpu", batch_size=2, seq_len=24, lr=3e-3, warmup=2, total_steps=5, grad_clip=0.5)
+    kw = dict(backend="cpu", batch_size=2, seq_len=24, lr=3e-3, warmup=2, steps=5, grad_clip=0.5)
     plain = Trainer(cfg, init_params(cfg, 1), **kw)
     single = Trainer(cfg, init_params(cfg, 1), world=World.single(), **kw)
     sampler = BatchSampler(seeded_rng(0).integers(0, 64, 4000), 2, 24, seed=3)

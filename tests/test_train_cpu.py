@@ -5,7 +5,7 @@ import pytest
 from rwkvx import Config, init_params, save_checkpoint
 from rwkvx.data import BatchSampler, eval_batches, load_tokens, split_train_val, unigram_entropy
 from rwkvx.optim import AdamW, Schedule
-from rwkvx.train import (CPUBackend, Trainer, forward_padded, gpu_unavailable_reason, pad_batch,
+from rwkvx.training.trainer import (CPUBackend, Trainer, forward_padded, gpu_unavailable_reason, pad_batch,
                          resolve_device)
 
 from seeding import seeded_rng
@@ -18,7 +18,7 @@ B, T = 8, 64
 
 def _trainer(**kw):
     args = dict(backend="cpu", batch_size=B, seq_len=T, lr=4e-3, lr_min=4e-4, warmup=5,
-                total_steps=10, weight_decay=0.01, grad_clip=1.0, seed=0)
+                steps=10, weight_decay=0.01, grad_clip=1.0, seed=0)
     args.update(kw)
     return Trainer(CFG, init_params(CFG, args["seed"]), **args)
 
@@ -28,7 +28,7 @@ def test_training_on_embedded_corpus_beats_unigram_entropy():
     train, val = split_train_val(data.tokens, T, 0.05)
     entropy = unigram_entropy(train, 256)
     steps = 80
-    trainer = _trainer(total_steps=steps, warmup=5, weight_decay=0.0)
+    trainer = _trainer(steps=steps, warmup=5, weight_decay=0.0)
     sampler = BatchSampler(train, B, T, seed=0)
     batches = eval_batches(val, B, T, max_batches=2)
     initial = np.mean([trainer.evaluate(x, y) for x, y in batches])
@@ -47,7 +47,7 @@ def test_step_matches_oracle_plus_adamw():
 
     params = init_params(CFG, 3)
     trainer = Trainer(CFG, params, backend="cpu", batch_size=2, seq_len=32, lr=1e-3,
-                      lr_min=1e-4, warmup=2, total_steps=4, weight_decay=0.1, grad_clip=0.5)
+                      lr_min=1e-4, warmup=2, steps=4, weight_decay=0.1, grad_clip=0.5)
     rng = seeded_rng(0)
     ref = {n: p.copy() for n, p in params.items()}
     opt = AdamW(ref, Schedule(1e-3, 1e-4, 2, 4), weight_decay=0.1, grad_clip=0.5)
@@ -69,11 +69,11 @@ def test_exact_resume(tmp_path):
     tokens = load_tokens(None).tokens[:200_000]
     n = 6
 
-    straight = _trainer(total_steps=n)
+    straight = _trainer(steps=n)
     sampler = BatchSampler(tokens, B, T, seed=5)
     losses = [straight.step(*sampler.next()) for _ in range(n)]
 
-    first = _trainer(total_steps=n)
+    first = _trainer(steps=n)
     sampler = BatchSampler(tokens, B, T, seed=5)
     resumed_losses = [first.step(*sampler.next()) for _ in range(n // 2)]
     path = tmp_path / "half.safetensors"
@@ -82,7 +82,7 @@ def test_exact_resume(tmp_path):
 
     second = Trainer.load(path, backend="cpu")
     assert second.step_count == n // 2 and second.meta["note"] == "half way"
-    assert second.settings() == straight.settings()
+    assert second.config == straight.config
     sampler = BatchSampler(tokens, B, T, seed=999)
     sampler.set_state(second.meta["sampler"])
     resumed_losses += [second.step(*sampler.next()) for _ in range(n - n // 2)]
@@ -102,7 +102,7 @@ def test_load_overrides_and_errors(tmp_path):
     trainer.step(np.zeros((B, T), np.int64), np.ones((B, T), np.int64))
     path = tmp_path / "c.safetensors"
     trainer.save(path, tensors={"my.extra": np.arange(3)})
-    again = Trainer.load(path, backend="cpu", total_steps=50, lr=1e-2)
+    again = Trainer.load(path, backend="cpu", schedule_steps=50, lr=1e-2)
     assert again.schedule.total_steps == 50 and again.schedule.lr_max == 1e-2
     assert again.step_count == 1
     np.testing.assert_array_equal(again.extra_tensors["my.extra"], np.arange(3))
@@ -159,7 +159,7 @@ def test_float64_cpu_backend_agrees_with_float32():
 def test_device_selection_without_gpu():
     kind, note = resolve_device("auto")
     assert kind == "cpu" and "CPU" in note and "training" in note
-    assert "sampling on the CPU" in resolve_device("auto", "sampling")[1]
+    assert "sampling runs on the CPU" in resolve_device("auto", "sampling")[1]
     assert _trainer(backend="auto").device == "cpu"
     with pytest.raises(RuntimeError, match="GPU backend cannot be used"):
         _trainer(backend="gpu")

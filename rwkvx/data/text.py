@@ -20,7 +20,9 @@ from typing import Iterator
 import numpy as np
 
 from ..tokenizer import Tokenizer
-from . import TEXT_FORMATS, BinidxWriter, _nonempty, _Utf8Check, detect_format
+from .binidx import BinidxWriter
+from .formats import TEXT_FORMATS, Utf8Check, detect_format
+from .stream import file_size
 
 CHUNK_BYTES = 1 << 22  # text read and tokenised per step
 
@@ -30,7 +32,7 @@ def _end(tokenizer: Tokenizer) -> np.ndarray:
 
 
 def _text_file(path: Path, tokenizer: Tokenizer, bar) -> Iterator[tuple[np.ndarray, bool]]:
-    check = _Utf8Check(path)
+    check = Utf8Check(path)
     carry = b""
     with open(path, "rb") as f:
         while True:
@@ -78,7 +80,7 @@ def document_tokens(path: str | os.PathLike, tokenizer: Tokenizer, progress: boo
     if fmt not in TEXT_FORMATS:
         raise ValueError(f"{p}: expected UTF-8 text (.txt, .text, .md) or .jsonl documents, got "
                          f"{fmt} data")
-    size = _nonempty(p)
+    size = file_size(p)
     return _with_progress(_text_file if fmt == "text" else _jsonl_file, p, size, tokenizer, progress)
 
 

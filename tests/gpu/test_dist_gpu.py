@@ -18,7 +18,7 @@ from rwkvx.dist.step import DistributedStep
 from rwkvx.model import Model
 from rwkvx.optim import Schedule
 from rwkvx.oracle import rel_err
-from rwkvx.train import Trainer
+from rwkvx.training.trainer import Trainer
 
 from test_train_gpu import CFG, B, T, batches   # the one-GPU training tests' model and batches
 
@@ -33,7 +33,7 @@ needs_two_gpus = pytest.mark.skipif(visible_gpus() < 2 or nccl_unavailable_reaso
 @needs_nccl
 def test_world_size_one_through_nccl_is_the_plain_step(dev, random_params):
     params = {k: v.astype(np.float32) for k, v in random_params(CFG, 21).items()}
-    kw = dict(backend="gpu", batch_size=B, seq_len=T, lr=1e-3, lr_min=1e-4, warmup=2, total_steps=6,
+    kw = dict(backend="gpu", batch_size=B, seq_len=T, lr=1e-3, lr_min=1e-4, warmup=2, steps=6,
               weight_decay=0.1, grad_clip=1.0)
     plain = Trainer(CFG, params, **kw)
     nccl = Trainer(CFG, params, world=World.single(), **kw)

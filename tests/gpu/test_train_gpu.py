@@ -8,7 +8,7 @@ from rwkvx import Config, init_params
 from rwkvx.model import Model
 from rwkvx.optim import Schedule
 from rwkvx.oracle import rel_err
-from rwkvx.train import Trainer
+from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_rng
 
@@ -48,7 +48,7 @@ def test_graph_replay_is_bit_identical_to_eager(dev, random_params, precision):
 
 def test_gpu_adamw_matches_cpu_twin(random_params):
     params = {k: v.astype(np.float32) for k, v in random_params(CFG, 12).items()}
-    kw = dict(batch_size=B, seq_len=T, lr=1e-3, lr_min=1e-4, warmup=2, total_steps=6,
+    kw = dict(batch_size=B, seq_len=T, lr=1e-3, lr_min=1e-4, warmup=2, steps=6,
               weight_decay=0.1, grad_clip=1.0)
     gpu = Trainer(CFG, params, backend="gpu", **kw)
     cpu = Trainer(CFG, params, backend="cpu", cpu_dtype=np.float64, **kw)
@@ -66,7 +66,7 @@ def test_gpu_adamw_matches_cpu_twin(random_params):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_gpu_resume_is_exact(tmp_path, precision):
     params = init_params(CFG, 3)
-    kw = dict(batch_size=B, seq_len=T, lr=3e-3, lr_min=3e-4, warmup=2, total_steps=6, grad_clip=1.0,
+    kw = dict(batch_size=B, seq_len=T, lr=3e-3, lr_min=3e-4, warmup=2, steps=6, grad_clip=1.0,
               precision=precision)
     data = batches(6, 3)
     straight = Trainer(CFG, params, backend="gpu", **kw)

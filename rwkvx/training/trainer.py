@@ -7,8 +7,8 @@ A backend owns the parameters and the optimizer state and does whole steps:
 * :class:`GPUBackend` — the graph-replayed :class:`rwkvx.model.Model` step with the fused AdamW
   kernel (fp32 or tf32 GEMMs).
 
-The Trainer, checkpoints and the CLI are shared; :func:`resolve_device` picks the backend for
-``auto``. The GPU :class:`~rwkvx.model.Model` is built for one batch shape: :func:`pad_batch` and
+The Trainer, checkpoints and the training run (:mod:`rwkvx.training.loop`) are shared;
+:func:`resolve_device` picks the backend for ``auto``. The GPU :class:`~rwkvx.model.Model` is built for one batch shape: :func:`pad_batch` and
 :func:`forward_padded` fit smaller batches to it (for GPUBackend's ``evaluate``/``forward``).
 
 Data parallel: given a :class:`rwkvx.dist.World`, each rank's Trainer steps on its shard of the
@@ -19,8 +19,9 @@ step with the same parameters. Without a world (the default) nothing of this run
 
 Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
 parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
-metadata: the step count, the optimizer and schedule settings, the trainer settings and whatever
-the caller adds (the CLI adds the data sampler's generator state and its run options). Written
+metadata: the step count, the optimizer state's scalars, the :class:`TrainConfig` (once, as
+``meta["train"]``) and whatever the caller adds (a training run adds the data sampler's generator
+state and its run options). Written
 atomically. Resuming is exact on either backend: N steps straight == N/2 steps, save, load, N/2 steps,
 bit for bit (with the same batches).
 """
@@ -33,12 +34,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config
-from .optim import AdamW, Schedule
-from .params import ParamDict, check_params
-from .precision import resolve_precision
-from .validate import IGNORE_INDEX, check_targets, check_tokens
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..config import Config
+from ..optim import AdamW, Schedule
+from ..params import ParamDict, check_params
+from ..validate import IGNORE_INDEX, check_targets, check_tokens
+from .config import TrainConfig
 
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
@@ -108,7 +109,7 @@ class CPUBackend(Backend):
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, dtype: Any = np.float32, world: Any = None) -> None:
         try:
-            from .oracle import Oracle
+            from ..oracle import Oracle
         except ImportError as exc:  # the Cython extension is not built
             raise RuntimeError(
                 "the CPU backend needs the compiled oracle (rwkvx.oracle): build it with "
@@ -221,13 +222,13 @@ class GPUBackend(Backend):
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
                                "(the oracle) or 'auto'.")
-        from .model import Model
+        from ..model import Model
         self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute)
         self.model.configure_optimizer(schedule, weight_decay, grad_clip)
         self.dist_step = None
         if world is not None:
-            from .dist.nccl import NcclCommunicator
-            from .dist.step import DistributedStep
+            from ..dist.nccl import NcclCommunicator
+            from ..dist.step import DistributedStep
             self.dist_step = DistributedStep(self.model, NcclCommunicator(world, self.model.dev))
         self.step_count = 0
         self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
@@ -267,7 +268,7 @@ class GPUBackend(Backend):
 def gpu_unavailable_reason() -> str | None:
     """None when the GPU backend can be built here, else why not (runtime missing, no device...)."""
     try:
-        from .runtime import Device
+        from ..runtime import Device
         Device.get()
     except (ImportError, RuntimeError, OSError) as exc:
         return str(exc)
@@ -276,8 +277,8 @@ def gpu_unavailable_reason() -> str | None:
 
 def resolve_device(device: str, task: str = "training") -> tuple[str, str | None]:
     """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a
-    note saying that ``task`` runs there. ``gpu`` is not checked here: building the GPU model fails
-    with the reason (see :func:`gpu_unavailable_reason`)."""
+    one-line note saying that ``task`` runs there (:func:`gpu_unavailable_reason` says why). ``gpu`` is
+    not checked here: building the GPU model fails with the reason."""
     if device not in BACKENDS:
         raise ValueError(f"device must be one of {', '.join(BACKENDS)}, got {device!r}")
     if device == "cpu":
@@ -287,54 +288,39 @@ def resolve_device(device: str, task: str = "training") -> tuple[str, str | None
     reason = gpu_unavailable_reason()
     if reason is None:
         return "gpu", None
-    return "cpu", f"no GPU backend ({reason}); {task} on the CPU with the oracle"
+    return "cpu", f"no usable CUDA GPU here, so {task} runs on the CPU (the oracle)"
 
 
 class Trainer:
     """Trains a model: ``step(tokens, targets) -> loss``; ``evaluate``; ``save``/``load`` with exact resume.
 
-    ``backend`` is "cpu" (oracle + numpy AdamW), "gpu" (graph replay; needs rwkvx.model) or "auto"
-    (GPU when usable, else CPU). The schedule is :class:`rwkvx.optim.Schedule` (``lr`` = peak,
-    ``lr_min``, ``warmup``, ``total_steps``). ``precision`` and ``recompute`` (see :class:`rwkvx.Model`)
-    apply to the GPU backend; the CPU backend computes in ``cpu_dtype`` (float32 default, float64 for the
-    reference).
-    ``world`` (a :class:`rwkvx.dist.World`): data-parallel training, ``batch_size`` rows per rank.
+    ``config`` (:class:`TrainConfig`, default ``TrainConfig()``) holds the settings; ``settings`` are
+    changes to single fields of it (``Trainer(cfg, params, lr=1e-3, steps=100)``). ``backend`` is "cpu"
+    (oracle + numpy AdamW in ``config.cpu_dtype``), "gpu" (graph replay in ``config.precision``; needs
+    rwkvx.model) or "auto" (GPU when usable, else CPU). ``world`` (a :class:`rwkvx.dist.World`):
+    data-parallel training, ``config.batch_size`` rows per rank.
     """
 
-    def __init__(self, cfg: Config, params: ParamDict, backend: str = "auto", batch_size: int = 8,
-                 seq_len: int = 64, lr: float = 1e-3, lr_min: float | None = None, warmup: int = 0,
-                 total_steps: int | None = None, weight_decay: float = 0.0,
-                 grad_clip: float | None = 1.0, precision: str = "fp32", seed: int = 0,
-                 cpu_dtype: Any = np.float32, recompute: bool = True, world: Any = None) -> None:
+    def __init__(self, cfg: Config, params: ParamDict, config: TrainConfig | None = None,
+                 backend: str = "auto", world: Any = None, **settings: Any) -> None:
         if not isinstance(cfg, Config):
             raise TypeError("cfg must be an rwkvx.Config")
+        if config is not None and not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be an rwkvx.TrainConfig, got {type(config).__name__}")
         check_params(cfg, params)
-        precision = resolve_precision(precision).name
-        if not isinstance(recompute, bool):
-            raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
-        for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         self.cfg = cfg
-        self.batch_size, self.seq_len = int(batch_size), int(seq_len)
-        self.schedule = Schedule(lr_max=float(lr), lr_min=float(lr if lr_min is None else lr_min),
-                                 warmup=int(warmup), total_steps=total_steps)
-        self.weight_decay = float(weight_decay)
-        self.grad_clip = float(grad_clip) if grad_clip else None
-        self.precision = precision
-        self.recompute = recompute
-        self.seed = int(seed)
-        self.cpu_dtype = np.dtype(cpu_dtype)
+        self.config = (config or TrainConfig()).replace(**settings)
+        self.schedule = self.config.schedule
         self.world = world
         self._stop_requested = False
         kind, self.device_note = resolve_device(backend)
+        c, clip = self.config, self.config.grad_clip or None
         if kind == "gpu":
-            self.backend: Backend = GPUBackend(
-                cfg, params, self.schedule, self.weight_decay, self.grad_clip,
-                self.batch_size, self.seq_len, precision, recompute, world=world)
+            self.backend: Backend = GPUBackend(cfg, params, self.schedule, c.weight_decay, clip, c.batch_size,
+                                               c.seq_len, c.precision, c.recompute, world=world)
         else:
-            self.backend = CPUBackend(cfg, params, self.schedule, self.weight_decay, self.grad_clip,
-                                      dtype=self.cpu_dtype, world=world)
+            self.backend = CPUBackend(cfg, params, self.schedule, c.weight_decay, clip,
+                                      dtype=np.dtype(c.cpu_dtype), world=world)
         # what Trainer.load reads back of the caller's save(meta=..., tensors=...)
         self.meta: dict[str, Any] = {}
         self.extra_tensors: dict[str, np.ndarray] = {}
@@ -363,7 +349,6 @@ class Trainer:
     def lr_at(self, step: int) -> float:
         """The scheduled learning rate of (1-based) step ``step``."""
         return self.schedule.lr_at(step)
-
     # -- steps --------------------------------------------------------------------------------
     def _inputs(self, tokens: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         tokens = check_tokens(tokens, self.cfg.vocab_size)
@@ -401,58 +386,41 @@ class Trainer:
         return self.backend.forward(check_tokens(tokens, self.cfg.vocab_size))
 
     # -- checkpoints --------------------------------------------------------------------------
-    def settings(self) -> dict[str, Any]:
-        """The trainer's JSON-able settings (what :meth:`load` restores by default)."""
-        return {"batch_size": self.batch_size, "seq_len": self.seq_len,
-                "schedule": self.schedule.to_dict(), "weight_decay": self.weight_decay,
-                "grad_clip": self.grad_clip, "precision": self.precision, "recompute": self.recompute,
-                "seed": self.seed, "cpu_dtype": self.cpu_dtype.name}
-
     def save(self, path: str | os.PathLike, meta: Mapping[str, Any] | None = None,
              tensors: Mapping[str, np.ndarray] | None = None) -> None:
-        """Write an atomic checkpoint: parameters, AdamW state, step, settings, plus ``meta`` (JSON-able)
-        and ``tensors`` (extra arrays) of the caller."""
+        """Write an atomic checkpoint: parameters, AdamW state, step, the TrainConfig, plus ``meta``
+        (JSON-able) and ``tensors`` (extra arrays) of the caller."""
         state = self.backend.optimizer_state()
         all_tensors = dict(state["tensors"])
         for name, value in (tensors or {}).items():
             if name.startswith("optim."):
                 raise ValueError(f"extra tensor name {name!r} clashes with the optimizer state")
             all_tensors[name] = value
-        full_meta = {"kind": CHECKPOINT_KIND, "step": self.step_count, "trainer": self.settings(),
+        full_meta = {"kind": CHECKPOINT_KIND, "step": self.step_count, "train": self.config.to_dict(),
                      "optim_state_meta": state["meta"], "user": dict(meta or {})}
         save_checkpoint(path, self.cfg, self.backend.get_params(),
                         extra={"tensors": all_tensors, "meta": full_meta})
 
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", world: Any = None,
+             config: TrainConfig | None = None, stretch_schedule: bool = False,
              **overrides: Any) -> "Trainer":
         """A Trainer restored from :meth:`save`: parameters, optimizer moments and step exactly.
 
-        Settings are those saved unless given in ``overrides`` (``batch_size``, ``seq_len``, ``lr``,
-        ``lr_min``, ``warmup``, ``total_steps``, ``weight_decay``, ``grad_clip``, ``precision``,
-        ``recompute``, ``seed``, ``cpu_dtype``; None values are ignored). The caller's ``meta`` is
-        ``trainer.meta``, its extra tensors ``trainer.extra_tensors``. ``world``: as for the constructor
-        (the checkpoint may come from a job with another number of ranks)."""
+        Settings are ``config`` when given, else the saved :class:`TrainConfig` with ``overrides`` (field
+        names; None values are ignored) as :meth:`TrainConfig.resumed` makes them: a new ``steps``
+        keeps the cosine's length unless ``stretch_schedule``. The caller's ``meta`` is ``trainer.meta``,
+        its extra tensors ``trainer.extra_tensors``. ``world``: as for the constructor (the checkpoint
+        may come from a job with another number of ranks)."""
         cfg, params, extra = load_checkpoint(path)
         meta = extra.get("meta") or {}
         if meta.get("kind") != CHECKPOINT_KIND:
             raise ValueError(f"{path}: not a trainer checkpoint (no optimizer state); it holds weights "
                              "only — start a new run from it instead of resuming")
-        saved = meta.get("trainer") or {}
-        sched = saved.get("schedule") or {}
-        kwargs: dict[str, Any] = {
-            "batch_size": saved.get("batch_size", 8), "seq_len": saved.get("seq_len", 64),
-            "lr": sched.get("lr_max", 1e-3), "lr_min": sched.get("lr_min"),
-            "warmup": sched.get("warmup", 0), "total_steps": sched.get("total_steps"),
-            "weight_decay": saved.get("weight_decay", 0.0), "grad_clip": saved.get("grad_clip"),
-            "precision": saved.get("precision", "fp32"), "recompute": saved.get("recompute", True),
-            "seed": saved.get("seed", 0),
-            "cpu_dtype": saved.get("cpu_dtype", "float32")}
-        unknown = set(overrides) - set(kwargs)
-        if unknown:
-            raise TypeError(f"unknown Trainer.load override(s): {', '.join(sorted(unknown))}")
-        kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        trainer = cls(cfg, params, backend=backend, world=world, **kwargs)
+        if config is None:
+            config = saved_train_config(meta).resumed(
+                stretch_schedule, **{k: v for k, v in overrides.items() if v is not None})
+        trainer = cls(cfg, params, config, backend=backend, world=world)
         tensors = extra.get("tensors") or {}
         trainer.backend.load_optimizer_state(
             {"tensors": {k: v for k, v in tensors.items() if k.startswith("optim.")},
@@ -462,3 +430,10 @@ class Trainer:
         trainer.meta = dict(meta.get("user") or {})
         trainer.extra_tensors = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
         return trainer
+
+
+def saved_train_config(meta: Mapping[str, Any]) -> TrainConfig:
+    """The :class:`TrainConfig` a trainer checkpoint's metadata holds; ``ValueError`` when it holds none."""
+    if not isinstance(meta.get("train"), Mapping):
+        raise ValueError("not a trainer checkpoint of this version (no training settings)")
+    return TrainConfig.from_dict(meta["train"])
