@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..model import DEFAULT_RECOMPUTE
 from ..optim import Schedule
 from ..precision import DEFAULT_PRECISION, resolve_precision
 from ..validate import FieldError, require_int
@@ -45,7 +46,7 @@ class TrainConfig:
     val_fraction: float = 0.05
     seed: int = 0
     precision: str = DEFAULT_PRECISION
-    recompute: bool = True          # the GPU backward recomputes each block's forward (least memory)
+    recompute: bool = DEFAULT_RECOMPUTE
     cpu_dtype: str = "float32"
 
     def __post_init__(self) -> None:

@@ -217,7 +217,7 @@ class GPUBackend(Backend):
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
-                 recompute: bool = True, world: Any = None) -> None:
+                 recompute: bool, world: Any = None) -> None:
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
