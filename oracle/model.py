@@ -11,7 +11,7 @@ r // T). A float32 oracle keeps float32 tensors between ops and each op computes
 rounding its outputs once (see _common); the cross-entropy is float64 always. Element-wise sums
 of op outputs (residuals, gradient contributions) are plain, exactly rounded, IEEE adds.
 
-Memory follows the seed's scheme: the forward keeps only each block's input (plus v_first); the
+Memory is kept small: the forward keeps only each block's input (plus v_first); the
 backward recomputes one block's forward from its input, then backpropagates through it. Parameter
 gradients accumulate with ``+=`` into one zeroed dict, so a parameter used twice would still be
 right.

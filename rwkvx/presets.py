@@ -23,14 +23,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                   "head_size": 16, "moba_chunk_size": 32, "moba_top_k": 2},
         "train": {"lr": 4e-3, "lr_min": 4e-4, "warmup": 20, "ckpt_every": 250},
     },
-    # The "small" config (launch-bound on a GPU): V=256, C=256, L=4, M=1, B=8, T=512.
+    # A small RWKV-X whose GPU step is launch-bound: V=256, C=256, L=4, M=1, B=8, T=512.
     "small": {
         "model": {"vocab_size": 256, "n_embd": 256, "n_rwkv_layer": 4, "n_attn_layer": 1,
                   "head_size": 64, "moba_chunk_size": 64, "moba_top_k": 3},
         "train": {"batch_size": 8, "seq_len": 512, "steps": 2000, "lr": 1e-3, "lr_min": 1e-4,
                   "warmup": 100, "eval_every": 200, "ckpt_every": 500},
     },
-    # The large benchmark config (needs a GPU and a tokenised dataset with V = 65536).
+    # The 0.22B RWKV-X benchmark config (needs a GPU and a tokenised dataset with V = 65536).
     "base": {
         "model": {"vocab_size": 65536, "n_embd": 768, "n_rwkv_layer": 12, "n_attn_layer": 4,
                   "head_size": 64, "moba_chunk_size": 512, "moba_top_k": 3},

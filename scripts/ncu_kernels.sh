@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute on one launch of each kernel whose name matches a pattern: throughput, occupancy, warp
 # stall reasons and the most-stalled SASS lines -- where a kernel's time goes when CUDA-event timing of
-# variants cannot tell. ncu reads hardware counters only on some device runtimes (the device library's
-# KINDS.md); the clocks are left alone (--clock-control none).
+# variants cannot tell. ncu reads hardware counters only on some device runtimes (a VM may hide them);
+# the clocks are left alone (--clock-control none).
 # Usage: scripts/ncu_kernels.sh "NAME1 NAME2 ..." COMMAND...   e.g.
 #   scripts/ncu_kernels.sh "wkv7c_intra wkv7c_forward_state" python3 scripts/wkv7_launches.py
 # Each name is profiled at its third launch (the first two are warm-ups); reports go to

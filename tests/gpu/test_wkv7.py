@@ -6,7 +6,7 @@ Inputs are realistic: r, k, v ~ 0.5 N(0,1); kk unit-norm per head, a = -kk, b = 
 in (0,1); w = exp(-e^-0.5 * sigmoid(z + shift)), z ~ N(0,1): shift 0 by default, -4 for decays near 1
 (long memory, large states), +8 for decays at the clamp's lower end exp(-e^-0.5) (the backward's
 step-back amplifies rounding most there). fp32 limits: y 1e-5, gradients 1e-4. The chunked method
-(tensor cores, tf32 products) is held to 5e-3 with fp32 inputs (the issue's tf32 limit) and to SPEC's
+(tensor cores, tf32 products) is held to 5e-3 with fp32 inputs (docs/SPEC.md's TF32 kernel limit) and to SPEC's
 bf16 limit with bf16 inputs; chunked_exact (3xTF32, the fp32 precision's path) to the fp32 kernel limit
 1e-5 for y and every gradient."""
 from __future__ import annotations
