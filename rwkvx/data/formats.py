@@ -1,4 +1,4 @@
-"""Data files to token streams: :func:`detect_format` and :func:`load_tokens`.
+"""Data files to token streams: :func:`load_tokens` (the format from :func:`rwkvx.data.detect.detect_format`).
 
 Every source becomes one flat 1-D stream of token ids (memory-mapped where the format allows);
 training windows of ``T + 1`` tokens are drawn from anywhere in it (document boundaries are ignored,
@@ -23,17 +23,15 @@ binidx header, token ids outside ``[0, vocab_size)``.
 """
 from __future__ import annotations
 
-import codecs
 import os
 from pathlib import Path
 
 import numpy as np
 
 from .binidx import load_binidx
+from .detect import TEXT_FORMATS, Utf8Check, detect_format
 from .stream import CHUNK, TokenData, file_size, scan_min
-
-TEXT_SUFFIXES = (".txt", ".text", ".md")
-TEXT_FORMATS = ("text", "jsonl")  # formats of text, which a tokenizer turns into ids
+from .text import tokenize_text
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "shakespeare.txt"
 DEFAULT_CORPUS_PROMPT = "ROMEO:"   # a prompt the embedded corpus's model continues (a speaker's cue)
@@ -42,22 +40,6 @@ DEFAULT_CORPUS_PROMPT = "ROMEO:"   # a prompt the embedded corpus's model contin
 def default_corpus_path() -> Path:
     """The embedded public-domain corpus (see rwkvx/data/README.md)."""
     return DEFAULT_CORPUS
-
-
-class Utf8Check:
-    """Validates a file's bytes as UTF-8, chunk by chunk: ``ValueError`` naming the file and offset."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset = path, 0
-        self._decoder = codecs.getincrementaldecoder("utf-8")()
-
-    def __call__(self, chunk: bytes, final: bool) -> None:
-        try:
-            self._decoder.decode(chunk, final=final)
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{self.path}: not valid UTF-8 text (near byte {self.offset + exc.start}: "
-                             f"{exc.reason})") from None
-        self.offset += len(chunk)
 
 
 def _load_text(path: Path) -> TokenData:
@@ -99,34 +81,6 @@ def _load_raw(path: Path, token_width: int | None) -> TokenData:
     return TokenData(np.memmap(path, dtype=dtype, mode="r"), None, str(path), "raw")
 
 
-def detect_format(path: str | os.PathLike) -> tuple[str, Path]:
-    """``(format, path)`` for a data argument: "text", "jsonl", "npy", "raw" or "binidx" (path = prefix)."""
-    p = Path(path)
-    suffix = p.suffix.lower()
-    if suffix in (".bin", ".idx"):
-        prefix = p.with_suffix("")
-        if Path(str(prefix) + ".idx").exists() and Path(str(prefix) + ".bin").exists():
-            return "binidx", prefix
-        if suffix == ".idx":
-            raise ValueError(f"{p}: binidx index without its data file {prefix}.bin")
-        return "raw", p
-    if not p.exists() and Path(str(p) + ".idx").exists():
-        if not Path(str(p) + ".bin").exists():
-            raise ValueError(f"{p}.idx: binidx index without its data file {p}.bin")
-        return "binidx", p
-    if suffix in TEXT_SUFFIXES:
-        return "text", p
-    if suffix == ".jsonl":
-        return "jsonl", p
-    if suffix == ".npy":
-        return "npy", p
-    if not p.exists():
-        raise ValueError(f"data file not found: {p}")
-    raise ValueError(f"{p}: unknown data format '{suffix or '(no extension)'}' — use a UTF-8 .txt file, "
-                     ".jsonl documents, .npy or raw .bin tokens (with --token-width), or a binidx "
-                     "prefix/.bin/.idx")
-
-
 def load_tokens(path: str | os.PathLike | None = None, token_width: int | None = None,
                 vocab_size: int | None = None, tokenizer: str = "bytes", progress: bool = False
                 ) -> TokenData:
@@ -148,7 +102,6 @@ def load_tokens(path: str | os.PathLike | None = None, token_width: int | None =
     if fmt == "text" and tok.name == "bytes":
         data = _load_text(p)
     elif tok is not None:
-        from .text import tokenize_text
         data = TokenData(tokenize_text(p, tok, progress), tok.vocab_size, str(p), fmt)
     elif fmt == "npy":
         data = _load_npy(p)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..tokenizer import Tokenizer
 from .binidx import BinidxWriter
-from .formats import TEXT_FORMATS, Utf8Check, detect_format
+from .detect import TEXT_FORMATS, Utf8Check, detect_format
 from .stream import file_size
 
 CHUNK_BYTES = 1 << 22  # text read and tokenised per step
