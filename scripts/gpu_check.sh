@@ -19,12 +19,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then
       -o junit_family=xunit1 >"$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|Error|error" "$OUT/gpu-tests.log" | tail -25
 fi
-if [ -z "${SKIP_KERNELS:-}" ]; then
-  python3 -m pytest benchmarks/test_kernels.py -q -p no:cacheprovider "${KEXPR[@]}" \
+if [ -z "${SKIP_KERNELS:-}" ]; then   # each family's benchmarks/bench_<family>.py, and the GEMMs
+  KERNEL_BENCH=(benchmarks/bench_gemm.py)
+  for family in rwkvx/cu/*/; do
+    f="benchmarks/bench_$(basename "$family").py"
+    [ -f "$f" ] && KERNEL_BENCH+=("$f")
+  done
+  python3 -m pytest "${KERNEL_BENCH[@]}" -q -p no:cacheprovider "${KEXPR[@]}" \
       --benchmark-json="$OUT/kernels.json" >"$OUT/kernels.log" 2>&1 || tail -30 "$OUT/kernels.log"
 fi
 if [ -z "${SKIP_STEP:-}" ]; then
-  python3 -m pytest benchmarks/test_gpu_step.py -q -p no:cacheprovider "${KEXPR[@]}" \
+  python3 -m pytest benchmarks/bench_step.py -q -p no:cacheprovider "${KEXPR[@]}" \
       --benchmark-json="$OUT/bench.json" >"$OUT/bench.log" 2>&1 || tail -30 "$OUT/bench.log"
 fi
 if [ -z "${SKIP_TRAIN:-}" ]; then   # the README's main job, on the GPU, in fp32 and in bf16

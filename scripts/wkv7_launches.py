@@ -1,5 +1,5 @@
 """Each launch of a chunked WKV7 method timed alone (CUDA events, 20 runs), at the default state-pass
-split: where the forward's and the backward's time goes (benchmarks/test_kernels.py times them together).
+split: where the forward's and the backward's time goes (benchmarks/bench_wkv7.py times them together).
 
 Usage: python scripts/wkv7_launches.py [LABEL] [--method chunked|chunked_exact] [--xtype bf16|f32]
 [--stages NS] [--split-operators 0|1] [--split P] [--key-warps 1|2] [--shape B,T,H ...].
@@ -8,17 +8,14 @@ SPLIT_OPERATORS[xtype] (the kernels are compiled with them), --split and --key-w
 shapes than chunked_split and chunked_key_warps choose, for choosing those. Needs a GPU.
 """
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from test_kernels import N, Buffers, _wkv_inputs, time_alone  # noqa: E402  (the benchmarks' inputs)
+from rwkvx._core import Plan
+from rwkvx.cu import wkv7
+from rwkvx.runtime import Device
+from rwkvx.workloads import BASE_SHAPES, WKV7_SHAPES, RandomBuffers, time_alone, wkv7_inputs
 
-from rwkvx.cu import wkv7  # noqa: E402
-from rwkvx._core import Plan  # noqa: E402
-from rwkvx.runtime import Device  # noqa: E402
-
-SHAPES = ((8, 4096, 12), (1, 16384, 12))       # (B, T, H) at N = 64
+N = BASE_SHAPES.N
+SHAPES = (WKV7_SHAPES["B8_T4096_H12"], WKV7_SHAPES["B1_T16384_H12"])    # the 0.22B step, one long sequence
 
 
 def main() -> None:
@@ -28,7 +25,7 @@ def main() -> None:
     ap.add_argument("--xtype", choices=("bf16", "f32"), help="default: f32 for chunked_exact, else bf16")
     ap.add_argument("--stages", type=int, help="chunks in flight in the state passes (CHUNKED_STAGES)")
     ap.add_argument("--split-operators", type=int, choices=(0, 1), help="3xTF32 chunk operators (1) or not")
-    ap.add_argument("--shape", action="append", help="B,T,H at N = 64 (repeatable; default: SHAPES)")
+    ap.add_argument("--shape", action="append", help=f"B,T,H at N = {N} (repeatable; default: SHAPES)")
     ap.add_argument("--split", type=int, help="state-pass row split P (default: chunked_split)")
     ap.add_argument("--key-warps", type=int, choices=(1, 2), help="warps per 8 state rows (chunked_key_warps)")
     args = ap.parse_args()
@@ -43,8 +40,8 @@ def main() -> None:
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
     for B, T, H in shapes:
-        b = Buffers(dev, args.xtype)
-        inp, n = _wkv_inputs(b, B, T, H)
+        b = RandomBuffers(dev, args.xtype)
+        inp, n = wkv7_inputs(b, B, T, H, N)
         sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method=args.method)
         sa, ckpt, part = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32"), b(sizes["partials"], "f32")
         fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method=args.method, partials=part,

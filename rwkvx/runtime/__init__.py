@@ -18,12 +18,13 @@ from .device import Device, DeviceBuffer, DeviceInfo, PinnedBuffer
 from .errors import CudaError, NvrtcCompileError
 from .graph import Graph
 from .nvrtc import cache_dir, compile_cubin, compile_source
-from .timing import EventTimer
+from .timing import EventTimer, warm_time_ms
 from .ops import (ARG_KINDS, Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, GemmPrecision, Launch, Memset,
                   flatten_ops)
 from . import gemm
 
 __all__ = ["Device", "DeviceBuffer", "DeviceInfo", "PinnedBuffer", "CudaError", "NvrtcCompileError",
            "Graph", "Launch", "Gemm", "GemmPrecision", "DevPtr", "Memset", "Copy", "CopyHtoD", "CopyDtoH",
-           "EventTimer", "compile_cubin", "compile_source", "cache_dir", "flatten_ops", "ARG_KINDS", "gemm"]
+           "EventTimer", "warm_time_ms", "compile_cubin", "compile_source", "cache_dir", "flatten_ops", "ARG_KINDS",
+           "gemm"]
 

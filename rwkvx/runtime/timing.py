@@ -1,4 +1,5 @@
-"""Timing device work with CUDA events recorded on the device's stream."""
+"""Timing device work with CUDA events recorded on the device's stream: :class:`EventTimer`, and
+:func:`warm_time_ms` for work timed after a warm-up run."""
 from __future__ import annotations
 
 from typing import Callable
@@ -29,3 +30,20 @@ class EventTimer:
         """Destroy both events."""
         for event in (self._start, self._stop):
             check(self._driver.cuEventDestroy(event), "cuEventDestroy")
+
+
+def warm_time_ms(dev, enqueue: Callable[[], None], repeats: int | None = None, budget_ms: float = 50.0) -> float:
+    """Mean device milliseconds of one ``enqueue()`` after a warm-up call (modules loaded, caches filled):
+    ``repeats`` calls between the events, or, where None, as many as fill about ``budget_ms`` of device time
+    (3 to 200, from one timed call)."""
+    if repeats is not None and repeats < 1:
+        raise ValueError(f"warm_time_ms: repeats must be >= 1, got {repeats}")
+    enqueue()
+    dev.synchronize()
+    timer = EventTimer(dev)
+    try:
+        if repeats is None:
+            repeats = max(3, min(200, int(budget_ms / max(timer.time_ms(enqueue, 1), 1e-3))))
+        return timer.time_ms(enqueue, repeats)
+    finally:
+        timer.close()

@@ -11,7 +11,7 @@ fed are a fixed random sequence, so every row does the same work.
   decoder's graph-replayed step (wall clock per ``step``, the host's sync and logits read included, and
   CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window.
 
-Run: ``python -m pytest benchmarks/test_generation.py --benchmark-columns=mean,rounds`` (GPU rows skip
+Run: ``python -m pytest benchmarks/bench_generation.py --benchmark-columns=mean,rounds`` (GPU rows skip
 without a GPU).
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""GPU step timings (report, don't assert): eager plan vs CUDA-graph replay, and peak device memory.
+"""GPU step timings (report, don't assert): eager plan vs CUDA-graph replay, and peak device memory, for
+every configuration of rwkvx.workloads.STEP_WORKLOADS in every precision, with and without recompute.
 
 Each benchmark times with CUDA events on the model's stream (pytest-benchmark's own wall-clock rounds
 are one synchronised call each); ``extra_info`` carries the event-timed per-step milliseconds and the
@@ -7,29 +8,16 @@ device memory. Skipped without a GPU.
 import numpy as np
 import pytest
 
-from rwkvx import Config, init_params
+from rwkvx import init_params
+from rwkvx.precision import PRECISION_NAMES
+from rwkvx.workloads import STEP_WORKLOADS
 
-CONFIGS = {
-    # launch-bound: PyTorch eager needs ~40 ms per step here on the same H200 (issue 4)
-    "small_B8_T512": (dict(vocab_size=256, n_embd=256, head_size=64, n_rwkv_layer=4, n_attn_layer=1,
-                           moba_chunk_size=64, moba_top_k=3), 8, 512),
-    # PyTorch eager + RWKV-LM's bf16 WKV kernel: 454 ms / 96 GB (bf16), 653 ms / 120 GB (tf32) (issue 3)
-    "base_B8_T4096": (dict(vocab_size=65536, n_embd=768, head_size=64, n_rwkv_layer=12, n_attn_layer=4,
-                           moba_chunk_size=512, moba_top_k=3), 8, 4096),
-    "base_B1_T16384": (dict(vocab_size=65536, n_embd=768, head_size=64, n_rwkv_layer=12, n_attn_layer=4,
-                            moba_chunk_size=512, moba_top_k=3), 1, 16384),
-    # pure RWKV-7; RWKV-LM train_temp (bf16): 172 ms / 32 GB (B8 T4096), 62 ms / 8.7 GB (B16 T512)
-    "pure_B8_T4096": (dict(vocab_size=65536, n_embd=768, head_size=64, n_rwkv_layer=12), 8, 4096),
-    "pure_B16_T512": (dict(vocab_size=65536, n_embd=768, head_size=64, n_rwkv_layer=12), 16, 512),
-    # one long sequence: must train within 40 GB (issue 10)
-    "base_B1_T131072": (dict(vocab_size=65536, n_embd=768, head_size=64, n_rwkv_layer=12, n_attn_layer=4,
-                             moba_chunk_size=512, moba_top_k=3), 1, 131072),
-}
 LONG = ("base_B1_T131072",)       # bf16 with recompute only (the other modes need more memory)
+EAGER = ("small_B8_T512", "base_B8_T4096")
 
-RUNS = ([(name, "eager", "fp32", True) for name in ("small_B8_T512", "base_B8_T4096")]
+RUNS = ([(name, "eager", "fp32", True) for name in EAGER]
         + [(name, "graph", precision, recompute) for recompute in (True, False)
-           for name in CONFIGS if name not in LONG for precision in ("fp32", "tf32", "bf16")]
+           for name in STEP_WORKLOADS if name not in LONG for precision in PRECISION_NAMES]
         + [(name, "graph", "bf16", True) for name in LONG])
 
 
@@ -37,9 +25,8 @@ RUNS = ([(name, "eager", "fp32", True) for name in ("small_B8_T512", "base_B8_T4
                          ids=[f"{n}-{m}-{p}-{'recompute' if r else 'keep'}" for n, m, p, r in RUNS])
 def test_step(benchmark, dev, name, mode, precision, recompute):
     from rwkvx.model import Model
-    from rwkvx.runtime import EventTimer, Graph
-    kwargs, B, T = CONFIGS[name]
-    cfg = Config(**kwargs)
+    from rwkvx.runtime import Graph, warm_time_ms
+    cfg, B, T = STEP_WORKLOADS[name]
     rng = np.random.default_rng(0)
     dev.reset_peak()
     model = Model(cfg, init_params(cfg, 0), B, T, precision=precision, recompute=recompute)
@@ -52,11 +39,8 @@ def test_step(benchmark, dev, name, mode, precision, recompute):
         enqueue = graph.launch
     else:
         enqueue = model.run_step
-    enqueue()
-    dev.synchronize()
-    timer = EventTimer(dev)
     repeats = 20 if name.startswith("small") else 1 if name in LONG else 3
-    step_ms = timer.time_ms(enqueue, repeats)
+    step_ms = warm_time_ms(dev, enqueue, repeats)
 
     def one_step():
         enqueue()
@@ -73,6 +57,5 @@ def test_step(benchmark, dev, name, mode, precision, recompute):
         "device_used_GiB": round((mem["total"] - mem["free"]) / 2**30, 2),
         "loss": round(model.mean_loss(), 4),
     })
-    timer.close()
     if mode == "graph":
         graph.close()

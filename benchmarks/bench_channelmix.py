@@ -1,0 +1,42 @@
+"""The channel mix's kernels (rwkvx/cu/channelmix) timed at the 0.22B step's shapes
+(rwkvx.workloads.BASE_SHAPES: R = B·T rows, C, hidden width F), in fp32 and bf16 activations;
+conftest.py's ``record`` reports ms, GB/s and the copy-rate share. Skipped without a GPU."""
+from __future__ import annotations
+
+import pytest
+
+from rwkvx.cu import channelmix
+from rwkvx.runtime.dtypes import ELEM_BYTES, XTYPES
+from rwkvx.workloads import BASE_SHAPES, RandomBuffers
+
+R, T, C, F = BASE_SHAPES.R, BASE_SHAPES.T, BASE_SHAPES.C, BASE_SHAPES.F
+
+
+@pytest.mark.parametrize("xtype", XTYPES)
+def test_channelmix_shift_mix(record, dev, xtype):
+    b = RandomBuffers(dev, xtype)
+    record(channelmix.shift_mix(b(R * C), b(C, "f32", 0.2, 0.5), b(R * C), R, T, C, dev.info),
+           nbytes=2 * R * C * ELEM_BYTES[xtype])
+
+
+@pytest.mark.parametrize("xtype", XTYPES)
+def test_channelmix_relu_sq(record, dev, xtype):
+    b = RandomBuffers(dev, xtype)
+    h = b(R * F)
+    record(channelmix.relu_sq(h, h, R * F, dev.info), nbytes=2 * R * F * ELEM_BYTES[xtype])
+
+
+@pytest.mark.parametrize("xtype", XTYPES)
+def test_channelmix_relu_sq_backward(record, dev, xtype):
+    b = RandomBuffers(dev, xtype)
+    dk = b(R * F)
+    record(channelmix.relu_sq_backward(dk, b(R * F, offset=1.0), dk, R * F, dev.info, src_is_k=True),
+           nbytes=3 * R * F * ELEM_BYTES[xtype])
+
+
+@pytest.mark.parametrize("xtype", XTYPES)
+def test_channelmix_mix_backward(record, dev, xtype):
+    b = RandomBuffers(dev, xtype)
+    ops = channelmix.mix_backward(b(R * C), b(R * C), b(C, "f32", 0.2, 0.5), b(R * C), b(C, "f32"),
+                                  b(channelmix.scratch_elems(R, C, dev.info), "f32"), R, T, C, dev.info)
+    record(ops, nbytes=3 * R * C * ELEM_BYTES[xtype])
