@@ -15,8 +15,9 @@ from typing import Callable
 
 import pytest
 
-COPY_GBS = 4300.0                                             # measured device-to-device copy (KINDS.md)
-GEMM_TFLOPS = {"fp32": 51.0, "tf32": 401.0, "bf16": 790.0}     # measured 8192^3 GEMMs (KERNEL_NOTES.md)
+# Ceilings measured on the H200 (docs/PERFORMANCE.md): device-to-device copy, and 8192^3 GEMMs per precision
+COPY_GBS = 4300.0
+GEMM_TFLOPS = {"fp32": 51.0, "tf32": 401.0, "bf16": 790.0}
 
 
 @pytest.fixture(scope="module")
