@@ -19,7 +19,7 @@ import numpy as np
 
 from .config import DECAY_SCALE, Config
 from .cu import moba
-from .presets import PRESETS
+from .presets import get_preset
 from .runtime.dtypes import ELEM_BYTES, check_elem, to_storage
 from .runtime.ops import DevPtr
 from .runtime.timing import warm_time_ms
@@ -39,12 +39,11 @@ def preset_workload(name: str, batch_size: int | None = None, seq_len: int | Non
                     **model_changes: Any) -> Workload:
     """Preset ``name``'s model (with ``model_changes`` applied) at its training batch, or at ``batch_size``
     sequences of ``seq_len`` tokens where given."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    preset = PRESETS[name]
+    preset = get_preset(name, device="gpu")
+    train = preset["train"]
     return Workload(Config(**{**preset["model"], **model_changes}),
-                    preset["train"]["batch_size"] if batch_size is None else batch_size,
-                    preset["train"]["seq_len"] if seq_len is None else seq_len)
+                    train.batch_size if batch_size is None else batch_size,
+                    train.seq_len if seq_len is None else seq_len)
 
 
 BASE = preset_workload("base")      # the 0.22B model at B = 8, T = 4096

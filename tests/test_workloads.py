@@ -11,9 +11,9 @@ from rwkvx.workloads import (BASE, BASE_SHAPES, MOBA_SHAPES, STEP_WORKLOADS, WKV
 
 
 def test_base_is_the_base_preset_at_its_training_batch():
-    preset = get_preset("base")
+    preset = get_preset("base", device="gpu")
     assert BASE.config == Config(**preset["model"])
-    assert (BASE.batch_size, BASE.seq_len) == (preset["train"]["batch_size"], preset["train"]["seq_len"])
+    assert (BASE.batch_size, BASE.seq_len) == (preset["train"].batch_size, preset["train"].seq_len)
     s = BASE_SHAPES
     cfg = BASE.config
     assert (s.C, s.H, s.N, s.F, s.V) == (cfg.n_embd, cfg.n_head, cfg.head_size, cfg.ffn_dim, cfg.vocab_size)
