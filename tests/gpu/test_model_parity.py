@@ -52,7 +52,11 @@ TF32_CASES = ("sparse_hybrid", "C256_N64")
 TF32_SEEDS = range(8)
 # The (case, seed) pairs of those whose worst tf32 gradient is over docs/SPEC.md's 5e-3, each with the error
 # measured; each is a strict xfail, so it must keep failing, and every other pair must pass.
-TF32_OVER_LIMIT: dict[tuple[str, int], str] = {}
+TF32_OVER_LIMIT: dict[tuple[str, int], str] = {
+    ("C256_N64", 2): "rwkv.blocks.0.att.x_r 9.8e-3",
+    ("C256_N64", 3): "rwkv.blocks.1.att.x_k 5.5e-3",
+    ("C256_N64", 5): "rwkv.blocks.0.att.x_k 9.4e-3",
+}
 
 
 def _parity_params():
