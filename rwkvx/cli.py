@@ -17,7 +17,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -32,18 +32,6 @@ if TYPE_CHECKING:  # annotations only: each command imports what it uses when it
 
 EXIT_USAGE = 2          # a bad argument, bad data or an output that cannot be written: nothing written
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
-
-# model flag -> Config field
-MODEL_FLAGS = {"vocab_size": "vocab_size", "n_embd": "n_embd", "n_layer": "n_rwkv_layer",
-               "n_attn_layer": "n_attn_layer", "head_size": "head_size", "ffn_dim": "ffn_dim",
-               "chunk": "moba_chunk_size", "top_k": "moba_top_k"}
-# TrainConfig fields set by a flag of the same name
-TRAIN_FLAGS = ("batch_size", "seq_len", "steps", "lr", "lr_min", "warmup", "weight_decay", "grad_clip",
-               "eval_every", "eval_batches", "ckpt_every", "val_fraction", "seed", "precision", "recompute",
-               "cpu_dtype")
-# (settings class, field) -> the flag that sets it
-FLAGS = {**{("Config", field): "--" + flag.replace("_", "-") for flag, field in MODEL_FLAGS.items()},
-         **{("TrainConfig", field): "--" + field.replace("_", "-") for field in TRAIN_FLAGS}}
 
 
 class UsageError(Exception):
@@ -92,6 +80,40 @@ def _token_count(text: str) -> int:
     return value
 
 
+class ModelFlag(NamedTuple):
+    """A ``train`` flag that overrides one Config field of the preset."""
+    field: str
+    kind: Callable[[str], int]
+    help: str
+
+
+# model flag (argparse dest) -> what it sets; the "model" group of ``train`` has these flags in this order
+MODEL_FLAGS = {
+    "vocab_size": ModelFlag("vocab_size", _positive_int, "V (text data needs 256)"),
+    "n_embd": ModelFlag("n_embd", _positive_int, "C, the model width"),
+    "n_layer": ModelFlag("n_rwkv_layer", _positive_int, "L, RWKV-7 blocks"),
+    "n_attn_layer": ModelFlag("n_attn_layer", _nonneg_int, "M, MoBA attention blocks (0 <= M <= L)"),
+    "head_size": ModelFlag("head_size", _positive_int, "N, head size (must divide C)"),
+    "ffn_dim": ModelFlag("ffn_dim", _positive_int, "channel-mix width (default 4*C)"),
+    "chunk": ModelFlag("moba_chunk_size", _positive_int, "MoBA block length in tokens"),
+    "top_k": ModelFlag("moba_top_k", _positive_int, "MoBA blocks per query, its own included"),
+}
+# TrainConfig fields set by a flag of the same name
+TRAIN_FLAGS = ("batch_size", "seq_len", "steps", "lr", "lr_min", "warmup", "weight_decay", "grad_clip",
+               "eval_every", "eval_batches", "ckpt_every", "val_fraction", "seed", "precision", "recompute",
+               "cpu_dtype")
+
+
+def _flag(dest: str) -> str:
+    """The command-line spelling of the argparse dest ``dest`` (``n_embd`` -> ``--n-embd``)."""
+    return "--" + dest.replace("_", "-")
+
+
+# (settings class, field) -> the flag that sets it
+FLAGS = {**{("Config", m.field): _flag(flag) for flag, m in MODEL_FLAGS.items()},
+         **{("TrainConfig", field): _flag(field) for field in TRAIN_FLAGS}}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m rwkvx`` parser: the ``train``, ``sample``, ``prepare`` and ``export`` subcommands."""
     from .dist.world import DEFAULT_TIMEOUT_S
@@ -121,14 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = tr.add_argument_group("model (preset, then overrides)")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help=f"model + training preset (default {DEFAULT_PRESET})")
-    g.add_argument("--vocab-size", type=_positive_int, help="V (text data needs 256)")
-    g.add_argument("--n-embd", type=_positive_int, help="C, the model width")
-    g.add_argument("--n-layer", type=_positive_int, help="L, RWKV-7 blocks")
-    g.add_argument("--n-attn-layer", type=_nonneg_int, help="M, MoBA attention blocks (0 <= M <= L)")
-    g.add_argument("--head-size", type=_positive_int, help="N, head size (must divide C)")
-    g.add_argument("--ffn-dim", type=_positive_int, help="channel-mix width (default 4*C)")
-    g.add_argument("--chunk", type=_positive_int, help="MoBA block length in tokens")
-    g.add_argument("--top-k", type=_positive_int, help="MoBA blocks per query, its own included")
+    for flag, m in MODEL_FLAGS.items():
+        g.add_argument(_flag(flag), type=m.kind, help=m.help)
     g.add_argument("--init-from", metavar="CKPT",
                    help="start from a trained model instead of a fresh one: an rwkvx checkpoint or run "
                         "directory, or an RWKV-LM x070 .pth / safetensors state dict. V, C, L, N, the FFN "
@@ -299,7 +315,7 @@ def _request(args: argparse.Namespace) -> RunRequest:
     from .training.setup import RunRequest
 
     return RunRequest(
-        preset=args.preset, model={field: getattr(args, flag) for flag, field in MODEL_FLAGS.items()
+        preset=args.preset, model={m.field: getattr(args, flag) for flag, m in MODEL_FLAGS.items()
                                    if getattr(args, flag) is not None},
         train={key: getattr(args, key) for key in TRAIN_FLAGS if getattr(args, key) is not None},
         tokens=args.tokens, stretch_schedule=args.stretch_schedule, init_from=args.init_from,
