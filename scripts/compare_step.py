@@ -10,17 +10,19 @@ then ``PYTHONPATH=$PWD/old python scripts/compare_step.py dump old.npz`` (run fr
 so that the installed rwkvx does not shadow it). Needs a GPU.
 """
 import json
+import runpy
 import sys
+from pathlib import Path
 
 import numpy as np
 
+# Loaded by path, not imported from the package: the rwkvx first on sys.path may be an older commit's.
+MODEL_CASES = runpy.run_path(str(Path(__file__).resolve().parents[1] / "tests" / "model_cases.py")
+                             )["MODEL_CASES"]
 CASES = {
-    "hybrid": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
-                    moba_chunk_size=8, moba_top_k=2), 2, 64),
-    "leftover": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=5, n_attn_layer=2,
-                      moba_chunk_size=8, moba_top_k=2), 1, 48),
-    "C256_N64": (dict(vocab_size=300, n_embd=256, head_size=64, n_rwkv_layer=2, n_attn_layer=1,
-                      moba_chunk_size=32, moba_top_k=3), 2, 160),
+    "hybrid": MODEL_CASES["sparse_hybrid"],
+    "leftover": MODEL_CASES["leftover_blocks"],
+    "C256_N64": MODEL_CASES["C256_N64"],
     "N128_B1": (dict(vocab_size=300, n_embd=256, head_size=128, n_rwkv_layer=2, n_attn_layer=1,
                      moba_chunk_size=64, moba_top_k=3), 1, 300),
 }
@@ -98,4 +100,8 @@ def compare(a, b):
 
 
 if __name__ == "__main__":
-    {"dump": dump, "time": timing, "compare": compare}[sys.argv[1]](*sys.argv[2:])
+    COMMANDS = {"dump": dump, "time": timing, "compare": compare}
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
+    COMMANDS[sys.argv[1]](*sys.argv[2:])

@@ -14,6 +14,7 @@ from rwkvx import Config
 from rwkvx.model import Model
 from rwkvx.oracle import Oracle, rel_err
 
+from model_cases import MODEL_CASES as CASES
 from seeding import seeded_rng
 
 # A MoBA gate margin below which the GPU may legitimately pick another block: docs/SPEC.md §4's 1e-4 for fp32
@@ -21,27 +22,6 @@ from seeding import seeded_rng
 # gates of magnitude ~1-10 move by ~1e-2 and the margin that separates a real mismatch is 1e-2.
 # bf16 rounds q and k themselves (8-bit mantissa, ~4e-3 relative) and the stream before them: 1e-1.
 NEAR_TIE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-1}
-
-CASES = {
-    "rwkv_only": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3), 2, 40),
-    "sparse_hybrid": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
-                           moba_chunk_size=8, moba_top_k=2), 2, 64),
-    "top_k_1": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
-                     moba_chunk_size=8, moba_top_k=1), 2, 48),
-    "no_ln0": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
-                    moba_chunk_size=8, moba_top_k=3, ln0=False), 2, 48),
-    "leftover_blocks": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=5, n_attn_layer=2,
-                             moba_chunk_size=8, moba_top_k=2), 1, 48),
-    "batch_3": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
-                     moba_chunk_size=16, moba_top_k=2), 3, 64),
-    "odd_T": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
-                   moba_chunk_size=12, moba_top_k=2), 2, 45),
-    "C256_N64": (dict(vocab_size=300, n_embd=256, head_size=64, n_rwkv_layer=2, n_attn_layer=1,
-                      moba_chunk_size=32, moba_top_k=3), 2, 160),
-    "T1024": (dict(vocab_size=97, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
-                   moba_chunk_size=64, moba_top_k=3), 1, 1024),
-}
-
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "tf32": (5e-3, 5e-3)}
 TRAINING_LIKE_TOLERANCES = {"tf32": (1e-4, 3e-2), "bf16": (1e-3, 1e-1)}   # (loss, logits and gradients)
