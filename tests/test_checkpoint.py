@@ -86,30 +86,21 @@ def test_corrupt_header(tmp_path):
         load_checkpoint(path)
 
 
-def test_missing_tensor(tmp_path):
+@pytest.mark.parametrize("name, value, match", [
+    ("moba.0.att.key.weight", None, "moba.0.att.key.weight"),
+    ("rwkv.blocks.1.att.w1", np.zeros((32, 7), np.float32), "rwkv.blocks.1.att.w1.*shape"),
+    ("rwkv.ln_out.bias", np.zeros(32, np.int32), "rwkv.ln_out.bias.*dtype"),
+], ids=["missing", "wrong_shape", "wrong_dtype"])
+def test_bad_tensor(tmp_path, name, value, match):
+    """A tensor missing (value None), of the wrong shape or of the wrong dtype is an error naming it."""
     params = init_params(CFG, 0)
-    del params["moba.0.att.key.weight"]
+    if value is None:
+        del params[name]
+    else:
+        params[name] = value
     path = tmp_path / "m.safetensors"
     write_raw(path, params, {"config": json.dumps(CFG.to_dict())})
-    with pytest.raises(ValueError, match="moba.0.att.key.weight"):
-        load_checkpoint(path)
-
-
-def test_wrong_shape(tmp_path):
-    params = init_params(CFG, 0)
-    params["rwkv.blocks.1.att.w1"] = np.zeros((32, 7), np.float32)
-    path = tmp_path / "s.safetensors"
-    write_raw(path, params, {"config": json.dumps(CFG.to_dict())})
-    with pytest.raises(ValueError, match="rwkv.blocks.1.att.w1.*shape"):
-        load_checkpoint(path)
-
-
-def test_wrong_dtype(tmp_path):
-    params = init_params(CFG, 0)
-    params["rwkv.ln_out.bias"] = np.zeros(32, np.int32)
-    path = tmp_path / "d.safetensors"
-    write_raw(path, params, {"config": json.dumps(CFG.to_dict())})
-    with pytest.raises(ValueError, match="rwkv.ln_out.bias.*dtype"):
+    with pytest.raises(ValueError, match=match):
         load_checkpoint(path)
 
 
