@@ -143,33 +143,26 @@ def test_raw_bin_needs_width(tmp_path):
         load_tokens(tmp_path / "t.bin", token_width=3)
 
 
-def test_unknown_format_and_missing(tmp_path):
-    (tmp_path / "data.csv").write_text("1,2,3")
-    with pytest.raises(ValueError, match="unknown data format"):
-        load_tokens(tmp_path / "data.csv")
-    with pytest.raises(ValueError, match="not found"):
-        load_tokens(tmp_path / "nope.txt")
-    (tmp_path / "lonely.idx").write_bytes(b"MMIDIDX\x00\x00")
-    with pytest.raises(ValueError, match="without its data file"):
-        load_tokens(tmp_path / "lonely.idx")
-
-
-def test_bad_text_and_npy(tmp_path):
-    (tmp_path / "bad.txt").write_bytes(b"ok \xff\xfe bad")
-    with pytest.raises(ValueError, match="UTF-8"):
-        load_tokens(tmp_path / "bad.txt")
-    np.save(tmp_path / "f.npy", np.ones(10, np.float32))
-    with pytest.raises(ValueError, match="integer"):
-        load_tokens(tmp_path / "f.npy")
-    np.save(tmp_path / "2d.npy", np.ones((2, 5), np.uint16))
-    with pytest.raises(ValueError, match="1-D"):
-        load_tokens(tmp_path / "2d.npy")
-    np.save(tmp_path / "neg.npy", np.array([1, -2, 3], np.int32))
-    with pytest.raises(ValueError, match="negative"):
-        load_tokens(tmp_path / "neg.npy")
-    (tmp_path / "junk.npy").write_bytes(b"not numpy at all")
-    with pytest.raises(ValueError, match=".npy"):
-        load_tokens(tmp_path / "junk.npy")
+@pytest.mark.parametrize("name, content, match", [
+    ("data.csv", b"1,2,3", "unknown data format"),
+    ("nope.txt", None, "not found"),
+    ("lonely.idx", b"MMIDIDX\x00\x00", "without its data file"),
+    ("bad.txt", b"ok \xff\xfe bad", "UTF-8"),
+    ("f.npy", np.ones(10, np.float32), "integer"),
+    ("2d.npy", np.ones((2, 5), np.uint16), "1-D"),
+    ("neg.npy", np.array([1, -2, 3], np.int32), "negative"),
+    ("junk.npy", b"not numpy at all", ".npy"),
+], ids=["unknown_format", "missing", "idx_without_bin", "bad_utf8", "float_npy", "2d_npy", "negative_npy",
+        "junk_npy"])
+def test_bad_file(tmp_path, name, content, match):
+    """A file written as ``content`` (bytes, an array saved as .npy, or None: no file) is refused."""
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        np.save(path, content)
+    with pytest.raises(ValueError, match=match):
+        load_tokens(path)
 
 
 def test_token_ids_out_of_vocab(tmp_path):
