@@ -2,7 +2,7 @@
 
 Test-only: the package never imports torch. The twin takes the oracle's parameter dict (names and
 layout of docs/SPEC.md §2.4) and computes the loss and every parameter gradient by torch autograd, in
-one of two recipes (:data:`RECIPES`):
+one of three recipes (:data:`RECIPES`):
 
 * ``float64``: every tensor float64. It equals ``rwkvx.oracle.Oracle`` in float64 to rounding
   (tests/test_torch_twin.py), and is fast on a GPU where the oracle is slow.
@@ -13,6 +13,13 @@ one of two recipes (:data:`RECIPES`):
   decay's logit w, k, v, a and b rounded to bf16, the decay exp(-e^-1/2 sigmoid(w)) computed inside
   in fp32, an fp32 state and fp32 accumulation, the output and the six input gradients rounded to
   bf16. The model code is written as RWKV-LM writes it, so the dtypes fall where they fall there.
+* ``rwkvx_bf16``: an emulation of rwkvx's bf16 plan (rwkvx/arena.py, rwkvx/step.py) on any device:
+  float64 arithmetic, rounded to bf16 (via fp32, to nearest even) exactly where rwkvx stores a buffer in
+  bf16 -- a tensor's value in the forward, the gradient rwkvx stores in the backward -- and the GEMM
+  operands rounded as the tensor cores take them. The roundings come in families (:data:`FAMILIES`);
+  ``fp32_families`` leaves some unrounded, so that each family's share of the gradient error shows
+  (scripts/bf16_error_budget.py). Not emulated: the roundings inside a kernel (the chunked WKV7's TF32
+  products, MoBA's bf16 probabilities), fp32 rather than float64 arithmetic, and the order of sums.
 
 MoBA attention is written straightforwardly: dense [T, T] scores masked to the keys each query may
 see (docs/SPEC.md §2.3 "Attn (MoBA)"); its block selection comes from the gate of the recipe or is
@@ -21,6 +28,7 @@ forced (``selection=``), as the oracle's is.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,14 +40,130 @@ from rwkvx.oracle import rel_err
 from rwkvx.params import check_params
 from rwkvx.validate import IGNORE_INDEX, check_targets, check_tokens
 
-RECIPES = ("float64", "autocast_bf16")
+RECIPES = ("float64", "autocast_bf16", "rwkvx_bf16")
 ORACLE_TOL = 1e-10       # the float64 recipe against the float64 oracle: only the order of the sums differs
 MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+# The bf16 roundings of the rwkvx_bf16 recipe by family: what each rounds (rwkvx's buffer names).
+FAMILIES = {
+    "residual": "the residual stream emb_out, block_in.*, x1 and its gradient dx; dv_first",
+    "layernorm": "the LayerNorm outputs h1, h2, lnout and their gradients dh1, dh2, dlnout",
+    "shift": "the token-shift mixes xr .. xg, xk2 and their gradients",
+    "lora": "the LoRA hiddens hw, ha, hv, hg (before and after tanh / sigmoid), outputs wl, al, vl, and "
+            "their gradients",
+    "rkv": "the projections r, k, v (MoBA's q, k, v) and their gradients dr, dk, dv",
+    "decay": "the WKV7 decay exp(-e^-1/2 sigmoid(w0 + wl)) the recurrence reads",
+    "wkv_in": "the other WKV7 inputs k', v', wa, wb (their gradients are fp32 in rwkvx)",
+    "y": "the WKV7 / MoBA output y and its gradient",
+    "gn_gate": "the GroupNorm + gate output z, the gate g, their gradients and the bonus term's dr2, dk'2, dv'2",
+    "ffn": "the channel mix's kf (before and after relu^2) and its gradient dkf (both)",
+    "logits": "the logits and dlogits",
+    "gemm_in": "every GEMM's activation and gradient operands, rounded as the tensor cores take them",
+    "weights": "the weights as GEMM operands (rwkvx's bf16 copy params_x)",
+}
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 (through fp32, to nearest even, as a kernel's fp32 result is stored), in x's dtype."""
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+class _Round(torch.autograd.Function):
+    """Identity, with the value (forward) and / or the incoming gradient (backward) rounded to bf16."""
+
+    @staticmethod
+    def forward(ctx, x, value: bool, grad: bool):
+        ctx.grad = grad
+        return bf16_round(x) if value else x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return (bf16_round(g) if ctx.grad else g), None, None
+
+
+class _Gemm(torch.autograd.Function):
+    """x @ w^T with the operands rounded to bf16 where asked: x and the output's gradient (``acts``), w
+    (``weights``); the backward's products take the same operands, as rwkvx's dgrad and wgrad GEMMs do."""
+
+    @staticmethod
+    def forward(ctx, x, w, acts: bool, weights: bool):
+        x, w = (bf16_round(x) if acts else x), (bf16_round(w) if weights else w)
+        ctx.save_for_backward(x, w)
+        ctx.acts = acts
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = bf16_round(g) if ctx.acts else g
+        return g @ w, g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1]), None, None
+
+
+_ACTIVATIONS = {     # f(x), and f' from the output y: rwkvx's backward kernels read the stored output
+    "tanh": (torch.tanh, lambda y: 1 - y * y),
+    "sigmoid": (torch.sigmoid, lambda y: y * (1 - y)),
+    "relu_sq": (lambda x: torch.relu(x) ** 2, lambda y: 2 * torch.sqrt(y)),
+}
+
+
+class _Activation(torch.autograd.Function):
+    """An activation computed in place on a bf16 buffer: its output, and the gradient that arrives at it,
+    rounded to bf16, and the derivative taken from the rounded output."""
+
+    @staticmethod
+    def forward(ctx, x, kind: str):
+        y = bf16_round(_ACTIVATIONS[kind][0](x))
+        ctx.save_for_backward(y)
+        ctx.kind = kind
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return bf16_round(g) * _ACTIVATIONS[ctx.kind][1](y), None
+
+
+class Rounding:
+    """The bf16 roundings ``recipe`` makes: those of the families in ``rounded`` (:data:`FAMILIES`); with
+    none, every method is the plain operation (the float64 and autocast recipes)."""
+
+    def __init__(self, recipe: str, rounded: Iterable[str]):
+        self.recipe = recipe
+        self.rounded = frozenset(rounded)
+
+    def __call__(self, x: torch.Tensor, family: str) -> torch.Tensor:
+        """x as a stored buffer of ``family``: its value and its gradient rounded."""
+        return _Round.apply(x, True, True) if family in self.rounded else x
+
+    def value(self, x: torch.Tensor, family: str) -> torch.Tensor:
+        """x with its value rounded (a buffer whose gradient rwkvx keeps in fp32, or never stores)."""
+        return _Round.apply(x, True, False) if family in self.rounded else x
+
+    def grad(self, x: torch.Tensor, family: str) -> torch.Tensor:
+        """x with the gradient that arrives through this use rounded (one consumer's stored gradient)."""
+        return _Round.apply(x, False, True) if family in self.rounded else x
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w^T as a GEMM, its operands rounded by the families gemm_in and weights."""
+        acts, weights = "gemm_in" in self.rounded, "weights" in self.rounded
+        return _Gemm.apply(x, w, acts, weights) if acts or weights else F.linear(x, w)
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ w as a GEMM (a LoRA matrix w [in, out])."""
+        return self.linear(x, w.T) if self.rounded else x @ w
+
+    def activation(self, kind: str, x: torch.Tensor, family: str) -> torch.Tensor:
+        """tanh, sigmoid or relu^2 of x, computed in place on a buffer of ``family``."""
+        if family not in self.rounded:
+            return _ACTIVATIONS[kind][0](x)
+        return _Activation.apply(x, kind)
 
 
 class WKV7(torch.autograd.Function):
     """The WKV7 recurrence of docs/SPEC.md §2.3 on [B, T, H, N] inputs of one dtype, with the decay given
-    by its logit: decay = exp(-DECAY_SCALE * sigmoid(w)), as RWKV-LM's clampw kernel takes it.
+    by its logit: decay = exp(-DECAY_SCALE * sigmoid(w)), as RWKV-LM's clampw kernel takes it. With
+    ``round_decay`` the recurrence reads the decay rounded to bf16 while the gradient of w takes the
+    derivative of the exact decay, as rwkvx's bf16 plan does (a bf16 decay buffer; the time mix's prep
+    backward recomputes the decay in fp32).
 
     A plain sequential recurrence over t, vectorised over B and H. The state and every sum are float64
     for float64 inputs and float32 otherwise; the output and the input gradients come back in the
@@ -47,14 +171,15 @@ class WKV7(torch.autograd.Function):
     adjoint recurrence in reverse over the states the forward kept."""
 
     @staticmethod
-    def forward(ctx, r, w, k, v, a, b):
+    def forward(ctx, r, w, k, v, a, b, round_decay: bool = False):
         dtype = r.dtype
         if any(t.dtype != dtype or t.shape != r.shape for t in (w, k, v, a, b)):
             raise ValueError("WKV7 inputs must share one dtype and one shape [B, T, H, N]")
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         with torch.autocast(r.device.type, enabled=False):
             r, w, k, v, a, b = (t.to(acc) for t in (r, w, k, v, a, b))
-            decay = torch.exp(-DECAY_SCALE * torch.sigmoid(w))
+            exact = torch.exp(-DECAY_SCALE * torch.sigmoid(w))
+            decay = bf16_round(exact) if round_decay else exact
             B, T, H, N = r.shape
             states = r.new_zeros((T + 1, B, H, N, N))       # states[t + 1] = S_t; row = value, column = key
             sa = r.new_empty((B, T, H, N))
@@ -66,13 +191,13 @@ class WKV7(torch.autograd.Function):
                      + v[:, t, :, :, None] * k[:, t, :, None, :])
                 y[:, t] = (S * r[:, t, :, None, :]).sum(-1)
                 states[t + 1] = S
-        ctx.save_for_backward(r, w, k, v, a, b, decay, sa, states)
+        ctx.save_for_backward(r, w, k, v, a, b, decay, exact, sa, states)
         ctx.dtype = dtype
         return y.to(dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        r, w, k, v, a, b, decay, sa, states = ctx.saved_tensors
+        r, w, k, v, a, b, decay, exact, sa, states = ctx.saved_tensors
         with torch.autocast(r.device.type, enabled=False):
             dy = dy.to(r.dtype)
             grads = [torch.empty_like(r) for _ in range(6)]
@@ -90,21 +215,22 @@ class WKV7(torch.autograd.Function):
                 da[:, t] = (S_prev * dsa[..., :, None]).sum(-2)
                 dS = dS * decay[:, t, :, None, :] + dsa[..., :, None] * a[:, t, :, None, :]
             s = torch.sigmoid(w)
-            grads[1] = ddecay * decay * (-DECAY_SCALE) * s * (1 - s)
-        return tuple(g.to(ctx.dtype) for g in grads)
+            grads[1] = ddecay * exact * (-DECAY_SCALE) * s * (1 - s)
+        return *(g.to(ctx.dtype) for g in grads), None
 
 
-def wkv7(r, w, k, v, a, b, head_size: int, recipe: str) -> torch.Tensor:
+def wkv7(r, w, k, v, a, b, head_size: int, recipe: str, round_decay: bool = False) -> torch.Tensor:
     """y [B, T, C] of the WKV7 recurrence on [B, T, C] inputs (w: the decay's logit); ``autocast_bf16``
-    rounds the six inputs to bf16 first, as the clampw kernel's caller does."""
+    rounds the six inputs to bf16 first, as the clampw kernel's caller does; ``round_decay``: see :class:`WKV7`."""
     B, T, C = r.shape
     ins = (r, w, k, v, a, b)
     if recipe == "autocast_bf16":
         ins = tuple(t.to(torch.bfloat16) for t in ins)
-    return WKV7.apply(*(t.reshape(B, T, C // head_size, head_size) for t in ins)).reshape(B, T, C)
+    return WKV7.apply(*(t.reshape(B, T, C // head_size, head_size) for t in ins), round_decay).reshape(B, T, C)
 
 
 # ---------------------------------------------------------------- the model, written as RWKV-LM writes it
+# (rd: the recipe's Rounding, named after rwkvx's buffers; the plain operation in float64 and autocast)
 
 def _shift(x):
     """shift(x)_t = x_{t-1}, zero at t = 0 of every sequence ([B, T, C])."""
@@ -115,36 +241,48 @@ def _layer_norm(P, name, x):
     return F.layer_norm(x, x.shape[-1:], P[name + ".weight"], P[name + ".bias"], LN_EPS)
 
 
-def _time_mix(P, pre, layer, x, v_first, N, recipe):
+def _lora(rd, x, P, first, second, activation=None):
+    """(x @ first, activated) @ second with rwkvx's LoRA hidden and output buffers."""
+    h = rd(rd.matmul(x, P[first]), "lora")
+    if activation:
+        h = rd.activation(activation, h, "lora")
+    return rd.matmul(h, P[second])
+
+
+def _time_mix(P, pre, layer, x, v_first, N, rd):
     a = pre + "att."
     B, T, C = x.shape
     H = C // N
     xx = _shift(x) - x
-    xr, xw, xk, xv, xa, xg = (x + xx * P[a + m] for m in MIXES)
-    r = F.linear(xr, P[a + "receptance.weight"])
-    w = P[a + "w0"] + torch.tanh(xw @ P[a + "w1"]) @ P[a + "w2"]        # the decay's logit
-    k = F.linear(xk, P[a + "key.weight"])
-    v = F.linear(xv, P[a + "value.weight"])
-    rate = torch.sigmoid(P[a + "a0"] + (xa @ P[a + "a1"]) @ P[a + "a2"])
-    g = torch.sigmoid(xg @ P[a + "g1"]) @ P[a + "g2"]
+    xr, xw, xk, xv, xa, xg = (rd(x + xx * P[a + m], "shift") for m in MIXES)
+    r = rd(rd.linear(xr, P[a + "receptance.weight"]), "rkv")
+    w = P[a + "w0"] + rd(_lora(rd, xw, P, a + "w1", a + "w2", "tanh"), "lora")     # the decay's logit
+    k = rd(rd.linear(xk, P[a + "key.weight"]), "rkv")
+    v = rd(rd.linear(xv, P[a + "value.weight"]), "rkv")
+    rate = torch.sigmoid(P[a + "a0"] + rd(_lora(rd, xa, P, a + "a1", a + "a2"), "lora"))
+    g = rd(_lora(rd, xg, P, a + "g1", a + "g2", "sigmoid"), "gn_gate")
     kk = F.normalize((k * P[a + "k_k"]).view(B, T, H, N), dim=-1, p=2.0, eps=L2_EPS).view(B, T, C)
-    k = k * (1 + (rate - 1) * P[a + "k_a"])
+    k = rd.value(k * (1 + (rate - 1) * P[a + "k_a"]), "wkv_in")
     if layer == 0:
         v_first = v
     else:
-        v = v + (v_first - v) * torch.sigmoid(P[a + "v0"] + (xv @ P[a + "v1"]) @ P[a + "v2"])
-    y = wkv7(r, w, k, v, -kk, kk * rate, N, recipe)
+        v_first = rd.grad(v_first, "residual")         # rwkvx accumulates dv_first over the blocks in bf16
+        v = v + (v_first - v) * torch.sigmoid(P[a + "v0"] + rd(_lora(rd, xv, P, a + "v1", a + "v2"), "lora"))
+        v = rd.value(v, "wkv_in")
+    wa, wb = (rd.value(t, "wkv_in") for t in (-kk, kk * rate))
+    y = rd(wkv7(rd.grad(r, "rkv"), w, k, v, wa, wb, N, rd.recipe, "decay" in rd.rounded), "y")
     y = F.group_norm(y.view(B * T, C), H, P[a + "ln_x.weight"], P[a + "ln_x.bias"], GN_EPS).view(B, T, C)
-    bonus = (r.view(B, T, H, N) * k.view(B, T, H, N) * P[a + "r_k"]).sum(dim=-1, keepdim=True)
-    y = y + (bonus * v.view(B, T, H, N)).view(B, T, C)
-    return F.linear(y * g, P[a + "output.weight"]), v_first
+    r, k, v = (rd.grad(t, "gn_gate").view(B, T, H, N) for t in (r, k, v))      # the bonus term's gradients
+    bonus = (r * k * P[a + "r_k"]).sum(dim=-1, keepdim=True)
+    y = y + (bonus * v).view(B, T, C)
+    return rd.linear(rd(y * g, "gn_gate"), P[a + "output.weight"]), v_first
 
 
-def _channel_mix(P, pre, x):
+def _channel_mix(P, pre, x, rd):
     f = pre + "ffn."
-    k = x + (_shift(x) - x) * P[f + "x_k"]
-    k = torch.relu(F.linear(k, P[f + "key.weight"])) ** 2
-    return F.linear(k, P[f + "value.weight"])
+    k = rd(x + (_shift(x) - x) * P[f + "x_k"], "shift")
+    k = rd.activation("relu_sq", rd(rd.linear(k, P[f + "key.weight"]), "ffn"), "ffn")
+    return rd.linear(k, P[f + "value.weight"])
 
 
 def moba_select(q, k, chunk: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,37 +330,37 @@ def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor) -> torch.Tenso
     return (p @ vh).transpose(1, 2)
 
 
-def _attention(P, pre, x, cfg, forced):
+def _attention(P, pre, x, cfg, forced, rd):
     a = pre + "att."
     B, T, C = x.shape
     N = cfg.head_size
-    q, k, v = (F.linear(x, P[a + n + ".weight"]).view(B, T, C // N, N) for n in ("receptance", "key", "value"))
+    q, k, v = (rd(rd.linear(x, P[a + n + ".weight"]), "rkv").view(B, T, C // N, N)
+               for n in ("receptance", "key", "value"))
     own, gaps = moba_select(q, k, cfg.moba_chunk_size, cfg.moba_top_k)
     selection = own if forced is None else forced
-    o = _moba_attention(q, k, v, cfg.moba_chunk_size, selection).reshape(B, T, C)
-    return F.linear(o, P[a + "output.weight"]), own, gaps
+    o = rd(_moba_attention(q, k, v, cfg.moba_chunk_size, selection).reshape(B, T, C), "y")
+    return rd.linear(o, P[a + "output.weight"]), own, gaps
 
 
-def _loss(cfg, P, tokens, targets, ignore_index, recipe, forced):
+def _loss(cfg, P, tokens, targets, ignore_index, rd, forced):
     """(loss, own selections, gate margins) of the forward; the graph is kept for the backward."""
-    x = F.embedding(tokens, P["rwkv.emb.weight"])
+    x = rd(F.embedding(tokens, P["rwkv.emb.weight"]), "residual")
     if cfg.ln0:
-        x = _layer_norm(P, "rwkv.blocks.0.ln0", x)
+        x = rd(_layer_norm(P, "rwkv.blocks.0.ln0", x), "residual")
     v_first = None
     selections, gaps = [], []
     for kind, idx in cfg.block_order():
+        pre = f"rwkv.blocks.{idx}." if kind == "rwkv" else f"moba.{idx}."
+        h1 = rd(_layer_norm(P, pre + "ln1", x), "layernorm")
         if kind == "rwkv":
-            pre = f"rwkv.blocks.{idx}."
-            out, v_first = _time_mix(P, pre, idx, _layer_norm(P, pre + "ln1", x), v_first, cfg.head_size, recipe)
+            out, v_first = _time_mix(P, pre, idx, h1, v_first, cfg.head_size, rd)
         else:
-            pre = f"moba.{idx}."
-            out, own, gap = _attention(P, pre, _layer_norm(P, pre + "ln1", x), cfg,
-                                       None if forced is None else forced[idx])
+            out, own, gap = _attention(P, pre, h1, cfg, None if forced is None else forced[idx], rd)
             selections.append(own)
             gaps.append(gap)
-        x = x + out
-        x = x + _channel_mix(P, pre, _layer_norm(P, pre + "ln2", x))
-    logits = F.linear(_layer_norm(P, "rwkv.ln_out", x), P["rwkv.head.weight"])
+        x = rd(x + out, "residual")
+        x = rd(x + _channel_mix(P, pre, rd(_layer_norm(P, pre + "ln2", x), "layernorm"), rd), "residual")
+    logits = rd(rd.linear(rd(_layer_norm(P, "rwkv.ln_out", x), "layernorm"), P["rwkv.head.weight"]), "logits")
     loss = F.cross_entropy(logits.view(-1, cfg.vocab_size), targets.view(-1), ignore_index=ignore_index)
     return loss, selections, gaps
 
@@ -241,16 +379,24 @@ class TwinResult:
 
 def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
                    recipe: str = "float64", device: str | torch.device = "cpu",
-                   ignore_index: int = IGNORE_INDEX, selection: list | None = None) -> TwinResult:
+                   ignore_index: int = IGNORE_INDEX, selection: list | None = None,
+                   fp32_families: Iterable[str] = ()) -> TwinResult:
     """The mean cross-entropy over the targets that are not ``ignore_index`` and its gradient for every
     parameter, computed by ``recipe`` (one of :data:`RECIPES`) on ``device``. ``params``: the oracle's
-    dict (numpy, any float dtype; held as float64 in ``float64``, as float32 master weights in
-    ``autocast_bf16``). ``selection``: per attention block the MoBA blocks to use (int [B, H, T, top_k-1],
-    the oracle's format), None to use the recipe's own gate."""
+    dict (numpy, any float dtype; held as float64 in ``float64`` and ``rwkvx_bf16``, as float32 master
+    weights in ``autocast_bf16``). ``selection``: per attention block the MoBA blocks to use (int [B, H,
+    T, top_k-1], the oracle's format), None to use the recipe's own gate. ``fp32_families``: the
+    :data:`FAMILIES` that ``rwkvx_bf16`` leaves unrounded (all of them: the float64 recipe)."""
     if not isinstance(cfg, Config):
         raise TypeError(f"cfg must be an rwkvx.Config, got {type(cfg).__name__}")
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    fp32_families = frozenset(fp32_families)
+    if fp32_families - FAMILIES.keys():
+        raise ValueError(f"fp32_families: unknown families {sorted(fp32_families - FAMILIES.keys())}; "
+                         f"the families are {tuple(FAMILIES)}")
+    if fp32_families and recipe != "rwkvx_bf16":
+        raise ValueError(f"fp32_families applies to the rwkvx_bf16 recipe only, not {recipe!r}")
     check_params(cfg, params)
     tokens = check_tokens(tokens, cfg.vocab_size)
     targets = check_targets(targets, tokens.shape, cfg.vocab_size, ignore_index)
@@ -260,13 +406,14 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
         if len(selection) != cfg.n_attn_layer or any(np.shape(s) != shape for s in selection):
             raise ValueError(f"selection must hold {cfg.n_attn_layer} arrays of shape {shape}")
         selection = [torch.as_tensor(np.asarray(s, dtype=np.int64), device=device) for s in selection]
-    dtype = torch.float64 if recipe == "float64" else torch.float32
+    dtype = torch.float32 if recipe == "autocast_bf16" else torch.float64
+    rd = Rounding(recipe, FAMILIES.keys() - fp32_families if recipe == "rwkvx_bf16" else frozenset())
     P = {n: torch.tensor(np.asarray(p), dtype=dtype, device=device, requires_grad=True) for n, p in params.items()}
     tok, tgt = (torch.as_tensor(t, device=device) for t in (tokens, targets))
     context = (torch.autocast(device.type, dtype=torch.bfloat16) if recipe == "autocast_bf16"
                else contextlib.nullcontext())
     with context:
-        loss, own, gaps = _loss(cfg, P, tok, tgt, int(ignore_index), recipe, selection)
+        loss, own, gaps = _loss(cfg, P, tok, tgt, int(ignore_index), rd, selection)
     loss.backward()
     grads = {n: (np.zeros(p.shape) if p.grad is None else p.grad.double().cpu().numpy()) for n, p in P.items()}
     return TwinResult(loss.item(), grads, [s.cpu().numpy().astype(np.int32) for s in own],

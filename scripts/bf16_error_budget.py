@@ -1,0 +1,142 @@
+"""The bf16 error budget: how much each family of rwkvx's bf16 buffers adds to the gradient error.
+
+An EMULATION on the CPU, not a GPU measurement: the PyTorch twin's ``rwkvx_bf16`` recipe
+(tests/torch_twin.py) computes the model in float64 and rounds to bf16 where rwkvx's bf16 step stores a
+buffer in bf16 (forward values and backward gradients) and where its GEMMs take bf16 operands, one
+family of roundings at a time (``torch_twin.FAMILIES``). For the bf16 yardstick's models
+(tests/gpu/test_bf16_yardstick.py: training-like parameters, C = 256, L = 4, V = 512, hybrid and pure
+RWKV-7, N = 64) it prints, per variant, the norm-wise relative error of every parameter gradient
+against the float64 twin (rwkvx.oracle.rel_err) summarised as the median and the worst tensor over the
+tensors, the worst att.k_k, and the yardstick's criterion (every gradient <= SLACK x max(autocast's
+error, FLOOR), the median <= autocast's median) as "ratio": the largest error / allowance over the
+tensors. Variants: PyTorch autocast bf16 (the yardstick), every family rounded (the emulated rwkvx
+plan), each family alone promoted to fp32, each family alone rounded, and the cumulative promotions,
+families taken in the order of their single gains, to the fewest that meet the criterion (found by
+bisection). The MoBA blocks attend with the float64 twin's selection in every variant.
+
+    python scripts/bf16_error_budget.py --out budget.md [--batch 1 --seq-len 512 --seed 0]
+
+writes the table (markdown) to ``--out`` atomically and prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("tests", "tests/gpu")]
+
+import torch_twin  # noqa: E402  (test code: the twin and its recipes)
+from conftest import make_training_like_params  # noqa: E402
+from test_bf16_yardstick import FLOOR, KINDS, SIZES, SLACK  # noqa: E402
+from rwkvx import Config  # noqa: E402
+from rwkvx.atomic_io import atomic_write  # noqa: E402
+from rwkvx.oracle import rel_err  # noqa: E402
+
+HEAD_SIZE = 64
+FAMILIES = tuple(torch_twin.FAMILIES)
+
+
+class Case:
+    """One model and batch: the float64 reference and the yardstick, then any emulated variant."""
+
+    def __init__(self, kind: str, B: int, T: int, seed: int):
+        self.cfg = Config(**SIZES, **KINDS[kind], head_size=HEAD_SIZE)
+        self.params = make_training_like_params(self.cfg, seed)
+        rng = np.random.default_rng(seed)
+        self.tokens, self.targets = rng.integers(0, self.cfg.vocab_size, (2, B, T))
+        self.targets[rng.random((B, T)) < 0.2] = -100          # ignore_index, as the yardstick's
+        self.ref = self._run("float64")
+        self.selection = self.ref.selection if self.cfg.n_attn_layer else None
+        self.yard = self.errors(self._run("autocast_bf16", selection=self.selection))
+
+    def _run(self, recipe: str, **kwargs) -> torch_twin.TwinResult:
+        return torch_twin.loss_and_grads(self.cfg, self.params, self.tokens, self.targets, recipe, **kwargs)
+
+    def errors(self, result: torch_twin.TwinResult) -> dict[str, float]:
+        """rel_err of every gradient of ``result`` against float64."""
+        return {n: rel_err(result.grads[n], g) for n, g in self.ref.grads.items()}
+
+    def emulate(self, fp32: frozenset[str]) -> dict[str, float]:
+        """The gradient errors of the emulated rwkvx plan with the families ``fp32`` promoted."""
+        return self.errors(self._run("rwkvx_bf16", selection=self.selection, fp32_families=fp32))
+
+    def ratio(self, errors: dict[str, float]) -> float:
+        """The largest error / allowance over the tensors; the criterion holds where it is <= 1 and the
+        median is no more than autocast's."""
+        return max(e / (SLACK * max(self.yard[n], FLOOR)) for n, e in errors.items())
+
+    def meets(self, errors: dict[str, float]) -> bool:
+        """The yardstick's criterion (tests/gpu/test_bf16_yardstick.py) against autocast."""
+        return self.ratio(errors) <= 1 and np.median(list(errors.values())) <= np.median(list(self.yard.values()))
+
+
+def _row(case: Case, label: str, errors: dict[str, float]) -> str:
+    worst = max(errors, key=errors.get)
+    kk = max((e for n, e in errors.items() if n.endswith(".k_k")), default=float("nan"))
+    ok = "yes" if case.meets(errors) else "no"
+    return (f"| {label} | {np.median(list(errors.values())):.2e} | {errors[worst]:.2e} | {worst} | {kk:.2e} | "
+            f"{case.ratio(errors):.2f} | {ok} |")
+
+
+def budget(kind: str, B: int, T: int, seed: int, log) -> list[str]:
+    """The table's rows of one model (markdown), logging progress through ``log``."""
+    t0 = time.time()
+    case = Case(kind, B, T, seed)
+    rows = [f"\n**{kind}** (B {B} × T {T}, seed {seed})\n",
+            "| variant | median | worst | worst tensor | worst k_k | ratio | meets |", "|---|---|---|---|---|---|---|",
+            _row(case, "autocast bf16 (yardstick)", case.yard)]
+    rows.append(_row(case, "rwkvx bf16, every family rounded", case.emulate(frozenset())))
+    log(f"{kind}: references and the full plan in {time.time() - t0:.0f} s")
+    single = {}
+    for fam in FAMILIES:
+        single[fam] = case.emulate(frozenset({fam}))
+        rows.append(_row(case, f"{fam} fp32", single[fam]))
+    for fam in FAMILIES:
+        rows.append(_row(case, f"only {fam} bf16", case.emulate(frozenset(FAMILIES) - {fam})))
+    log(f"{kind}: single families in {time.time() - t0:.0f} s")
+    # cumulative promotions in the order of the single gains: the shortest prefix that meets (bisection;
+    # all of them promoted is float64 itself)
+    order = sorted(FAMILIES, key=lambda f: (case.ratio(single[f]), np.median(list(single[f].values()))))
+    lo, hi, found = 0, len(order), {}
+    while lo < hi:
+        mid = (lo + hi) // 2
+        errors = case.emulate(frozenset(order[:mid]))
+        found[mid] = errors
+        if case.meets(errors):
+            hi = mid
+        else:
+            lo = mid + 1
+    for k in sorted(found):
+        rows.append(_row(case, "fp32: " + ", ".join(order[:k]), found[k]))
+    rows.append(f"\nfewest fp32 families in gain order that meet the criterion: {', '.join(order[:lo]) or 'none'}")
+    log(f"{kind}: done in {time.time() - t0:.0f} s")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="where to write the table (markdown)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", nargs="+", choices=tuple(KINDS), default=tuple(KINDS))
+    args = ap.parse_args()
+    if args.batch < 1 or args.seq_len < 2:
+        raise ValueError(f"--batch must be >= 1 and --seq-len >= 2, got {args.batch}, {args.seq_len}")
+    torch.manual_seed(args.seed)
+    lines = [f"bf16 error budget (CPU emulation, tests/torch_twin.py rwkvx_bf16): gradient rel_err against "
+             f"float64; criterion: every tensor <= {SLACK} x max(autocast, {FLOOR}) and median <= autocast's"]
+    for kind in args.kinds:
+        lines += budget(kind, args.batch, args.seq_len, args.seed, lambda m: print(m, file=sys.stderr, flush=True))
+    text = "\n".join(lines) + "\n"
+    atomic_write(args.out, lambda f: f.write(text.encode()))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
