@@ -128,7 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.batch < 1 or args.seq_len < 2:
         raise ValueError(f"--batch must be >= 1 and --seq-len >= 2, got {args.batch}, {args.seq_len}")
-    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)   # small float64 ops: threads only add synchronisation (and fight on a shared CPU)
     lines = [f"bf16 error budget (CPU emulation, tests/torch_twin.py rwkvx_bf16): gradient rel_err against "
              f"float64; criterion: every tensor <= {SLACK} x max(autocast, {FLOOR}) and median <= autocast's"]
     for kind in args.kinds:

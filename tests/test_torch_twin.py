@@ -1,8 +1,9 @@
 """The PyTorch twin of tests/torch_twin.py on the CPU: its float64 recipe equals the float64 oracle (loss,
 every gradient, the MoBA selection and gate margins), its WKV7 Function is right (against the oracle's
-twin and by gradcheck) and keeps an fp32 state under bf16 inputs, and its autocast bf16 recipe runs and
-stays near float64. These vouch for the twin as the reference and the yardstick of
-tests/gpu/test_bf16_yardstick.py. Skipped without PyTorch (a test-only dependency)."""
+twin and by gradcheck) and keeps an fp32 state under bf16 inputs, its autocast bf16 recipe runs and
+stays near float64, and its emulation of rwkvx's bf16 plan is float64 itself with every rounding family
+promoted and is moved by each family alone. These vouch for the twin as the reference and the yardstick
+of tests/gpu/test_bf16_yardstick.py, and for the emulation of scripts/bf16_error_budget.py. Skipped without PyTorch (a test-only dependency)."""
 import numpy as np
 import pytest
 
@@ -110,11 +111,48 @@ def test_autocast_recipe_stays_near_float64(training_like):
     assert np.median(list(errors.values())) >= 1e-3, errors
 
 
+def test_bf16_round_is_to_nearest_even():
+    one = 2.0 ** -7                                       # bf16's spacing in [1, 2)
+    x = torch.tensor([1 + one / 2, 1 + 3 * one / 2, 1 + one / 2 + 2.0 ** -20, -(1 + 3 * one / 2)],
+                     dtype=torch.float64)
+    want = torch.tensor([1, 1 + 2 * one, 1 + one, -(1 + 2 * one)], dtype=torch.float64)
+    assert torch.equal(torch_twin.bf16_round(x), want)
+
+
+def test_rwkvx_bf16_emulation_is_float64_with_every_family_promoted(training_like):
+    cfg, params, tokens, targets = _case("partial_block_top3_no_ln0", training_like, 8)
+    ref = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64")
+    got = torch_twin.loss_and_grads(cfg, params, tokens, targets, "rwkvx_bf16", selection=ref.selection,
+                                    fp32_families=torch_twin.FAMILIES)
+    torch_twin.assert_matches(got, ref.loss, ref.grads, tol=1e-12)
+
+
+def test_every_rounding_family_moves_the_rwkvx_bf16_emulation(training_like):
+    """Each family rounded alone changes some gradient (none is a no-op), and all of them together leave
+    bf16-sized errors: a median gradient error above 1e-3 and none above 0.25."""
+    cfg, params, tokens, targets = _case("partial_block_top3_no_ln0", training_like, 9)
+    ref = torch_twin.loss_and_grads(cfg, params, tokens, targets, "float64")
+
+    def errors(fp32_families):
+        got = torch_twin.loss_and_grads(cfg, params, tokens, targets, "rwkvx_bf16", selection=ref.selection,
+                                        fp32_families=fp32_families)
+        return [rel_err(got.grads[n], g) for n, g in ref.grads.items()]
+
+    for family in torch_twin.FAMILIES:
+        assert max(errors(torch_twin.FAMILIES.keys() - {family})) > 1e-6, family
+    every = errors(())
+    assert np.median(every) > 1e-3 and max(every) <= 0.25, (np.median(every), max(every))
+
+
 def test_bad_arguments_are_refused(random_params):
     cfg, params, tokens, targets = _case("hybrid", random_params, 7)
     with pytest.raises(ValueError, match="recipe"):
         torch_twin.loss_and_grads(cfg, params, tokens, targets, "fp16")
     with pytest.raises(ValueError, match="selection"):
         torch_twin.loss_and_grads(cfg, params, tokens, targets, selection=[])
+    with pytest.raises(ValueError, match="unknown families"):
+        torch_twin.loss_and_grads(cfg, params, tokens, targets, "rwkvx_bf16", fp32_families=["bogus"])
+    with pytest.raises(ValueError, match="rwkvx_bf16 recipe only"):
+        torch_twin.loss_and_grads(cfg, params, tokens, targets, fp32_families=["decay"])
     with pytest.raises(TypeError, match="Config"):
         torch_twin.loss_and_grads(dict(cfg.__dict__), params, tokens, targets)
