@@ -12,7 +12,8 @@ error, FLOOR), the median <= autocast's median) as "ratio": the largest error / 
 tensors. Variants: PyTorch autocast bf16 (the yardstick), every family rounded (the emulated rwkvx
 plan), each family alone promoted to fp32, each family alone rounded, and the cumulative promotions,
 families taken in the order of their single gains, to the fewest that meet the criterion (found by
-bisection). The MoBA blocks attend with the float64 twin's selection in every variant.
+bisection), and the decay's logit in bf16 instead of the decay (alone, and with the other families of
+that set in fp32). The MoBA blocks attend with the float64 twin's selection in every variant.
 
     python scripts/bf16_error_budget.py --out budget.md [--batch 1 --seq-len 512 --seed 0]
 
@@ -61,9 +62,11 @@ class Case:
         """rel_err of every gradient of ``result`` against float64."""
         return {n: rel_err(result.grads[n], g) for n, g in self.ref.grads.items()}
 
-    def emulate(self, fp32: frozenset[str]) -> dict[str, float]:
-        """The gradient errors of the emulated rwkvx plan with the families ``fp32`` promoted."""
-        return self.errors(self._run("rwkvx_bf16", selection=self.selection, fp32_families=fp32))
+    def emulate(self, fp32: frozenset[str], decay_logit: bool = False) -> dict[str, float]:
+        """The gradient errors of the emulated rwkvx plan with the families ``fp32`` promoted (and with
+        ``decay_logit``, the decay's logit in bf16 instead of the decay)."""
+        return self.errors(self._run("rwkvx_bf16", selection=self.selection, fp32_families=fp32,
+                                     decay_logit=decay_logit))
 
     def ratio(self, errors: dict[str, float]) -> float:
         """The largest error / allowance over the tensors; the criterion holds where it is <= 1 and the
@@ -113,6 +116,12 @@ def budget(kind: str, B: int, T: int, seed: int, log) -> list[str]:
             lo = mid + 1
     for k in sorted(found):
         rows.append(_row(case, "fp32: " + ", ".join(order[:k]), found[k]))
+    # the alternative to an fp32 decay: its logit in bf16 (the decay exact from it), with the rest of the set
+    rest = [f for f in order[:lo] if f != "decay"]
+    rows.append(_row(case, "decay as a bf16 logit", case.emulate(frozenset(), decay_logit=True)))
+    if rest:
+        rows.append(_row(case, "decay as a bf16 logit; fp32: " + ", ".join(rest),
+                         case.emulate(frozenset(rest), decay_logit=True)))
     rows.append(f"\nfewest fp32 families in gain order that meet the criterion: {', '.join(order[:lo]) or 'none'}")
     log(f"{kind}: done in {time.time() - t0:.0f} s")
     return rows

@@ -152,7 +152,9 @@ def test_bad_arguments_are_refused(random_params):
         torch_twin.loss_and_grads(cfg, params, tokens, targets, selection=[])
     with pytest.raises(ValueError, match="unknown families"):
         torch_twin.loss_and_grads(cfg, params, tokens, targets, "rwkvx_bf16", fp32_families=["bogus"])
-    with pytest.raises(ValueError, match="rwkvx_bf16 recipe only"):
+    with pytest.raises(ValueError, match="the rwkvx_bf16 recipe only"):
         torch_twin.loss_and_grads(cfg, params, tokens, targets, fp32_families=["decay"])
+    with pytest.raises(ValueError, match="the rwkvx_bf16 recipe only"):
+        torch_twin.loss_and_grads(cfg, params, tokens, targets, "autocast_bf16", decay_logit=True)
     with pytest.raises(TypeError, match="Config"):
         torch_twin.loss_and_grads(dict(cfg.__dict__), params, tokens, targets)

@@ -124,11 +124,13 @@ class _Activation(torch.autograd.Function):
 
 class Rounding:
     """The bf16 roundings ``recipe`` makes: those of the families in ``rounded`` (:data:`FAMILIES`); with
-    none, every method is the plain operation (the float64 and autocast recipes)."""
+    none, every method is the plain operation (the float64 and autocast recipes). ``decay_logit``: the
+    family ``decay`` rounds the decay's logit instead of the decay (see :func:`loss_and_grads`)."""
 
-    def __init__(self, recipe: str, rounded: Iterable[str]):
+    def __init__(self, recipe: str, rounded: Iterable[str], decay_logit: bool = False):
         self.recipe = recipe
         self.rounded = frozenset(rounded)
+        self.decay_logit = decay_logit
 
     def __call__(self, x: torch.Tensor, family: str) -> torch.Tensor:
         """x as a stored buffer of ``family``: its value and its gradient rounded."""
@@ -257,6 +259,8 @@ def _time_mix(P, pre, layer, x, v_first, N, rd):
     xr, xw, xk, xv, xa, xg = (rd(x + xx * P[a + m], "shift") for m in MIXES)
     r = rd(rd.linear(xr, P[a + "receptance.weight"]), "rkv")
     w = P[a + "w0"] + rd(_lora(rd, xw, P, a + "w1", a + "w2", "tanh"), "lora")     # the decay's logit
+    if rd.decay_logit:
+        w = rd.value(w, "decay")
     k = rd(rd.linear(xk, P[a + "key.weight"]), "rkv")
     v = rd(rd.linear(xv, P[a + "value.weight"]), "rkv")
     rate = torch.sigmoid(P[a + "a0"] + rd(_lora(rd, xa, P, a + "a1", a + "a2"), "lora"))
@@ -270,7 +274,8 @@ def _time_mix(P, pre, layer, x, v_first, N, rd):
         v = v + (v_first - v) * torch.sigmoid(P[a + "v0"] + rd(_lora(rd, xv, P, a + "v1", a + "v2"), "lora"))
         v = rd.value(v, "wkv_in")
     wa, wb = (rd.value(t, "wkv_in") for t in (-kk, kk * rate))
-    y = rd(wkv7(rd.grad(r, "rkv"), w, k, v, wa, wb, N, rd.recipe, "decay" in rd.rounded), "y")
+    round_decay = "decay" in rd.rounded and not rd.decay_logit
+    y = rd(wkv7(rd.grad(r, "rkv"), w, k, v, wa, wb, N, rd.recipe, round_decay), "y")
     y = F.group_norm(y.view(B * T, C), H, P[a + "ln_x.weight"], P[a + "ln_x.bias"], GN_EPS).view(B, T, C)
     r, k, v = (rd.grad(t, "gn_gate").view(B, T, H, N) for t in (r, k, v))      # the bonus term's gradients
     bonus = (r * k * P[a + "r_k"]).sum(dim=-1, keepdim=True)
@@ -380,13 +385,16 @@ class TwinResult:
 def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
                    recipe: str = "float64", device: str | torch.device = "cpu",
                    ignore_index: int = IGNORE_INDEX, selection: list | None = None,
-                   fp32_families: Iterable[str] = ()) -> TwinResult:
+                   fp32_families: Iterable[str] = (), decay_logit: bool = False) -> TwinResult:
     """The mean cross-entropy over the targets that are not ``ignore_index`` and its gradient for every
     parameter, computed by ``recipe`` (one of :data:`RECIPES`) on ``device``. ``params``: the oracle's
     dict (numpy, any float dtype; held as float64 in ``float64`` and ``rwkvx_bf16``, as float32 master
     weights in ``autocast_bf16``). ``selection``: per attention block the MoBA blocks to use (int [B, H,
     T, top_k-1], the oracle's format), None to use the recipe's own gate. ``fp32_families``: the
-    :data:`FAMILIES` that ``rwkvx_bf16`` leaves unrounded (all of them: the float64 recipe)."""
+    :data:`FAMILIES` that ``rwkvx_bf16`` leaves unrounded (all of them: the float64 recipe).
+    ``decay_logit``: an alternative to rwkvx's bf16 decay buffer for ``rwkvx_bf16``: the family ``decay``
+    rounds the decay's logit w0 + wl to bf16 and the recurrence takes the exact decay of that, as
+    RWKV-LM's clampw kernel does."""
     if not isinstance(cfg, Config):
         raise TypeError(f"cfg must be an rwkvx.Config, got {type(cfg).__name__}")
     if recipe not in RECIPES:
@@ -395,8 +403,8 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
     if fp32_families - FAMILIES.keys():
         raise ValueError(f"fp32_families: unknown families {sorted(fp32_families - FAMILIES.keys())}; "
                          f"the families are {tuple(FAMILIES)}")
-    if fp32_families and recipe != "rwkvx_bf16":
-        raise ValueError(f"fp32_families applies to the rwkvx_bf16 recipe only, not {recipe!r}")
+    if (fp32_families or decay_logit) and recipe != "rwkvx_bf16":
+        raise ValueError(f"fp32_families and decay_logit apply to the rwkvx_bf16 recipe only, not {recipe!r}")
     check_params(cfg, params)
     tokens = check_tokens(tokens, cfg.vocab_size)
     targets = check_targets(targets, tokens.shape, cfg.vocab_size, ignore_index)
@@ -407,7 +415,7 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
             raise ValueError(f"selection must hold {cfg.n_attn_layer} arrays of shape {shape}")
         selection = [torch.as_tensor(np.asarray(s, dtype=np.int64), device=device) for s in selection]
     dtype = torch.float32 if recipe == "autocast_bf16" else torch.float64
-    rd = Rounding(recipe, FAMILIES.keys() - fp32_families if recipe == "rwkvx_bf16" else frozenset())
+    rd = Rounding(recipe, FAMILIES.keys() - fp32_families if recipe == "rwkvx_bf16" else frozenset(), decay_logit)
     P = {n: torch.tensor(np.asarray(p), dtype=dtype, device=device, requires_grad=True) for n, p in params.items()}
     tok, tgt = (torch.as_tensor(t, device=device) for t in (tokens, targets))
     context = (torch.autocast(device.type, dtype=torch.bfloat16) if recipe == "autocast_bf16"
