@@ -9,6 +9,10 @@ move between files.
 
     python scripts/sass_fingerprint.py before.json            # on one tree
     python scripts/sass_fingerprint.py after.json --compare before.json
+    python scripts/sass_fingerprint.py after.json --compare before.json --only moba/ embedding   # some files only
+
+``--only`` builds just the kernel files whose module path contains one of the given texts (a quick check
+of an edit to those files); the comparison then covers only the kernels it built.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import argparse
 import hashlib
 import json
 import struct
+from collections.abc import Sequence
 
 import rwkvx.cu  # noqa: F401  (declares every kernel file)
 from rwkvx.runtime import nvrtc
@@ -35,10 +40,17 @@ def elf_sections(elf: bytes) -> dict[str, bytes]:
     return out
 
 
-def fingerprint(arch: str = "sm_90") -> dict[str, str]:
-    """``kernel|FLOATX_BF16=x|variant`` -> hash of its SASS, parameter-block and shared-memory sizes."""
+def kernel_files(only: Sequence[str] = ("",)) -> list[tuple[str, KernelFile]]:
+    """The declared kernel files whose module path contains one of ``only`` (all of them by default)."""
+    return [(module, kf) for module, kf in sorted(KernelFile.registry.items())
+            if any(text in module for text in only)]
+
+
+def fingerprint(arch: str = "sm_90", only: Sequence[str] = ("",)) -> dict[str, str]:
+    """``kernel|FLOATX_BF16=x|variant`` -> hash of its SASS, parameter-block and shared-memory sizes, for
+    the kernel files ``kernel_files(only)``."""
     result = {}
-    for module, kf in sorted(KernelFile.registry.items()):
+    for module, kf in kernel_files(only):
         for defines in kf.compile_cases():
             d = dict(defines)
             case = ",".join(f"{k}={d[k]}" for k in sorted(kf.variants))
@@ -58,14 +70,19 @@ def main() -> int:
     ap.add_argument("out", help="JSON file to write")
     ap.add_argument("--compare", help="an earlier fingerprint: list the kernels whose code differs")
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--only", nargs="+", default=[""], metavar="TEXT",
+                    help="build only the kernel files whose module path contains a TEXT; compare only their kernels")
     args = ap.parse_args()
-    fp = fingerprint(args.arch)
+    fp = fingerprint(args.arch, args.only)
     with open(args.out, "w") as f:
         json.dump(fp, f, indent=0, sort_keys=True)
     print(f"{len(fp)} kernel builds fingerprinted")
     if args.compare:
         with open(args.compare) as f:
             old = json.load(f)
+        if args.only != [""]:            # only the kernels of the files built
+            kernels = {kernel for _, kf in kernel_files(args.only) for kernel in kf.kernels}
+            old = {k: h for k, h in old.items() if k.split("|")[0] in kernels}
         changed = sorted(k for k in old.keys() | fp.keys() if old.get(k) != fp.get(k))
         for k in changed:
             print(f"differs: {k}: {old.get(k, 'absent')} -> {fp.get(k, 'absent')}")

@@ -250,13 +250,12 @@ moba_fwd_past(const floatX* __restrict__ q, const floatX* __restrict__ k, const 
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     int j;
     if (!moba_past_queries<MOBA_FQ>(idx, qlist, bh, nblk, Emax, K1, 1, qent, qtok, j)) return;
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_load_rows(sm.Q, q + hoff, tstride, qtok, MOBA_FQ);
+    const MobaHead hd(b, h, T, H);
+    moba_load_rows(sm.Q, q + hd.hoff, hd.tstride, qtok, MOBA_FQ);
 
     float m[FRQ], l[FRQ], acc[FRQ][NC];
     // block j is complete (a later block exists): all of it, no mask
-    moba_fwd_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale, m, l, acc);
+    moba_fwd_attend(sm, k + hd.hoff, v + hd.hoff, hd.tstride, j * chunk, (j + 1) * chunk, false, scale, m, l, acc);
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
 #pragma unroll
     for (int i = 0; i < FRQ; ++i) {
@@ -289,12 +288,11 @@ moba_fwd_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const f
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     int kstart, q1;
     if (!moba_own_queries<MOBA_FQ>(T, chunk, qtok, kstart, q1)) return;
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_load_rows(sm.Q, q + hoff, tstride, qtok, MOBA_FQ);
+    const MobaHead hd(b, h, T, H);
+    moba_load_rows(sm.Q, q + hd.hoff, hd.tstride, qtok, MOBA_FQ);
 
     float m[FRQ], l[FRQ], acc[FRQ][NC];
-    moba_fwd_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale, m, l, acc);
+    moba_fwd_attend(sm, k + hd.hoff, v + hd.hoff, hd.tstride, kstart, q1, true, scale, m, l, acc);
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
 #pragma unroll
     for (int i = 0; i < FRQ; ++i) {
@@ -310,7 +308,7 @@ moba_fwd_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const f
                 acc[i][c] = fmaf(acc[i][c], alpha, beta * pv);
             }
         });
-        floatX* orow = o + hoff + (size_t)t * tstride;
+        floatX* orow = o + hd.hoff + (size_t)t * hd.tstride;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const int col = tx + TX * c;
@@ -413,12 +411,11 @@ moba_bwd_dq_past(const floatX* __restrict__ q, const floatX* __restrict__ k, con
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     int j;
     if (!moba_past_queries<MOBA_DQ_Q>(idx, qlist, bh, nblk, Emax, K1, 2, qent, qtok, j)) return;
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_dq_load_queries(sm.Q, sm.dO, sm.lse, sm.D, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,
-                         MOBA_DQ_Q);
+    const MobaHead hd(b, h, T, H);
+    moba_dq_load_queries(sm.Q, sm.dO, sm.lse, sm.D, qtok, q, dout, lse, delta, hd.hoff, hd.tstride,
+                         (size_t)bh * T, MOBA_DQ_Q);
     float acc[DRQ][NC];
-    moba_dq_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale, acc);
+    moba_dq_attend(sm, k + hd.hoff, v + hd.hoff, hd.tstride, j * chunk, (j + 1) * chunk, false, scale, acc);
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
 #pragma unroll
     for (int i = 0; i < DRQ; ++i) {
@@ -449,12 +446,11 @@ moba_bwd_dq_own(const floatX* __restrict__ q, const floatX* __restrict__ k, cons
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     int kstart, q1;
     if (!moba_own_queries<MOBA_DQ_Q>(T, chunk, qtok, kstart, q1)) return;
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_dq_load_queries(sm.Q, sm.dO, sm.lse, sm.D, qtok, q, dout, lse, delta, hoff, tstride, (size_t)bh * T,
-                         MOBA_DQ_Q);
+    const MobaHead hd(b, h, T, H);
+    moba_dq_load_queries(sm.Q, sm.dO, sm.lse, sm.D, qtok, q, dout, lse, delta, hd.hoff, hd.tstride,
+                         (size_t)bh * T, MOBA_DQ_Q);
     float acc[DRQ][NC];
-    moba_dq_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale, acc);
+    moba_dq_attend(sm, k + hd.hoff, v + hd.hoff, hd.tstride, kstart, q1, true, scale, acc);
     const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
 #pragma unroll
     for (int i = 0; i < DRQ; ++i) {
@@ -463,17 +459,14 @@ moba_bwd_dq_own(const floatX* __restrict__ q, const floatX* __restrict__ k, cons
         float r[NC];
 #pragma unroll
         for (int c = 0; c < NC; ++c) r[c] = acc[i][c] * scale;
-        const size_t e0 = ((size_t)bh * T + t) * K1;
-        for (int s = 0; s < K1; ++s) {
-            if (sel[e0 + s] < 0) break;
-            const float* pr = part + (e0 + s) * HS;
+        moba_sum_partials(sel, part, ((size_t)bh * T + t) * K1, K1, [&](const float* pr) {
 #pragma unroll
             for (int c = 0; c < NC; ++c) {
                 const int col = tx + TX * c;
                 if (moba_col_ok(col)) r[c] += pr[col];
             }
-        }
-        floatX* drow = dq + hoff + (size_t)t * tstride;
+        });
+        floatX* drow = dq + hd.hoff + (size_t)t * hd.tstride;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const int col = tx + TX * c;
@@ -545,15 +538,11 @@ moba_bwd_dkdv(const floatX* __restrict__ q, const floatX* __restrict__ k, const 
     float *Ks = sm.K, *Vs = sm.V, *Qs = sm.Q, *dOs = sm.dO, *Ps = sm.P, *dSs = sm.dS, *lse_s = sm.lse, *D_s = sm.D;
     int* qtok = sm.qtok;
 
-    const int j = blockIdx.y;
-    const int bh = blockIdx.z, b = bh / H, h = bh - b * H;
-    const int u0 = j * chunk + blockIdx.x * MOBA_KV_K;
-    const int bend = min((j + 1) * chunk, T);
-    if (u0 >= bend) return;
-    const int nk = min(MOBA_KV_K, bend - u0);
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    const size_t bhT = (size_t)bh * T;
+    const MobaKeyTile<MOBA_KV_K> kt(T, H, chunk);
+    if (kt.u0 >= kt.bend) return;
+    const int j = kt.j, bh = kt.bh, u0 = kt.u0, bend = kt.bend, nk = kt.nk();
+    const MobaHead hd(kt.b, kt.h, T, H);
+    const size_t tstride = hd.tstride, hoff = hd.hoff, bhT = (size_t)bh * T;
     moba_load_kv<MOBA_KV_K>(Ks, Vs, k + hoff, v + hoff, tstride, u0, nk);
 
     float dka[KRK][NC], dva[KRK][NC];

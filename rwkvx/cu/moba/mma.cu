@@ -459,11 +459,10 @@ moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     int j;
     if (!moba_past_queries<MQ>(idx, qlist, bh, nblk, Emax, K1, 1, sm.qent, sm.qtok, j)) return;
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_mstage_fwd_queries(sm, q + hoff, tstride);
+    const MobaHead hd(b, h, T, H);
+    moba_mstage_fwd_queries(sm, q + hd.hoff, hd.tstride);
     float m[MQM][2], l[MQM][2], o[MQM][MNT][4];
-    moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E,
+    moba_mfwd_attend(sm, k + hd.hoff, v + hd.hoff, hd.tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E,
                      m, l, o);
     moba_mq_rows([&](int mt, int i, int row) {
         const int p = sm.qent[row];
@@ -488,12 +487,11 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     int kstart, q1;
     if (!moba_own_queries<MQ>(T, chunk, sm.qtok, kstart, q1)) return;
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
+    const MobaHead hd(b, h, T, H);
     const int* qtok = sm.qtok;
-    moba_mstage_fwd_queries(sm, q + hoff, tstride);
+    moba_mstage_fwd_queries(sm, q + hd.hoff, hd.tstride);
     float m[MQM][2], l[MQM][2], acc[MQM][MNT][4];
-    moba_mfwd_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, m, l, acc);
+    moba_mfwd_attend(sm, k + hd.hoff, v + hd.hoff, hd.tstride, kstart, q1, true, scale * MOBA_LOG2E, m, l, acc);
     moba_mq_rows([&](int mt, int i, int row) {
         const int t = qtok[row];
         if (t < 0) return;
@@ -507,7 +505,7 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
                 acc[mt][nt][2 * i + 1] = fmaf(acc[mt][nt][2 * i + 1], alpha, beta * pv.y);
             }
         });
-        floatX* orow = o + hoff + (size_t)t * tstride;
+        floatX* orow = o + hd.hoff + (size_t)t * hd.tstride;
         const float inv = 1.f / li;
 #pragma unroll
         for (int nt = 0; nt < MNT; ++nt) {
@@ -604,11 +602,11 @@ moba_bwd_dq_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k,
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     int j;
     if (!moba_past_queries<MQ>(idx, qlist, bh, nblk, Emax, K1, 1, sm.qent, sm.qtok, j)) return;
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_mstage_dq_queries(sm, q + hoff, dout + hoff, lse, delta, tstride, (size_t)bh * T);
+    const MobaHead hd(b, h, T, H);
+    moba_mstage_dq_queries(sm, q + hd.hoff, dout + hd.hoff, lse, delta, hd.tstride, (size_t)bh * T);
     float acc[MQM][MNT][4];
-    moba_mdq_attend(sm, k + hoff, v + hoff, tstride, j * chunk, (j + 1) * chunk, false, scale * MOBA_LOG2E, acc);
+    moba_mdq_attend(sm, k + hd.hoff, v + hd.hoff, hd.tstride, j * chunk, (j + 1) * chunk, false,
+                    scale * MOBA_LOG2E, acc);
     moba_mq_rows([&](int mt, int i, int row) {
         const int p = sm.qent[row];
         if (p < 0) return;
@@ -631,11 +629,10 @@ moba_bwd_dq_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, 
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
     int kstart, q1;
     if (!moba_own_queries<MQ>(T, chunk, sm.qtok, kstart, q1)) return;
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    moba_mstage_dq_queries(sm, q + hoff, dout + hoff, lse, delta, tstride, (size_t)bh * T);
+    const MobaHead hd(b, h, T, H);
+    moba_mstage_dq_queries(sm, q + hd.hoff, dout + hd.hoff, lse, delta, hd.tstride, (size_t)bh * T);
     float acc[MQM][MNT][4];
-    moba_mdq_attend(sm, k + hoff, v + hoff, tstride, kstart, q1, true, scale * MOBA_LOG2E, acc);
+    moba_mdq_attend(sm, k + hd.hoff, v + hd.hoff, hd.tstride, kstart, q1, true, scale * MOBA_LOG2E, acc);
     const int r0 = moba_mq_r0();     // a loop: moba_mq_rows changes this kernel's machine code (bf16, N = 128)
 #pragma unroll
     for (int mt = 0; mt < MQM; ++mt)
@@ -649,18 +646,15 @@ moba_bwd_dq_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, 
                 r[nt][0] = acc[mt][nt][2 * i] * scale;
                 r[nt][1] = acc[mt][nt][2 * i + 1] * scale;
             }
-            const size_t e0 = ((size_t)bh * T + t) * K1;
-            for (int s = 0; s < K1; ++s) {
-                if (sel[e0 + s] < 0) break;
-                const float* pr = part + (e0 + s) * HS;
+            moba_sum_partials(sel, part, ((size_t)bh * T + t) * K1, K1, [&](const float* pr) {
 #pragma unroll
                 for (int nt = 0; nt < MNT; ++nt) {
                     const float2 pv = *reinterpret_cast<const float2*>(pr + mfrag_col(nt, 0));
                     r[nt][0] += pv.x;
                     r[nt][1] += pv.y;
                 }
-            }
-            floatX* drow = dq + hoff + (size_t)t * tstride;
+            });
+            floatX* drow = dq + hd.hoff + (size_t)t * hd.tstride;
 #pragma unroll
             for (int nt = 0; nt < MNT; ++nt) {
                 drow[mfrag_col(nt, 0)] = from_f32(r[nt][0]);
@@ -781,16 +775,12 @@ moba_bwd_dkdv_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
                   floatX* __restrict__ dk, floatX* __restrict__ dv,
                   int T, int H, int chunk, int K1, int nblk, int Emax, float scale)
 {
+    const MobaKeyTile<MK> kt(T, H, chunk);
+    if (kt.u0 >= kt.bend) return;
     const MobaMKvSmem sm;
-    const int j = blockIdx.y;
-    const int bh = blockIdx.z, b = bh / H, h = bh - b * H;
-    const int u0 = j * chunk + blockIdx.x * MK;
-    const int bend = min((j + 1) * chunk, T);
-    if (u0 >= bend) return;
-    const int nk = min(MK, bend - u0);
-    const size_t tstride = (size_t)H * HS;
-    const size_t hoff = ((size_t)b * T * H + h) * HS;
-    const size_t bhT = (size_t)bh * T;
+    const int j = kt.j, bh = kt.bh, u0 = kt.u0, bend = kt.bend, nk = kt.nk();
+    const MobaHead hd(kt.b, kt.h, T, H);
+    const size_t tstride = hd.tstride, hoff = hd.hoff, bhT = (size_t)bh * T;
     const float scale2 = scale * MOBA_LOG2E;
     {
         floatX* const dst[2] = {sm.K, sm.V};

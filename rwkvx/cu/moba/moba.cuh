@@ -86,6 +86,18 @@ static __device__ __forceinline__ void moba_merge_partials(const int* __restrict
     }
 }
 
+// The dq partials of query t (part rows from entry e0 = (bh*T + t)*K1, slots in order, a negative sel
+// ends them): add(pr) adds the slot's partial row pr to the query's dq.
+template <class Add>
+static __device__ __forceinline__ void moba_sum_partials(const int* __restrict__ sel,
+                                                         const float* __restrict__ part, size_t e0, int K1, Add add)
+{
+    for (int s = 0; s < K1; ++s) {
+        if (sel[e0 + s] < 0) break;
+        add(part + (e0 + s) * HS);
+    }
+}
+
 // The dynamic shared memory of a launch, as 4-byte words (the MOBA_SM_* offsets count words).
 extern __shared__ float4 moba_smem4[];
 static __device__ __forceinline__ float* moba_smem_f(int word) { return reinterpret_cast<float*>(moba_smem4) + word; }
@@ -130,6 +142,24 @@ static __device__ __forceinline__ bool moba_past_queries(const int* __restrict__
     __syncthreads();
     return true;
 }
+
+// Where head h of sequence b lies in the [B, T, H, N] tensors: token t of it at hoff + t * tstride.
+struct MobaHead {
+    size_t tstride, hoff;
+    __device__ MobaHead(int b, int h, int T, int H)
+        : tstride((size_t)H * HS), hoff(((size_t)b * T * H + h) * HS) {}
+};
+
+// The key tile of a dk/dv CTA (grid (ceil(chunk / KT), nblk, B*H)): keys u0 .. u0 + nk() - 1 of block j,
+// which ends at bend, of head (b, h), bh = b*H + h. The CTA has no keys when u0 >= bend.
+template <int KT>
+struct MobaKeyTile {
+    int j, bh, b, h, u0, bend;
+    __device__ MobaKeyTile(int T, int H, int chunk)
+        : j(blockIdx.y), bh(blockIdx.z), b(bh / H), h(bh - b * H), u0(j * chunk + blockIdx.x * KT),
+          bend(min((j + 1) * chunk, T)) {}
+    __device__ int nk() const { return min(KT, bend - u0); }
+};
 
 // The query tile of an own-block CTA: tile blockIdx.x % tpc of block blockIdx.x / tpc (tpc tiles of TQ
 // queries per block); qtok[r] = q0 + r up to q1. False when the tile starts past T. Ends with
