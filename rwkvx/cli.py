@@ -269,21 +269,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _checkpoint(path: str) -> Path:
     """The checkpoint file ``--ckpt`` names (a file or a run directory)."""
-    from .training.rundir import find_checkpoint
+    from .training.setup import checkpoint_option
 
-    try:
-        return find_checkpoint(path)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    with _usage_errors():
+        return checkpoint_option(path, "--ckpt")
 
 
 def _check_writable(path: Path) -> None:
     """UsageError when ``--out`` ``path`` cannot be written."""
-    from .atomic_io import cannot_write
+    from .training.setup import check_writable
 
-    problem = cannot_write(path)
-    if problem:
-        raise UsageError(f"--out {path}: cannot write there ({problem})")
+    with _usage_errors():
+        check_writable(path)
 
 
 def flag_error(exc: FieldError) -> UsageError:

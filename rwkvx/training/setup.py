@@ -87,11 +87,20 @@ def check_device(device: str, task: str) -> tuple[str, str | None]:
     return kind, note
 
 
-def _checkpoint(path: str, option: str) -> Path:
+def checkpoint_option(path: str, option: str) -> Path:
+    """The checkpoint file that command-line ``option`` names (a file or a run directory); RunError
+    naming the option when there is none."""
     try:
         return find_checkpoint(path)
     except ValueError as exc:
         raise RunError(f"{option}: {exc}") from None
+
+
+def check_writable(path: Path, shown: Path | None = None) -> None:
+    """RunError naming ``--out`` (as ``shown``, default ``path``) when ``path`` cannot be written."""
+    problem = cannot_write(path)
+    if problem:
+        raise RunError(f"--out {shown or path}: cannot write there ({problem})")
 
 
 def _train_tokenizer(req: RunRequest, saved_run: dict[str, Any] | None, data_path: str) -> str | None:
@@ -150,7 +159,7 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
         kind, note = check_device(req.device, "training")
     if req.resume and req.init_from:
         raise RunError("--init-from starts a new run from a model, --resume continues a run: give one")
-    resume_path = _checkpoint(req.resume, "--resume") if req.resume else None
+    resume_path = checkpoint_option(req.resume, "--resume") if req.resume else None
     saved_run, saved, ckpt_cfg = None, None, None
     if resume_path is not None:
         try:
@@ -237,7 +246,7 @@ def _init_model(req: RunRequest, preset_model: dict[str, Any]) -> tuple[Config, 
     from ..checkpoint import load_checkpoint
     from ..params import rwkv7_to_rwkvx
 
-    path = _checkpoint(req.init_from, "--init-from")
+    path = checkpoint_option(req.init_from, "--init-from")
     try:
         cfg, params, _ = load_checkpoint(path)
     except ValueError as exc:
@@ -312,9 +321,7 @@ def _check_out(out: Path, resuming: bool) -> None:
     if not resuming and (out / CHECKPOINT_NAME).exists():
         raise RunError(f"--out {out} already holds a run ({CHECKPOINT_NAME}); use --resume "
                        f"{out} to continue it or choose another --out")
-    problem = cannot_write(out / CHECKPOINT_NAME)
-    if problem:
-        raise RunError(f"--out {out}: cannot write there ({problem})")
+    check_writable(out / CHECKPOINT_NAME, shown=out)
 
 
 def resolve_run(req: RunRequest, world: Any = None) -> Run:
