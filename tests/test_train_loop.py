@@ -14,7 +14,7 @@ from rwkvx.training.loop import train_loop
 from rwkvx.training.setup import Run
 from rwkvx.training.trainer import Trainer
 
-from seeding import seeded_rng
+from seeding import seeded_batches
 
 B, T = 2, 8
 CFG = Config(vocab_size=64, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16,
@@ -143,22 +143,13 @@ def test_a_non_finite_loss_stops_the_run_without_a_checkpoint(tmp_path):
     assert not any(e[0] == "save" for e in trainer.events)
 
 
-def _batches(n, seed):
-    rng = seeded_rng(seed)
-    out = []
-    for _ in range(n):
-        x = rng.integers(0, CFG.vocab_size, (B, T + 1))
-        out.append((x[:, :-1], x[:, 1:]))
-    return out
-
-
 def _cpu_trainer():
     return Trainer(CFG, init_params(CFG, 0), backend="cpu", batch_size=B, seq_len=T, lr=1e-3, lr_min=1e-4,
                    warmup=1, steps=4, grad_clip=1.0)
 
 
 def test_submit_gives_the_losses_of_step():
-    data = _batches(4, 0)
+    data = seeded_batches(4, CFG.vocab_size, B, T, seed=0)
     waiting, submitting = _cpu_trainer(), _cpu_trainer()
     losses = [waiting.step(*d) for d in data]
     handles = [submitting.submit(*d) for d in data]

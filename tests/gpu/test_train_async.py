@@ -12,7 +12,7 @@ from rwkvx.optim import Schedule
 from rwkvx.presets import get_preset
 from rwkvx.training.trainer import Trainer
 
-from seeding import seeded_rng
+from seeding import seeded_batches, seeded_rng
 
 CFG = Config(vocab_size=97, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=1,
              moba_chunk_size=16, moba_top_k=3)
@@ -21,13 +21,8 @@ SCHEDULE = Schedule(lr_max=1e-3, lr_min=1e-4, warmup=2, total_steps=8)
 STEPS = 8
 
 
-def batches(n, seed, cfg=CFG, batch=B, seq=T):
-    rng = seeded_rng(seed)
-    out = []
-    for _ in range(n):
-        x = rng.integers(0, cfg.vocab_size, (batch, seq + 1))
-        out.append((x[:, :-1], x[:, 1:]))
-    return out
+def batches(n, seed):
+    return seeded_batches(n, CFG.vocab_size, B, T, seed)
 
 
 def models(precision, n=2):
