@@ -12,6 +12,7 @@ while the current step runs, and each step copies its losses and optimizer stati
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 
@@ -124,7 +125,9 @@ class Model:
         self._slots = [{name: self.dev.alloc_pinned(self.layout.nbytes(name))
                         for name in [*Layout.host_inputs(R), "loss_t", STATS_BUFFER]} for _ in range(SLOTS)]
         self._pinned = self._slots[0]
-        self._owners: list[PendingStep | None] = [None] * SLOTS   # the step whose results a slot holds
+        # the step whose results each slot holds, unread (weak: a step nobody can read any more is only
+        # waited for before its slot is written again)
+        self._owners: list[weakref.ref | None] = [None] * SLOTS
         self._next_slot = 0
         self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
         self.ops = self.builder.build()
@@ -172,9 +175,11 @@ class Model:
     def _claim(self, slot: int) -> dict:
         """Slot ``slot``'s pinned buffers, free to write: the step that last used them has finished and
         its results are read (it waits for that step when it has not)."""
-        owner = self._owners[slot]
+        owner = self._owners[slot]() if self._owners[slot] is not None else None
         if owner is not None:
             owner.result()
+        else:
+            self._events[slot].synchronize()
         return self._slots[slot]
 
     def _stage_tokens(self, slot: int, tokens) -> np.ndarray:
@@ -303,7 +308,7 @@ class Model:
             self._train_graphs[slot].launch()
         self._events[slot].record()
         pending = PendingStep(self, slot)
-        self._owners[slot], self._next_slot = pending, (slot + 1) % SLOTS
+        self._owners[slot], self._next_slot = weakref.ref(pending), (slot + 1) % SLOTS
         return pending
 
     def _read_slot(self, slot: int) -> tuple[float, dict[str, float]]:
