@@ -5,7 +5,9 @@ The host never waits for a step before the next one is submitted (:meth:`Trainer
 draws batch i+1 and submits step i+1 while step i runs, then reads step i's loss, writes its log row
 and moves the progress bar. A step whose end something needs — evaluation and checkpoints (the
 parameters after it), the last step, a stop — is read before that happens, so no step is lost and none
-is added.
+is added. Gradient clipping and the learning-rate schedule run inside the step and need no loss on the
+host; a non-finite loss raises FloatingPointError when it is read (on the GPU, with the next step
+already launched), and the run ends without writing a checkpoint.
 
 Data parallel: every rank trains and evaluates its shard; only rank 0 shows progress and writes.
 """
