@@ -13,13 +13,13 @@ import pytest
 import rwkvx._core
 import rwkvx.model
 import rwkvx.runtime
-from emulator import Memory, _args
+from emulator import Memory, _args, run_memory_op
 from rwkvx import Config, init_params
 from rwkvx.cu import adamw
 from rwkvx.model import SLOTS, Model
 from rwkvx.optim import Schedule
 from rwkvx.runtime.device import H200
-from rwkvx.runtime.ops import Copy, CopyDtoH, CopyHtoD, Memset, as_ptr, flatten_ops
+from rwkvx.runtime.ops import as_ptr, flatten_ops
 from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_batches
@@ -83,13 +83,9 @@ class LazyPinned:
 def execute(mem, ops):
     """The memory ops, the cross-entropy launch (loss := target) and AdamW's step count; nothing else."""
     for op in ops:
-        if isinstance(op, (Copy, CopyHtoD, CopyDtoH)):
-            src = op.host_ptr if isinstance(op, CopyHtoD) else op.src
-            dst = op.host_ptr if isinstance(op, CopyDtoH) else op.dst
-            mem.bytes(dst, op.nbytes)[:] = mem.bytes(src, op.nbytes).copy()
-        elif isinstance(op, Memset):
-            mem.bytes(op.ptr, op.nbytes)[:] = 0
-        elif getattr(op, "name", None) == "cross_entropy_loss":
+        if run_memory_op(mem, op):
+            continue
+        if getattr(op, "name", None) == "cross_entropy_loss":
             a = _args(op)
             mem.array(a["loss"], "f64", a["R"])[:] = mem.array(a["targets"], "i32", a["R"])
         elif getattr(op, "name", None) == "adamw_step_begin":
