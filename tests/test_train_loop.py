@@ -8,13 +8,16 @@ import types
 import numpy as np
 import pytest
 
+from lazy_device import install, mean_target
 from rwkvx import Config, init_params
+from rwkvx.data import BatchSampler
 from rwkvx.training.config import TrainConfig
 from rwkvx.training.loop import train_loop
+from rwkvx.training.rundir import fmt
 from rwkvx.training.setup import Run
 from rwkvx.training.trainer import Trainer
 
-from seeding import seeded_batches
+from seeding import seeded_batches, seeded_rng
 
 B, T = 2, 8
 CFG = Config(vocab_size=64, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16,
@@ -83,14 +86,16 @@ class StubSampler:
         return {}
 
 
+def make_run(trainer, sampler, val_batches, out):
+    prep = types.SimpleNamespace(world_size=1, resume=None, val_batches=val_batches, cfg=CFG, preset="test")
+    return Run(prep=prep, trainer=trainer, sampler=sampler, start=0, out=out, entropy=None, info={},
+               progress=False)
+
+
 def run_stub(tmp_path, steps, eval_every=0, ckpt_every=0, **stub):
     config = TrainConfig(batch_size=B, seq_len=T, steps=steps, eval_every=eval_every, ckpt_every=ckpt_every)
     trainer = StubTrainer(config, **stub)
-    prep = types.SimpleNamespace(world_size=1, resume=None, val_batches=[StubSampler().next()], cfg=CFG,
-                                 preset="stub")
-    run = Run(prep=prep, trainer=trainer, sampler=StubSampler(), start=0, out=tmp_path, entropy=None,
-              info={}, progress=False)
-    return trainer, run
+    return trainer, make_run(trainer, StubSampler(), [StubSampler().next()], tmp_path)
 
 
 def log_rows(run):
@@ -165,3 +170,22 @@ def test_submit_gives_the_losses_of_step():
     assert submitting.last_stats == waiting.last_stats          # an older step read later changes nothing
     a, b = waiting.params, submitting.params
     assert all(np.array_equal(a[n], b[n]) for n in a)
+
+
+def test_the_loop_on_the_gpu_backend_logs_every_step_and_checkpoints_it(tmp_path, monkeypatch):
+    """The real Trainer and Model over a stand-in device whose steps run only when the host waits
+    (tests/lazy_device.py; a step's loss is the mean of its targets): the log holds each step's own
+    loss, the evaluations and checkpoints come after their step."""
+    install(monkeypatch)
+    config = TrainConfig(batch_size=B, seq_len=T, steps=5, eval_every=2, ckpt_every=3, warmup=1)
+    trainer = Trainer(CFG, init_params(CFG, 0), config, backend="gpu")
+    tokens = seeded_rng(6).integers(0, CFG.vocab_size, 10_000)
+    val = seeded_batches(1, CFG.vocab_size, B, T, seed=7)
+    run = make_run(trainer, BatchSampler(tokens, B, T, seed=0), val, tmp_path)
+    outcome = train_loop(run)
+    replay = BatchSampler(tokens, B, T, seed=0)
+    want = [mean_target(replay.next()[1]) for _ in range(5)]
+    rows = log_rows(run)
+    assert [r["train_loss"] for r in rows] == [fmt(w) for w in want]
+    assert [int(r["step"]) for r in rows if r["val_loss"]] == [2, 4, 5]
+    assert outcome.step == 5 and Trainer.load(run.ckpt_path, backend="cpu").step_count == 5
