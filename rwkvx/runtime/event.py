@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from .errors import check, driver_error
 
-CUDA_ERROR_NOT_READY = 600          # cuEventQuery: the recorded work has not finished yet
-
 
 class Event:
     """A CUDA event without timing (CU_EVENT_DISABLE_TIMING: the cheapest to record and wait on)."""
@@ -24,7 +22,7 @@ class Event:
         """Whether the work before the last :meth:`record` has finished (True when never recorded)."""
         res = self._driver.cuEventQuery(self._event)
         code = int(res[0] if isinstance(res, tuple) else res)
-        if code == CUDA_ERROR_NOT_READY:
+        if code == int(self._driver.CUresult.CUDA_ERROR_NOT_READY):   # recorded work still running
             return False
         if code != 0:
             raise driver_error("cuEventQuery", code)
