@@ -2,7 +2,6 @@
 whose stream runs only when the host waits, each step's loss the mean of its targets): which slot each
 step stages into and reads back, and when the host waits. The graph's arithmetic is the GPU tests'
 (tests/gpu/test_train_async.py)."""
-import numpy as np
 import pytest
 
 from lazy_device import install, mean_target
