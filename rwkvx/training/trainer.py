@@ -457,7 +457,8 @@ class Trainer:
     def save(self, path: str | os.PathLike, meta: Mapping[str, Any] | None = None,
              tensors: Mapping[str, np.ndarray] | None = None) -> None:
         """Write an atomic checkpoint: parameters, AdamW state, step, the TrainConfig, plus ``meta``
-        (JSON-able) and ``tensors`` (extra arrays) of the caller."""
+        (JSON-able) and ``tensors`` (extra arrays) of the caller. It holds every submitted step, read
+        or not (reading the device state waits for them)."""
         state = self.backend.optimizer_state()
         all_tensors = dict(state["tensors"])
         for name, value in (tensors or {}).items():
