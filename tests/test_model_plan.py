@@ -287,3 +287,24 @@ def test_without_recompute_each_block_keeps_its_forward_state(kwargs, B, T):
     saves = [op for op in flatten_ops(without.forward) if isinstance(op, Launch) and op.name.startswith("wkv7_forward")]
     names = [n for n, _ in wkv7.WKV7_FORWARD.params]
     assert saves and all(dict(zip(names, (v for _, v in op.args)))["sa_out"] for op in saves)
+
+
+def test_rebased_step_moves_only_the_host_copies():
+    """A training step on another staging slot: the same ops, each host copy's pinned address moved to
+    that slot's buffer of the same name, nothing else changed."""
+    import dataclasses
+
+    from rwkvx.model import rebased
+    kwargs, B, T = CONFIGS[1]
+    _, ops = build(kwargs, B, T)
+    step = flatten_ops(ops.step)
+    slot0 = host_buffers(B, T)
+    slot1 = {name: addr + (1 << 29) for name, addr in slot0.items()}
+    moved = rebased(ops.step, {slot0[n]: slot1[n] for n in slot0})
+    copies = [(a, b) for a, b in zip(step, moved) if isinstance(a, (CopyHtoD, CopyDtoH))]
+    assert len(moved) == len(step)
+    assert all(a == b for a, b in zip(step, moved) if not isinstance(a, (CopyHtoD, CopyDtoH)))
+    assert sorted(b.host_ptr for _, b in copies) == sorted(slot1.values())       # every input and loss_t
+    name_at = {addr: name for name, addr in slot0.items()}
+    for a, b in copies:
+        assert b == dataclasses.replace(a, host_ptr=slot1[name_at[a.host_ptr]])

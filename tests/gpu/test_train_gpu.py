@@ -10,7 +10,7 @@ from rwkvx.optim import Schedule
 from rwkvx.oracle import rel_err
 from rwkvx.training.trainer import Trainer
 
-from seeding import seeded_rng
+from seeding import seeded_batches
 
 # T <= chunk * top_k: every past block is selected, so no selection near-ties between CPU and GPU
 CFG = Config(vocab_size=97, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=1,
@@ -20,12 +20,7 @@ SCHEDULE = Schedule(lr_max=1e-3, lr_min=1e-4, warmup=2, total_steps=6)
 
 
 def batches(n, seed):
-    rng = seeded_rng(seed)
-    out = []
-    for _ in range(n):
-        x = rng.integers(0, CFG.vocab_size, (B, T + 1))
-        out.append((x[:, :-1], x[:, 1:]))
-    return out
+    return seeded_batches(n, CFG.vocab_size, B, T, seed)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
