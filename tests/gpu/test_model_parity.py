@@ -2,7 +2,7 @@
 
 docs/SPEC.md §4 tolerances: fp32, any parameters: loss <= 1e-5, logits and every gradient <= 1e-4 (relative,
 per tensor). Reduced precisions on a training-like model (init_params with its zero matrices filled with
-N(0, 0.02^2)): every gradient (and the logits) tf32 <= 3e-2, bf16 <= 1e-1; loss tf32 <= 1e-4, bf16 <= 1e-3.
+N(0, 0.02^2)): every gradient (and the logits) tf32 <= 3e-2, bf16 <= 5e-2; loss tf32 <= 1e-4, bf16 <= 1e-3.
 Random-parameter models in tf32 are also held to 5e-3 (the kernels' own tf32 limit).
 Fresh random parameters and inputs every run (the seeds are in a failure's report), except the tf32
 random-parameter cases, which run over fixed seeds; the device outputs are poisoned before every check.
@@ -24,7 +24,7 @@ from seeding import seeded_rng
 NEAR_TIE = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 1e-1}
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "tf32": (5e-3, 5e-3)}
-TRAINING_LIKE_TOLERANCES = {"tf32": (1e-4, 3e-2), "bf16": (1e-3, 1e-1)}   # (loss, logits and gradients)
+TRAINING_LIKE_TOLERANCES = {"tf32": (1e-4, 3e-2), "bf16": (1e-3, 5e-2)}   # (loss, logits and gradients)
 
 
 # test_model_matches_oracle in tf32 runs these cases over fixed seeds, so that a miss can be replayed.
