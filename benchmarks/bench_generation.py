@@ -9,7 +9,9 @@ fed are a fixed random sequence, so every row does the same work.
   same tokens as the stateful path).
 * GPU: the 0.22B config (the ``base`` preset's model) in fp32, tf32 and bf16: the
   decoder's graph-replayed step (wall clock per ``step``, the host's sync and logits read included, and
-  CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window.
+  CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window; and the
+  time to the first token of a ``generate`` call after a first one (the decoder kept on the model:
+  nothing built, the prompt's prefill and one step).
 
 Run: ``python -m pytest benchmarks/bench_generation.py --benchmark-columns=mean,rounds`` (GPU rows skip
 without a GPU).
@@ -93,9 +95,8 @@ def base_params():
 
 
 def _model(dev, cfg, params, T, precision):
-    from rwkvx.decoder import PREFILL_METHODS
     from rwkvx.model import Model
-    return Model(cfg, params, 1, T, precision=precision, methods=PREFILL_METHODS)
+    return Model(cfg, params, 1, T, precision=precision)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
@@ -104,7 +105,7 @@ def test_gpu_stateful(benchmark, dev, base_params, precision):
     from rwkvx.runtime import EventTimer
     cfg, params, tokens = base_params
     n = tokens.shape[1] - PROMPT
-    decoder = Decoder(_model(dev, cfg, params, PROMPT, precision), PROMPT + n)
+    decoder = Decoder(_model(dev, cfg, params, 1, precision), 1, PROMPT, PROMPT + n)
     try:
         t0 = time.perf_counter()
         decoder.prefill(tokens[:, :PROMPT])
@@ -122,7 +123,19 @@ def test_gpu_stateful(benchmark, dev, base_params, precision):
         benchmark.extra_info.update(prefill_s=round(prefill_s, 4), graph_ms_per_token=round(graph_ms, 4),
                                     graph_tokens_per_s=round(1e3 / graph_ms, 1))
     finally:
-        decoder.close()
+        decoder.free()
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
+def test_gpu_first_token_of_a_second_generate(benchmark, dev, base_params, precision):
+    import rwkvx
+    cfg, params, tokens = base_params
+    model = _model(dev, cfg, params, 1, precision)
+    t0 = time.perf_counter()
+    rwkvx.generate(model, tokens[0, :PROMPT], 1)          # builds the decoder kept on the model
+    benchmark.extra_info["first_call_s"] = round(time.perf_counter() - t0, 3)
+    benchmark.pedantic(lambda: rwkvx.generate(model, tokens[0, :PROMPT], 1), rounds=5, iterations=1)
+    benchmark.extra_info["first_token_s"] = round(benchmark.stats.stats.mean, 4)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])

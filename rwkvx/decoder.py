@@ -1,17 +1,26 @@
 """Stateful generation on the GPU: :class:`Decoder`, the GPU :class:`rwkvx.generation.Session`.
 
-**Prefill** (once per prompt of P tokens): the forward of a :class:`rwkvx.model.Model` built for (B, P),
-in parallel over the prompt, with the WKV state saved (the forward's checkpoint after the last token is
-the state after the prompt); after each block, copies leave what decoding needs in the decoder's state
-arena: the last LN1 and LN2 rows (the token shifts), the WKV state, MoBA's keys, values and the means of
-the complete key blocks. The model's own forward kernels can expose these states, so the prompt is not
-fed token by token.
+A Decoder serves one (model, batch size) pair for any prompt up to its capacities; it reads the weights
+from the model's own resident parameters (``params``, and ``params_x`` in bf16), so an optimizer step
+or :meth:`rwkvx.model.Model.load_params` is seen by the next token without a copy. Everything else
+(activations, the carried state, the step's CUDA graph) is the decoder's own, allocated once;
+:func:`decoder_for` keeps one Decoder per batch size on the model, so a second ``generate`` builds
+nothing.
+
+**Prefill** (once per prompt of P tokens): the prompt's first ``prefix`` tokens run through the model's
+forward kernels in parallel (the chunked WKV7 where the precision uses it), over a window of
+``prompt_cap`` tokens (the rest padded with token 0: the forward is causal, so the padding never reaches
+them). ``prefix`` is the largest multiple of the WKV7 kernel's checkpoint interval below P (0 for a
+short prompt), because its checkpoints are where the forward leaves the WKV state (:func:`prefix_len`).
+After each block, copies leave what decoding needs in the decoder's state arena: row prefix-1 of LN1
+and LN2 (the token shifts), the WKV state, MoBA's keys, values and the means of the complete key
+blocks. The remaining 1 to interval tokens of the prompt are fed one by one through the step.
 
 **Step** (one token per sequence): the same :class:`rwkvx.step.StepBuilder` forward on B rows of the
-model's arena (its weights and transients), with the parts that look at earlier tokens (token shifts,
-WKV, MoBA) replaced by rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state arena.
-The token ids and the position (a device int MoBA reads) come from pinned memory, the logits [B, V]
-go back to pinned memory, and the whole step is one CUDA graph, replayed per token.
+decoder's arena, with the parts that look at earlier tokens (token shifts, WKV, MoBA) replaced by
+rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state arena. The token ids
+and the position (a device int MoBA reads) come from pinned memory, the logits [B, V] go back to
+pinned memory, and the whole step is one CUDA graph, replayed per token.
 
 State arena (elements; X = the model's activation type): per RWKV block i ``tm_prev.i`` X [B, C] and
 ``wkv.i`` fp32 [B, H, N, N]; per block ``cm_prev.<prefix>`` X [B, C]; per attention block j the caches
@@ -33,10 +42,41 @@ from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
 from .step import StepBuilder
 from .validate import check_tokens
 
+WEIGHT_REGIONS = ("params", "params_x")            # read from the model's arena, never copied
+TRAINING_REGIONS = ("grads", "adam_m", "adam_v")   # a decoder never touches them: not allocated
+MIN_PROMPT_CAP = 64        # the smallest prompt window a cached decoder is built for (tokens)
+MIN_MAX_LEN = 256          # the smallest cache a cached decoder is built for (tokens)
 
-# The kernel methods a decoder's Model needs: the sequential WKV7 forward, whose last checkpoint is the
-# state after the prompt (the chunked one saves the states entering its chunks).
-PREFILL_METHODS = {"wkv7": "sequential"}
+
+def checkpoint_interval(method: str) -> int:
+    """Tokens between the WKV7 forward's saved states for kernel ``method``."""
+    return wkv7.CHUNKED_L if method in wkv7.CHUNKED_METHODS else wkv7.CHUNK
+
+
+def prefix_len(prompt_len: int, method: str) -> int:
+    """Tokens of a prompt of ``prompt_len`` that the prefill runs through the forward: the largest
+    multiple of the checkpoint interval below ``prompt_len`` (at least one token is left for the step,
+    which gives the logits of the prompt's last position)."""
+    g = checkpoint_interval(method)
+    return (prompt_len - 1) // g * g
+
+
+def state_slot(method: str, prefix: int) -> int:
+    """The WKV7 checkpoint slot holding the state after ``prefix`` tokens (> 0, a multiple of the
+    interval): the sequential kernel saves the state after each chunk, the chunked ones the state
+    entering each chunk (so the window must be longer than ``prefix``)."""
+    g = checkpoint_interval(method)
+    return prefix // g if method in wkv7.CHUNKED_METHODS else prefix // g - 1
+
+
+def own_span(layout: Layout) -> tuple[int, int]:
+    """(start, end): the bytes of ``layout``'s arena a decoder allocates, everything after the weight
+    and training regions (which the layout places first)."""
+    skipped = WEIGHT_REGIONS + TRAINING_REGIONS
+    start = max(layout.offsets[n] + layout.nbytes(n) for n in skipped)
+    if any(off < start for n, off in layout.offsets.items() if n not in skipped):
+        raise ValueError("decoder: the layout must place the weight and training regions first")
+    return start, layout.total
 
 
 def state_sizes(layout: Layout, max_len: int) -> dict[str, tuple[int, str]]:
@@ -56,21 +96,38 @@ def state_sizes(layout: Layout, max_len: int) -> dict[str, tuple[int, str]]:
     return sizes
 
 
-class PrefillBuilder(StepBuilder):
-    """The forward over the prompt (the model's, B x T = P tokens at ``base``) that also fills the
-    state arena ``state`` (:func:`state_sizes` carved, caches of ``max_len`` tokens)."""
+class _DecoderBuilder(StepBuilder):
+    """A StepBuilder on the decoder's arena at ``base`` whose weights are ``weights`` (the model's
+    ``params`` and ``params_x`` pointers), with the state arena ``state`` (caches of ``max_len`` tokens)."""
 
-    def __init__(self, layout: Layout, base: int, state: dict[str, DevPtr | None], max_len: int):
-        if any(layout.methods[k] != v for k, v in PREFILL_METHODS.items()):
-            raise ValueError("the prefill reads the state after the prompt from the sequential WKV7 "
-                             "kernel's checkpoints: build the Model with methods=rwkvx.decoder.PREFILL_METHODS")
+    def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
+                 state: dict[str, DevPtr | None], max_len: int):
         super().__init__(layout, base, {})
-        self.state, self.max_len = state, max_len
+        self.weights, self.state, self.max_len = weights, state, max_len
+
+    def buf(self, name: str) -> DevPtr | None:
+        if name in self.weights:
+            return self.weights[name]
+        return super().buf(name)
+
+
+class PrefillBuilder(_DecoderBuilder):
+    """The forward over the prompt window (B x T tokens) that also leaves in the state arena what
+    decoding needs after the window's first ``prefix`` tokens (> 0, a multiple of the WKV7 checkpoint
+    interval, < T)."""
+
+    def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
+                 state: dict[str, DevPtr | None], max_len: int, prefix: int):
+        super().__init__(layout, base, weights, state, max_len)
+        if not 0 < prefix < self.T or prefix % checkpoint_interval(self.methods["wkv7"]):
+            raise ValueError(f"prefix {prefix}: must be in (0, {self.T}) and a multiple of "
+                             f"{checkpoint_interval(self.methods['wkv7'])}")
+        self.prefix = prefix
 
     def _last_rows(self, src: DevPtr, dst: DevPtr) -> list:
-        """dst [B, C] = the last row of each sequence of src [B*T, C]."""
+        """dst [B, C] = row prefix-1 of each sequence of src [B*T, C]."""
         C, T = self.cfg.n_embd, self.T
-        return [Copy(dst.offset(b * C), src.offset((b * T + T - 1) * C), C * ELEM_BYTES[src.elem])
+        return [Copy(dst.offset(b * C), src.offset((b * T + self.prefix - 1) * C), C * ELEM_BYTES[src.elem])
                 for b in range(self.B)]
 
     def time_shift(self, i: int) -> list:
@@ -80,22 +137,22 @@ class PrefillBuilder(StepBuilder):
         return super().channel_shift(prefix) + self._last_rows(self.buf("h2"), self.state["cm_prev." + prefix])
 
     def wkv(self, i: int, for_backward: bool) -> list:
-        # checkpoint slot nC-1 of every (b, h) is the state after the prompt's last token
-        H, N, nC = self.cfg.n_head, self.cfg.head_size, wkv7.n_chunks(self.T)
+        H, N, method = self.cfg.n_head, self.cfg.head_size, self.methods["wkv7"]
+        nC, slot = wkv7.n_chunks(self.T, method), state_slot(method, self.prefix)
         ckpt, dst = self.buf("wkv_ckpt"), self.state[f"wkv.{i}"]
         return super().wkv(i, for_backward=True) + [
-            Copy(dst.offset(bh * N * N), ckpt.offset((bh * nC + nC - 1) * N * N), N * N * 4)
+            Copy(dst.offset(bh * N * N), ckpt.offset((bh * nC + slot) * N * N), N * N * 4)
             for bh in range(self.B * H)]
 
     def attention(self, j: int) -> list:
-        cfg, B, T = self.cfg, self.B, self.T
+        cfg, B, T, n = self.cfg, self.B, self.T, self.prefix
         C, H, N, chunk = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.moba_chunk_size
         ops = super().attention(j)
         for name, cache in (("k", f"kc.{j}"), ("v", f"vc.{j}")):
             src, dst = self.buf(name), self.state[cache]
-            ops += [Copy(dst.offset(b * self.max_len * C), src.offset(b * T * C), T * C * ELEM_BYTES[src.elem])
+            ops += [Copy(dst.offset(b * self.max_len * C), src.offset(b * T * C), n * C * ELEM_BYTES[src.elem])
                     for b in range(B)]
-        full = T // chunk                 # the forward's block means of the prompt's complete blocks
+        full = n // chunk                 # the forward's means of the blocks complete within the prefix
         if cfg.moba_top_k > 1 and full:
             src, dst = self.buf("moba_kmean"), self.state[f"kmean.{j}"]
             nblk, maxblk = -(-T // chunk), self.max_len // chunk
@@ -104,14 +161,14 @@ class PrefillBuilder(StepBuilder):
         return ops
 
 
-class DecodeStepBuilder(StepBuilder):
-    """One token per sequence: the forward on B rows of the model's arena at ``base``, with decode.cu
-    where it looks at earlier tokens (state arena ``state``, caches of ``max_len`` tokens)."""
+class DecodeStepBuilder(_DecoderBuilder):
+    """One token per sequence: the forward on B rows of the decoder's arena, with decode.cu where it
+    looks at earlier tokens."""
 
-    def __init__(self, layout: Layout, base: int, state: dict[str, DevPtr | None], max_len: int):
-        super().__init__(layout, base, {})
+    def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
+                 state: dict[str, DevPtr | None], max_len: int):
+        super().__init__(layout, base, weights, state, max_len)
         self.T, self.R = 1, self.B
-        self.state, self.max_len = state, max_len
 
     def time_shift(self, i: int) -> list:
         att, b = f"rwkv.blocks.{i}.att.", self.buf
@@ -135,88 +192,114 @@ class DecodeStepBuilder(StepBuilder):
                                 cfg.moba_top_k, self.dev, sel=s[f"sel.{j}"])
 
 
-def decoder_ops(layout: Layout, base: int, state: dict[str, DevPtr | None], max_len: int,
-                stage_tokens: list, host_inputs: int, host_logits: int) -> tuple[list, list]:
-    """(prefill ops, step ops) of a model of ``layout`` at ``base`` with the state arena ``state``
-    (needs no GPU). ``stage_tokens``: the model's copy of the prompt from pinned memory; pinned
-    ``host_inputs`` int32 [B + 1] (the step's tokens, then its position) and ``host_logits`` [B, V]
-    (the step's logits, in the activation type). The prefill ends with the final LayerNorm's output
-    (the model's head turns it into logits: :meth:`rwkvx.model.Model.logits`)."""
-    built = (layout, base, state, max_len)
-    step = DecodeStepBuilder(*built)
+def prefill_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
+                state_bytes: int, max_len: int, prefix: int, host_prompt: int) -> list:
+    """The prefill of a prompt whose first ``prefix`` tokens go through the forward (needs no GPU):
+    the state arena (``state_bytes`` from ``state["pos"]``) zeroed, then, when ``prefix`` > 0, the
+    window's tokens staged from pinned ``host_prompt`` int32 [B, T] and the forward with its state copies."""
+    ops = [Memset(state["pos"], state_bytes)]
+    if prefix:
+        built = PrefillBuilder(layout, base, weights, state, max_len, prefix)
+        ops += [CopyHtoD(built.buf("tokens"), host_prompt, 4 * layout.B * layout.T), *built.forward()]
+    return ops
+
+
+def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
+             max_len: int, host_inputs: int, host_logits: int) -> list:
+    """One step (needs no GPU): pinned ``host_inputs`` int32 [B + 1] (the tokens, then the position)
+    in, the logits [B, V] (in the activation type) out to pinned ``host_logits``."""
+    step = DecodeStepBuilder(layout, base, weights, state, max_len)
     B, V = layout.B, layout.cfg.vocab_size
-    step_ops = [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
-                CopyHtoD(state["pos"], host_inputs + 4 * B, 4),
-                *step.forward(), *step.head_logits(0),
-                CopyDtoH(host_logits, step.buf("logits"), B * V * ELEM_BYTES[layout.xtype])]
-    return stage_tokens + PrefillBuilder(*built).forward(), step_ops
+    return [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
+            CopyHtoD(state["pos"], host_inputs + 4 * B, 4),
+            *step.forward(), *step.head_logits(0),
+            CopyDtoH(host_logits, step.buf("logits"), B * V * ELEM_BYTES[layout.xtype])]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 class Decoder:
-    """Stateful generation of ``model.B`` sequences on the GPU (see the module docstring).
-
-    ``model``: a :class:`rwkvx.model.Model` built for (B, P): its forward processes the P-token prompt,
-    its weights and buffers serve every step (the model is used, not copied). ``max_len`` (>= P): the
-    most tokens fed to the model, prompt included (the length of the MoBA caches). Use
-    :meth:`prefill` once, then :meth:`step` up to ``max_len - P`` times; :meth:`close` frees it.
+    """Stateful generation of ``batch`` sequences on the GPU with ``model``'s weights (see the module
+    docstring): prompts of up to ``prompt_cap`` tokens, sequences of up to ``max_len`` tokens fed to
+    the model, prompt included (the length of the MoBA caches). Use :meth:`prefill`, then :meth:`step`
+    up to ``max_len - P`` times; a new :meth:`prefill` starts over. :meth:`free` releases it.
     """
 
-    def __init__(self, model: Model, max_len: int) -> None:
+    def __init__(self, model: Model, batch: int, prompt_cap: int, max_len: int) -> None:
         from ._core import Plan
         from .runtime import Graph
-        if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < model.T:
-            raise ValueError(f"max_len must be an int >= the prompt length {model.T}, got {max_len!r}")
+        if not isinstance(model, Model):
+            raise TypeError(f"Decoder expects an rwkvx.Model, got {type(model).__name__}")
+        self.B, self.prompt_cap = _positive_int("batch", batch), _positive_int("prompt_cap", prompt_cap)
+        self.max_len = _positive_int("max_len", max_len)
         self.model, self.dev, self.cfg = model, model.dev, model.cfg
-        self.B, self.P, self.max_len = model.B, model.T, int(max_len)
+        self.layout = Layout(self.cfg, self.B, self.prompt_cap, self.dev.info, model.precision, recompute=True,
+                             methods=model.layout.methods)
         self.length: int | None = None                   # tokens fed so far (None: no prompt yet)
-        sizes = state_sizes(model.layout, self.max_len)
-        self.arena = self.dev.alloc(carved_bytes(sizes))
-        self.state = carve(self.arena.ptr, sizes)
-        B, V, X = self.B, self.cfg.vocab_size, model.layout.xtype
+        start, end = own_span(self.layout)
+        self.arena = self.dev.alloc(end - start)
+        self.base = self.arena.ptr - start               # the layout's offsets below start are never used
+        self.weights = {n: model.builder.buf(n) for n in WEIGHT_REGIONS}
+        sizes = state_sizes(self.layout, self.max_len)
+        self.state_bytes = carved_bytes(sizes)
+        self.state_arena = self.dev.alloc(self.state_bytes)
+        self.state = carve(self.state_arena.ptr, sizes)
+        B, V, X = self.B, self.cfg.vocab_size, self.layout.xtype
         self._logits_elem = X
+        self._pinned_prompt = self.dev.alloc_pinned(4 * B * self.prompt_cap)
         self._pinned_in = self.dev.alloc_pinned(4 * (B + 1))                 # tokens, then the position
         self._pinned_logits = self.dev.alloc_pinned(B * V * ELEM_BYTES[X])
-        Plan(self.dev, [Memset(self.arena.ptr, self.arena.nbytes)]).run()      # no garbage in the state
-        prefill_ops, step_ops = decoder_ops(model.layout, model.arena.ptr, self.state, self.max_len,
-                                            model.ops.stage_tokens, self._pinned_in.ptr, self._pinned_logits.ptr)
-        self._prefill_plan = Plan(self.dev, prefill_ops)
-        self._graph = None
-        if self.max_len > self.P:
-            self._step_plan = Plan(self.dev, step_ops)
-            # one eager step (modules, cuBLAS) before the capture, on a position the prefill and the
-            # first step overwrite before anything reads it
-            self._stage(np.zeros(B, np.int64), self.P)
-            self._step_plan.run()
-            self.dev.synchronize()
-            self._graph = Graph.capture(self.dev, self._step_plan.run)
-
-    @classmethod
-    def from_model(cls, model: Any, batch: int, prompt_len: int, max_len: int) -> "Decoder":
-        """A Decoder on ``model`` itself when it is built for (batch, prompt_len) with the sequential
-        WKV7 kernel (whose checkpoints hold the state after the prompt), else on a Model of that shape
-        with ``model``'s parameters and precision."""
-        if not isinstance(model, Model):
-            raise TypeError(f"expected an rwkvx.Model, got {type(model).__name__}")
-        if ((model.B, model.T) != (batch, prompt_len)
-                or any(model.layout.methods[k] != v for k, v in PREFILL_METHODS.items())):
-            model = Model(model.cfg, model.params(), batch, prompt_len, precision=model.precision,
-                          methods=PREFILL_METHODS)
-        return cls(model, max_len)
+        self._prefills: dict[int, Any] = {}                # prefix -> its Plan
+        self._step_plan = Plan(self.dev, step_ops(self.layout, self.base, self.weights, self.state, self.max_len,
+                                                  self._pinned_in.ptr, self._pinned_logits.ptr))
+        # one eager step (modules, cuBLAS) before the capture; every prefill starts by zeroing the state
+        self._stage(np.zeros(B, np.int64), 0)
+        self._step_plan.run()
+        self.dev.synchronize()
+        self._graph = Graph.capture(self.dev, self._step_plan.run)
 
     def _stage(self, tokens: np.ndarray, pos: int) -> None:
         pin = self._pinned_in.array(np.int32, (self.B + 1,))
         pin[:self.B] = tokens
         pin[self.B] = pos
 
-    def prefill(self, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Process the prompt int [B, P]: logits [B, V] of its last position ([B, P, V] with
-        ``all_logits``); every state is set for :meth:`step` (a second prefill starts over)."""
-        self.model.stage_tokens(tokens)
-        self._prefill_plan.run()
+    def _prefill_plan(self, prefix: int):
+        from ._core import Plan
+        if prefix not in self._prefills:
+            self._prefills[prefix] = Plan(self.dev, prefill_ops(
+                self.layout, self.base, self.weights, self.state, self.state_bytes, self.max_len, prefix,
+                self._pinned_prompt.ptr))
+        return self._prefills[prefix]
+
+    def prefill(self, tokens: np.ndarray) -> np.ndarray:
+        """Process the prompt int [B, P] (1 <= P <= min(prompt_cap, max_len)): the logits [B, V] of its
+        last position; every state is set for :meth:`step` (a second prefill starts over)."""
+        tokens = check_tokens(tokens, self.cfg.vocab_size, "prompt")
+        B, P = tokens.shape
+        if B != self.B or not 1 <= P <= min(self.prompt_cap, self.max_len):
+            raise ValueError(f"prompt of shape {tokens.shape}: this decoder takes {self.B} prompts of 1 to "
+                             f"{min(self.prompt_cap, self.max_len)} tokens")
+        prefix = prefix_len(P, self.layout.methods["wkv7"])
+        pin = self._pinned_prompt.array(np.int32, (B, self.prompt_cap))
+        pin[:] = 0
+        pin[:, :prefix] = tokens[:, :prefix]
+        self._prefill_plan(prefix).run()
+        self.length = prefix
+        for t in range(prefix, P):
+            logits = self._advance(tokens[:, t])
+        return logits
+
+    def _advance(self, tokens: np.ndarray) -> np.ndarray:
+        self._stage(tokens, self.length)
+        self._graph.launch()
         self.dev.synchronize()
-        self.length = self.P
-        logits = self.model.logits().reshape(self.B, self.P, self.cfg.vocab_size)
-        return logits if all_logits else logits[:, -1].copy()
+        self.length += 1
+        raw = self._pinned_logits.array(storage_dtype(self._logits_elem), (self.B, self.cfg.vocab_size))
+        return from_storage(self._logits_elem, raw).copy()
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Feed one token per sequence (int [B]): logits [B, V] of that position (graph replay)."""
@@ -225,17 +308,12 @@ class Decoder:
         if self.length >= self.max_len:
             raise ValueError(f"the decoder holds at most max_len={self.max_len} tokens")
         tokens = check_tokens(np.asarray(tokens).reshape(self.B, 1), self.cfg.vocab_size)
-        self._stage(tokens[:, 0], self.length)
-        self._graph.launch()
-        self.dev.synchronize()
-        self.length += 1
-        raw = self._pinned_logits.array(storage_dtype(self._logits_elem), (self.B, self.cfg.vocab_size))
-        return from_storage(self._logits_elem, raw).copy()
+        return self._advance(tokens[:, 0])
 
     @property
     def graph(self):
-        """The step's CUDA graph (None when max_len == the prompt length): replaying it alone repeats the
-        last step's position, for timing the device work of a step."""
+        """The step's CUDA graph: replaying it alone repeats the last step's position, for timing the
+        device work of a step."""
         return self._graph
 
     def selection(self) -> list[np.ndarray]:
@@ -246,10 +324,41 @@ class Decoder:
                 else np.zeros(shape, np.int32) for j in range(cfg.n_attn_layer)]
 
     def close(self) -> None:
-        """Free the graph, the state arena and the pinned buffers (the model stays)."""
-        if self._graph is not None:
-            self._graph.close()
-            self._graph = None
-        for buf in (self.arena, self._pinned_in, self._pinned_logits):
+        """End the current sequences (the buffers and graphs stay for the next :meth:`prefill`)."""
+        self.length = None
+
+    def free(self) -> None:
+        """Free the graph, the arenas and the pinned buffers (the model stays)."""
+        self._graph.close()
+        self._prefills.clear()
+        for buf in (self.arena, self.state_arena, self._pinned_prompt, self._pinned_in, self._pinned_logits):
             buf.close()
         self.length = None
+
+
+def _capacity(need: int, floor: int) -> int:
+    """The smallest power of two >= need and >= floor."""
+    return 1 << (max(need, floor) - 1).bit_length()
+
+
+def decoder_for(model: Any, batch: int, prompt_len: int, max_len: int) -> Decoder:
+    """The Decoder of ``model`` for ``batch`` sequences, kept on the model (one per batch size and
+    precision) and built on first use, or again when a prompt or a sequence outgrows it (the
+    capacities grow to the next power of two, at least :data:`MIN_PROMPT_CAP` / :data:`MIN_MAX_LEN`)."""
+    cache: dict = model.__dict__.setdefault("_decoders", {})
+    key = (int(batch), model.precision.name)
+    decoder = cache.get(key)
+    if decoder is not None and decoder.prompt_cap >= prompt_len and decoder.max_len >= max_len:
+        return decoder
+    caps = (MIN_PROMPT_CAP, MIN_MAX_LEN) if decoder is None else (decoder.prompt_cap, decoder.max_len)
+    if decoder is not None:
+        del cache[key]
+        decoder.free()
+    cache[key] = Decoder(model, batch, _capacity(prompt_len, caps[0]), _capacity(max_len, caps[1]))
+    return cache[key]
+
+
+def free_decoders(model: Any) -> None:
+    """Free the decoders :func:`decoder_for` keeps on ``model``."""
+    for decoder in model.__dict__.pop("_decoders", {}).values():
+        decoder.free()

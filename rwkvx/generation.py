@@ -9,7 +9,9 @@ Two sessions do this with one interface (``prefill(prompt) -> logits``, ``step(t
 
 * on the CPU, :meth:`rwkvx.oracle.Oracle.stateful_forward` (the reference);
 * on the GPU, :class:`rwkvx.decoder.Decoder`: the model's forward kernels for the prompt, then
-  single-token step kernels replayed as one CUDA graph per token.
+  single-token step kernels replayed as one CUDA graph per token. The decoder reads the model's resident
+  weights and is kept on the model (:func:`rwkvx.decoder.decoder_for`), so only the first call for a
+  batch size builds it.
 
 Sampling is done on the host in float64 with numpy's ``Generator`` seeded by ``seed``: the same
 inputs give the same tokens.
@@ -28,15 +30,14 @@ from .validate import check_tokens
 class Session(Protocol):
     """A stateful forward of a batch of B sequences (see the module docstring)."""
 
-    def prefill(self, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Process the prompt int64 [B, P]: logits float [B, V] of its last position ([B, P, V]
-        of every position with ``all_logits``)."""
+    def prefill(self, tokens: np.ndarray) -> np.ndarray:
+        """Process the prompt int64 [B, P]: logits float [B, V] of its last position."""
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Feed one token per sequence (int64 [B]): logits float [B, V] of that position."""
 
     def close(self) -> None:
-        """Free what the session holds (device memory, graphs)."""
+        """End the generation (a session kept for later calls keeps its buffers)."""
 
 
 class OracleSession:
@@ -46,9 +47,9 @@ class OracleSession:
         self.oracle = oracle
         self.state = None
 
-    def prefill(self, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
+    def prefill(self, tokens: np.ndarray) -> np.ndarray:
         logits, self.state = self.oracle.stateful_forward(tokens)
-        return logits if all_logits else logits[:, -1]
+        return logits[:, -1]
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         if self.state is None:
@@ -144,8 +145,11 @@ def open_session(source: Any, batch: int, prompt_len: int, max_len: int) -> Sess
         source = source.model
     if isinstance(source, Oracle):
         return OracleSession(source)
-    from .decoder import Decoder
-    return Decoder.from_model(source, batch, prompt_len, max_len)
+    from .decoder import decoder_for
+    from .model import Model
+    if not isinstance(source, Model):
+        raise TypeError(f"expected an rwkvx.Model, got {type(source).__name__}")
+    return decoder_for(source, batch, prompt_len, max_len)
 
 
 def stream(model_or_trainer: Any, prompt_tokens: Any, max_new_tokens: int, temperature: float = 1.0,
@@ -191,9 +195,9 @@ def generate(model_or_trainer: Any, prompt_tokens: Any, max_new_tokens: int, tem
     [B, max_new_tokens]. Bad arguments raise ValueError / TypeError before any work.
 
     The prompt is processed once, in parallel; each further token is one stateful step (see the
-    module docstring). On the GPU the model's parameters are copied into a model built for the
-    prompt's shape unless ``model_or_trainer`` is a Model of exactly that shape (batch_size = B,
-    seq_len = P), which is then used as it is (its buffers are overwritten).
+    module docstring). On the GPU the decoder reads the model's resident weights (a training step in
+    between is seen) and uses buffers of its own (the model's are untouched); it is built once per
+    batch size and kept on the model (:func:`rwkvx.decoder.free_decoders` releases it).
     """
     cfg = _config_of(model_or_trainer)
     prompt, flat = _check_prompt(prompt_tokens, cfg.vocab_size)

@@ -178,39 +178,31 @@ def test_device_gpu_without_gpu_is_a_clear_error(tmp_path, capsys):
     _fails(capsys, tmp_path, ["train", "--device", "gpu", "--steps", "1"], "GPU backend cannot be used")
 
 
-_FAKE_PREFILL_METHODS = {"wkv7": "sequential"}
-
-
 class _FakeGPUModel:
     """Stands in for rwkvx.model.Model (which needs a GPU): records how it was built."""
 
     built: list = []
 
     def __init__(self, cfg, params, **kwargs):
-        assert set(kwargs) == {"batch_size", "seq_len", "precision", "methods"}, kwargs   # keywords only
-        assert kwargs["methods"] is _FAKE_PREFILL_METHODS     # built as the decoder's prefill needs it
+        assert set(kwargs) == {"batch_size", "seq_len", "precision"}, kwargs   # keywords only
         self.cfg, self.kwargs = cfg, kwargs
         _FakeGPUModel.built.append(self)
 
 
 class _FakeDecoder:
-    """Stands in for rwkvx.decoder.Decoder: records what it was fed. Its logits put all the mass on
+    """Stands in for rwkvx.decoder.Decoder (made by ``decoder_for``): records what it was fed. Its logits put all the mass on
     ``token + 1`` of the last token fed, so greedy sampling shows which position's logits were read."""
 
     def __init__(self, model, batch, prompt_len, max_len):
         self.model, self.shape, self.fed = model, (batch, prompt_len, max_len), []
         model.decoder = self
 
-    @classmethod
-    def from_model(cls, model, batch, prompt_len, max_len):
-        return cls(model, batch, prompt_len, max_len)
-
     def _logits(self, last):
         logits = np.zeros((len(last), self.model.cfg.vocab_size), np.float32)
         logits[np.arange(len(last)), (last + 1) % self.model.cfg.vocab_size] = 10.0
         return logits
 
-    def prefill(self, tokens, all_logits=False):
+    def prefill(self, tokens):
         self.fed.append(tokens.copy())
         return self._logits(tokens[:, -1])
 
@@ -233,8 +225,7 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(rwkvx.training.trainer, "gpu_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "rwkvx.model", types.SimpleNamespace(Model=_FakeGPUModel))
-    monkeypatch.setitem(sys.modules, "rwkvx.decoder", types.SimpleNamespace(Decoder=_FakeDecoder,
-                                                                           PREFILL_METHODS=_FAKE_PREFILL_METHODS))
+    monkeypatch.setitem(sys.modules, "rwkvx.decoder", types.SimpleNamespace(decoder_for=_FakeDecoder))
     monkeypatch.setattr(_FakeGPUModel, "built", [])
     return _FakeGPUModel.built
 
@@ -249,8 +240,7 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
     assert main(sample) == 0                            # precision from the run
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"   # each step's logits follow the token fed
     (model,) = fake_gpu
-    assert model.kwargs == {"batch_size": 1, "seq_len": 6, "precision": "tf32",   # built for the prompt
-                            "methods": _FAKE_PREFILL_METHODS}
+    assert model.kwargs == {"batch_size": 1, "seq_len": 1, "precision": "tf32"}   # the weights' holder
     decoder = model.decoder
     assert decoder.shape == (1, 6, 10) and decoder.closed
     assert list(decoder.fed[0][0]) == list(b"ROMEO:")   # the prompt once, in parallel ...
@@ -258,8 +248,7 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
 
     assert main([*sample, "--precision", "fp32"]) == 0
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"
-    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 6, "precision": "fp32",
-                                  "methods": _FAKE_PREFILL_METHODS}
+    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": "fp32"}
 
 
 def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
@@ -275,8 +264,7 @@ def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
     for name, precision in (("t", "tf32"), ("w", "fp32")):
         assert main(["sample", "--ckpt", str(tmp_path / f"{name}.safetensors"), "--tokens", "1",
                      "--device", "gpu"]) == 0
-        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision,
-                                       "methods": _FAKE_PREFILL_METHODS}
+        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision}
     capsys.readouterr()
 
 
