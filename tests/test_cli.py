@@ -287,6 +287,18 @@ def test_sample_is_stateful_on_the_cpu(tmp_path, capsys, random_params):
 
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU backend is usable here")
+def test_sample_refuses_non_finite_weights(tmp_path, capsys):
+    from rwkvx import Config, init_params, save_checkpoint
+
+    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, head_size=16)
+    params = init_params(cfg, 0)
+    params["rwkv.head.weight"][7, 3] = np.nan
+    save_checkpoint(tmp_path / "nan.safetensors", cfg, params)
+    err = _fails(capsys, tmp_path, ["sample", "--ckpt", str(tmp_path / "nan.safetensors"), "--device", "cpu"],
+                 "tensor rwkv.head.weight holds 1 non-finite value(s) (NaN or Inf), the first nan at index [7, 3]")
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_sample_device_gpu_without_gpu_is_a_clear_error(tmp_path, capsys):
     from rwkvx import Config, init_params, save_checkpoint
 
