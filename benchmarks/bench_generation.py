@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from rwkvx import Config, init_params
-from rwkvx.generation import sample_next
+from rwkvx.sampling import sample_token
 from rwkvx.presets import get_preset
 
 PROMPT = 512
@@ -32,7 +32,7 @@ RNG = np.random.default_rng(0)
 
 
 def sample(logits: np.ndarray) -> int:
-    return sample_next(logits, 0.8, 0.9, RNG)
+    return sample_token(logits, RNG.random(), 0.8, 0, 0.9)
 
 
 def tokens_per_s(benchmark, fn, tokens: int, rounds: int) -> float:

@@ -226,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0 = greedy (default: %(default)s)")
     sp.add_argument("--top-p", type=float, default=0.9,
                     help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
+    sp.add_argument("--top-k", type=_nonneg_int, default=0,
+                    help="sample among the k most likely tokens only; 0 = no limit (default: %(default)s)")
     sp.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (default: %(default)s)")
     sp.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                     help="auto: the GPU when usable, else the CPU oracle (default: %(default)s)")
@@ -596,7 +598,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     from .generation import stream
     try:
-        new_tokens = stream(source, prompt, args.tokens, args.temperature, args.top_p, args.seed)
+        new_tokens = stream(source, prompt, args.tokens, args.temperature, args.top_p, args.seed, args.top_k)
     except ValueError as exc:          # e.g. a model too large for the decoder's buffers
         raise UsageError(str(exc)) from None
     echo = TokenEcho(sys.stdout, tokenizer)

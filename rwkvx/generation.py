@@ -13,8 +13,10 @@ Two sessions do this with one interface (``prefill(prompt) -> logits``, ``step(t
   weights and is kept on the model (:func:`rwkvx.decoder.decoder_for`), so only the first call for a
   batch size builds it.
 
-Sampling is done on the host in float64 with numpy's ``Generator`` seeded by ``seed``: the same
-inputs give the same tokens.
+Sampling follows :mod:`rwkvx.sampling`'s contract: each new token of each sequence is chosen from its
+logits and one uniform draw u in [0, 1), the B draws of a step taken from numpy's ``Generator`` seeded
+by ``seed`` on the host (one call ``rng.random(B)`` per step, greedy steps included), so the same inputs
+give the same tokens on the CPU and the GPU alike (up to the logits themselves).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
+from .sampling import check_vocab, sample_rows
 from .validate import check_tokens
 
 
@@ -61,39 +64,6 @@ class OracleSession:
         self.state = None
 
 
-def sample_next(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """One token from ``logits`` [V], in float64: greedy at temperature 0; else from softmax(logits /
-    temperature) restricted, when top_p < 1, to the nucleus: the smallest set of most likely tokens
-    (ties: the lower id first) whose mass reaches top_p, drawn in that order."""
-    z = np.asarray(logits, dtype=np.float64)
-    if temperature == 0:
-        return int(np.argmax(z))
-    z = z / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p >= 1:
-        return int(rng.choice(len(p), p=p))
-    order, cum = _nucleus_order(p, top_p)
-    keep = max(1, min(int(np.searchsorted(cum, top_p) + 1), len(order)))
-    chosen = order[:keep]
-    return int(chosen[rng.choice(keep, p=p[chosen] / p[chosen].sum())])
-
-
-def _nucleus_order(p: np.ndarray, mass: float) -> tuple[np.ndarray, np.ndarray]:
-    """(order, cumulative mass): the most likely entries of p, most likely first (ties: lower index
-    first), enough of them to hold ``mass`` (all if need be). Only a candidate set is sorted (the k
-    largest and their ties, k growing 8x until it holds the mass), so a large vocabulary costs about a
-    partition, and the result is the prefix of the full sort."""
-    V, k = len(p), 64
-    while True:
-        cand = np.flatnonzero(p >= np.partition(p, V - k)[V - k]) if k < V else np.arange(V)
-        order = cand[np.lexsort((cand, -p[cand]))]
-        cum = np.cumsum(p[order])
-        if k >= V or cum[-1] >= mass:
-            return order, cum
-        k = min(V, 8 * k)
-
-
 def _config_of(source: Any):
     from .config import Config
 
@@ -117,7 +87,7 @@ def _check_prompt(prompt_tokens: Any, vocab_size: int) -> tuple[np.ndarray, bool
     return check_tokens(prompt[None] if flat else prompt, vocab_size, "prompt_tokens"), flat
 
 
-def _check_options(max_new_tokens: Any, temperature: Any, top_p: Any, seed: Any) -> None:
+def _check_options(max_new_tokens: Any, temperature: Any, top_p: Any, seed: Any, top_k: Any) -> None:
     def integer(value: Any) -> bool:
         return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -129,6 +99,10 @@ def _check_options(max_new_tokens: Any, temperature: Any, top_p: Any, seed: Any)
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
     if not integer(seed) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    if not integer(top_k):
+        raise TypeError(f"top_k must be an int (0: no limit), got {type(top_k).__name__}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: no limit), got {top_k}")
 
 
 def open_session(source: Any, batch: int, prompt_len: int, max_len: int) -> Session:
@@ -153,28 +127,29 @@ def open_session(source: Any, batch: int, prompt_len: int, max_len: int) -> Sess
 
 
 def stream(model_or_trainer: Any, prompt_tokens: Any, max_new_tokens: int, temperature: float = 1.0,
-           top_p: float = 1.0, seed: int = 0) -> Iterator[np.ndarray]:
+           top_p: float = 1.0, seed: int = 0, top_k: int = 0) -> Iterator[np.ndarray]:
     """:func:`generate` one step at a time: yields the new token of every sequence, int64 [B]
     (B = 1 for a 1-D prompt), as soon as it is sampled. The arguments are checked, and the session
     built, when this is called (not at the first ``next``)."""
     cfg = _config_of(model_or_trainer)
     prompt, _ = _check_prompt(prompt_tokens, cfg.vocab_size)
-    _check_options(max_new_tokens, temperature, top_p, seed)
+    _check_options(max_new_tokens, temperature, top_p, seed, top_k)
+    check_vocab(cfg.vocab_size)
     if max_new_tokens == 0:
         return iter(())
     B, P = prompt.shape
     # the last new token is only returned, never fed back
     session = open_session(model_or_trainer, B, P, P + max_new_tokens - 1)
-    return _steps(session, prompt, int(max_new_tokens), float(temperature), float(top_p),
+    return _steps(session, prompt, int(max_new_tokens), float(temperature), int(top_k), float(top_p),
                   np.random.default_rng(seed))
 
 
-def _steps(session: Session, prompt: np.ndarray, n: int, temperature: float, top_p: float,
+def _steps(session: Session, prompt: np.ndarray, n: int, temperature: float, top_k: int, top_p: float,
            rng: np.random.Generator) -> Iterator[np.ndarray]:
     try:
         logits = session.prefill(prompt)
         for i in range(n):
-            new = np.array([sample_next(row, temperature, top_p, rng) for row in logits], np.int64)
+            new = sample_rows(logits, rng.random(len(prompt)), temperature, top_k, top_p)
             yield new
             if i + 1 < n:
                 logits = session.step(new)
@@ -183,15 +158,16 @@ def _steps(session: Session, prompt: np.ndarray, n: int, temperature: float, top
 
 
 def generate(model_or_trainer: Any, prompt_tokens: Any, max_new_tokens: int, temperature: float = 1.0,
-             top_p: float = 1.0, seed: int = 0) -> np.ndarray:
+             top_p: float = 1.0, seed: int = 0, top_k: int = 0) -> np.ndarray:
     """Continue ``prompt_tokens`` by ``max_new_tokens`` sampled tokens; returns them (int64).
 
     ``model_or_trainer``: an :class:`rwkvx.Trainer` (CPU or GPU backend), an :class:`rwkvx.Model`
     (GPU) or an :class:`rwkvx.oracle.Oracle` (CPU). ``prompt_tokens``: token ids, 1-D [P] or 2-D
     [B, P] (B sequences of one length), P >= 1, each < vocab_size. ``temperature`` 0 is greedy;
-    otherwise each token is drawn from softmax(logits / temperature) restricted to the smallest set of
-    most likely tokens whose mass reaches ``top_p`` (0 < top_p <= 1). ``seed`` seeds numpy's
-    Generator: the result is deterministic. Returns [max_new_tokens] for a 1-D prompt, else
+    otherwise each token is drawn from softmax(logits / temperature) restricted to the ``top_k`` most
+    likely tokens (0: no limit), then to the smallest set of the most likely whose mass reaches
+    ``top_p`` (0 < top_p <= 1): :mod:`rwkvx.sampling` states the contract exactly. ``seed`` seeds
+    numpy's Generator: the result is deterministic. Returns [max_new_tokens] for a 1-D prompt, else
     [B, max_new_tokens]. Bad arguments raise ValueError / TypeError before any work.
 
     The prompt is processed once, in parallel; each further token is one stateful step (see the
@@ -201,6 +177,6 @@ def generate(model_or_trainer: Any, prompt_tokens: Any, max_new_tokens: int, tem
     """
     cfg = _config_of(model_or_trainer)
     prompt, flat = _check_prompt(prompt_tokens, cfg.vocab_size)
-    steps = list(stream(model_or_trainer, prompt, max_new_tokens, temperature, top_p, seed))
+    steps = list(stream(model_or_trainer, prompt, max_new_tokens, temperature, top_p, seed, top_k))
     out = np.stack(steps, axis=1) if steps else np.zeros((prompt.shape[0], 0), np.int64)
     return out[0] if flat else out

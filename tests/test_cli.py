@@ -287,6 +287,20 @@ def test_sample_is_stateful_on_the_cpu(tmp_path, capsys, random_params):
 
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU backend is usable here")
+@pytest.mark.parametrize("option, message", [
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    (["--temperature", "-1"], "a finite number >= 0"),
+    (["--top-k", "-1"], "an integer >= 0"),
+    (["--top-k", "2.5"], "an integer >= 0"),
+])
+def test_sample_bad_sampling_options_are_one_line_errors(tmp_path, capsys, option, message):
+    err = _fails(capsys, tmp_path, ["sample", "--ckpt", str(tmp_path / "never.safetensors"), *option], message)
+    (line,) = [line for line in err.splitlines() if "error" in line]     # after argparse's usage, if any
+    assert message in line
+
+
 def test_sample_refuses_non_finite_weights(tmp_path, capsys):
     from rwkvx import Config, init_params, save_checkpoint
 

@@ -6,7 +6,7 @@ import pytest
 
 import rwkvx
 from rwkvx import Config
-from rwkvx.generation import sample_next, stream
+from rwkvx.generation import stream
 from rwkvx.oracle import (Oracle, channel_mix_shift_forward, moba_attention_cached, moba_attention_forward,
                           moba_block_means, rel_err, time_shift_forward, wkv7_forward)
 
@@ -194,25 +194,28 @@ def test_generate_is_deterministic_and_accepts_trainers(small):
     (dict(temperature=float("nan")), ValueError, "temperature"),
     (dict(top_p=0.0), ValueError, "top_p"),
     (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_p=float("nan")), ValueError, "top_p"),
     (dict(seed=-1), ValueError, "seed"),
+    (dict(top_k=-1), ValueError, "top_k must be >= 0"),
+    (dict(top_k=2.0), TypeError, "top_k must be an int"),
+    (dict(top_k=True), TypeError, "top_k must be an int"),
 ])
-def test_generate_rejects_bad_arguments(small, kwargs, error, message):
+def test_generate_rejects_bad_arguments(small, kwargs, error, message, monkeypatch):
+    import rwkvx.generation
+
+    def no_session(*args):
+        raise AssertionError("a session was opened before the arguments were checked")
+
+    monkeypatch.setattr(rwkvx.generation, "open_session", no_session)   # the GPU's decoder included
     cfg, params = small
     args = dict(model_or_trainer=Oracle(cfg, params), prompt_tokens=[1, 2], max_new_tokens=3)
     args.update(kwargs)
     with pytest.raises(error, match=message):
         rwkvx.generate(**args)
+    with pytest.raises(error, match=message):
+        stream(**args)
     with pytest.raises(TypeError, match="Trainer, rwkvx.Model or"):
         rwkvx.generate(object(), [1], 1)
-
-
-def test_sample_next():
-    rng = seeded_rng(0)
-    logits = np.array([0.0, 5.0, 1.0, -2.0])
-    assert sample_next(logits, 0.0, 1.0, rng) == 1
-    assert all(sample_next(logits, 1.0, 0.5, rng) == 1 for _ in range(20))    # nucleus = top token
-    draws = {sample_next(logits, 5.0, 1.0, rng) for _ in range(300)}
-    assert draws == {0, 1, 2, 3}
 
 
 # ------------------------------------------------------------------ the twins of decode.cu
@@ -249,20 +252,3 @@ def test_decode_twins_step_through_a_sequence_as_the_forward_twins():
         np.testing.assert_array_equal(sel, sel_full[:, :, t])
         assert kmean.shape[2] == (t + 1) // chunk
     np.testing.assert_array_equal(kmean, moba_block_means(k[:, :(T // chunk) * chunk], chunk))
-
-
-def test_nucleus_is_the_prefix_of_the_full_sort():
-    """The nucleus sorts only candidates; it must be the stable full sort's prefix (ties: lower id first)."""
-    from rwkvx.generation import _nucleus_order
-    rng = seeded_rng(0)
-    for V in (3, 100, 5000):
-        for _ in range(10):
-            z = np.round(rng.standard_normal(V) * 3, 1)           # many equal probabilities
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            full = np.argsort(-p, kind="stable")
-            for top_p in (0.05, 0.5, 0.9, 0.999):
-                order, cum = _nucleus_order(p, top_p)
-                assert cum[-1] >= top_p or len(order) == V
-                np.testing.assert_array_equal(order, full[:len(order)])
-                np.testing.assert_array_equal(cum, np.cumsum(p[full])[:len(order)])
