@@ -8,8 +8,8 @@ fed are a fixed random sequence, so every row does the same work.
   run's context (its seq_len, 128: what ``sample`` used by default) and with the whole sequence (the
   same tokens as the stateful path).
 * GPU: the 0.22B config (the ``base`` preset's model) in fp32, tf32 and bf16: the
-  decoder's graph-replayed step (wall clock per ``step``, the host's sync and logits read included, and
-  CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window; and the
+  decoder's graph-replayed step with its sampling on the device (wall clock per ``step``, the host's
+  sync and token read included, and CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window; and the
   time to the first token of a ``generate`` call after a first one (the decoder kept on the model:
   nothing built, the prompt's prefill and one step).
 
@@ -24,15 +24,18 @@ import numpy as np
 import pytest
 
 from rwkvx import Config, init_params
-from rwkvx.sampling import sample_token
+from rwkvx.sampling import Sampling, sample_token
 from rwkvx.presets import get_preset
 
 PROMPT = 512
 RNG = np.random.default_rng(0)
 
 
+SAMPLING = Sampling(temperature=0.8, top_p=0.9)      # the CLI's defaults
+
+
 def sample(logits: np.ndarray) -> int:
-    return sample_token(logits, RNG.random(), 0.8, 0, 0.9)
+    return sample_token(logits, RNG.random(), SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p)
 
 
 def tokens_per_s(benchmark, fn, tokens: int, rounds: int) -> float:
@@ -108,12 +111,12 @@ def test_gpu_stateful(benchmark, dev, base_params, precision):
     decoder = Decoder(_model(dev, cfg, params, 1, precision), 1, PROMPT, PROMPT + n)
     try:
         t0 = time.perf_counter()
-        decoder.prefill(tokens[:, :PROMPT])
+        decoder.prefill(tokens[:, :PROMPT], RNG.random(1), SAMPLING)
         prefill_s = time.perf_counter() - t0
         steps = iter(range(PROMPT, PROMPT + n))
 
-        def one_token():
-            sample(decoder.step(tokens[:, next(steps)])[0])
+        def one_token():             # sampled on the device: only the token id comes back
+            decoder.step(tokens[:, next(steps)], RNG.random(1))
 
         benchmark.pedantic(one_token, rounds=n - 8, iterations=1, warmup_rounds=4)
         benchmark.extra_info["tokens_per_s"] = round(1.0 / benchmark.stats.stats.mean, 1)

@@ -18,14 +18,17 @@ blocks. The remaining 1 to interval tokens of the prompt are fed one by one thro
 
 **Step** (one token per sequence): the same :class:`rwkvx.step.StepBuilder` forward on B rows of the
 decoder's arena, with the parts that look at earlier tokens (token shifts, WKV, MoBA) replaced by
-rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state arena. The token ids
-and the position (a device int MoBA reads) come from pinned memory, the logits [B, V] go back to
-pinned memory, and the whole step is one CUDA graph, replayed per token.
+rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state arena, then the head
+and rwkvx/cu/decode/sample.cu's ``dec_sample``, which chooses each sequence's next token from its
+logits by :mod:`rwkvx.sampling`'s contract. The token ids, the position (a device int MoBA reads), one
+uniform draw per sequence and the sampling options come from pinned memory, only the B chosen token ids
+go back, and the whole step is one CUDA graph, replayed per token.
 
 State arena (elements; X = the model's activation type): per RWKV block i ``tm_prev.i`` X [B, C] and
 ``wkv.i`` fp32 [B, H, N, N]; per block ``cm_prev.<prefix>`` X [B, C]; per attention block j the caches
 ``kc.j``, ``vc.j`` X [B, Tmax, H, N] and (top_k > 1) ``kmean.j`` fp32 [B, H, Tmax // chunk, N] and
-``sel.j`` int32 [B, H, top_k-1] (the last step's selection); ``pos`` int32.
+``sel.j`` int32 [B, H, top_k-1] (the last step's selection); ``pos`` int32; the sampler's ``u`` f64 [B],
+``opts`` f64 [3] (:data:`rwkvx.cu.decode.SAMPLE_OPTS`) and ``next`` int32 [B].
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from .cu._common import carve, carved_bytes
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
+from .sampling import Sampling
 from .step import StepBuilder
 from .validate import check_tokens
 
@@ -83,7 +87,8 @@ def state_sizes(layout: Layout, max_len: int) -> dict[str, tuple[int, str]]:
     """(elements, element type) of every buffer of the state arena of a model of ``layout``."""
     cfg, B, X = layout.cfg, layout.B, layout.xtype
     C, H, N, K1 = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.moba_top_k - 1
-    sizes: dict[str, tuple[int, str]] = {"pos": (1, "i32")}
+    sizes: dict[str, tuple[int, str]] = {"pos": (1, "i32"), "u": (B, "f64"),
+                                         "opts": (len(decode.SAMPLE_OPTS), "f64"), "next": (B, "i32")}
     for kind, idx in cfg.block_order():
         if kind == "rwkv":
             sizes[f"tm_prev.{idx}"] = (B * C, X)
@@ -205,15 +210,19 @@ def prefill_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], st
 
 
 def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
-             max_len: int, host_inputs: int, host_logits: int) -> list:
-    """One step (needs no GPU): pinned ``host_inputs`` int32 [B + 1] (the tokens, then the position)
-    in, the logits [B, V] (in the activation type) out to pinned ``host_logits``."""
+             max_len: int, host_inputs: int, host_draws: int, host_next: int) -> list:
+    """One step (needs no GPU): pinned ``host_inputs`` int32 [B + 1] (the tokens, then the position) and
+    ``host_draws`` f64 [B + 3] (each sequence's u, then the sampling options) in, the chosen tokens
+    int32 [B] out to pinned ``host_next``."""
     step = DecodeStepBuilder(layout, base, weights, state, max_len)
     B, V = layout.B, layout.cfg.vocab_size
     return [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
             CopyHtoD(state["pos"], host_inputs + 4 * B, 4),
+            CopyHtoD(state["u"], host_draws, 8 * B),
+            CopyHtoD(state["opts"], host_draws + 8 * B, 8 * len(decode.SAMPLE_OPTS)),
             *step.forward(), *step.head_logits(0),
-            CopyDtoH(host_logits, step.buf("logits"), B * V * ELEM_BYTES[layout.xtype])]
+            *decode.sample(step.buf("logits"), state["u"], state["opts"], state["next"], B, V),
+            CopyDtoH(host_next, state["next"], 4 * B)]
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -226,7 +235,9 @@ class Decoder:
     """Stateful generation of ``batch`` sequences on the GPU with ``model``'s weights (see the module
     docstring): prompts of up to ``prompt_cap`` tokens, sequences of up to ``max_len`` tokens fed to
     the model, prompt included (the length of the MoBA caches). Use :meth:`prefill`, then :meth:`step`
-    up to ``max_len - P`` times; a new :meth:`prefill` starts over. :meth:`free` releases it.
+    up to ``max_len - P`` times; a new :meth:`prefill` starts over. Each returns the next token of every
+    sequence, chosen on the device; :meth:`logits` reads the logits it was chosen from. :meth:`free`
+    releases the decoder.
     """
 
     def __init__(self, model: Model, batch: int, prompt_cap: int, max_len: int) -> None:
@@ -248,16 +259,20 @@ class Decoder:
         self.state_bytes = carved_bytes(sizes)
         self.state_arena = self.dev.alloc(self.state_bytes)
         self.state = carve(self.state_arena.ptr, sizes)
-        B, V, X = self.B, self.cfg.vocab_size, self.layout.xtype
-        self._logits_elem = X
+        B = self.B
+        if B > self.layout.head_rows:
+            raise ValueError(f"batch {B}: the head computes the logits of at most {self.layout.head_rows} "
+                             f"rows at once for vocab_size {self.cfg.vocab_size}")
         self._pinned_prompt = self.dev.alloc_pinned(4 * B * self.prompt_cap)
         self._pinned_in = self.dev.alloc_pinned(4 * (B + 1))                 # tokens, then the position
-        self._pinned_logits = self.dev.alloc_pinned(B * V * ELEM_BYTES[X])
+        self._pinned_draws = self.dev.alloc_pinned(8 * (B + len(decode.SAMPLE_OPTS)))   # u, then the options
+        self._pinned_next = self.dev.alloc_pinned(4 * B)
         self._prefills: dict[int, Any] = {}                # prefix -> its Plan
         self._step_plan = Plan(self.dev, step_ops(self.layout, self.base, self.weights, self.state, self.max_len,
-                                                  self._pinned_in.ptr, self._pinned_logits.ptr))
+                                                  self._pinned_in.ptr, self._pinned_draws.ptr, self._pinned_next.ptr))
         # one eager step (modules, cuBLAS) before the capture; every prefill starts by zeroing the state
         self._stage(np.zeros(B, np.int64), 0)
+        self._set_draws(np.zeros(B), Sampling(temperature=0.0))
         self._step_plan.run()
         self.dev.synchronize()
         self._graph = Graph.capture(self.dev, self._step_plan.run)
@@ -267,6 +282,15 @@ class Decoder:
         pin[:self.B] = tokens
         pin[self.B] = pos
 
+    def _set_draws(self, u: np.ndarray, sampling: Sampling | None = None) -> None:
+        pin = self._pinned_draws.array(np.float64, (self.B + len(decode.SAMPLE_OPTS),))
+        u = np.asarray(u, np.float64)
+        if u.shape != (self.B,) or not ((0 <= u) & (u < 1)).all():
+            raise ValueError(f"u must be {self.B} draws in [0, 1), got shape {u.shape}")
+        pin[:self.B] = u
+        if sampling is not None:
+            pin[self.B:] = [float(getattr(sampling, name)) for name in decode.SAMPLE_OPTS]
+
     def _prefill_plan(self, prefix: int):
         from ._core import Plan
         if prefix not in self._prefills:
@@ -275,14 +299,16 @@ class Decoder:
                 self._pinned_prompt.ptr))
         return self._prefills[prefix]
 
-    def prefill(self, tokens: np.ndarray) -> np.ndarray:
-        """Process the prompt int [B, P] (1 <= P <= min(prompt_cap, max_len)): the logits [B, V] of its
-        last position; every state is set for :meth:`step` (a second prefill starts over)."""
+    def prefill(self, tokens: np.ndarray, u: np.ndarray, sampling: Sampling) -> np.ndarray:
+        """Process the prompt int [B, P] (1 <= P <= min(prompt_cap, max_len)) and choose the first new
+        token of each sequence with its draw ``u`` [B] in [0, 1) and ``sampling`` (kept for the
+        steps): int64 [B]. Every state is set for :meth:`step` (a second prefill starts over)."""
         tokens = check_tokens(tokens, self.cfg.vocab_size, "prompt")
         B, P = tokens.shape
         if B != self.B or not 1 <= P <= min(self.prompt_cap, self.max_len):
             raise ValueError(f"prompt of shape {tokens.shape}: this decoder takes {self.B} prompts of 1 to "
                              f"{min(self.prompt_cap, self.max_len)} tokens")
+        self._set_draws(u, sampling)
         prefix = prefix_len(P, self.layout.methods["wkv7"])
         pin = self._pinned_prompt.array(np.int32, (B, self.prompt_cap))
         pin[:] = 0
@@ -290,25 +316,32 @@ class Decoder:
         self._prefill_plan(prefix).run()
         self.length = prefix
         for t in range(prefix, P):
-            logits = self._advance(tokens[:, t])
-        return logits
+            new = self._advance(tokens[:, t])
+        return new
 
     def _advance(self, tokens: np.ndarray) -> np.ndarray:
         self._stage(tokens, self.length)
         self._graph.launch()
         self.dev.synchronize()
         self.length += 1
-        raw = self._pinned_logits.array(storage_dtype(self._logits_elem), (self.B, self.cfg.vocab_size))
-        return from_storage(self._logits_elem, raw).copy()
+        return self._pinned_next.array(np.int32, (self.B,)).astype(np.int64)
 
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed one token per sequence (int [B]): logits [B, V] of that position (graph replay)."""
+    def step(self, tokens: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Feed one token per sequence (int [B]) and choose the next with the draws ``u`` [B] (graph
+        replay): int64 [B]."""
         if self.length is None:
             raise RuntimeError("Decoder.step before prefill")
         if self.length >= self.max_len:
             raise ValueError(f"the decoder holds at most max_len={self.max_len} tokens")
         tokens = check_tokens(np.asarray(tokens).reshape(self.B, 1), self.cfg.vocab_size)
+        self._set_draws(u)
         return self._advance(tokens[:, 0])
+
+    def logits(self) -> np.ndarray:
+        """The logits float32 [B, V] the last token was chosen from (downloaded)."""
+        buf = DevPtr(self.base + self.layout.offsets["logits"], self.layout.elems["logits"])
+        raw = self.dev.download(buf, (self.B, self.cfg.vocab_size), storage_dtype(buf.elem))
+        return from_storage(buf.elem, raw)
 
     @property
     def graph(self):
@@ -331,7 +364,8 @@ class Decoder:
         """Free the graph, the arenas and the pinned buffers (the model stays)."""
         self._graph.close()
         self._prefills.clear()
-        for buf in (self.arena, self.state_arena, self._pinned_prompt, self._pinned_in, self._pinned_logits):
+        for buf in (self.arena, self.state_arena, self._pinned_prompt, self._pinned_in, self._pinned_draws,
+                    self._pinned_next):
             buf.close()
         self.length = None
 

@@ -26,39 +26,44 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from .sampling import check_vocab, sample_rows
+from .sampling import Sampling, check_vocab
 from .validate import check_tokens
 
 
 class Session(Protocol):
-    """A stateful forward of a batch of B sequences (see the module docstring)."""
+    """A stateful forward of a batch of B sequences that chooses each next token (see the module
+    docstring)."""
 
-    def prefill(self, tokens: np.ndarray) -> np.ndarray:
-        """Process the prompt int64 [B, P]: logits float [B, V] of its last position."""
+    def prefill(self, tokens: np.ndarray, u: np.ndarray, sampling: Sampling) -> np.ndarray:
+        """Process the prompt int64 [B, P]; the first new token of each sequence, int64 [B], chosen
+        with its draw ``u`` [B] and ``sampling`` (kept for the steps)."""
 
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed one token per sequence (int64 [B]): logits float [B, V] of that position."""
+    def step(self, tokens: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Feed one token per sequence (int64 [B]); the next, int64 [B], chosen with the draws ``u``."""
 
     def close(self) -> None:
         """End the generation (a session kept for later calls keeps its buffers)."""
 
 
 class OracleSession:
-    """A :class:`Session` over :meth:`rwkvx.oracle.Oracle.stateful_forward` (CPU)."""
+    """A :class:`Session` over :meth:`rwkvx.oracle.Oracle.stateful_forward` (CPU), sampling with
+    :mod:`rwkvx.sampling`'s numpy implementation."""
 
     def __init__(self, oracle: Any) -> None:
         self.oracle = oracle
         self.state = None
+        self.sampling = Sampling()
 
-    def prefill(self, tokens: np.ndarray) -> np.ndarray:
+    def prefill(self, tokens: np.ndarray, u: np.ndarray, sampling: Sampling) -> np.ndarray:
         logits, self.state = self.oracle.stateful_forward(tokens)
-        return logits[:, -1]
+        self.sampling = sampling
+        return sampling.rows(logits[:, -1], u)
 
-    def step(self, tokens: np.ndarray) -> np.ndarray:
+    def step(self, tokens: np.ndarray, u: np.ndarray) -> np.ndarray:
         if self.state is None:
             raise RuntimeError("step() before prefill()")
         logits, self.state = self.oracle.stateful_forward(tokens[:, None], self.state)
-        return logits[:, 0]
+        return self.sampling.rows(logits[:, 0], u)
 
     def close(self) -> None:
         self.state = None
@@ -140,19 +145,19 @@ def stream(model_or_trainer: Any, prompt_tokens: Any, max_new_tokens: int, tempe
     B, P = prompt.shape
     # the last new token is only returned, never fed back
     session = open_session(model_or_trainer, B, P, P + max_new_tokens - 1)
-    return _steps(session, prompt, int(max_new_tokens), float(temperature), int(top_k), float(top_p),
+    return _steps(session, prompt, int(max_new_tokens), Sampling(float(temperature), int(top_k), float(top_p)),
                   np.random.default_rng(seed))
 
 
-def _steps(session: Session, prompt: np.ndarray, n: int, temperature: float, top_k: int, top_p: float,
+def _steps(session: Session, prompt: np.ndarray, n: int, sampling: Sampling,
            rng: np.random.Generator) -> Iterator[np.ndarray]:
     try:
-        logits = session.prefill(prompt)
-        for i in range(n):
-            new = sample_rows(logits, rng.random(len(prompt)), temperature, top_k, top_p)
+        B = len(prompt)
+        new = session.prefill(prompt, rng.random(B), sampling)
+        yield new
+        for _ in range(n - 1):
+            new = session.step(new, rng.random(B))
             yield new
-            if i + 1 < n:
-                logits = session.step(new)
     finally:
         session.close()
 

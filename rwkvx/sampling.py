@@ -31,6 +31,7 @@ drawn).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -105,3 +106,15 @@ def sample_token(logits: np.ndarray, u: float, temperature: float, top_k: int = 
 def sample_rows(logits: np.ndarray, u: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """:func:`sample_token` of every row of ``logits`` [B, V] with its own u [B]: int64 [B]."""
     return np.array([sample_token(row, ui, temperature, top_k, top_p) for row, ui in zip(logits, u)], np.int64)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The options of the contract: ``temperature`` (0: greedy), ``top_k`` (0: no limit), ``top_p``."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def rows(self, logits: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """:func:`sample_rows` with these options."""
+        return sample_rows(logits, u, self.temperature, self.top_k, self.top_p)

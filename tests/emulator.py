@@ -225,6 +225,13 @@ def _dec_moba(mem, a, op):
         mem.write(a["sel_out"], sel, "i32")
 
 
+def _dec_sample(mem, a, op):
+    B, V = op.grid[0], a["V"]
+    logits = mem.read(a["logits"], B * V, (B, V)).astype(np.float32)
+    mem.write(a["out"], O.decode_sample(logits, mem.read(a["u"], B, elem="f64"), mem.read(a["opts"], 3, elem="f64")),
+              "i32")
+
+
 KERNELS = {
     "embedding_forward": _embedding_forward, "ln_forward": _ln_forward, "tm_shift_fwd": _tm_shift_fwd,
     "tm_tanh_fwd": _elementwise(np.tanh), "tm_sigmoid_fwd": _elementwise(lambda x: 1 / (1 + np.exp(-x))),
@@ -232,5 +239,5 @@ KERNELS = {
     "cm_shift_mix": _cm_shift_mix, "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,
     "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
     "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
-    "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba,
+    "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
 }

@@ -190,25 +190,25 @@ class _FakeGPUModel:
 
 
 class _FakeDecoder:
-    """Stands in for rwkvx.decoder.Decoder (made by ``decoder_for``): records what it was fed. Its logits put all the mass on
-    ``token + 1`` of the last token fed, so greedy sampling shows which position's logits were read."""
+    """Stands in for rwkvx.decoder.Decoder (made by ``decoder_for``): records what it was fed and the
+    sampling options. It chooses ``token + 1`` after the last token fed, so the output shows which
+    position each token followed."""
 
     def __init__(self, model, batch, prompt_len, max_len):
         self.model, self.shape, self.fed = model, (batch, prompt_len, max_len), []
         model.decoder = self
 
-    def _logits(self, last):
-        logits = np.zeros((len(last), self.model.cfg.vocab_size), np.float32)
-        logits[np.arange(len(last)), (last + 1) % self.model.cfg.vocab_size] = 10.0
-        return logits
+    def _next(self, last):
+        return (last + 1) % self.model.cfg.vocab_size
 
-    def prefill(self, tokens):
+    def prefill(self, tokens, u, sampling):
         self.fed.append(tokens.copy())
-        return self._logits(tokens[:, -1])
+        self.sampling = sampling
+        return self._next(tokens[:, -1])
 
-    def step(self, tokens):
+    def step(self, tokens, u):
         self.fed.append(tokens.copy())
-        return self._logits(tokens)
+        return self._next(tokens)
 
     def close(self):
         self.closed = True
@@ -231,6 +231,7 @@ def fake_gpu(monkeypatch):
 
 
 def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake_gpu):
+    from rwkvx.sampling import Sampling
     out = tmp_path / "r"
     assert main(["train", *TINY, "--precision", "tf32", "--steps", "1", "--out", str(out)]) == 0
     capsys.readouterr()
@@ -243,6 +244,7 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
     assert model.kwargs == {"batch_size": 1, "seq_len": 1, "precision": "tf32"}   # the weights' holder
     decoder = model.decoder
     assert decoder.shape == (1, 6, 10) and decoder.closed
+    assert decoder.sampling == Sampling(temperature=0.0, top_k=0, top_p=0.9)   # the CLI's options, passed on
     assert list(decoder.fed[0][0]) == list(b"ROMEO:")   # the prompt once, in parallel ...
     assert [int(t[0]) for t in decoder.fed[1:]] == list(b";<=>")   # ... then one token per step
 

@@ -14,6 +14,7 @@ from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.step import StepBuilder
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.oracle import Oracle, rel_err
+from rwkvx.sampling import sample_rows
 from rwkvx.runtime.device import H200
 
 from seeding import seeded_rng
@@ -57,14 +58,15 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     weights = {n: weights_of.buf(n) for n in WEIGHT_REGIONS}
     sizes = state_sizes(layout, T)
     mem.add(STATE, carved_bytes(sizes))
-    pin_prompt, pin_in, pin_logits = HOST, HOST + (1 << 30), HOST + (1 << 31)
+    pin_prompt, pin_in, pin_draws, pin_next = HOST, HOST + (1 << 30), HOST + (1 << 31), HOST + (1 << 32)
     mem.add(pin_prompt, 4 * B * window)
     mem.add(pin_in, 4 * (B + 1))
-    mem.add(pin_logits, 4 * B * cfg.vocab_size)
+    mem.add(pin_draws, 8 * (B + 3))
+    mem.add(pin_next, 4 * B)
     state = carve(STATE, sizes)
     prefix = prefix_len(P, SEQUENTIAL["wkv7"])
     prefill = prefill_ops(layout, BASE, weights, state, carved_bytes(sizes), T, prefix, pin_prompt)
-    step = step_ops(layout, BASE, weights, state, T, pin_in, pin_logits)
+    step = step_ops(layout, BASE, weights, state, T, pin_in, pin_draws, pin_next)
 
     flat = np.zeros(layout.counts["params"], np.float32)
     for n, (off, size) in layout.param_offsets.items():
@@ -76,10 +78,16 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     mem.write(pin_prompt, window_tokens.ravel(), "i32")
     run(mem, prefill)
     got = []
+    temperature, top_p, top_k = 1.3, 0.95, cfg.vocab_size // 2
     for t in range(prefix, T):
+        u = rng.random(B)
         mem.write(pin_in, [*tokens[:, t], t], "i32")
+        mem.write(pin_draws, [*u, temperature, top_p, top_k], "f64")
         run(mem, step)
-        got.append(mem.read(pin_logits, B * cfg.vocab_size, (B, 1, cfg.vocab_size)))
+        logits = mem.read(BASE + layout.offsets["logits"], B * cfg.vocab_size, (B, cfg.vocab_size))
+        got.append(logits[:, None])
+        np.testing.assert_array_equal(mem.read(pin_next, B, elem="i32"),       # the step's sampler's choice
+                                      sample_rows(logits.astype(np.float32), u, temperature, top_k, top_p))
     got = np.concatenate(got, axis=1)
     errs = [rel_err(got[:, t - prefix], want[:, t]) for t in range(prefix, T)]
     assert max(errs) <= 1e-5, f"seed {seed}: position {prefix + int(np.argmax(errs))}: {max(errs):.2e}"

@@ -5,11 +5,11 @@ earlier tokens."""
 import pytest
 
 from rwkvx import Config
-from rwkvx.decoder import (WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len, state_sizes)
+from rwkvx.decoder import WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len, state_sizes
 from rwkvx.arena import Layout
 from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.precision import DEFAULT_PRECISION
-from rwkvx.cu import decode, layernorm, wkv7
+from rwkvx.cu import decode, layernorm
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.runtime.device import H200
 from rwkvx.step import StepBuilder

@@ -1,5 +1,8 @@
 """GPU tests of stateful generation: the single-token kernels of rwkvx/cu/decode/decode.cu against their twins
-(rwkvx.oracle.decode_shift / decode_wkv7 / decode_moba) in fp32 and bf16 (harness.KernelCase), then the
+(rwkvx.oracle.decode_shift / decode_wkv7 / decode_moba) in fp32 and bf16 (harness.KernelCase), the
+device sampler dec_sample (rwkvx/cu/decode/sample.cu) against the sampling contract's numpy
+implementation token for token (rwkvx.oracle.decode_sample) and its frequencies against the contract's
+probabilities, then the
 whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in parallel plus one graph
 replay per token gives the forward's logits at every position from the prompt's last on (fp32: <= 1e-5
 relative), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
@@ -13,9 +16,10 @@ import pytest
 from harness import KernelCase, check, tolerance
 from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
-from rwkvx.oracle import Oracle, decode_moba, decode_shift, decode_wkv7, moba_block_means, rel_err
+from rwkvx.oracle import Oracle, decode_moba, decode_sample, decode_shift, decode_wkv7, moba_block_means, rel_err
 from rwkvx.cu import decode as D
 from rwkvx.runtime.dtypes import round_to
+from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
 
 from seeding import seeded_rng
 
@@ -114,6 +118,73 @@ def test_dec_moba(dev, xtype, B, H, N, chunk, top_k, positions):
             np.testing.assert_array_equal(out["kmean"][:, :, others], s["kmean"][:, :, others])
 
 
+# ------------------------------------------------------------------ sampling on the device
+
+SAMPLE_OPTIONS = [   # (temperature, top_p, top_k), as dec_sample's opts
+    (0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.95, 40), (2.0, 1.0, 1), (0.5, 1e-6, 3),
+    (1.0, 1e-9, 0), (4.0, 0.5, 2), (0.8, 0.9, 100000), (3.0, 1.0, 7)]
+
+
+def sample_logits(rng, B, V, kind):
+    """Logits at a random scale; "ties": rounded to few values; "special": NaN, -inf and (in row 0) two
+    +inf among them."""
+    z = rng.standard_normal((B, V)) * rng.choice([0.5, 3.0, 20.0])
+    if kind == "ties":
+        z = np.round(z)
+    elif kind == "special":
+        z[rng.random((B, V)) < 0.05] = np.nan
+        z[rng.random((B, V)) < 0.05] = -np.inf
+        z[0, rng.choice(V, 2, replace=False)] = np.inf
+    return z
+
+
+@pytest.mark.parametrize("B, V", [(3, 65536), (2, 50277), (8, 1000), (16, 7)])
+def test_dec_sample_is_the_contract(case, B, V):
+    from rwkvx._core import Plan
+    rng = seeded_rng()
+    ptrs = (case.input("logits", np.zeros((B, V))), case.input("u", np.zeros(B), "f64"),
+            case.input("opts", np.zeros(3), "f64"))
+    out = case.output("out", B, "i32")
+    plan = Plan(case.dev, D.sample(*ptrs, out, B, V))
+    for trial in range(60):
+        kind = ("plain", "ties", "special")[trial % 3]
+        case.set("logits", sample_logits(rng, B, V, kind))
+        case.set("u", rng.random(B))
+        case.set("opts", SAMPLE_OPTIONS[trial % len(SAMPLE_OPTIONS)])
+        got = case.run(plan=plan)["out"].astype(np.int64)
+        want = decode_sample(case.seen["logits"].astype(np.float32), case.seen["u"], case.seen["opts"])
+        assert np.array_equal(got, want), f"trial {trial} ({kind}, opts {SAMPLE_OPTIONS[trial % len(SAMPLE_OPTIONS)]}): " \
+                                          f"device {got}, contract {want}"
+
+
+@pytest.mark.parametrize("opts", [(1.0, 1.0, 0), (0.6, 0.8, 0), (1.5, 1.0, 4)])
+def test_dec_sample_frequencies_are_the_contracts_probabilities(case, opts):
+    """Many draws of u over one row: each token's frequency is its probability q_i / N (5 sigma)."""
+    from rwkvx._core import Plan
+    rng = seeded_rng()
+    B, V = 20000, 12
+    row = rng.standard_normal(V)
+    logits = case.input("logits", np.broadcast_to(row, (B, V)))
+    u = case.input("u", rng.random(B), "f64")
+    opts_buf = case.input("opts", opts, "f64")
+    out = case.output("out", B, "i32")
+    got = case.run(plan=Plan(case.dev, D.sample(logits, u, opts_buf, out, B, V)))["out"].astype(np.int64)
+    # the contract's probabilities, from its weights: the nucleus of the top-k, renormalised
+    temperature, top_p, top_k = opts
+    z = case.seen["logits"][0].astype(np.float32).astype(np.float64)
+    order = np.lexsort((np.arange(V), -z))[:top_k or V]
+    x = (z[order] - z.max()) / temperature
+    q = np.where(x >= WEIGHT_CUTOFF, np.floor(np.ldexp(contract_exp(np.maximum(x, WEIGHT_CUTOFF)), WEIGHT_BITS)), 0)
+    cum = np.cumsum(q)
+    keep = int(np.searchsorted(cum, max(1, np.ceil(top_p * cum[-1])))) + 1
+    p = np.zeros(V)
+    p[order[:keep]] = q[:keep] / cum[keep - 1]
+    freq = np.bincount(got, minlength=V) / B
+    sigma = np.sqrt(p * (1 - p) / B)
+    assert (np.abs(freq - p) <= 5 * sigma + 1e-12).all(), f"frequencies {freq} against {p}"
+    assert (freq[p == 0] == 0).all()
+
+
 # ------------------------------------------------------------------ the decoder against the forward
 
 DECODE = {   # name: (config, B, T, prompt length)
@@ -160,13 +231,22 @@ def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision
     selection = full_model.moba_selection()
     decoder = Decoder(full_model, B, P, T)          # reads the full model's weights
     try:
-        got = [decoder.prefill(tokens[:, :P])[:, None]]
+        sampling = Sampling(temperature=1.1, top_k=30, top_p=0.95)
+
+        def chosen_from_the_logits(new, u):     # the step's own sampler, on the logits it returns
+            logits = decoder.logits()
+            assert np.array_equal(new, sample_rows(logits, u, 1.1, 30, 0.95)), f"seed {seed}: device sampling"
+            return logits[:, None]
+
+        u = rng.random(B)
+        got = [chosen_from_the_logits(decoder.prefill(tokens[:, :P], u, sampling), u)]
         for t in range(P, T):
-            got.append(decoder.step(tokens[:, t])[:, None])
+            u = rng.random(B)
+            got.append(chosen_from_the_logits(decoder.step(tokens[:, t], u), u))
             for j, (sel, ref) in enumerate(zip(decoder.selection(), selection)):
                 assert np.array_equal(sel, ref[:, :, t]), f"seed {seed}: block {j} selection differs at t={t}"
         with pytest.raises(ValueError, match="max_len"):
-            decoder.step(tokens[:, 0])
+            decoder.step(tokens[:, 0], u)
     finally:
         decoder.free()
     got = np.concatenate(got, axis=1)
@@ -187,8 +267,11 @@ def test_decoder_prefill_again_starts_over(dev, training_like):
     decoder = Decoder(Model(cfg, params, B, P), B, P, P + 3)
     try:
         def run(tokens):
-            out = [decoder.prefill(tokens[:, :P])]
-            out += [decoder.step(tokens[:, t]) for t in range(P, P + 3)]
+            decoder.prefill(tokens[:, :P], np.zeros(B), Sampling(temperature=0.0))
+            out = [decoder.logits()]
+            for t in range(P, P + 3):
+                decoder.step(tokens[:, t], np.zeros(B))
+                out.append(decoder.logits())
             return np.stack(out, axis=1)
         first = run(a)
         run(b)
