@@ -87,7 +87,7 @@ def state_sizes(layout: Layout, max_len: int) -> dict[str, tuple[int, str]]:
     """(elements, element type) of every buffer of the state arena of a model of ``layout``."""
     cfg, B, X = layout.cfg, layout.B, layout.xtype
     C, H, N, K1 = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.moba_top_k - 1
-    sizes: dict[str, tuple[int, str]] = {"pos": (1, "i32"), "u": (B, "f64"),
+    sizes: dict[str, tuple[int, str]] = {"pos": (B, "i32"), "u": (B, "f64"),
                                          "opts": (len(decode.SAMPLE_OPTS), "f64"), "next": (B, "i32")}
     for kind, idx in cfg.block_order():
         if kind == "rwkv":
@@ -118,22 +118,27 @@ class _DecoderBuilder(StepBuilder):
 
 class PrefillBuilder(_DecoderBuilder):
     """The forward over the prompt window (B x T tokens) that also leaves in the state arena what
-    decoding needs after the window's first ``prefix`` tokens (> 0, a multiple of the WKV7 checkpoint
-    interval, < T)."""
+    decoding needs after each sequence's first ``prefixes[b]`` tokens (each a multiple of the WKV7
+    checkpoint interval in [0, T), not all 0; a sequence with none keeps its zeroed state)."""
 
     def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
-                 state: dict[str, DevPtr | None], max_len: int, prefix: int):
+                 state: dict[str, DevPtr | None], max_len: int, prefixes: tuple[int, ...]):
         super().__init__(layout, base, weights, state, max_len)
-        if not 0 < prefix < self.T or prefix % checkpoint_interval(self.methods["wkv7"]):
-            raise ValueError(f"prefix {prefix}: must be in (0, {self.T}) and a multiple of "
-                             f"{checkpoint_interval(self.methods['wkv7'])}")
-        self.prefix = prefix
+        g = checkpoint_interval(self.methods["wkv7"])
+        if (len(prefixes) != self.B or not any(prefixes)
+                or any(not 0 <= n < self.T or n % g for n in prefixes)):
+            raise ValueError(f"prefixes {prefixes}: {self.B} multiples of {g} in [0, {self.T}), not all 0")
+        self.prefixes = prefixes
+
+    def _rows(self) -> list[tuple[int, int]]:
+        """(sequence, its prefix) of the sequences with a prefix."""
+        return [(b, n) for b, n in enumerate(self.prefixes) if n]
 
     def _last_rows(self, src: DevPtr, dst: DevPtr) -> list:
         """dst [B, C] = row prefix-1 of each sequence of src [B*T, C]."""
         C, T = self.cfg.n_embd, self.T
-        return [Copy(dst.offset(b * C), src.offset((b * T + self.prefix - 1) * C), C * ELEM_BYTES[src.elem])
-                for b in range(self.B)]
+        return [Copy(dst.offset(b * C), src.offset((b * T + n - 1) * C), C * ELEM_BYTES[src.elem])
+                for b, n in self._rows()]
 
     def time_shift(self, i: int) -> list:
         return super().time_shift(i) + self._last_rows(self.buf("h1"), self.state[f"tm_prev.{i}"])
@@ -143,26 +148,25 @@ class PrefillBuilder(_DecoderBuilder):
 
     def wkv(self, i: int, for_backward: bool) -> list:
         H, N, method = self.cfg.n_head, self.cfg.head_size, self.methods["wkv7"]
-        nC, slot = wkv7.n_chunks(self.T, method), state_slot(method, self.prefix)
+        nC = wkv7.n_chunks(self.T, method)
         ckpt, dst = self.buf("wkv_ckpt"), self.state[f"wkv.{i}"]
         return super().wkv(i, for_backward=True) + [
-            Copy(dst.offset(bh * N * N), ckpt.offset((bh * nC + slot) * N * N), N * N * 4)
-            for bh in range(self.B * H)]
+            Copy(dst.offset(bh * N * N), ckpt.offset((bh * nC + state_slot(method, n)) * N * N), N * N * 4)
+            for b, n in self._rows() for bh in range(b * H, (b + 1) * H)]
 
     def attention(self, j: int) -> list:
-        cfg, B, T, n = self.cfg, self.B, self.T, self.prefix
+        cfg, T = self.cfg, self.T
         C, H, N, chunk = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.moba_chunk_size
         ops = super().attention(j)
         for name, cache in (("k", f"kc.{j}"), ("v", f"vc.{j}")):
             src, dst = self.buf(name), self.state[cache]
             ops += [Copy(dst.offset(b * self.max_len * C), src.offset(b * T * C), n * C * ELEM_BYTES[src.elem])
-                    for b in range(B)]
-        full = n // chunk                 # the forward's means of the blocks complete within the prefix
-        if cfg.moba_top_k > 1 and full:
+                    for b, n in self._rows()]
+        if cfg.moba_top_k > 1:            # the forward's means of the blocks complete within each prefix
             src, dst = self.buf("moba_kmean"), self.state[f"kmean.{j}"]
             nblk, maxblk = -(-T // chunk), self.max_len // chunk
-            ops += [Copy(dst.offset(bh * maxblk * N), src.offset(bh * nblk * N), full * N * 4)
-                    for bh in range(B * H)]
+            ops += [Copy(dst.offset(bh * maxblk * N), src.offset(bh * nblk * N), n // chunk * N * 4)
+                    for b, n in self._rows() if n >= chunk for bh in range(b * H, (b + 1) * H)]
         return ops
 
 
@@ -198,26 +202,26 @@ class DecodeStepBuilder(_DecoderBuilder):
 
 
 def prefill_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
-                state_bytes: int, max_len: int, prefix: int, host_prompt: int) -> list:
-    """The prefill of a prompt whose first ``prefix`` tokens go through the forward (needs no GPU):
-    the state arena (``state_bytes`` from ``state["pos"]``) zeroed, then, when ``prefix`` > 0, the
+                state_bytes: int, max_len: int, prefixes: tuple[int, ...], host_prompt: int) -> list:
+    """The prefill of prompts whose first ``prefixes[b]`` tokens go through the forward (needs no GPU):
+    the state arena (``state_bytes`` from ``state["pos"]``) zeroed, then, when a prefix is not 0, the
     window's tokens staged from pinned ``host_prompt`` int32 [B, T] and the forward with its state copies."""
     ops = [Memset(state["pos"], state_bytes)]
-    if prefix:
-        built = PrefillBuilder(layout, base, weights, state, max_len, prefix)
+    if any(prefixes):
+        built = PrefillBuilder(layout, base, weights, state, max_len, prefixes)
         ops += [CopyHtoD(built.buf("tokens"), host_prompt, 4 * layout.B * layout.T), *built.forward()]
     return ops
 
 
 def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
              max_len: int, host_inputs: int, host_draws: int, host_next: int) -> list:
-    """One step (needs no GPU): pinned ``host_inputs`` int32 [B + 1] (the tokens, then the position) and
+    """One step (needs no GPU): pinned ``host_inputs`` int32 [2B] (the tokens, then their positions) and
     ``host_draws`` f64 [B + 3] (each sequence's u, then the sampling options) in, the chosen tokens
     int32 [B] out to pinned ``host_next``."""
     step = DecodeStepBuilder(layout, base, weights, state, max_len)
     B, V = layout.B, layout.cfg.vocab_size
     return [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
-            CopyHtoD(state["pos"], host_inputs + 4 * B, 4),
+            CopyHtoD(state["pos"], host_inputs + 4 * B, 4 * B),
             CopyHtoD(state["u"], host_draws, 8 * B),
             CopyHtoD(state["opts"], host_draws + 8 * B, 8 * len(decode.SAMPLE_OPTS)),
             *step.forward(), *step.head_logits(0),
@@ -234,10 +238,11 @@ def _positive_int(name: str, value: Any) -> int:
 class Decoder:
     """Stateful generation of ``batch`` sequences on the GPU with ``model``'s weights (see the module
     docstring): prompts of up to ``prompt_cap`` tokens, sequences of up to ``max_len`` tokens fed to
-    the model, prompt included (the length of the MoBA caches). Use :meth:`prefill`, then :meth:`step`
-    up to ``max_len - P`` times; a new :meth:`prefill` starts over. Each returns the next token of every
-    sequence, chosen on the device; :meth:`logits` reads the logits it was chosen from. :meth:`free`
-    releases the decoder.
+    the model, prompt included (the length of the MoBA caches); each sequence has its own length.
+    :meth:`prefill` takes the prompts (it runs the prefix of each that the forward can take), then each
+    :meth:`step` feeds one token to every active sequence and returns the next token of each, chosen on
+    the device; :meth:`logits` reads the logits it was chosen from. A new :meth:`prefill` starts over;
+    :meth:`free` releases the decoder.
     """
 
     def __init__(self, model: Model, batch: int, prompt_cap: int, max_len: int) -> None:
@@ -250,7 +255,7 @@ class Decoder:
         self.model, self.dev, self.cfg = model, model.dev, model.cfg
         self.layout = Layout(self.cfg, self.B, self.prompt_cap, self.dev.info, model.precision, recompute=True,
                              methods=model.layout.methods)
-        self.length: int | None = None                   # tokens fed so far (None: no prompt yet)
+        self.lengths: np.ndarray | None = None          # tokens fed so far per sequence (None: no prompt yet)
         start, end = own_span(self.layout)
         self.arena = self.dev.alloc(end - start)
         self.base = self.arena.ptr - start               # the layout's offsets below start are never used
@@ -264,23 +269,18 @@ class Decoder:
             raise ValueError(f"batch {B}: the head computes the logits of at most {self.layout.head_rows} "
                              f"rows at once for vocab_size {self.cfg.vocab_size}")
         self._pinned_prompt = self.dev.alloc_pinned(4 * B * self.prompt_cap)
-        self._pinned_in = self.dev.alloc_pinned(4 * (B + 1))                 # tokens, then the position
+        self._pinned_in = self.dev.alloc_pinned(8 * B)                       # tokens, then their positions
         self._pinned_draws = self.dev.alloc_pinned(8 * (B + len(decode.SAMPLE_OPTS)))   # u, then the options
         self._pinned_next = self.dev.alloc_pinned(4 * B)
-        self._prefills: dict[int, Any] = {}                # prefix -> its Plan
+        self._prefills: dict[tuple[int, ...], Any] = {}      # prefixes -> their Plan
         self._step_plan = Plan(self.dev, step_ops(self.layout, self.base, self.weights, self.state, self.max_len,
                                                   self._pinned_in.ptr, self._pinned_draws.ptr, self._pinned_next.ptr))
         # one eager step (modules, cuBLAS) before the capture; every prefill starts by zeroing the state
-        self._stage(np.zeros(B, np.int64), 0)
+        self._pinned_in.array(np.int32, (2 * B,))[:] = 0
         self._set_draws(np.zeros(B), Sampling(temperature=0.0))
         self._step_plan.run()
         self.dev.synchronize()
         self._graph = Graph.capture(self.dev, self._step_plan.run)
-
-    def _stage(self, tokens: np.ndarray, pos: int) -> None:
-        pin = self._pinned_in.array(np.int32, (self.B + 1,))
-        pin[:self.B] = tokens
-        pin[self.B] = pos
 
     def _set_draws(self, u: np.ndarray, sampling: Sampling | None = None) -> None:
         pin = self._pinned_draws.array(np.float64, (self.B + len(decode.SAMPLE_OPTS),))
@@ -291,51 +291,56 @@ class Decoder:
         if sampling is not None:
             pin[self.B:] = [float(getattr(sampling, name)) for name in decode.SAMPLE_OPTS]
 
-    def _prefill_plan(self, prefix: int):
+    def _prefill_plan(self, prefixes: tuple[int, ...]):
         from ._core import Plan
-        if prefix not in self._prefills:
-            self._prefills[prefix] = Plan(self.dev, prefill_ops(
-                self.layout, self.base, self.weights, self.state, self.state_bytes, self.max_len, prefix,
+        if prefixes not in self._prefills:
+            self._prefills[prefixes] = Plan(self.dev, prefill_ops(
+                self.layout, self.base, self.weights, self.state, self.state_bytes, self.max_len, prefixes,
                 self._pinned_prompt.ptr))
-        return self._prefills[prefix]
+        return self._prefills[prefixes]
 
-    def prefill(self, tokens: np.ndarray, u: np.ndarray, sampling: Sampling) -> np.ndarray:
-        """Process the prompt int [B, P] (1 <= P <= min(prompt_cap, max_len)) and choose the first new
-        token of each sequence with its draw ``u`` [B] in [0, 1) and ``sampling`` (kept for the
-        steps): int64 [B]. Every state is set for :meth:`step` (a second prefill starts over)."""
-        tokens = check_tokens(tokens, self.cfg.vocab_size, "prompt")
-        B, P = tokens.shape
-        if B != self.B or not 1 <= P <= min(self.prompt_cap, self.max_len):
-            raise ValueError(f"prompt of shape {tokens.shape}: this decoder takes {self.B} prompts of 1 to "
-                             f"{min(self.prompt_cap, self.max_len)} tokens")
-        self._set_draws(u, sampling)
-        prefix = prefix_len(P, self.layout.methods["wkv7"])
-        pin = self._pinned_prompt.array(np.int32, (B, self.prompt_cap))
+    def prefill(self, prompts: Any, sampling: Sampling) -> np.ndarray:
+        """Start over with ``prompts`` (B token sequences, each of 1 to min(prompt_cap, max_len) tokens:
+        a list of 1-D arrays or an array [B, P]) and ``sampling`` for every later step. Runs the prefix
+        of each prompt that the forward can take (:func:`prefix_len`); returns those lengths, int64 [B]:
+        the caller feeds each prompt's remaining tokens through :meth:`step`."""
+        if len(prompts) != self.B:
+            raise ValueError(f"{len(prompts)} prompts: this decoder takes {self.B}")
+        rows = [check_tokens(np.asarray(p).reshape(1, -1), self.cfg.vocab_size, f"prompts[{b}]")[0]
+                for b, p in enumerate(prompts)]
+        cap = min(self.prompt_cap, self.max_len)
+        for b, row in enumerate(rows):
+            if not 1 <= len(row) <= cap:
+                raise ValueError(f"prompts[{b}] has {len(row)} tokens: this decoder takes 1 to {cap}")
+        self._set_draws(np.zeros(self.B), sampling)
+        prefixes = tuple(prefix_len(len(row), self.layout.methods["wkv7"]) for row in rows)
+        pin = self._pinned_prompt.array(np.int32, (self.B, self.prompt_cap))
         pin[:] = 0
-        pin[:, :prefix] = tokens[:, :prefix]
-        self._prefill_plan(prefix).run()
-        self.length = prefix
-        for t in range(prefix, P):
-            new = self._advance(tokens[:, t])
-        return new
+        for b, (row, n) in enumerate(zip(rows, prefixes)):
+            pin[b, :n] = row[:n]
+        self._prefill_plan(prefixes).run()
+        self.lengths = np.array(prefixes, np.int64)
+        return self.lengths.copy()
 
-    def _advance(self, tokens: np.ndarray) -> np.ndarray:
-        self._stage(tokens, self.length)
+    def step(self, tokens: np.ndarray, u: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """Feed one token to each active sequence (``tokens`` int [B]; ``active`` bool [B], default all)
+        and choose the next of every sequence with its draw ``u`` [B] in [0, 1) (graph replay): int64
+        [B], meaningful for the active sequences. An inactive sequence stays where it is (its state
+        past its end is not kept)."""
+        if self.lengths is None:
+            raise RuntimeError("Decoder.step before prefill")
+        active = np.ones(self.B, bool) if active is None else np.asarray(active, bool).reshape(self.B)
+        if (self.lengths[active] >= self.max_len).any():
+            raise ValueError(f"the decoder holds at most max_len={self.max_len} tokens per sequence")
+        tokens = check_tokens(np.asarray(tokens).reshape(self.B, 1), self.cfg.vocab_size)[:, 0]
+        self._set_draws(u)
+        pin = self._pinned_in.array(np.int32, (2 * self.B,))
+        pin[:self.B] = np.where(active, tokens, 0)
+        pin[self.B:] = np.where(active, self.lengths, np.maximum(self.lengths - 1, 0))
         self._graph.launch()
         self.dev.synchronize()
-        self.length += 1
+        self.lengths += active
         return self._pinned_next.array(np.int32, (self.B,)).astype(np.int64)
-
-    def step(self, tokens: np.ndarray, u: np.ndarray) -> np.ndarray:
-        """Feed one token per sequence (int [B]) and choose the next with the draws ``u`` [B] (graph
-        replay): int64 [B]."""
-        if self.length is None:
-            raise RuntimeError("Decoder.step before prefill")
-        if self.length >= self.max_len:
-            raise ValueError(f"the decoder holds at most max_len={self.max_len} tokens")
-        tokens = check_tokens(np.asarray(tokens).reshape(self.B, 1), self.cfg.vocab_size)
-        self._set_draws(u)
-        return self._advance(tokens[:, 0])
 
     def logits(self) -> np.ndarray:
         """The logits float32 [B, V] the last token was chosen from (downloaded)."""
@@ -345,7 +350,7 @@ class Decoder:
 
     @property
     def graph(self):
-        """The step's CUDA graph: replaying it alone repeats the last step's position, for timing the
+        """The step's CUDA graph: replaying it alone repeats the last step's positions, for timing the
         device work of a step."""
         return self._graph
 
@@ -358,7 +363,7 @@ class Decoder:
 
     def close(self) -> None:
         """End the current sequences (the buffers and graphs stay for the next :meth:`prefill`)."""
-        self.length = None
+        self.lengths = None
 
     def free(self) -> None:
         """Free the graph, the arenas and the pinned buffers (the model stays)."""
@@ -367,7 +372,7 @@ class Decoder:
         for buf in (self.arena, self.state_arena, self._pinned_prompt, self._pinned_in, self._pinned_draws,
                     self._pinned_next):
             buf.close()
-        self.length = None
+        self.lengths = None
 
 
 def _capacity(need: int, floor: int) -> int:

@@ -201,12 +201,12 @@ class _FakeDecoder:
     def _next(self, last):
         return (last + 1) % self.model.cfg.vocab_size
 
-    def prefill(self, tokens, u, sampling):
-        self.fed.append(tokens.copy())
+    def prefill(self, prompts, sampling):
+        self.fed.append([p.copy() for p in prompts])
         self.sampling = sampling
-        return self._next(tokens[:, -1])
+        return np.array([len(p) - 1 for p in prompts])      # all but the last token, as the oracle's
 
-    def step(self, tokens, u):
+    def step(self, tokens, u, active):
         self.fed.append(tokens.copy())
         return self._next(tokens)
 
@@ -246,7 +246,7 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
     assert decoder.shape == (1, 6, 10) and decoder.closed
     assert decoder.sampling == Sampling(temperature=0.0, top_k=0, top_p=0.9)   # the CLI's options, passed on
     assert list(decoder.fed[0][0]) == list(b"ROMEO:")   # the prompt once, in parallel ...
-    assert [int(t[0]) for t in decoder.fed[1:]] == list(b";<=>")   # ... then one token per step
+    assert [int(t[0]) for t in decoder.fed[1:]] == list(b":;<=>")   # ... then its rest, a token per step
 
     assert main([*sample, "--precision", "fp32"]) == 0
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"

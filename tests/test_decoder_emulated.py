@@ -1,6 +1,7 @@
 """The GPU decoder's op lists executed on the CPU (tests/emulator.py: every kernel its oracle twin,
-GEMMs and copies as such): the prompt window's forward with its state copies after the prefix, then one
-step per token from there, gives the oracle's logits at every position the steps see. This checks the decoder's plumbing (what each op reads and
+GEMMs and copies as such): the prompt window's forward with its state copies after each sequence's
+prefix (prompts of different lengths), then one step per token from there, each sequence at its own
+position, gives the oracle's logits at every position the steps see. This checks the decoder's plumbing (what each op reads and
 writes, the copies' offsets and strides, the position and token inputs) without a GPU; the kernels
 themselves are checked against the same twins by tests/gpu/test_decode.py."""
 import numpy as np
@@ -23,20 +24,20 @@ BASE, STATE, HOST, WEIGHTS = 1 << 40, 1 << 42, 1 << 44, 1 << 46
 SEQUENTIAL = {"wkv7": "sequential"}     # the emulator's WKV7 twin stands for the sequential kernel
 MOBA = dict(vocab_size=67, n_embd=32, head_size=8, n_rwkv_layer=3, n_attn_layer=2, moba_chunk_size=4,
             moba_top_k=3)
-CASES = {   # name: (config, B, T, prompt length, prompt window)
-    "moba": (MOBA, 2, 23, 10, 16),                                   # a prefix of 8 tokens, then steps
-    "moba_prompt_ends_a_block": (MOBA, 1, 17, 9, 12),
-    "moba_long_prompt": (MOBA, 2, 30, 21, 24),                       # several WKV checkpoints
-    "moba_short": (dict(MOBA, moba_chunk_size=16), 1, 9, 3, 8),    # no prefix, no block completes
-    "top_k_1_no_ln0": (dict(MOBA, moba_top_k=1, ln0=False), 2, 15, 13, 16),
-    "big_top_k_leftover": (dict(MOBA, n_rwkv_layer=5, moba_top_k=7, moba_chunk_size=2), 1, 19, 17, 20),
-    "rwkv_only": (dict(vocab_size=40, n_embd=32, head_size=16, n_rwkv_layer=2), 3, 12, 9, 9),
+CASES = {   # name: (config, B, T, prompt length of each sequence, prompt window)
+    "moba": (MOBA, 2, 23, (10, 17), 24),                            # prefixes of 8 and 16 tokens
+    "moba_prompt_ends_a_block": (MOBA, 1, 17, (9,), 12),
+    "moba_long_prompt": (MOBA, 2, 30, (21, 4), 24),                  # several WKV checkpoints; no prefix
+    "moba_short": (dict(MOBA, moba_chunk_size=16), 1, 9, (3,), 8),  # no prefix, no block completes
+    "top_k_1_no_ln0": (dict(MOBA, moba_top_k=1, ln0=False), 2, 15, (13, 13), 16),
+    "big_top_k_leftover": (dict(MOBA, n_rwkv_layer=5, moba_top_k=7, moba_chunk_size=2), 1, 19, (17,), 20),
+    "rwkv_only": (dict(vocab_size=40, n_embd=32, head_size=16, n_rwkv_layer=2), 3, 12, (9, 2, 12), 12),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_params):
-    kwargs, B, T, P, window = CASES[name]
+    kwargs, B, T, lens, window = CASES[name]
     cfg = Config(**kwargs)
     rng = seeded_rng()
     seed = int(rng.integers(1 << 31))
@@ -60,12 +61,12 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     mem.add(STATE, carved_bytes(sizes))
     pin_prompt, pin_in, pin_draws, pin_next = HOST, HOST + (1 << 30), HOST + (1 << 31), HOST + (1 << 32)
     mem.add(pin_prompt, 4 * B * window)
-    mem.add(pin_in, 4 * (B + 1))
+    mem.add(pin_in, 8 * B)
     mem.add(pin_draws, 8 * (B + 3))
     mem.add(pin_next, 4 * B)
     state = carve(STATE, sizes)
-    prefix = prefix_len(P, SEQUENTIAL["wkv7"])
-    prefill = prefill_ops(layout, BASE, weights, state, carved_bytes(sizes), T, prefix, pin_prompt)
+    prefixes = tuple(prefix_len(n, SEQUENTIAL["wkv7"]) for n in lens)
+    prefill = prefill_ops(layout, BASE, weights, state, carved_bytes(sizes), T, prefixes, pin_prompt)
     step = step_ops(layout, BASE, weights, state, T, pin_in, pin_draws, pin_next)
 
     flat = np.zeros(layout.counts["params"], np.float32)
@@ -74,20 +75,25 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     mem.write(weights["params"], flat)
     mem.write(STATE, np.full(carved_bytes(sizes) // 4, np.nan, np.float32))   # the prefill zeroes it
     window_tokens = np.zeros((B, window), np.int64)
-    window_tokens[:, :prefix] = tokens[:, :prefix]
+    for b, n in enumerate(prefixes):
+        window_tokens[b, :n] = tokens[b, :n]
     mem.write(pin_prompt, window_tokens.ravel(), "i32")
     run(mem, prefill)
-    got = []
+    # every sequence from its own prefix on, one token per step; a finished one stays put (the
+    # decoder's inactive rows: token 0 at its last position)
+    lengths, errs = np.array(prefixes), []
     temperature, top_p, top_k = 1.3, 0.95, cfg.vocab_size // 2
-    for t in range(prefix, T):
+    while (lengths < T).any():
+        active = lengths < T
         u = rng.random(B)
-        mem.write(pin_in, [*tokens[:, t], t], "i32")
+        mem.write(pin_in, [*np.where(active, tokens[np.arange(B), np.minimum(lengths, T - 1)], 0),
+                           *np.where(active, lengths, lengths - 1)], "i32")
         mem.write(pin_draws, [*u, temperature, top_p, top_k], "f64")
         run(mem, step)
         logits = mem.read(BASE + layout.offsets["logits"], B * cfg.vocab_size, (B, cfg.vocab_size))
-        got.append(logits[:, None])
+        errs += [(rel_err(logits[b], want[b, lengths[b]]), b, lengths[b]) for b in np.flatnonzero(active)]
         np.testing.assert_array_equal(mem.read(pin_next, B, elem="i32"),       # the step's sampler's choice
                                       sample_rows(logits.astype(np.float32), u, temperature, top_k, top_p))
-    got = np.concatenate(got, axis=1)
-    errs = [rel_err(got[:, t - prefix], want[:, t]) for t in range(prefix, T)]
-    assert max(errs) <= 1e-5, f"seed {seed}: position {prefix + int(np.argmax(errs))}: {max(errs):.2e}"
+        lengths += active
+    worst = max(errs)
+    assert worst[0] <= 1e-5, f"seed {seed}: sequence {worst[1]} position {worst[2]}: {worst[0]:.2e}"

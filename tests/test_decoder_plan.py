@@ -37,8 +37,8 @@ def build(kwargs, B, window, max_len, P):
     sizes = state_sizes(layout, max_len)
     state = carve(STATE, sizes)
     args = (layout, BASE, weights, state, max_len)
-    prefix = prefix_len(P, layout.methods["wkv7"])
-    return (layout, carved_bytes(sizes), PrefillBuilder(*args, prefix).forward(),
+    prefixes = (prefix_len(P, layout.methods["wkv7"]),) * B
+    return (layout, carved_bytes(sizes), PrefillBuilder(*args, prefixes).forward(),
             DecodeStepBuilder(*args).forward())
 
 

@@ -199,6 +199,11 @@ def test_generate_is_deterministic_and_accepts_trainers(small):
     (dict(top_k=-1), ValueError, "top_k must be >= 0"),
     (dict(top_k=2.0), TypeError, "top_k must be an int"),
     (dict(top_k=True), TypeError, "top_k must be an int"),
+    (dict(end_token=40), ValueError, "end_token"),
+    (dict(end_token=-1), ValueError, "end_token"),
+    (dict(end_token=1.0), ValueError, "end_token"),
+    (dict(prompt_tokens=[[1, 2], []]), ValueError, r"prompt_tokens\[1\] must be non-empty"),
+    (dict(prompt_tokens=[[1, 2], [3, 40, 1]]), ValueError, r"prompt_tokens\[1\]\[0, 1\] = 40 is out of range"),
 ])
 def test_generate_rejects_bad_arguments(small, kwargs, error, message, monkeypatch):
     import rwkvx.generation
@@ -216,6 +221,48 @@ def test_generate_rejects_bad_arguments(small, kwargs, error, message, monkeypat
         stream(**args)
     with pytest.raises(TypeError, match="Trainer, rwkvx.Model or"):
         rwkvx.generate(object(), [1], 1)
+
+
+def test_prompts_of_different_lengths_end_on_their_own(small):
+    """A batch of prompts of different lengths: each sequence is its own greedy run, its draws are
+    default_rng([seed, b]), and it stops at end_token or after max_new_tokens."""
+    from rwkvx.sampling import sample_token
+    cfg, params = small
+    oracle = Oracle(cfg, params, dtype=np.float32)
+    rng = seeded_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, n) for n in (5, 1, 9)]
+    greedy = rwkvx.generate(oracle, prompts, 7, temperature=0)
+    assert isinstance(greedy, list) and [len(g) for g in greedy] == [7, 7, 7]
+    for prompt, got in zip(prompts, greedy):
+        np.testing.assert_array_equal(got, rwkvx.generate(oracle, prompt, 7, temperature=0))
+
+    sampled = rwkvx.generate(oracle, prompts, 6, temperature=1.2, top_k=10, top_p=0.9, seed=4)
+    for b, (prompt, got) in enumerate(zip(prompts, sampled)):     # the contract, token by token
+        u, seq = np.random.default_rng([4, b]).random(6), list(prompt)
+        for k in range(6):
+            logits = oracle.forward(np.array([seq]))[0, -1]
+            seq.append(sample_token(logits, u[k], 1.2, 10, 0.9))
+        np.testing.assert_array_equal(got, seq[len(prompt):])
+
+    end = int(greedy[1][2])                    # the third token of sequence 1 ends it there
+    ended = rwkvx.generate(oracle, prompts, 7, temperature=0, end_token=end)
+    for full, got in zip(greedy, ended):
+        stop = list(full).index(end) + 1 if end in full else len(full)
+        np.testing.assert_array_equal(got, full[:stop])
+    steps = list(stream(oracle, prompts, 7, temperature=0, end_token=end))
+    assert all((s[1] == -1) for s in steps[3:]) and steps[2][1] == end     # ended: -1 from then on
+
+
+def test_equal_prompts_keep_the_array_form(small):
+    cfg, params = small
+    oracle = Oracle(cfg, params, dtype=np.float32)
+    prompts = seeded_rng(5).integers(0, cfg.vocab_size, (3, 4))
+    out = rwkvx.generate(oracle, prompts, 5, temperature=0.7, seed=1)
+    assert out.shape == (3, 5)
+    listed = rwkvx.generate(oracle, list(prompts), 5, temperature=0.7, seed=1, end_token=cfg.vocab_size - 1)
+    for row, got in zip(out, listed):
+        stop = list(row).index(cfg.vocab_size - 1) + 1 if cfg.vocab_size - 1 in row else 5
+        np.testing.assert_array_equal(got, row[:stop])
 
 
 # ------------------------------------------------------------------ the twins of decode.cu

@@ -6,11 +6,11 @@ what they need from state carried in device memory and update it:
 * :func:`shift`: the token shift of the time mix (6 mixes) or the channel mix (1), from ``prev``
   [B, C] (the previous token's input row), which becomes this token's;
 * :func:`wkv7_step`: one WKV7 token on ``state`` fp32 [B, H, N, N] (S[i, j], row = value index), in place;
-* :func:`moba_step`: MoBA attention of the new query at position ``*pos`` (a device int): its key and
-  value go into the caches ``kc``, ``vc`` floatX [B, Tmax, H, N]; when the token completes a block,
-  that block's key mean goes into ``kmean`` fp32 [B, H, Tmax // chunk, N]; then the gate over the
-  complete past blocks, the top_k - 1 largest (ties: the lower block), softmax attention over them and
-  the query's own block up to itself. ``sel`` int32 [B, H, top_k - 1] (optional) receives the selection.
+* :func:`moba_step`: MoBA attention of each sequence's new query at its own position ``pos[b]``
+  (device int32 [B]): its key and value go into the caches ``kc``, ``vc`` floatX [B, Tmax, H, N]; when
+  the token completes a block, that block's key mean goes into ``kmean`` fp32 [B, H, Tmax // chunk, N];
+  then the gate over the complete past blocks, the top_k - 1 largest (ties: the lower block), softmax
+  attention over them and the query's own block up to itself. ``sel`` int32 [B, H, top_k - 1] (optional) receives the selection.
 
 Activations (x, prev, outputs, r ... b, y, q, k, v, o) are floatX [B, C] (c = h*N + n), 16-byte aligned.
 Twins: ``rwkvx.oracle.decode_shift``, ``decode_wkv7``, ``decode_moba`` (built on the forward twins).
@@ -85,7 +85,7 @@ def wkv7_step(r, w, k, v, a, b, state, y, B: int, H: int, N: int) -> list:
 
 def moba_step(q, k, v, kc, vc, kmean, pos, o, B: int, H: int, N: int, Tmax: int, chunk: int, top_k: int,
               dev: DeviceInfo, sel=None) -> list:
-    """dec_moba (see the module docstring): o [B, H, N] for the query q at position ``*pos`` < Tmax.
+    """dec_moba (see the module docstring): o [B, H, N] for the queries q at positions ``pos[b]`` < Tmax.
     kmean is required when top_k > 1 and a block can complete (Tmax >= chunk), else None."""
     for name, val in (("B", B), ("H", H), ("Tmax", Tmax), ("chunk", chunk), ("top_k", top_k)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
