@@ -7,27 +7,28 @@ or :meth:`rwkvx.model.Model.load_params` is seen by the next token without a cop
 :func:`decoder_for` keeps one Decoder per batch size on the model, so a second ``generate`` builds
 nothing.
 
-**Prefill** (once per prompt of P tokens): the prompt's first ``prefix`` tokens run through the model's
-forward kernels in parallel (the chunked WKV7 where the precision uses it), over a window of
-``prompt_cap`` tokens (the rest padded with token 0: the forward is causal, so the padding never reaches
-them). ``prefix`` is the largest multiple of the WKV7 kernel's checkpoint interval below P (0 for a
-short prompt), because its checkpoints are where the forward leaves the WKV state (:func:`prefix_len`).
-After each block, copies leave what decoding needs in the decoder's state arena: row prefix-1 of LN1
-and LN2 (the token shifts), the WKV state, MoBA's keys, values and the means of the complete key
-blocks. The remaining 1 to interval tokens of the prompt are fed one by one through the step.
+**Prefill** (once per batch of prompts, each of its own length P_b): each prompt's first ``prefix_b``
+tokens run through the model's forward kernels in parallel (the chunked WKV7 where the precision uses
+it), over a window of ``prompt_cap`` tokens (the rest padded with token 0: the forward is causal, so
+the padding never reaches them). ``prefix_b`` is the largest multiple of the WKV7 kernel's checkpoint
+interval below P_b (0 for a short prompt), because its checkpoints are where the forward leaves the
+WKV state (:func:`prefix_len`). After each block, copies leave what decoding needs in the decoder's
+state arena: row prefix_b - 1 of LN1 and LN2 (the token shifts), the WKV state, MoBA's keys, values
+and the means of the complete key blocks. The remaining 1 to interval tokens of each prompt are fed
+one by one through the step.
 
-**Step** (one token per sequence): the same :class:`rwkvx.step.StepBuilder` forward on B rows of the
-decoder's arena, with the parts that look at earlier tokens (token shifts, WKV, MoBA) replaced by
-rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state arena, then the head
-and rwkvx/cu/decode/sample.cu's ``dec_sample``, which chooses each sequence's next token from its
-logits by :mod:`rwkvx.sampling`'s contract. The token ids, the position (a device int MoBA reads), one
-uniform draw per sequence and the sampling options come from pinned memory, only the B chosen token ids
-go back, and the whole step is one CUDA graph, replayed per token.
+**Step** (one token per sequence, each at its own position): the same :class:`rwkvx.step.StepBuilder`
+forward on B rows of the decoder's arena, with the parts that look at earlier tokens (token shifts,
+WKV, MoBA) replaced by rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state
+arena, then the head and rwkvx/cu/decode/sample.cu's ``dec_sample``, which chooses each sequence's next
+token from its logits by :mod:`rwkvx.sampling`'s contract. The token ids, their positions (device ints
+MoBA reads), one uniform draw per sequence and the sampling options come from pinned memory, only the B
+chosen token ids go back, and the whole step is one CUDA graph, replayed per token.
 
 State arena (elements; X = the model's activation type): per RWKV block i ``tm_prev.i`` X [B, C] and
 ``wkv.i`` fp32 [B, H, N, N]; per block ``cm_prev.<prefix>`` X [B, C]; per attention block j the caches
 ``kc.j``, ``vc.j`` X [B, Tmax, H, N] and (top_k > 1) ``kmean.j`` fp32 [B, H, Tmax // chunk, N] and
-``sel.j`` int32 [B, H, top_k-1] (the last step's selection); ``pos`` int32; the sampler's ``u`` f64 [B],
+``sel.j`` int32 [B, H, top_k-1] (the last step's selection); ``pos`` int32 [B]; the sampler's ``u`` f64 [B],
 ``opts`` f64 [3] (:data:`rwkvx.cu.decode.SAMPLE_OPTS`) and ``next`` int32 [B].
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ def checkpoint_interval(method: str) -> int:
 def prefix_len(prompt_len: int, method: str) -> int:
     """Tokens of a prompt of ``prompt_len`` that the prefill runs through the forward: the largest
     multiple of the checkpoint interval below ``prompt_len`` (at least one token is left for the step,
-    which gives the logits of the prompt's last position)."""
+    which chooses the first new token from the prompt's last position)."""
     g = checkpoint_interval(method)
     return (prompt_len - 1) // g * g
 
