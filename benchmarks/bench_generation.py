@@ -11,7 +11,8 @@ fed are a fixed random sequence, so every row does the same work.
   decoder's graph-replayed step with its sampling on the device (wall clock per ``step``, the host's
   sync and token read included, and CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window; and the
   time to the first token of a ``generate`` call after a first one (the decoder kept on the model:
-  nothing built, the prompt's prefill and one step).
+  nothing built, the prompt's prefill and one step); and the device sampler ``dec_sample`` alone on
+  V = 65536 logits (CUDA-event time per call, B = 1 and 256 rows).
 
 Run: ``python -m pytest benchmarks/bench_generation.py --benchmark-columns=mean,rounds`` (GPU rows skip
 without a GPU).
@@ -156,3 +157,28 @@ def test_gpu_window_rerun(benchmark, dev, base_params, precision):
 
     benchmark.pedantic(one_token, rounds=8, iterations=1, warmup_rounds=2)
     benchmark.extra_info["tokens_per_s"] = round(1.0 / benchmark.stats.stats.mean, 2)
+
+
+@pytest.mark.parametrize("B", [1, 256])
+def test_gpu_dec_sample(benchmark, dev, B):
+    from rwkvx._core import Plan
+    from rwkvx.cu import decode
+    from rwkvx.runtime import EventTimer
+    from rwkvx.runtime.dtypes import to_storage
+    V = 65536
+    bufs = {name: dev.alloc(nbytes) for name, nbytes in
+            (("logits", 2 * B * V), ("u", 8 * B), ("opts", 8 * len(decode.SAMPLE_OPTS)), ("out", 4 * B))}
+    try:
+        dev.upload(bufs["logits"], to_storage("bf16", RNG.standard_normal((B, V)) * 3))
+        dev.upload(bufs["u"], RNG.random(B))
+        dev.upload(bufs["opts"], np.array([getattr(SAMPLING, n) for n in decode.SAMPLE_OPTS], np.float64))
+        plan = Plan(dev, decode.sample(*(bufs[n].typed(e) for n, e in (("logits", "bf16"), ("u", "f64"),
+                                                                      ("opts", "f64"), ("out", "i32"))), B, V))
+        plan.run()
+        timer = EventTimer(dev)
+        benchmark.pedantic(lambda: timer.time_ms(plan.run, 20), rounds=3, iterations=1)
+        benchmark.extra_info["ms_per_call"] = round(timer.time_ms(plan.run, 20), 4)
+        timer.close()
+    finally:
+        for buf in bufs.values():
+            buf.close()
