@@ -9,7 +9,8 @@
 // then the complement of the token id (ties: the lower id first). Every key is distinct, so "the first
 // tokens of the order whose mass reaches a target" is found by a radix descent over the 64-bit key, one
 // byte at a time from the top: a histogram of the masses of each byte value among the keys that share
-// the bytes chosen so far, then the byte at which the running mass (from the top) reaches the target.
+// the bytes chosen so far (one per warp, added up in warp order), then the byte at which the running
+// mass (from the top) reaches the target.
 // Three descents: the top-k cut (mass 1 per token), the nucleus (the contract's weights), the draw.
 //
 // SMP_* constants come from rwkvx/cu/decode/ops.py (which takes them from rwkvx/sampling.py).
@@ -25,7 +26,7 @@ constexpr int NT = SMP_THREADS;
 constexpr int NW = NT / 32;
 __constant__ double EXP_C[] = {SMP_EXP_COEFFS};
 constexpr int DEGREE = sizeof(EXP_C) / sizeof(EXP_C[0]) - 1;
-static_assert(NT % 32 == 0 && NT >= 256, "SMP_THREADS: whole warps, at least one thread per histogram bucket");
+static_assert(NT % 32 == 0, "SMP_THREADS: whole warps");
 
 __device__ __forceinline__ float clean(float f) {   // NaN counts as -inf, -0 as +0
     return isnan(f) ? -__int_as_float(0x7f800000) : (f == 0.f ? 0.f : f);
@@ -56,10 +57,18 @@ __device__ __forceinline__ u64 weight(float zf, double m, double T) {
 }
 
 struct Shared {
-    u64 hist[256];
+    u64 hist[NW * 256];        // one histogram per warp: same-bucket atomics contend within a warp only
     u64 warp[NW];
     u64 prefix, above, through;
 };
+
+// the mass of bucket b over every warp's histogram
+__device__ __forceinline__ u64 bucket(const Shared& sh, int b) {
+    u64 m = 0;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) m += sh.hist[w * 256 + b];
+    return m;
+}
 
 // an integer sum over the block (exact, so any order gives it); every thread gets it
 __device__ __forceinline__ u64 block_sum(u64 v, Shared& sh) {
@@ -89,7 +98,7 @@ __device__ u64 descend(const floatX* row, int V, double m, double T, u64 target,
     const int tid = threadIdx.x;
     if (tid == 0) { sh.prefix = 0; sh.above = 0; }
     for (int shift = 56; shift >= 0; shift -= 8) {
-        if (tid < 256) sh.hist[tid] = 0;
+        for (int k = tid; k < NW * 256; k += NT) sh.hist[k] = 0;
         __syncthreads();
         const u64 prefix = sh.prefix;
         const u64 hi = shift == 56 ? 0ull : ~0ull << (shift + 8);     // the bytes chosen so far
@@ -98,13 +107,13 @@ __device__ u64 descend(const floatX* row, int V, double m, double T, u64 target,
             const u64 key = order_key(z, i);
             if ((key & hi) != prefix) continue;
             const u64 mass = COUNT ? 1ull : weight(z, m, T);
-            if (mass) atomicAdd(&sh.hist[(key >> shift) & 255], mass);
+            if (mass) atomicAdd(&sh.hist[(tid >> 5) * 256 + (int)((key >> shift) & 255)], mass);
         }
         __syncthreads();
         if (tid < 32) {    // warp 0: lane l holds buckets 255-8l .. 248-8l; the running mass from the top
             u64 own = 0;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) own += sh.hist[255 - 8 * tid - j];
+            for (int j = 0; j < 8; ++j) own += bucket(sh, 255 - 8 * tid - j);
             u64 run = own;
             for (int o = 1; o < 32; o <<= 1) {
                 const u64 up = __shfl_up_sync(0xffffffffu, run, o);
@@ -116,9 +125,9 @@ __device__ u64 descend(const floatX* row, int V, double m, double T, u64 target,
             if (tid == lane) {
                 u64 acc = sh.above + run - own;
                 int b = 255 - 8 * tid;
-                while (acc + sh.hist[b] < target) acc += sh.hist[b--];
+                while (acc + bucket(sh, b) < target) acc += bucket(sh, b--);
                 sh.above = acc;
-                sh.through = acc + sh.hist[b];
+                sh.through = acc + bucket(sh, b);
                 sh.prefix = prefix | ((u64)b << shift);
             }
         }
