@@ -257,6 +257,10 @@ class Decoder:
         self.layout = Layout(self.cfg, self.B, self.prompt_cap, self.dev.info, model.precision, recompute=True,
                              methods=model.layout.methods)
         self.lengths: np.ndarray | None = None          # tokens fed so far per sequence (None: no prompt yet)
+        B = self.B
+        if B > self.layout.head_rows:
+            raise ValueError(f"batch {B}: the head computes the logits of at most {self.layout.head_rows} "
+                             f"rows at once for vocab_size {self.cfg.vocab_size}")
         start, end = own_span(self.layout)
         self.arena = self.dev.alloc(end - start)
         self.base = self.arena.ptr - start               # the layout's offsets below start are never used
@@ -265,10 +269,6 @@ class Decoder:
         self.state_bytes = carved_bytes(sizes)
         self.state_arena = self.dev.alloc(self.state_bytes)
         self.state = carve(self.state_arena.ptr, sizes)
-        B = self.B
-        if B > self.layout.head_rows:
-            raise ValueError(f"batch {B}: the head computes the logits of at most {self.layout.head_rows} "
-                             f"rows at once for vocab_size {self.cfg.vocab_size}")
         self._pinned_prompt = self.dev.alloc_pinned(4 * B * self.prompt_cap)
         self._pinned_in = self.dev.alloc_pinned(8 * B)                       # tokens, then their positions
         self._pinned_draws = self.dev.alloc_pinned(8 * (B + len(decode.SAMPLE_OPTS)))   # u, then the options
@@ -333,10 +333,11 @@ class Decoder:
         active = np.ones(self.B, bool) if active is None else np.asarray(active, bool).reshape(self.B)
         if (self.lengths[active] >= self.max_len).any():
             raise ValueError(f"the decoder holds at most max_len={self.max_len} tokens per sequence")
-        tokens = check_tokens(np.asarray(tokens).reshape(self.B, 1), self.cfg.vocab_size)[:, 0]
+        tokens = np.where(active, np.asarray(tokens).reshape(self.B), 0)     # an inactive one's is unused
+        tokens = check_tokens(tokens.reshape(self.B, 1), self.cfg.vocab_size)[:, 0]
         self._set_draws(u)
         pin = self._pinned_in.array(np.int32, (2 * self.B,))
-        pin[:self.B] = np.where(active, tokens, 0)
+        pin[:self.B] = tokens
         pin[self.B:] = np.where(active, self.lengths, np.maximum(self.lengths - 1, 0))
         self._graph.launch()
         self.dev.synchronize()
