@@ -15,8 +15,8 @@ R, T, C, F = BASE_SHAPES.R, BASE_SHAPES.T, BASE_SHAPES.C, BASE_SHAPES.F
 @pytest.mark.parametrize("xtype", XTYPES)
 def test_channelmix_shift_mix(record, dev, xtype):
     b = RandomBuffers(dev, xtype)
-    record(channelmix.shift_mix(b(R * C), b(C, "f32", 0.2, 0.5), b(R * C), R, T, C, dev.info),
-           nbytes=2 * R * C * ELEM_BYTES[xtype])
+    record(channelmix.shift_mix(b(R * C, "f32"), b(C, "f32", 0.2, 0.5), b(R * C), R, T, C, dev.info),
+           nbytes=R * C * (4 + ELEM_BYTES[xtype]))                 # LN2's output f32, xk floatX
 
 
 @pytest.mark.parametrize("xtype", XTYPES)
@@ -37,6 +37,6 @@ def test_channelmix_relu_sq_backward(record, dev, xtype):
 @pytest.mark.parametrize("xtype", XTYPES)
 def test_channelmix_mix_backward(record, dev, xtype):
     b = RandomBuffers(dev, xtype)
-    ops = channelmix.mix_backward(b(R * C), b(R * C), b(C, "f32", 0.2, 0.5), b(R * C), b(C, "f32"),
+    ops = channelmix.mix_backward(b(R * C), b(R * C, "f32"), b(C, "f32", 0.2, 0.5), b(R * C, "f32"), b(C, "f32"),
                                   b(channelmix.scratch_elems(R, C, dev.info), "f32"), R, T, C, dev.info)
-    record(ops, nbytes=3 * R * C * ELEM_BYTES[xtype])
+    record(ops, nbytes=R * C * (8 + ELEM_BYTES[xtype]))            # dxk floatX; x read, dx written f32

@@ -15,14 +15,16 @@ R, C = BASE_SHAPES.R, BASE_SHAPES.C
 @pytest.mark.parametrize("xtype", XTYPES)
 def test_layernorm_forward(record, dev, xtype):
     b = RandomBuffers(dev, xtype)
-    ops = layernorm.forward(b(R * C), b(C, "f32"), b(C, "f32"), b(R * C), b(R, "f32"), b(R, "f32"), R, C)
-    record(ops, nbytes=2 * R * C * ELEM_BYTES[xtype] + 8 * R)
+    ops = layernorm.forward(b(R * C, "f32"), b(C, "f32"), b(C, "f32"), b(R * C), b(R, "f32"), b(R, "f32"), R, C)
+    record(ops, nbytes=R * C * (4 + ELEM_BYTES[xtype]) + 8 * R)    # x (the residual stream) f32, y floatX
 
 
 @pytest.mark.parametrize("xtype", XTYPES)
 def test_layernorm_backward(record, dev, xtype):
     b = RandomBuffers(dev, xtype)
-    ops = layernorm.backward(b(R * C), b(C, "f32"), b(R * C), b(R * C), b(C, "f32"), b(C, "f32"), b(R, "f32", 0.1, 0),
-                             b(R, "f32", 0.1, 1.0), b(layernorm.scratch_elems(R, C, dev.info), "f32"), R, C,
-                             dev.info, accumulate_dx=True)
-    record(ops, nbytes=4 * R * C * ELEM_BYTES[xtype] + 8 * R)     # x, dy, dx read; dx written
+    copy = b(R * C) if xtype != "f32" else None                    # the GEMMs' copy of dx, as in the step
+    ops = layernorm.backward(b(R * C, "f32"), b(C, "f32"), b(R * C, "f32"), b(R * C, "f32"), b(C, "f32"), b(C, "f32"),
+                             b(R, "f32", 0.1, 0), b(R, "f32", 0.1, 1.0),
+                             b(layernorm.scratch_elems(R, C, dev.info), "f32"), R, C, dev.info, accumulate_dx=True,
+                             dx_copy=copy)
+    record(ops, nbytes=16 * R * C + (ELEM_BYTES[xtype] * R * C if copy else 0) + 8 * R)  # x, dy, dx read; dx written

@@ -3,7 +3,10 @@ every configuration of rwkvx.workloads.STEP_WORKLOADS in every precision, with a
 
 Each benchmark times with CUDA events on the model's stream (pytest-benchmark's own wall-clock rounds
 are one synchronised call each); ``extra_info`` carries the event-timed per-step milliseconds and the
-device memory. Skipped without a GPU.
+device memory. ``test_trainer_step_overlap`` times the whole training step through the Trainer (AdamW
+included, batches drawn by a BatchSampler): wall ms per step waiting for each loss (``Trainer.step``) and
+reading it after the next step is submitted (``Trainer.submit``), beside the step graph's own device ms.
+Skipped without a GPU.
 """
 import numpy as np
 import pytest
@@ -59,3 +62,63 @@ def test_step(benchmark, dev, name, mode, precision, recompute):
     })
     if mode == "graph":
         graph.close()
+
+
+# The whole training step through the Trainer (AdamW included, batches drawn by a BatchSampler), waiting
+# for each loss (Trainer.step) against reading it after the next step is submitted (Trainer.submit).
+OVERLAP_STEPS = {"small_B8_T512": 300, "base_B8_T4096": 12}
+
+
+def waiting_steps(trainer, sampler, n: int) -> None:
+    """``n`` steps, each loss read before the next batch is drawn (Trainer.step)."""
+    for _ in range(n):
+        trainer.step(*sampler.next())
+
+
+def submitted_steps(trainer, sampler, n: int) -> None:
+    """``n`` steps, each loss read once the next step is submitted (the training loop's order)."""
+    pending = None
+    for _ in range(n):
+        submitted = trainer.submit(*sampler.next())
+        if pending is not None:
+            pending.loss()
+        pending = submitted
+    pending.loss()
+
+
+@pytest.mark.parametrize("name", list(OVERLAP_STEPS))
+def test_trainer_step_overlap(benchmark, dev, name):
+    """Wall ms per training step (bf16, recompute) waiting for each loss and not waiting, beside the
+    device ms of the step graph alone (CUDA events around back-to-back launches of one staged batch)."""
+    import time
+
+    from rwkvx.data import BatchSampler
+    from rwkvx.runtime import EventTimer
+    from rwkvx.training.trainer import Trainer
+    cfg, B, T = STEP_WORKLOADS[name]
+    n = OVERLAP_STEPS[name]
+    trainer = Trainer(cfg, init_params(cfg, 0), backend="gpu", batch_size=B, seq_len=T, steps=10 * n,
+                      precision="bf16")
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 8 * B * T)
+    sampler = BatchSampler(tokens, B, T, seed=0)
+    trainer.step(*sampler.next())            # warm-up: the graphs captured
+    wall_ms = {}
+    for mode, run in (("wait", waiting_steps), ("submit", submitted_steps)):
+        t0 = time.perf_counter()
+        run(trainer, sampler, n)
+        dev.synchronize()
+        wall_ms[mode] = (time.perf_counter() - t0) * 1e3 / n
+    model, batch = trainer.backend.model, sampler.next()
+    timer = EventTimer(dev)
+    try:
+        graph_ms = timer.time_ms(lambda: model.launch_step(*batch), n)
+    finally:
+        timer.close()
+    benchmark.pedantic(waiting_steps, args=(trainer, sampler, 1), rounds=3, iterations=1)
+    benchmark.extra_info.update({
+        "wait_ms_per_step": round(wall_ms["wait"], 3),
+        "submit_ms_per_step": round(wall_ms["submit"], 3),
+        "graph_ms_per_step": round(graph_ms, 3),
+        "wait_over_graph_%": round(100 * (wall_ms["wait"] / graph_ms - 1), 1),
+        "submit_over_graph_%": round(100 * (wall_ms["submit"] / graph_ms - 1), 1),
+    })

@@ -20,17 +20,17 @@ def mixes(b):
 @pytest.mark.parametrize("xtype", XTYPES)
 def test_timemix_shift_forward(record, dev, xtype):
     b = RandomBuffers(dev, xtype)
-    ops = timemix.shift_forward(b(R * C), mixes(b), [b(R * C) for _ in range(6)], R, C, T, dev.info)
-    record(ops, nbytes=7 * R * C * ELEM_BYTES[xtype])
+    ops = timemix.shift_forward(b(R * C, "f32"), mixes(b), [b(R * C) for _ in range(6)], R, C, T, dev.info)
+    record(ops, nbytes=R * C * (4 + 6 * ELEM_BYTES[xtype]))
 
 
 @pytest.mark.parametrize("xtype", XTYPES)
 def test_timemix_shift_backward(record, dev, xtype):
     b = RandomBuffers(dev, xtype)
-    ops = timemix.shift_backward(b(R * C), mixes(b), [b(R * C) for _ in range(6)], b(R * C),
+    ops = timemix.shift_backward(b(R * C, "f32"), mixes(b), [b(R * C) for _ in range(6)], b(R * C, "f32"),
                                  [b(C, "f32") for _ in range(6)], b(timemix.scratch_elems(R, C, N, dev.info), "f32"),
                                  R, C, T, dev.info)
-    record(ops, nbytes=8 * R * C * ELEM_BYTES[xtype])
+    record(ops, nbytes=R * C * (8 + 6 * ELEM_BYTES[xtype]))     # x and dx f32, six gradients read
 
 
 @pytest.mark.parametrize("xtype", XTYPES)
@@ -53,9 +53,9 @@ def prep(b, layer):
 @pytest.mark.parametrize("xtype", XTYPES)
 def test_timemix_prep_forward(record, dev, xtype):
     b = RandomBuffers(dev, xtype)
-    ops = timemix.prep_forward(**prep(b, 1), decay=b(R * C), kp=b(R * C), vp=b(R * C), wa=b(R * C), wb=b(R * C),
-                               dev=dev.info)
-    record(ops, nbytes=11 * R * C * ELEM_BYTES[xtype])
+    ops = timemix.prep_forward(**prep(b, 1), decay=b(R * C, "f32"), kp=b(R * C), vp=b(R * C), wa=b(R * C),
+                               wb=b(R * C), dev=dev.info)
+    record(ops, nbytes=R * C * (4 + 10 * ELEM_BYTES[xtype]))       # the decay f32
 
 
 @pytest.mark.parametrize("xtype", XTYPES)

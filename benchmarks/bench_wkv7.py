@@ -38,9 +38,9 @@ def test_wkv7(record, dev, xtype, shape, direction, method):
     saved_bytes = 4 * (sizes["sa"] + sizes["ckpt"])
     x = ELEM_BYTES[xtype]
     if direction == "forward":
-        record(fwd, nbytes=7 * n * x + saved_bytes, flops=wkv_flops(n))
+        record(fwd, nbytes=(6 * x + 4) * n + saved_bytes, flops=wkv_flops(n))    # the decay w is f32
         return
     Plan(dev, fwd).run()                          # real checkpoints of these inputs
     ops = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], B, T, H, N, dev.info,
                         partials=part, method=method)
-    record(ops, nbytes=(8 * x + 5 * 4) * n + saved_bytes, flops=2 * wkv_flops(n))
+    record(ops, nbytes=(7 * x + 4 + 5 * 4) * n + saved_bytes, flops=2 * wkv_flops(n))

@@ -31,8 +31,17 @@ def _round_up(n: int, a: int = _ALIGN) -> int:
 FORWARD_STATE = {
     "rwkv": ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "hw", "ha", "hv",
              "hg", "decay", "kp", "vp", "wa", "wb", "y", "z", "ln1_mean", "ln1_rstd", "wkv_sa", "wkv_ckpt"),
-    "attn": ("h1", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist"),
+    "attn": ("h1_x", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist"),
 }
+# Buffers stored in fp32 in every precision (docs/SPEC.md §4): the residual stream and its gradient, the
+# LayerNorm outputs the token shifts read and the gradients of every LayerNorm output, v_first's gradient
+# (summed over the blocks) and the WKV7 decay. In bf16 these roundings cost the most accuracy per byte
+# (docs/PERFORMANCE.md, "bf16 accuracy"); the rest of the activations are the GEMMs' bf16 operands.
+FP32_ALWAYS = ("emb_out", "block_in", "x1", "dx", "dv_first", "h1", "h2", "dh1", "dh2", "dlnout", "decay")
+# The bf16 GEMM operands of fp32 buffers, name -> its copy in the activation type: the attention blocks'
+# LN1 output (only GEMMs read it) and the residual gradient (written by the LayerNorm backward with it).
+# In fp32 and tf32 a copy is the buffer itself (same offset).
+GEMM_COPIES = {"h1": "h1_x", "dx": "dx_x"}
 # What an attention block keeps for its backward even with recompute=True: the recompute skips the MoBA
 # forward, the one part of a block whose cost grows with the attended keys (T * chunk * top_k), for
 # B*T*(C + H) activations and the query lists per attention block.
@@ -41,6 +50,9 @@ CHANNEL_MIX_STATE = ("x1", "h2", "xk2", "kf", "ln2_mean", "ln2_rstd")
 # The WKV7 gradients that only feed the time mix's prep backward: f32 in every precision (its parameter
 # gradients sum them over the tokens after near-cancelling projections, where bf16 rounding would show).
 WKV_F32_GRADS = ("ddecay", "dkp", "dvp", "dwa", "dwb")
+# Gradients written and read only after their block's WKV7 or MoBA backward has run (the time mix's LoRA and
+# projection inputs' gradients, d LN1 output): they share the region of the WKV7 / MoBA scratch.
+AFTER_WKV_GRADS = ("dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1")
 # MoBA scratch that lives inside one attention block's forward or backward (shares the logits' region)
 SHARED_MOBA_SCRATCH = ("part", "lpart")
 
@@ -108,22 +120,24 @@ class Layout:
             self._add(name, count, "f64" if name == "inv_count" else "i32")
         self._add("loss_t", R, "f64")
         # saved activations: each block's input and the final residual stream
-        self._add("emb_out", R * C, X)
+        self._add("emb_out", R * C, self.elem_of("emb_out"))
         for i in range(cfg.n_blocks + 1):
-            self._add(f"block_in.{i}", R * C, X)
+            self._add(f"block_in.{i}", R * C, self.elem_of("block_in"))
         for name in ("v_first", "dv_first", "lnout"):
-            self._add(name, R * C, X)
+            self._add(name, R * C, self.elem_of(name))
         self._add("lnout_mean", R, "f32")
         self._add("lnout_rstd", R, "f32")
         self.head_rows = head_chunk_rows(R, V, X, head_chunk_bytes)
         # buffers never live at once share one region (_add_shared), one set at a time: the head's row
         # chunk of logits (then dlogits), the WKV7 work buffer, MoBA's partial outputs, the channel mix's
-        # backward gradients (each set lives inside the head or inside one part of one block's pass)
+        # backward gradients, the gradients a block's backward computes after its WKV7 / MoBA backward
+        # (each set lives inside the head or inside one part of one block's pass)
         shared: dict[str, dict[str, tuple[int, str]]] = {
             "head": {"logits": (self.head_rows * V, X)}, "wkv": {}, "moba": {},
-            "ffn": {"dkf": (R * F, X), "dxk2": (R * C, X), "dh2": (R * C, X)}}
-        self._add("dx", R * C, X)
-        self._add("dlnout", R * C, X)
+            "ffn": {"dkf": (R * F, X), "dxk2": (R * C, X), "dh2": (R * C, self.elem_of("dh2"))},
+            "tail": {name: (R * C, self.elem_of(name)) for name in AFTER_WKV_GRADS}}
+        self._add("dx", R * C, self.elem_of("dx"))
+        self._add("dlnout", R * C, self.elem_of("dlnout"))
         if cfg.n_attn_layer:
             moba_sizes = moba.scratch_sizes(B, T, H, N, cfg.moba_chunk_size, cfg.moba_top_k)
             for j in range(cfg.n_attn_layer):  # kept per block: the selection is read back after a step
@@ -134,7 +148,13 @@ class Layout:
               "dz", "dy", "dg", "dr2", "dkp2", "dvp2", "dr", "ddecay", "dkp", "dvp", "dwa", "dwb",
               "dk", "dv", "dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1")
         for name in rc:
-            self._add(name, R * C, "f32" if name in WKV_F32_GRADS else X)
+            if name not in AFTER_WKV_GRADS:
+                self._add(name, R * C, "f32" if name in WKV_F32_GRADS else self.elem_of(name))
+        for name, copy in GEMM_COPIES.items():
+            if self.elems[name] == X:
+                self._alias(copy, name)
+            else:
+                self._add(copy, R * C, X)
         for name, d in (("hw", cfg.dim_w), ("ha", cfg.dim_a), ("hv", cfg.dim_v), ("hg", cfg.dim_g)):
             self._add(name, R * d, X)
             self._add("d" + name, R * d, X)
@@ -172,6 +192,11 @@ class Layout:
                 if name in self.counts:
                     self._add(f"{name}@{pos}", self.counts[name], self.elems[name])
 
+    def elem_of(self, name: str) -> str:
+        """The element type of activation buffer ``name`` (``block_in`` for every ``block_in.i``):
+        f32 for :data:`FP32_ALWAYS`, else the precision's activation type."""
+        return "f32" if name in FP32_ALWAYS else self.xtype
+
     @staticmethod
     def host_inputs(R: int) -> dict[str, int]:
         """Elements of each per-step input staged from pinned host memory (int32; inv_count f64)."""
@@ -183,6 +208,10 @@ class Layout:
         self.elems[name] = elem
         self.counts[name] = count
         self.total += _round_up(max(count * ELEM_BYTES[elem], 1))
+
+    def _alias(self, name: str, of: str) -> None:
+        """Buffer ``name`` is buffer ``of`` (same offset, type and size)."""
+        self.offsets[name], self.elems[name], self.counts[name] = self.offsets[of], self.elems[of], self.counts[of]
 
     def _add_shared(self, sets: dict[str, dict[str, tuple[int, str]]]) -> None:
         """Sets of buffers of which only one is ever live (each is written and read inside the head, or

@@ -25,8 +25,9 @@ token from its logits by :mod:`rwkvx.sampling`'s contract. The token ids, their 
 MoBA reads), one uniform draw per sequence and the sampling options come from pinned memory, only the B
 chosen token ids go back, and the whole step is one CUDA graph, replayed per token.
 
-State arena (elements; X = the model's activation type): per RWKV block i ``tm_prev.i`` X [B, C] and
-``wkv.i`` fp32 [B, H, N, N]; per block ``cm_prev.<prefix>`` X [B, C]; per attention block j the caches
+State arena (elements; X = the model's activation type): per RWKV block i ``tm_prev.i`` fp32 [B, C] and
+``wkv.i`` fp32 [B, H, N, N]; per block ``cm_prev.<prefix>`` fp32 [B, C] (the LayerNorm outputs the token
+shifts read are fp32 in every precision); per attention block j the caches
 ``kc.j``, ``vc.j`` X [B, Tmax, H, N] and (top_k > 1) ``kmean.j`` fp32 [B, H, Tmax // chunk, N] and
 ``sel.j`` int32 [B, H, top_k-1] (the last step's selection); ``pos`` int32 [B]; the sampler's ``u`` f64 [B],
 ``opts`` f64 [3] (:data:`rwkvx.cu.decode.SAMPLE_OPTS`) and ``next`` int32 [B].
@@ -92,13 +93,13 @@ def state_sizes(layout: Layout, max_len: int) -> dict[str, tuple[int, str]]:
                                          "opts": (len(decode.SAMPLE_OPTS), "f64"), "next": (B, "i32")}
     for kind, idx in cfg.block_order():
         if kind == "rwkv":
-            sizes[f"tm_prev.{idx}"] = (B * C, X)
+            sizes[f"tm_prev.{idx}"] = (B * C, "f32")
             sizes[f"wkv.{idx}"] = (B * H * N * N, "f32")
         else:
             sizes[f"kc.{idx}"] = sizes[f"vc.{idx}"] = (B * max_len * C, X)
             sizes[f"kmean.{idx}"] = (B * H * (max_len // cfg.moba_chunk_size) * N if K1 else 0, "f32")
             sizes[f"sel.{idx}"] = (B * H * K1, "i32")
-        sizes["cm_prev." + StepBuilder._prefix(kind, idx)] = (B * C, X)
+        sizes["cm_prev." + StepBuilder._prefix(kind, idx)] = (B * C, "f32")
     return sizes
 
 

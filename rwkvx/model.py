@@ -3,8 +3,16 @@
 :class:`Model` is the public API; the arena's buffers are placed by :class:`rwkvx.arena.Layout` and the
 step's op lists built by :class:`rwkvx.step.StepBuilder`. A Model allocates the arena once and runs the
 ops through :class:`rwkvx._core.Plan` (and the training step as one CUDA graph).
+
+The per-step inputs come from pinned host memory, copied by the step itself. There are :data:`SLOTS`
+sets of these pinned buffers, used in turn by :meth:`Model.launch_step`, so the next batch is written
+while the current step runs, and each step copies its losses and optimizer statistics into its own set
+(:class:`PendingStep` reads them when asked for, waiting for that step's event only).
 """
 from __future__ import annotations
+
+import dataclasses
+import weakref
 
 import numpy as np
 
@@ -15,11 +23,60 @@ from .cu import adamw, embedding, loss
 from .optim import Schedule
 from .params import ParamDict, check_params
 from .precision import DEFAULT_PRECISION, Precision, resolve_precision
+from .runtime.event import Event
 from .runtime.dtypes import from_storage, poison_bits, storage_dtype, to_storage
-from .runtime.ops import Gemm, flatten_ops
+from .runtime.ops import CopyDtoH, CopyHtoD, Gemm, flatten_ops
 from .step import StepBuilder
 
 DEFAULT_RECOMPUTE = True      # the backward recomputes each block's forward (least memory)
+SLOTS = 2                     # pinned staging sets: the step in flight's and the next one's
+STATS_BUFFER = "adam_state"   # copied to pinned memory at the end of each training step
+
+
+def rebased(ops, moves: dict[int, int]) -> list:
+    """``ops`` flattened, with the pinned host address of every host copy that ``moves`` names (old ->
+    new address) moved; everything else unchanged."""
+    out = []
+    for op in flatten_ops(ops):
+        if isinstance(op, (CopyHtoD, CopyDtoH)) and op.host_ptr in moves:
+            op = dataclasses.replace(op, host_ptr=moves[op.host_ptr])
+        out.append(op)
+    return out
+
+
+def stats_from_state(state: np.ndarray) -> dict[str, float]:
+    """``{"step", "lr", "grad_norm", "clip"}`` from the AdamW device state (float64 ``[STATE_DOUBLES]``)."""
+    return {"step": int(state[adamw.ST_STEP]), "lr": float(state[adamw.ST_LR]),
+            "grad_norm": float(state[adamw.ST_NORM]), "clip": float(state[adamw.ST_SCALE])}
+
+
+class PendingStep:
+    """A training step enqueued by :meth:`Model.launch_step`. :meth:`result` (``loss()``, ``stats()``)
+    waits for this step's own event — not for work enqueued after it — and reads the mean loss and the
+    optimizer statistics the step copied to its pinned slot; read once, kept. Launching the step after
+    next on the same slot reads them first, so nothing is lost when a result is asked for late."""
+
+    def __init__(self, model: "Model", slot: int):
+        self._model, self._slot = model, slot
+        self._result: tuple[float, dict[str, float]] | None = None
+
+    def done(self) -> bool:
+        """Whether the step has finished on the device (never waits)."""
+        return self._result is not None or self._model._events[self._slot].query()
+
+    def result(self) -> tuple[float, dict[str, float]]:
+        """``(mean loss, {"step", "lr", "grad_norm", "clip"})`` of this step; waits for it on first call."""
+        if self._result is None:
+            self._result = self._model._read_slot(self._slot)
+        return self._result
+
+    def loss(self) -> float:
+        """The step's mean loss (before its update)."""
+        return self.result()[0]
+
+    def stats(self) -> dict[str, float]:
+        """The step's optimizer statistics (:meth:`Model.optimizer_stats`'s keys)."""
+        return self.result()[1]
 
 
 class Model:
@@ -28,7 +85,8 @@ class Model:
     Same contract as :class:`rwkvx.oracle.Oracle`: ``forward(tokens)`` -> logits,
     ``loss_and_grads(tokens, targets, ignore_index)`` -> (loss, grads). Weights, gradients, optimizer
     moments and every activation live in one device arena sized at construction; a step allocates
-    nothing and synchronises only to read the per-token losses.
+    nothing. :meth:`train_step` waits for its step's end to return the loss; :meth:`launch_step` returns
+    at once (a :class:`PendingStep`), so the host stages the next batch while the step runs.
 
     ``precision`` (docs/SPEC.md §4; a :class:`~rwkvx.precision.Precision` or its name, default
     :data:`rwkvx.precision.DEFAULT_PRECISION`): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM
@@ -57,12 +115,20 @@ class Model:
         from .runtime import Device  # raises RuntimeError without a GPU
         self.cfg, self.B, self.T, self.precision, self.recompute = cfg, batch_size, seq_len, precision, recompute
         self.dev = Device.get()
+        self._events = [Event(self.dev) for _ in range(SLOTS)]   # the last step launched on each slot
         self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods,
                              head_chunk_bytes=head_chunk_bytes)
         self.arena = self.dev.alloc(self.layout.total)
         R = batch_size * seq_len
-        self._pinned = {name: self.dev.alloc_pinned(self.layout.nbytes(name))
-                        for name in [*Layout.host_inputs(R), "loss_t"]}
+        # one set of pinned buffers per slot: the per-step inputs, the per-token losses, the optimizer
+        # state after the step; the op lists are built on slot 0's, a step on another slot is rebased
+        self._slots = [{name: self.dev.alloc_pinned(self.layout.nbytes(name))
+                        for name in [*Layout.host_inputs(R), "loss_t", STATS_BUFFER]} for _ in range(SLOTS)]
+        self._pinned = self._slots[0]
+        # the step whose results each slot holds, unread (weak: a step nobody can read any more is only
+        # waited for before its slot is written again)
+        self._owners: list[weakref.ref | None] = [None] * SLOTS
+        self._next_slot = 0
         self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
         self.ops = self.builder.build()
         # every GEMM's algorithm, chosen before anything in the arena past the per-step inputs is live:
@@ -106,14 +172,27 @@ class Model:
         return self._region("grads")
 
     # -- steps ---------------------------------------------------------------------------------
-    def stage_tokens(self, tokens) -> np.ndarray:
-        """Validate ``tokens`` [B, T] and write them into the pinned buffer the forward reads."""
+    def _claim(self, slot: int) -> dict:
+        """Slot ``slot``'s pinned buffers, free to write: the step that last used them has finished and
+        its results are read (it waits for that step when it has not)."""
+        owner = self._owners[slot]() if self._owners[slot] is not None else None
+        if owner is not None:
+            owner.result()
+        else:
+            self._events[slot].synchronize()
+        return self._slots[slot]
+
+    def _stage_tokens(self, slot: int, tokens) -> np.ndarray:
         tokens = validate.check_tokens(tokens, self.cfg.vocab_size)
         if tokens.shape != (self.B, self.T):
             raise ValueError(f"tokens have shape {tokens.shape}, this Model was built for "
                              f"(batch_size, seq_len) = {(self.B, self.T)}")
-        self._pinned["tokens"].array(np.int32, (self.B * self.T,))[:] = tokens.ravel()
+        self._claim(slot)["tokens"].array(np.int32, (self.B * self.T,))[:] = tokens.ravel()
         return tokens
+
+    def stage_tokens(self, tokens) -> np.ndarray:
+        """Validate ``tokens`` [B, T] and write them into the pinned buffer the forward reads."""
+        return self._stage_tokens(0, tokens)
 
     def forward(self, tokens) -> np.ndarray:
         """Logits ``[B, T, V]`` (float32) for int tokens ``[B, T]``."""
@@ -135,28 +214,34 @@ class Model:
             out[r0:r0 + n] = from_storage(buf.elem, self.dev.download(buf, (n, V), storage_dtype(buf.elem)))
         return out
 
-    def stage_batch(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> None:
-        """Validate a batch and write it into the pinned buffers the step reads (ignored targets are
-        stored as validate.IGNORE_INDEX, the value the loss kernel was built with)."""
-        tokens = self.stage_tokens(tokens)
+    def _stage_batch(self, slot: int, tokens, targets, ignore_index: int) -> None:
+        tokens = self._stage_tokens(slot, tokens)
         targets = validate.check_targets(targets, tokens.shape, self.cfg.vocab_size, ignore_index)
         flat = np.where(targets == ignore_index, validate.IGNORE_INDEX, targets).astype(np.int32).ravel()
         order, seg_start, n_seg = embedding.sort_tokens(tokens)
-        pin = self._pinned
+        pin = self._slots[slot]
         pin["targets"].array(np.int32, flat.shape)[:] = flat
         pin["emb_order"].array(np.int32, order.shape)[:] = order
         pin["emb_seg_start"].array(np.int32, seg_start.shape)[:] = seg_start
         pin["emb_n_seg"].array(np.int32, (1,))[:] = n_seg
         pin["inv_count"].array(np.float64, (1,))[:] = loss.inv_count(flat)
 
-    def inv_count(self) -> float:
-        """1 / the number of targets != ignore_index in the staged batch (float64, as the loss uses it)."""
-        return float(self._pinned["inv_count"].array(np.float64, (1,))[0])
+    def stage_batch(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> None:
+        """Validate a batch and write it into the pinned buffers the step reads (ignored targets are
+        stored as validate.IGNORE_INDEX, the value the loss kernel was built with)."""
+        self._stage_batch(0, tokens, targets, ignore_index)
 
-    def mean_loss(self) -> float:
-        """The mean loss of the last step, from the pinned per-token losses, reduced in double."""
+    def inv_count(self, slot: int = 0) -> float:
+        """1 / the number of targets != ignore_index in the batch staged on ``slot`` (float64, as the
+        loss uses it)."""
+        return float(self._slots[slot]["inv_count"].array(np.float64, (1,))[0])
+
+    def mean_loss(self, slot: int = 0) -> float:
+        """The mean loss of the last step run on ``slot`` (0: the one :meth:`stage_batch` fills), from
+        its pinned per-token losses, reduced in double."""
         from ._core import sum_float64
-        return sum_float64(self._pinned["loss_t"].array(np.float64, (self.B * self.T,))) * self.inv_count()
+        losses = self._slots[slot]["loss_t"].array(np.float64, (self.B * self.T,))
+        return sum_float64(losses) * self.inv_count(slot)
 
     def run_step(self) -> None:
         """Enqueue one forward + loss + backward on the staged batch (no synchronisation)."""
@@ -172,7 +257,7 @@ class Model:
     # -- training: the whole step, AdamW included, as one CUDA graph -----------------------------
     def configure_optimizer(self, schedule: Schedule, weight_decay: float = 0.0,
                             grad_clip: float | None = None) -> None:
-        """Set up AdamW (moments zeroed, step 0) and the training plan ``train_step`` replays."""
+        """Set up AdamW (moments zeroed, step 0) and the training plans that :meth:`launch_step` runs."""
         from ._core import Plan
         b = self.builder.buf
         self.dev.upload(b("adam_table"), self.layout.adam_table)
@@ -182,32 +267,67 @@ class Model:
         self.dev.upload(b("adam_m"), zeros)
         self.dev.upload(b("adam_v"), zeros)
         self.schedule, self.weight_decay, self.grad_clip = schedule, weight_decay, grad_clip
-        self._train_plan = Plan(self.dev, self.ops.step + self.builder.optimizer(weight_decay, bool(grad_clip)))
-        self._train_graph = None
+        stats = CopyDtoH(self._pinned[STATS_BUFFER].ptr, b(STATS_BUFFER), self.layout.nbytes(STATS_BUFFER))
+        train = flatten_ops(self.ops.step + self.builder.optimizer(weight_decay, bool(grad_clip)) + [stats])
+        self._train_plans = [Plan(self.dev, self._on_slot(train, slot)) for slot in range(SLOTS)]
+        self._train_graphs: list | None = None
+
+    def _on_slot(self, ops: list, slot: int) -> list:
+        """``ops`` (built on slot 0's pinned buffers) reading and writing slot ``slot``'s instead."""
+        return rebased(ops, {self._slots[0][n].ptr: buf.ptr for n, buf in self._slots[slot].items()})
+
+    def _capture(self, slot: int) -> None:
+        """Capture one CUDA graph per slot, after a warm-up step without an update on the batch staged on
+        ``slot`` (modules and cuBLAS ready before the capture)."""
+        from ._core import Plan
+        from .runtime import Graph
+        warm_up = Plan(self.dev, self._on_slot(self.ops.step, slot))
+        warm_up.run()
+        self.dev.synchronize()
+        self._train_graphs = [Graph.capture(self.dev, plan.run) for plan in self._train_plans]
+
+    def launch_step(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX,
+                    graph: bool = True) -> PendingStep:
+        """Enqueue forward, loss, backward and AdamW update on one batch; returns at once with the
+        :class:`PendingStep` that reads its loss when asked.
+
+        The batch goes to the next of the :data:`SLOTS` pinned slots (waiting only when the step that
+        used that slot before, the one before last, has not finished). With ``graph`` (default) the step
+        is a replay of the slot's CUDA graph (captured on first use); otherwise the same plan is
+        enqueued op by op. Both give bit-identical results, as does :meth:`train_step`.
+        """
+        if getattr(self, "_train_plans", None) is None:
+            raise RuntimeError("call configure_optimizer() before training steps")
+        slot = self._next_slot
+        self._stage_batch(slot, tokens, targets, ignore_index)
+        if not graph:
+            self._train_plans[slot].run()
+        else:
+            if self._train_graphs is None:
+                self._capture(slot)
+            self._train_graphs[slot].launch()
+        self._events[slot].record()
+        pending = PendingStep(self, slot)
+        self._owners[slot], self._next_slot = weakref.ref(pending), (slot + 1) % SLOTS
+        return pending
+
+    def _read_slot(self, slot: int) -> tuple[float, dict[str, float]]:
+        """Wait for the step launched on ``slot``; its mean loss and optimizer statistics (the slot is
+        free afterwards)."""
+        self._events[slot].synchronize()
+        state = self._slots[slot][STATS_BUFFER].array(np.float64, (adamw.STATE_DOUBLES,))
+        result = self.mean_loss(slot), stats_from_state(state)
+        self._owners[slot] = None
+        return result
 
     def train_step(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX, graph: bool = True) -> float:
-        """Forward, loss, backward and AdamW update on one batch; returns the mean loss.
-
-        With ``graph`` (default) the step is captured once as a CUDA graph and replayed; otherwise
-        the same plan is enqueued op by op. Both give bit-identical results.
-        """
-        if getattr(self, "_train_plan", None) is None:
-            raise RuntimeError("call configure_optimizer() before train_step()")
-        self.stage_batch(tokens, targets, ignore_index)
-        if not graph:
-            self._train_plan.run()
-        else:
-            if self._train_graph is None:
-                from .runtime import Graph
-                self._step_plan.run()   # warm-up without an update: modules and cuBLAS ready
-                self.dev.synchronize()
-                self._train_graph = Graph.capture(self.dev, self._train_plan.run)
-            self._train_graph.launch()
-        self.dev.synchronize()
-        return self.mean_loss()
+        """Forward, loss, backward and AdamW update on one batch; returns the mean loss (waits for it).
+        :meth:`launch_step` without the wait; ``graph`` as there."""
+        return self.launch_step(tokens, targets, ignore_index, graph).loss()
 
     def evaluate(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> float:
-        """Mean loss on one batch: forward and loss only, the parameters untouched."""
+        """Mean loss on one batch: forward and loss only, the parameters untouched (after every step
+        launched before)."""
         from ._core import Plan
         if getattr(self, "_eval_plan", None) is None:
             ops = self.ops
@@ -219,9 +339,8 @@ class Model:
 
     def optimizer_stats(self) -> dict[str, float]:
         """``{"step", "lr", "grad_norm", "clip"}`` of the last update, read from the device state."""
-        st = self.dev.download(self.builder.buf("adam_state"), (adamw.STATE_DOUBLES,), np.float64)
-        return {"step": int(st[adamw.ST_STEP]), "lr": float(st[adamw.ST_LR]),
-                "grad_norm": float(st[adamw.ST_NORM]), "clip": float(st[adamw.ST_SCALE])}
+        return stats_from_state(self.dev.download(self.builder.buf(STATS_BUFFER), (adamw.STATE_DOUBLES,),
+                                                  np.float64))
 
     def optimizer_state(self) -> dict:
         """AdamW moments and step, in :meth:`rwkvx.optim.AdamW.state_dict`'s format."""

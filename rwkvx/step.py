@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .arena import Layout
+from .arena import GEMM_COPIES, Layout
 from .cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from .runtime import gemm
 from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
@@ -81,6 +81,16 @@ class StepBuilder:
     def gp(self, name: str) -> DevPtr:
         """Device address of the gradient of parameter ``name``."""
         return self.buf("grads").offset(self.L.param_offsets[name][0])
+
+    def operand(self, name: str) -> DevPtr:
+        """Buffer ``name`` as a GEMM operand: its copy in the activation type (:data:`rwkvx.arena.GEMM_COPIES`)."""
+        return self.buf(GEMM_COPIES[name])
+
+    def copy_out(self, name: str) -> DevPtr | None:
+        """Where the kernel writing buffer ``name`` also writes its GEMM-operand copy: None where the copy
+        is the buffer itself (fp32 and tf32)."""
+        copy = self.operand(name)
+        return None if int(copy) == int(self.buf(name)) else copy
 
     # -- the step -----------------------------------------------------------------------------
     def build(self) -> StepOps:
@@ -157,7 +167,7 @@ class StepBuilder:
         ops = layernorm.backward(final, self.p("rwkv.ln_out.weight"), self.buf("dlnout"), dx,
                                   self.gp("rwkv.ln_out.weight"), self.gp("rwkv.ln_out.bias"),
                                   self.buf("lnout_mean"), self.buf("lnout_rstd"), self.buf("partials"),
-                                  R, C, dev)
+                                  R, C, dev, dx_copy=self.copy_out("dx"))
         self.grad_ready = []
         self._grads_ready(ops, "rwkv.head.", "rwkv.ln_out.")
         ln0 = ("rwkv.blocks.0.ln0.weight", "rwkv.blocks.0.ln0.bias") if cfg.ln0 else ()
@@ -258,7 +268,7 @@ class StepBuilder:
     def channel_mix_backward(self, prefix: str) -> list:
         """From dx (= d block output) to dx = d x1 (in place), with the FFN and ln2 gradients."""
         R, C, F, T, dev, mm = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev, self.mm
-        b, dx = self.buf, self.buf("dx")
+        b, dx = self.buf, self.operand("dx")
         ops = [gemm.linear_dw(b("kf"), dx, self.gp(prefix + "ffn.value.weight"), R, F, C, precision=mm),
                gemm.linear_dx(dx, self.w(prefix + "ffn.value.weight"), b("dkf"), R, F, C, precision=mm)]
         ops += channelmix.relu_sq_backward(b("dkf"), b("kf"), b("dkf"), R * F, dev, src_is_k=True)
@@ -266,21 +276,23 @@ class StepBuilder:
                 gemm.linear_dx(b("dkf"), self.w(prefix + "ffn.key.weight"), b("dxk2"), R, C, F, precision=mm)]
         ops += channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), b("dh2"),
                                        self.gp(prefix + "ffn.x_k"), b("partials"), R, T, C, dev)
-        ops += layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), dx,
+        ops += layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), b("dx"),
                                   self.gp(prefix + "ln2.weight"), self.gp(prefix + "ln2.bias"),
-                                  b("ln2_mean"), b("ln2_rstd"), b("partials"), R, C, dev, accumulate_dx=True)
+                                  b("ln2_mean"), b("ln2_rstd"), b("partials"), R, C, dev, accumulate_dx=True,
+                                  dx_copy=self.copy_out("dx"))
         return ops
 
-    def _ln1_forward(self, prefix: str, xin) -> list:
+    def _ln1_forward(self, prefix: str, xin, h1) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
         return layernorm.forward(xin, self.p(prefix + "ln1.weight"), self.p(prefix + "ln1.bias"),
-                                 b("h1"), b("ln1_mean"), b("ln1_rstd"), R, C, x_copy=b("x1"))
+                                 h1, b("ln1_mean"), b("ln1_rstd"), R, C, x_copy=b("x1"))
 
     def _ln1_backward(self, prefix: str, xin) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
         return layernorm.backward(xin, self.p(prefix + "ln1.weight"), b("dh1"), b("dx"),
                                   self.gp(prefix + "ln1.weight"), self.gp(prefix + "ln1.bias"),
-                                  b("ln1_mean"), b("ln1_rstd"), b("partials"), R, C, self.dev, accumulate_dx=True)
+                                  b("ln1_mean"), b("ln1_rstd"), b("partials"), R, C, self.dev, accumulate_dx=True,
+                                  dx_copy=self.copy_out("dx"))
 
     # -- RWKV-7 time mix ------------------------------------------------------------------------
     def _lora(self, i: int) -> list[tuple[str, str, str, str, int]]:
@@ -318,7 +330,7 @@ class StepBuilder:
         R, C, dev, mm = self.R, self.cfg.n_embd, self.dev, self.mm
         pre, b = f"rwkv.blocks.{i}.", self.buf
         att = pre + "att."
-        ops = self._ln1_forward(pre, xin)
+        ops = self._ln1_forward(pre, xin, b("h1"))
         ops += self.time_shift(i)
         for src, dst, name in (("xr", "r", "receptance"), ("xk", "k", "key"), ("xv", "v", "value")):
             ops.append(gemm.linear(b(src), self.w(f"{att}{name}.weight"), b(dst), R, C, C, precision=mm))
@@ -342,7 +354,7 @@ class StepBuilder:
                                   self.dev, self.mm)
         pre, b, p, gp = f"rwkv.blocks.{i}.", self.buf, self.p, self.gp
         att = pre + "att."
-        dx = b("dx")
+        dx = self.operand("dx")
         gn = self._gn_inputs(i)
         ops = [gemm.linear_dw(b("z"), dx, gp(att + "output.weight"), R, C, C, precision=mm),
                gemm.linear_dx(dx, self.w(att + "output.weight"), b("dz"), R, C, C, precision=mm)]
@@ -399,9 +411,10 @@ class StepBuilder:
         kept MoBA output and selection (:data:`rwkvx.arena.ATTENTION_KEPT`) stand for the attention."""
         R, C, b = self.R, self.cfg.n_embd, self.buf
         pre = f"moba.{j}."
-        ops = self._ln1_forward(pre, xin)
+        h1 = self.operand("h1")          # only GEMMs read an attention block's LN1 output
+        ops = self._ln1_forward(pre, xin, h1)
         for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
-            ops.append(gemm.linear(b("h1"), self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
+            ops.append(gemm.linear(h1, self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
         if attend:
             ops += self.attention(j)
         ops += self._residual_add(b("y"), self.w(pre + "att.output.weight"), b("x1"), C)
@@ -411,13 +424,13 @@ class StepBuilder:
         """From dx = d x1 to dx = d xin (in place), with the attention and ln1 gradients."""
         R, C, b, gp, mm = self.R, self.cfg.n_embd, self.buf, self.gp, self.mm
         pre = f"moba.{j}."
-        dx = b("dx")
+        dx = self.operand("dx")
         ops = [gemm.linear_dw(b("y"), dx, gp(pre + "att.output.weight"), R, C, C, precision=mm),
                gemm.linear_dx(dx, self.w(pre + "att.output.weight"), b("dz"), R, C, C, precision=mm)]
         ops += moba.backward(b("r"), b("k"), b("v"), b("y"), b("dz"), b("dr"), b("dk"), b("dv"),
                              **self._moba_args(j))
         for n, (dsrc, name) in enumerate((("dr", "receptance"), ("dk", "key"), ("dv", "value"))):
-            ops += [gemm.linear_dw(b("h1"), b(dsrc), gp(f"{pre}att.{name}.weight"), R, C, C, precision=mm),
+            ops += [gemm.linear_dw(self.operand("h1"), b(dsrc), gp(f"{pre}att.{name}.weight"), R, C, C, precision=mm),
                     gemm.linear_dx(b(dsrc), self.w(f"{pre}att.{name}.weight"), b("dh1"), R, C, C,
                                    beta=1.0 if n else 0.0, precision=mm)]
         ops += self._ln1_backward(pre, xin)

@@ -133,15 +133,15 @@ class RandomBuffers:
 
 def wkv7_inputs(b: RandomBuffers, B: int, T: int, H: int, N: int) -> tuple[list[DevPtr], int]:
     """The six inputs of rwkvx.cu.wkv7.forward (r, w, k, v, a, b) for [B, T, H, N] in the ranges training
-    gives them (decay w in (exp(-DECAY_SCALE), 1), a = -κ̂ and b = κ̂·rate with κ̂ unit rows), and their
-    element count."""
+    gives them (decay w in (exp(-DECAY_SCALE), 1), f32 in every precision; a = -κ̂ and b = κ̂·rate with κ̂
+    unit rows), and their element count."""
     n = B * T * H * N
     rng = np.random.default_rng(3)
     kk = rng.standard_normal((n // N, N))
     kk = (kk / np.linalg.norm(kk, axis=1, keepdims=True)).reshape(-1)
     rate = 1 / (1 + np.exp(-rng.standard_normal(n)))
     w = np.exp(-DECAY_SCALE / (1 + np.exp(-rng.standard_normal(n))))
-    return [b(n, scale=0.5), b(n, values=w), b(n, scale=0.5), b(n, scale=0.5), b(n, values=-kk),
+    return [b(n, scale=0.5), b(n, "f32", values=w), b(n, scale=0.5), b(n, scale=0.5), b(n, values=-kk),
             b(n, values=kk * rate)], n
 
 

@@ -57,16 +57,25 @@ def _head_size(op: Launch) -> int:
     return int(dict(op.defines)["HEAD_SIZE"])
 
 
+def run_memory_op(mem: Memory, op) -> bool:
+    """Execute ``op`` on ``mem`` when it is a copy or a memset; whether it was."""
+    if isinstance(op, (Copy, CopyHtoD, CopyDtoH)):
+        src = op.host_ptr if isinstance(op, CopyHtoD) else op.src
+        dst = op.host_ptr if isinstance(op, CopyDtoH) else op.dst
+        mem.bytes(dst, op.nbytes)[:] = mem.bytes(src, op.nbytes).copy()
+    elif isinstance(op, Memset):
+        mem.bytes(op.ptr, op.nbytes)[:] = 0
+    else:
+        return False
+    return True
+
+
 def run(mem: Memory, ops) -> None:
     """Execute ``ops`` in order on ``mem``."""
     for op in flatten_ops(ops):
-        if isinstance(op, (Copy, CopyHtoD, CopyDtoH)):
-            src = op.host_ptr if isinstance(op, CopyHtoD) else op.src
-            dst = op.host_ptr if isinstance(op, CopyDtoH) else op.dst
-            mem.bytes(dst, op.nbytes)[:] = mem.bytes(src, op.nbytes).copy()
-        elif isinstance(op, Memset):
-            mem.bytes(op.ptr, op.nbytes)[:] = 0
-        elif isinstance(op, Gemm):
+        if run_memory_op(mem, op):
+            continue
+        if isinstance(op, Gemm):
             _gemm(mem, op)
         elif isinstance(op, Launch):
             KERNELS[op.name](mem, _args(op), op)

@@ -55,6 +55,18 @@ def seeded_rng(seed: int | None = None) -> np.random.Generator:
     return np.random.default_rng(int(seed))
 
 
+def seeded_batches(n: int, vocab_size: int, batch_size: int, seq_len: int,
+                   seed: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` training batches ``(tokens, targets)``, int64 ``[batch_size, seq_len]`` each, of random
+    tokens from :func:`seeded_rng` (``seed``): the targets are the tokens shifted by one."""
+    rng = seeded_rng(seed)
+    out = []
+    for _ in range(n):
+        x = rng.integers(0, vocab_size, (batch_size, seq_len + 1))
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
 def seed_report(nodeid: str) -> str | None:
     """The failure note of the current test: the seeds it drew and, if any was fresh, the command that
     replays it; None when it drew none."""

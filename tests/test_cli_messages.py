@@ -109,14 +109,14 @@ def test_abort_is_one_line_exit_130_nothing_half_written(tmp_path, capsys, monke
     from rwkvx.training.trainer import Trainer
 
     out = tmp_path / "r"
-    step = Trainer.step
+    submit = Trainer.submit
 
     def interrupted_at_3(self, x, y):
         if self.step_count == 2:
             raise KeyboardInterrupt
-        return step(self, x, y)
+        return submit(self, x, y)
 
-    monkeypatch.setattr(Trainer, "step", interrupted_at_3)
+    monkeypatch.setattr(Trainer, "submit", interrupted_at_3)
     assert _exit(["train", *TINY, "--steps", "5", "--ckpt-every", "1", "--eval-every", "0",
                   "--out", str(out)]) == 130
     assert capsys.readouterr().err == "python -m rwkvx train: interrupted (the run's last checkpoint stays)\n"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rwkvx import Config
-from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, Layout, head_chunk_rows
+from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, FP32_ALWAYS, Layout, head_chunk_rows
 from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.precision import DEFAULT_PRECISION, resolve_precision
 from rwkvx.step import StepBuilder
@@ -59,11 +59,21 @@ def test_step_plan_builds_inside_the_arena(kwargs, B, T, precision):
     if precision != "bf16":
         assert {op.precision for op in gemms} == {GemmPrecision(compute=precision)}
         return
-    # bf16: bf16 operands, fp32 accumulation; every output into the gradients is fp32, the rest bf16
+    # bf16: bf16 operands, fp32 accumulation; every output into the gradients or into a buffer that is
+    # fp32 in every precision (the residual stream, LayerNorm gradients) is fp32, the rest bf16
     assert {(op.precision.a, op.precision.b, op.precision.compute) for op in gemms} == {("bf16", "bf16", "fp32")}
     grads = (BASE + layout.offsets["grads"], BASE + layout.offsets["grads"] + layout.nbytes("grads"))
+    bf16_starts = {BASE + off for n, off in layout.offsets.items() if layout.elems[n] == "bf16"}
+    fp32_starts = {BASE + off for n, off in layout.offsets.items()
+                   if n.split("@")[0].split(".")[0] in FP32_ALWAYS} - bf16_starts   # not where shared buffers meet
+    into_fp32 = 0
     for op in gemms:
-        assert op.precision.c == ("f32" if grads[0] <= op.C < grads[1] else "bf16")
+        under = [n for n, off in layout.offsets.items() if BASE + off <= op.C < BASE + off + layout.nbytes(n)]
+        assert op.precision.c in {layout.elems[n] for n in under}, under     # the type of a buffer it writes
+        if grads[0] <= op.C < grads[1] or op.C in fp32_starts:
+            assert op.precision.c == "f32", under
+            into_fp32 += op.C in fp32_starts
+    assert into_fp32 >= 2 * n_blocks       # the residual adds (x1, the block outputs), dlnout, attention's dh1
     weights = BASE + layout.offsets["params_x"], BASE + layout.offsets["params_x"] + layout.nbytes("params_x")
     assert all(weights[0] <= op.A < weights[1] or weights[0] <= op.B < weights[1]
                for op in gemms if not grads[0] <= op.C < grads[1])      # forward and dx GEMMs read the bf16 copy
@@ -277,3 +287,24 @@ def test_without_recompute_each_block_keeps_its_forward_state(kwargs, B, T):
     saves = [op for op in flatten_ops(without.forward) if isinstance(op, Launch) and op.name.startswith("wkv7_forward")]
     names = [n for n, _ in wkv7.WKV7_FORWARD.params]
     assert saves and all(dict(zip(names, (v for _, v in op.args)))["sa_out"] for op in saves)
+
+
+def test_rebased_step_moves_only_the_host_copies():
+    """A training step on another staging slot: the same ops, each host copy's pinned address moved to
+    that slot's buffer of the same name, nothing else changed."""
+    import dataclasses
+
+    from rwkvx.model import rebased
+    kwargs, B, T = CONFIGS[1]
+    _, ops = build(kwargs, B, T)
+    step = flatten_ops(ops.step)
+    slot0 = host_buffers(B, T)
+    slot1 = {name: addr + (1 << 29) for name, addr in slot0.items()}
+    moved = rebased(ops.step, {slot0[n]: slot1[n] for n in slot0})
+    copies = [(a, b) for a, b in zip(step, moved) if isinstance(a, (CopyHtoD, CopyDtoH))]
+    assert len(moved) == len(step)
+    assert all(a == b for a, b in zip(step, moved) if not isinstance(a, (CopyHtoD, CopyDtoH)))
+    assert sorted(b.host_ptr for _, b in copies) == sorted(slot1.values())       # every input and loss_t
+    name_at = {addr: name for name, addr in slot0.items()}
+    for a, b in copies:
+        assert b == dataclasses.replace(a, host_ptr=slot1[name_at[a.host_ptr]])

@@ -54,21 +54,28 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const f4& r) {
     *reinterpret_cast<uint2*>(p) = u;
 }
 // Four elements as loaded (8 bytes of bf16, 16 of float), widened to fp32 only where used: a kernel that
-// holds many loads in flight, or a row in registers, keeps them in half the registers in bf16.
-#if FLOATX_BF16
-typedef uint2 quadX;
-__device__ __forceinline__ f4 widen(quadX u) {        // bf16 -> fp32: the bits shifted up
+// holds many loads in flight, or a row in registers, keeps them in half the registers in bf16. Generic
+// over the element type, because a bf16 kernel also reads buffers that are fp32 in every precision (the
+// residual stream, docs/SPEC.md §4): quad_of<float> for those, quadX for its floatX buffers.
+template <class T> struct quad_of;
+template <> struct quad_of<float> { typedef float4 type; };
+template <> struct quad_of<__nv_bfloat16> { typedef uint2 type; };
+typedef quad_of<floatX>::type quadX;
+__device__ __forceinline__ f4 widen(uint2 u) {        // bf16 -> fp32: the bits shifted up
     f4 r;
     r.v[0] = __uint_as_float(u.x << 16); r.v[1] = __uint_as_float(u.x & 0xffff0000u);
     r.v[2] = __uint_as_float(u.y << 16); r.v[3] = __uint_as_float(u.y & 0xffff0000u);
     return r;
 }
-#else
-typedef float4 quadX;
-__device__ __forceinline__ f4 widen(quadX u) { f4 r; r.v[0] = u.x; r.v[1] = u.y; r.v[2] = u.z; r.v[3] = u.w; return r; }
-#endif
-__device__ __forceinline__ quadX load_quad(const floatX* p) { return *reinterpret_cast<const quadX*>(p); }
-__device__ __forceinline__ void store_quad(floatX* p, quadX q) { *reinterpret_cast<quadX*>(p) = q; }
+__device__ __forceinline__ f4 widen(float4 u) { f4 r; r.v[0] = u.x; r.v[1] = u.y; r.v[2] = u.z; r.v[3] = u.w; return r; }
+template <class T>
+__device__ __forceinline__ typename quad_of<T>::type load_quad(const T* p) {
+    return *reinterpret_cast<const typename quad_of<T>::type*>(p);
+}
+template <class T>
+__device__ __forceinline__ void store_quad(T* p, typename quad_of<T>::type q) {
+    *reinterpret_cast<typename quad_of<T>::type*>(p) = q;
+}
 
 // 4 consecutive elements with scalar loads (parameter vectors: only element alignment)
 __device__ __forceinline__ f4 load4_scalar(const float* p) {

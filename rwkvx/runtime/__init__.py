@@ -16,6 +16,7 @@ helpers (``gemm``) and ``compile_cubin`` work on a CPU; ``Device.get()`` raises 
 """
 from .device import Device, DeviceBuffer, DeviceInfo, PinnedBuffer
 from .errors import CudaError, NvrtcCompileError
+from .event import Event
 from .graph import Graph
 from .nvrtc import cache_dir, compile_cubin, compile_source
 from .timing import EventTimer, warm_time_ms
@@ -24,7 +25,7 @@ from .ops import (ARG_KINDS, Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, GemmPrecisi
 from . import gemm
 
 __all__ = ["Device", "DeviceBuffer", "DeviceInfo", "PinnedBuffer", "CudaError", "NvrtcCompileError",
-           "Graph", "Launch", "Gemm", "GemmPrecision", "DevPtr", "Memset", "Copy", "CopyHtoD", "CopyDtoH",
+           "Event", "Graph", "Launch", "Gemm", "GemmPrecision", "DevPtr", "Memset", "Copy", "CopyHtoD", "CopyDtoH",
            "EventTimer", "warm_time_ms", "compile_cubin", "compile_source", "cache_dir", "flatten_ops", "ARG_KINDS",
            "gemm"]
 

@@ -1,6 +1,14 @@
 """A training run from its first step to its last: progress bar, periodic evaluation and checkpoints,
 the loss log and plot, and Ctrl-C (stop after the current step, checkpointed and resumable).
 
+The host never waits for a step before the next one is submitted (:meth:`Trainer.submit`): the loop
+draws batch i+1 and submits step i+1 while step i runs, then reads step i's loss, writes its log row
+and moves the progress bar. A step whose end something needs — evaluation and checkpoints (the
+parameters after it), the last step, a stop — is read before that happens, so no step is lost and none
+is added. Gradient clipping and the learning-rate schedule run inside the step and need no loss on the
+host; a non-finite loss raises FloatingPointError when it is read (on the GPU, with the next step
+already launched), and the run ends without writing a checkpoint.
+
 Data parallel: every rank trains and evaluates its shard; only rank 0 shows progress and writes.
 """
 from __future__ import annotations
@@ -18,7 +26,7 @@ import numpy as np
 
 from .rundir import LOG_NAME, RUN_NAME, fmt, read_log, write_json, write_log, write_plot
 from .setup import Run
-from .trainer import Trainer
+from .trainer import Trainer, TrainStep
 
 EMA = 0.9                  # smoothing of the training loss shown and summarised
 PROGRESS_INTERVAL_S = 0.5  # the progress bar redraws at most this often
@@ -33,7 +41,7 @@ class Outcome:
     ema: float | None               # smoothed training loss (None: no step ran)
     final_train: float | None       # the log's last training loss
     final_val: float | None         # the log's last validation loss
-    train_time: float               # seconds inside trainer.step, this run
+    train_time: float               # seconds in the trainer's steps (submitting, waiting for losses), this run
     wall_time: float                # seconds of the whole loop and the final writes, this run
 
 
@@ -100,28 +108,25 @@ def train_loop(run: Run) -> Outcome:
         write_log(run.log_path, rows)
 
     train_time, ema, last_val = 0.0, None, None
-    interrupted = False
+    tokens0, interrupted = tokens_seen, False
     with tqdm(total=steps, initial=start, unit="step", dynamic_ncols=True, mininterval=PROGRESS_INTERVAL_S,
               disable=not (run.progress and run.main), file=sys.stderr) as bar, \
             ctrl_c_stops(bar.write if run.main else lambda _: None) as stop:
         t0 = time.perf_counter()
-        for step in range(start + 1, steps + 1):
-            if stop.requested:
-                trainer.request_stop()
-            if trainer.stop_agreed:    # data parallel: every rank stops after the same step
-                interrupted = True
-                break
-            x, y = sampler.next()
+
+        def report(done: TrainStep, evaluate: bool) -> None:
+            """Read ``done``'s loss (waiting for that step alone), evaluate after it when asked, log it
+            and show it."""
+            nonlocal train_time, ema, last_val
             ts = time.perf_counter()
-            loss = trainer.step(x, y)
+            loss, stats = done.loss(), done.stats()
             train_time += time.perf_counter() - ts
-            tokens_seen += step_tokens
+            step = done.step
             ema = loss if ema is None else EMA * ema + (1 - EMA) * loss
             tps = (step - start) * step_tokens / max(train_time, 1e-9)
-            row = {"step": step, "tokens": tokens_seen, "lr": fmt(trainer.last_stats.get("lr")),
-                   "train_loss": fmt(loss), "grad_norm": fmt(trainer.last_stats.get("grad_norm")),
-                   "tokens_per_s": fmt(tps, 5)}
-            if (tr.eval_every and step % tr.eval_every == 0) or step == steps:
+            row = {"step": step, "tokens": tokens0 + (step - start) * step_tokens, "lr": fmt(stats["lr"]),
+                   "train_loss": fmt(loss), "grad_norm": fmt(stats["grad_norm"]), "tokens_per_s": fmt(tps, 5)}
+            if evaluate:
                 last_val = mean_val_loss(trainer, prep.val_batches)
                 row["val_loss"] = fmt(last_val)
             row["elapsed_s"] = fmt(elapsed0 + time.perf_counter() - t0, 5)
@@ -134,8 +139,31 @@ def train_loop(run: Run) -> Outcome:
                 bar.update(1)
             else:    # closing the bar draws the last line: update() would draw it a second time
                 bar.n = step
-            if tr.ckpt_every and step % tr.ckpt_every == 0 and step != steps:
+
+        pending: TrainStep | None = None     # the step submitted last, its loss not read yet
+        for step in range(start + 1, steps + 1):
+            if stop.requested:
+                trainer.request_stop()
+            if trainer.stop_agreed:    # data parallel: every rank stops after the same step
+                interrupted = True
+                break
+            x, y = sampler.next()      # drawn while the previous step runs
+            ts = time.perf_counter()
+            submitted = trainer.submit(x, y)
+            train_time += time.perf_counter() - ts
+            tokens_seen += step_tokens
+            if pending is not None:
+                report(pending, evaluate=False)
+            pending = submitted
+            evaluate = bool(tr.eval_every and step % tr.eval_every == 0) or step == steps
+            checkpoint = bool(tr.ckpt_every and step % tr.ckpt_every == 0) and step != steps
+            if evaluate or checkpoint:     # both need this step's end: read it now
+                report(pending, evaluate)
+                pending = None
+            if checkpoint:
                 save(elapsed0 + time.perf_counter() - t0)
+        if pending is not None:            # stopped: the last step submitted is read, not lost
+            report(pending, evaluate=False)
     save(elapsed0 + time.perf_counter() - t0)
     cfg = prep.cfg
     ranks = "" if prep.world_size == 1 else f"{prep.world_size} x "

@@ -7,6 +7,12 @@ A backend owns the parameters and the optimizer state and does whole steps:
 * :class:`GPUBackend` — the graph-replayed :class:`rwkvx.model.Model` step with the fused AdamW
   kernel (fp32 or tf32 GEMMs).
 
+Steps are submitted (:meth:`Trainer.submit`) and their results read later (:class:`TrainStep`): on the
+GPU backend a step is enqueued and the host goes on (staging the next batch into the other pinned slot,
+see :mod:`rwkvx.model`) until the step's loss is read; :meth:`Trainer.step` submits and reads at once.
+Both run the same graph, so their results are bit-identical. The CPU backend and data-parallel GPU
+training finish each step inside ``submit``.
+
 The Trainer, checkpoints and the training run (:mod:`rwkvx.training.loop`) are shared;
 :func:`resolve_device` picks the backend for ``auto``. The GPU :class:`~rwkvx.model.Model` is built for one batch shape: :func:`pad_batch` and
 :func:`forward_padded` fit smaller batches to it (for GPUBackend's ``evaluate``/``forward``).
@@ -43,33 +49,58 @@ from .config import TrainConfig
 
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
+STATS = ("lr", "grad_norm", "clip")      # the optimizer statistics of a step
+
+
+def check_loss(loss: float, step: int) -> float:
+    """``loss`` when finite, else FloatingPointError naming the (1-based) ``step``."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at step {step}")
+    return loss
+
+
+class FinishedStep:
+    """The results of a step that ran to its end inside ``submit_step`` (the handle of the backends
+    that do not overlap steps with the host)."""
+
+    def __init__(self, loss: float, stats: Mapping[str, float]) -> None:
+        self._result = (loss, dict(stats))
+
+    def done(self) -> bool:
+        """Always True: the step has finished."""
+        return True
+
+    def result(self) -> tuple[float, dict[str, float]]:
+        """``(mean loss, optimizer statistics)``."""
+        return self._result
 
 
 class Backend(abc.ABC):
     """What a Trainer needs from a backend. The GPU backend implements exactly this.
 
-    * ``train_step(tokens, targets)``: forward, loss, backward, clip + AdamW update with the
-      learning rate ``schedule.lr_at(step_count + 1)``; increments ``step_count``; returns the mean
-      loss (float, reduced in float64). Inputs are validated int64 ``[B, T]`` arrays.
+    * ``submit_step(tokens, targets)``: forward, loss, backward, clip + AdamW update with the
+      learning rate ``schedule.lr_at(step_count + 1)``; increments ``step_count``; returns a handle
+      whose ``result()`` is the mean loss (float, reduced in float64) and ``{"lr", "grad_norm",
+      "clip"}`` (more keys allowed), waiting for the step when it has not finished, and whose
+      ``done()`` says whether it has, without waiting. Inputs are validated int64 ``[B, T]`` arrays.
     * ``evaluate(tokens, targets)``: the mean loss, no update.
     * ``forward(tokens)``: logits ``[B, T, V]`` as a numpy array (for sampling).
     * ``get_params()``: host float32 copies of every parameter (docs/SPEC.md §2.4 names).
     * ``optimizer_state()`` / ``load_optimizer_state(state)``: the
       ``{"tensors": {"optim.m.<name>", "optim.v.<name>"}, "meta": {"optim_step": int, ...}}``
       dict of :meth:`rwkvx.optim.AdamW.state_dict` (host float32 moments).
-    * ``step_count``: updates done; ``last_stats``: ``{"lr", "grad_norm", "clip"}`` of the last step
-      (the GPU backend may report NaN for values it does not read back).
-    * data parallel (built with a world): ``train_step(..., stop=True)`` tells the other ranks that
-      this one wants to stop; ``stop_agreed`` is then True on every rank after that same step.
+    * ``step_count``: updates submitted.
+    * data parallel (built with a world): ``submit_step(..., stop=True)`` tells the other ranks that
+      this one wants to stop; ``stop_agreed`` is then True on every rank after that same step (both
+      backends finish a data-parallel step inside ``submit_step``).
     """
 
     name = "abstract"
     step_count: int
-    last_stats: dict[str, float]
     stop_agreed: bool = False
 
     @abc.abstractmethod
-    def train_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> float: ...
+    def submit_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> Any: ...
 
     @abc.abstractmethod
     def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float: ...
@@ -122,7 +153,6 @@ class CPUBackend(Backend):
             raise ValueError(f"CPU backend dtype must be float32 or float64, got {self.dtype}")
         self.params = {n: np.array(p, dtype=np.float32, copy=True) for n, p in params.items()}
         self.opt = AdamW(self.params, schedule, weight_decay=weight_decay, grad_clip=grad_clip)
-        self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
         self.world = world
 
     @property
@@ -135,15 +165,13 @@ class CPUBackend(Backend):
         # small next to a forward/backward.
         return self._Oracle(self.cfg, self.params, dtype=self.dtype)
 
-    def train_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> float:
+    def submit_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> FinishedStep:
         loss, grads = self._oracle().loss_and_grads(tokens, targets)
         loss = float(loss)
         if self.world is not None:
             loss, grads = self._average(loss, grads, stop)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step_count + 1}")
-        self.last_stats = self.opt.step(grads)
-        return loss
+        check_loss(loss, self.step_count + 1)     # before the update: the parameters stay finite
+        return FinishedStep(loss, self.opt.step(grads))
 
     def _average(self, loss: float, grads: ParamDict, stop: bool) -> tuple[float, ParamDict]:
         """Loss and gradients averaged over the world's ranks (in rank order, in the gradients' dtype);
@@ -205,8 +233,9 @@ def forward_padded(model: Any, tokens: np.ndarray) -> np.ndarray:
 
 
 class GPUBackend(Backend):
-    """The device-resident :class:`rwkvx.model.Model`; ``train_step`` replays one CUDA graph holding
-    forward, loss, backward and the fused AdamW update (step count and learning rate on the device).
+    """The device-resident :class:`rwkvx.model.Model`; ``submit_step`` replays one CUDA graph holding
+    forward, loss, backward and the fused AdamW update (step count and learning rate on the device)
+    and returns before it ends (:class:`rwkvx.model.PendingStep`); data parallel, it waits for the step.
 
     Training batches are exactly ``[batch_size, seq_len]``; ``evaluate``/``forward`` take any
     ``[B, T]`` with B <= batch_size and T <= seq_len, padded by :func:`pad_batch`. With a ``world``
@@ -231,22 +260,18 @@ class GPUBackend(Backend):
             from ..dist.step import DistributedStep
             self.dist_step = DistributedStep(self.model, NcclCommunicator(world, self.model.dev))
         self.step_count = 0
-        self.last_stats = {"lr": float("nan"), "grad_norm": float("nan"), "clip": float("nan")}
 
-    def train_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> float:
+    def submit_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> Any:
         if tokens.shape != (self.model.B, self.model.T):
             raise ValueError(f"training batches must be {(self.model.B, self.model.T)}, got {tokens.shape}")
         if self.dist_step is None:
-            loss = self.model.train_step(tokens, targets)
+            pending = self.model.launch_step(tokens, targets)
         else:
             loss = self.dist_step.train_step(tokens, targets, stop)
             self.stop_agreed = self.dist_step.stop_agreed
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {self.step_count + 1}")
+            pending = FinishedStep(loss, self.model.optimizer_stats())
         self.step_count += 1
-        stats = self.model.optimizer_stats()
-        self.last_stats = {"lr": stats["lr"], "grad_norm": stats["grad_norm"], "clip": stats["clip"]}
-        return loss
+        return pending
 
     def evaluate(self, tokens: np.ndarray, targets: np.ndarray) -> float:
         return self.model.evaluate(*pad_batch(tokens, self.model.B, self.model.T, targets))
@@ -291,8 +316,37 @@ def resolve_device(device: str, task: str = "training") -> tuple[str, str | None
     return "cpu", f"no usable CUDA GPU here, so {task} runs on the CPU (the oracle)"
 
 
+class TrainStep:
+    """A step submitted by :meth:`Trainer.submit`. Its results are read when first asked for —
+    :meth:`loss` / :meth:`stats` wait for this step only (on the GPU, its CUDA event; later steps may
+    still be running) — and kept. :meth:`loss` raises FloatingPointError when the loss is not finite."""
+
+    def __init__(self, trainer: "Trainer", step: int, handle: Any) -> None:
+        self.step = step          # the trainer's step count after this step (1-based)
+        self._trainer, self._handle = trainer, handle
+
+    def done(self) -> bool:
+        """Whether the step has finished (never waits)."""
+        return self._handle.done()
+
+    def _result(self) -> tuple[float, dict[str, float]]:
+        loss, stats = self._handle.result()
+        stats = {name: stats[name] for name in STATS}
+        self._trainer._note_stats(self.step, stats)
+        return loss, stats
+
+    def loss(self) -> float:
+        """The mean loss before this step's update (data parallel: the mean over every rank's shard)."""
+        return check_loss(self._result()[0], self.step)
+
+    def stats(self) -> dict[str, float]:
+        """``{"lr", "grad_norm", "clip"}`` of this step's update."""
+        return self._result()[1]
+
+
 class Trainer:
-    """Trains a model: ``step(tokens, targets) -> loss``; ``evaluate``; ``save``/``load`` with exact resume.
+    """Trains a model: ``step(tokens, targets) -> loss`` (or ``submit(tokens, targets)``, the loss read
+    later); ``evaluate``; ``save``/``load`` with exact resume.
 
     ``config`` (:class:`TrainConfig`, default ``TrainConfig()``) holds the settings; ``settings`` are
     changes to single fields of it (``Trainer(cfg, params, lr=1e-3, steps=100)``). ``backend`` is "cpu"
@@ -313,6 +367,7 @@ class Trainer:
         self.schedule = self.config.schedule
         self.world = world
         self._stop_requested = False
+        self._stats_step, self._last_stats = 0, {name: float("nan") for name in STATS}
         kind, self.device_note = resolve_device(backend)
         c, clip = self.config, self.config.grad_clip or None
         if kind == "gpu":
@@ -343,8 +398,13 @@ class Trainer:
 
     @property
     def last_stats(self) -> dict[str, float]:
-        """``{"lr", "grad_norm", "clip"}`` of the last step (NaN before the first)."""
-        return self.backend.last_stats
+        """``{"lr", "grad_norm", "clip"}`` of the latest step whose results were read (:meth:`step`
+        reads every step's; NaN before the first)."""
+        return dict(self._last_stats)
+
+    def _note_stats(self, step: int, stats: dict[str, float]) -> None:
+        if step >= self._stats_step:
+            self._stats_step, self._last_stats = step, stats
 
     def lr_at(self, step: int) -> float:
         """The scheduled learning rate of (1-based) step ``step``."""
@@ -355,11 +415,19 @@ class Trainer:
         targets = check_targets(targets, tokens.shape, self.cfg.vocab_size)
         return tokens, targets
 
+    def submit(self, tokens: np.ndarray, targets: np.ndarray) -> TrainStep:
+        """Start one training step (forward, loss, backward, AdamW) and return without waiting for it
+        (on the GPU backend, alone): its loss is read from the returned :class:`TrainStep`. Steps run
+        in order; submitting the step after next reads this one's results first (at most two steps
+        are in flight). The results are bit-identical to :meth:`step`'s."""
+        tokens, targets = self._inputs(tokens, targets)
+        handle = self.backend.submit_step(tokens, targets, stop=self._stop_requested)
+        return TrainStep(self, self.step_count, handle)
+
     def step(self, tokens: np.ndarray, targets: np.ndarray) -> float:
         """One training step (forward, loss, backward, AdamW); returns the mean loss before the update
         (data parallel: this rank's shard in, the mean over every rank's shard out)."""
-        tokens, targets = self._inputs(tokens, targets)
-        return self.backend.train_step(tokens, targets, stop=self._stop_requested)
+        return self.submit(tokens, targets).loss()
 
     def request_stop(self) -> None:
         """Ask to stop training (e.g. on Ctrl-C). Alone, :attr:`stop_agreed` is True at once; data
@@ -389,7 +457,8 @@ class Trainer:
     def save(self, path: str | os.PathLike, meta: Mapping[str, Any] | None = None,
              tensors: Mapping[str, np.ndarray] | None = None) -> None:
         """Write an atomic checkpoint: parameters, AdamW state, step, the TrainConfig, plus ``meta``
-        (JSON-able) and ``tensors`` (extra arrays) of the caller."""
+        (JSON-able) and ``tensors`` (extra arrays) of the caller. It holds every submitted step, read
+        or not (reading the device state waits for them)."""
         state = self.backend.optimizer_state()
         all_tensors = dict(state["tensors"])
         for name, value in (tensors or {}).items():

@@ -47,8 +47,6 @@ SLACK, FLOOR = 1.25, 1e-3                    # rwkvx_err <= SLACK * max(yardstic
 TABLE_ENV = "RWKVX_ERROR_TABLE"
 TABLE_HEADER = "case,seed,tensor,rwkvx_err,yardstick_err\n"
 
-CASES = [pytest.param(kind, N, T, seed, id=f"{kind}-N{N}-T{T}-seed{seed}")
-         for kind in KINDS for N in HEAD_SIZES for T in BATCH for seed in SEEDS]
 
 
 def _inputs(kind, N, T, seed, params_factory):
@@ -70,15 +68,21 @@ def _append_table(case: str, seed: int, rows: list[tuple[str, float, float]]) ->
     atomic_write(path, lambda f: f.write((old + new).encode()))
 
 
-# The bf16 plan stores the WKV7 decay, the residual stream and the LayerNorm outputs in bf16, and so misses
-# this bound on every case measured (seed 0 of each, and the error budget: docs/PERFORMANCE.md, "bf16
-# accuracy").
-# Strict: the mark must go once the plan keeps fp32 where accuracy needs it and the cases pass.
-NOT_MET = pytest.mark.xfail(strict=True, reason="bf16 gradients are not yet within the PyTorch recipe's "
-                                                "accuracy (docs/SPEC.md §4)")
+# (case, seeds) measured over the bound on the H200 with the bf16 plan of docs/SPEC.md §4 (fp32 decay,
+# residual stream and LayerNorm gradients): 1 to 4 tensors each at 1.26-1.54x the yardstick's error, all
+# with medians below the yardstick's — the time mix's decay-path and key vectors (w0, w1, w2, k_k, k_a;
+# the chunked WKV7 takes one TF32 pass for its chunk products in bf16) and the MoBA blocks' query and key
+# projections (MoBA's bf16 probabilities). Strict: a case leaves this list when it passes.
+OVER_THE_BOUND = {("hybrid-N32-T1024", 0), ("hybrid-N32-T1024", 1), ("hybrid-N32-T1024", 2),
+                  ("hybrid-N64-T64", 0), ("hybrid-N64-T64", 1), ("hybrid-N64-T1024", 0),
+                  ("hybrid-N64-T4096", 0), ("hybrid-N64-T4096", 1), ("hybrid-N64-T4096", 2),
+                  ("rwkv7-N64-T4096", 1)}
+OVER = pytest.mark.xfail(strict=True, reason="measured over the yardstick's bound on the H200")
+CASES = [pytest.param(kind, N, T, seed, id=f"{kind}-N{N}-T{T}-seed{seed}",
+                      marks=[OVER] if (f"{kind}-N{N}-T{T}", seed) in OVER_THE_BOUND else [])
+         for kind in KINDS for N in HEAD_SIZES for T in BATCH for seed in SEEDS]
 
 
-@NOT_MET
 @pytest.mark.parametrize("kind, N, T, seed", CASES)
 def test_bf16_gradients_within_the_pytorch_yardstick(kind, N, T, seed, training_like, record_property):
     cfg, params, tokens, targets = _inputs(kind, N, T, seed, training_like)

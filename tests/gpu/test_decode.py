@@ -31,8 +31,8 @@ FWD_TOL = 1e-5
 @pytest.mark.parametrize("B, C, nmix", [(1, 64, 6), (3, 256, 6), (2, 768, 1), (1, 4, 1)])
 def test_dec_shift(case, dev, B, C, nmix):
     rng = seeded_rng()
-    x = case.input("x", rng.standard_normal((B, C)))
-    prev = case.inout("prev", rng.standard_normal((B, C)))
+    x = case.input("x", rng.standard_normal((B, C)), "f32")          # a LayerNorm output: f32 in every precision
+    prev = case.inout("prev", rng.standard_normal((B, C)), "f32")
     mixes = [case.input(f"m{j}", rng.uniform(size=C), "f32") for j in range(nmix)]
     outs = [case.output(f"o{j}", (B, C)) for j in range(nmix)]
     out = case.run(D.shift(x, prev, mixes, outs, B, C, dev.info))
@@ -53,7 +53,7 @@ def test_dec_wkv7(case, dev, B, H, N):
     x = dict(r=0.5 * rng.standard_normal(shp), w=np.exp(-DECAY_SCALE * sig(rng.standard_normal(shp))),
              k=0.5 * rng.standard_normal(shp), v=0.5 * rng.standard_normal(shp), a=-kk,
              b=kk * sig(rng.standard_normal(shp)))
-    inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+    inp = {n: case.input(n, x[n], "f32" if n == "w" else "x") for n in "rwkvab"}     # the decay: f32
     state = case.inout("state", rng.standard_normal((B, H, N, N)), "f32")
     y = case.output("y", shp)
     out = case.run(D.wkv7_step(*inp.values(), state, y, B, H, N))

@@ -11,7 +11,7 @@ import pytest
 
 from gemm_cases import GEMM_CASES
 from rwkvx.oracle import rel_err
-from rwkvx.runtime import (Copy, CopyDtoH, CopyHtoD, CudaError, Graph, Launch, Memset,
+from rwkvx.runtime import (Copy, CopyDtoH, CopyHtoD, CudaError, Event, Graph, Launch, Memset,
                            gemm as G)
 from rwkvx.runtime.dtypes import round_to, to_storage
 
@@ -188,6 +188,23 @@ def test_pinned_htod_dtoh(d):
     v64 = h64.array(np.float64)
     v64[:] = np.arange(n)
     assert sum_float64(v64) == float(n * (n - 1) // 2)
+
+
+def test_event_waits_for_the_work_recorded_before_it(d):
+    n = 1 << 20
+    event = Event(d)
+    assert event.query()                                  # never recorded: nothing to wait for
+    h_out, x = d.alloc_pinned(4 * n), d.to_device(np.arange(n, dtype=np.float32))
+    out = h_out.array(np.float32, n)
+    out[:] = np.nan
+    plan = plan_of(d, [CopyDtoH(h_out, x, 4 * n)])
+    plan.run()
+    event.record()
+    event.synchronize()
+    assert event.query()
+    np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32))
+    event.close()
+    event.close()                                         # idempotent
 
 
 # ------------------------------------------------------------------------------------------ GEMM

@@ -10,7 +10,7 @@ from rwkvx.optim import Schedule
 from rwkvx.oracle import rel_err
 from rwkvx.training.trainer import Trainer
 
-from seeding import seeded_rng
+from seeding import seeded_batches
 
 # T <= chunk * top_k: every past block is selected, so no selection near-ties between CPU and GPU
 CFG = Config(vocab_size=97, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=1,
@@ -20,12 +20,7 @@ SCHEDULE = Schedule(lr_max=1e-3, lr_min=1e-4, warmup=2, total_steps=6)
 
 
 def batches(n, seed):
-    rng = seeded_rng(seed)
-    out = []
-    for _ in range(n):
-        x = rng.integers(0, CFG.vocab_size, (B, T + 1))
-        out.append((x[:, :-1], x[:, 1:]))
-    return out
+    return seeded_batches(n, CFG.vocab_size, B, T, seed)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -106,20 +101,25 @@ SEEDS = (0, 1, 2)
 LOSS_GAP = 0.01       # docs/SPEC.md §4: bf16 training ends within 0.01 nats of fp32
 
 
-def test_bf16_default_run_tracks_fp32(tmp_path, record_property):
-    """The default run (tiny preset, 1000 steps) in bf16 and in fp32, seeds 0..2: the mean final
-    validation loss of the bf16 runs is within 0.01 nats of the fp32 runs'. One seed alone is not
-    the criterion: fp32 runs of different seeds spread by ~0.01 themselves (sd 0.008 measured)."""
+# The small preset's seed 2 ends 0.011 nats above fp32 on the H200 (seeds 0 and 1: -0.0005, +0.0001).
+SMALL_OVER = pytest.mark.xfail(strict=True, reason="seed 2 measured 0.011 nats from fp32 (bound 0.01)")
+
+
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("small", marks=SMALL_OVER)])
+def test_bf16_run_tracks_fp32_for_every_seed(tmp_path, record_property, preset):
+    """The default run (``tiny``, 1000 steps) and the ``small`` preset's (V 256, C 256, L 4, M 1, 2000
+    steps), each in bf16 and in fp32 for seeds 0..2: every seed's final validation loss in bf16 is within
+    0.01 nats of the same seed's in fp32 (same initial weights, same batches)."""
     from rwkvx.cli import main
     val = {}
     for seed in SEEDS:
         for precision in ("fp32", "bf16"):
             out = tmp_path / f"{precision}-{seed}"
-            assert main(["train", "--device", "gpu", "--precision", precision, "--seed", str(seed),
-                         "--out", str(out), "--no-progress"]) == 0
+            assert main(["train", "--device", "gpu", "--preset", preset, "--precision", precision,
+                         "--seed", str(seed), "--out", str(out), "--no-progress"]) == 0
             val[precision, seed] = _final_val_loss(out)
-    gaps = [val["bf16", s] - val["fp32", s] for s in SEEDS]
+    gaps = {s: val["bf16", s] - val["fp32", s] for s in SEEDS}
     record_property("val_loss", {f"{p}-{s}": v for (p, s), v in val.items()})
-    print("\nfinal validation loss (fp32, bf16) by seed:",
-          {s: (val["fp32", s], val["bf16", s]) for s in SEEDS}, "gaps", [round(g, 4) for g in gaps])
-    assert abs(float(np.mean(gaps))) <= LOSS_GAP
+    print(f"\n{preset}: final validation loss (fp32, bf16, gap) by seed:",
+          {s: (round(val["fp32", s], 4), round(val["bf16", s], 4), round(gaps[s], 4)) for s in SEEDS})
+    assert all(abs(g) <= LOSS_GAP for g in gaps.values()), gaps

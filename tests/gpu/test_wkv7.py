@@ -41,11 +41,16 @@ def make_inputs(B, T, H, N, rng, shift=0.0):
     return x, rng.standard_normal(shp)
 
 
+def wkv_inputs(case, x: dict) -> dict:
+    """The device buffers of r, w, k, v, a, b: the decay w f32 in every precision, the rest floatX."""
+    return {n: case.input(n, x[n], "f32" if n == "w" else "x") for n in "rwkvab"}
+
+
 def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=None, method="sequential"):
     """Forward + backward of one case; ``heads`` limits the twin check to (sequence 0, those heads)."""
     x, dy = make_inputs(B, T, H, N, seeded_rng(), shift)
     shp = (B, T, H, N)
-    inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+    inp = wkv_inputs(case, x)
     pdy = case.input("dy", dy)
     chunked = method in W.CHUNKED_METHODS
     if bsplit is None:
@@ -94,7 +99,7 @@ def test_wkv7_all_splits(dev, xtype, N):
     runs = []
     for fs in W._forward_splits(N):
         case = KernelCase(dev, xtype)
-        inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+        inp = wkv_inputs(case, x)
         sizes = W.scratch_elems(B, T, H, N, dev.info)
         y = case.output("y", (B, T, H, N))
         sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
@@ -120,7 +125,7 @@ def test_wkv7_forward_saves_only_when_asked(case, dev):
     state, whose y_t = S_t r_t)."""
     B, T, H, N = 2, 21, 2, 32
     x, _ = make_inputs(B, T, H, N, seeded_rng())
-    inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+    inp = wkv_inputs(case, x)
     sizes = W.scratch_elems(B, T, H, N, dev.info)
     y0, y1 = case.output("y0", (B, T, H, N)), case.output("y1", (B, T, H, N))
     sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
@@ -184,7 +189,7 @@ def chunked_run(dev, xtype, method, inputs, split=None, kept_records=False) -> d
     shp = x["r"].shape
     B, T, H, N = shp
     case = KernelCase(dev, xtype)
-    inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+    inp = wkv_inputs(case, x)
     sizes = W.scratch_elems(B, T, H, N, dev.info, method=method, kept_records=kept_records)
     y = case.output("y", shp)
     sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
@@ -228,7 +233,7 @@ def test_wkv7_chunked_inference_forward(case, dev):
     entering chunk c (checked through y of the chunk's first token)."""
     B, T, H, N = 2, 40, 2, 64
     x, _ = make_inputs(B, T, H, N, seeded_rng())
-    inp = {n: case.input(n, x[n]) for n in "rwkvab"}
+    inp = wkv_inputs(case, x)
     sizes = W.scratch_elems(B, T, H, N, dev.info, method="chunked")
     y0, y1 = case.output("y0", (B, T, H, N)), case.output("y1", (B, T, H, N))
     sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")

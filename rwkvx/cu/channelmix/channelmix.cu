@@ -3,7 +3,8 @@
 //   xk = x + (shift(x) - x) * x_k ;  h = xk @ key^T (cuBLAS) ;  k = relu(h)^2 ;  out = k @ value^T (cuBLAS)
 //   shift(x)[r] = x[r-1] if r % T != 0 else 0   (R = B*T rows, B sequences of length T stacked)
 //
-// Buffers row-major: x, xk, dxk, dx floatX [R, C]; x_k, dx_k float32 [C]; h, k, dk, dh floatX [R, F]
+// Buffers row-major: x, dx float32 [R, C] (LN2's output and its gradient, fp32 in every precision:
+// docs/SPEC.md §4); xk, dxk floatX [R, C]; x_k, dx_k float32 [C]; h, k, dk, dh floatX [R, F]
 // (any n); part float32. Row-wise kernels need C % 4 == 0 and buffers aligned to 4 elements
 // (ops/channelmix.py checks). fp32 math. CM_BY comes from rwkvx/cu/channelmix/ops.py.
 //
@@ -26,7 +27,7 @@
 #endif
 
 extern "C" __global__ void __launch_bounds__(256)
-cm_shift_mix(const floatX* __restrict__ x, const float* __restrict__ mix, floatX* __restrict__ xk,
+cm_shift_mix(const float* __restrict__ x, const float* __restrict__ mix, floatX* __restrict__ xk,
              int R, int T, int C)
 {
     for_each_quad(R, C, [&](long long i, int r, int c4) {
@@ -93,8 +94,8 @@ cm_relu_sq_backward(const floatX* dk, const floatX* src, floatX* dh, long long n
 }
 
 extern "C" __global__ void __launch_bounds__(32 * CM_BY, 4)
-cm_mix_backward(const floatX* __restrict__ dxk, const floatX* __restrict__ x, const float* __restrict__ mix,
-                floatX* __restrict__ dx, float* __restrict__ part,
+cm_mix_backward(const floatX* __restrict__ dxk, const float* __restrict__ x, const float* __restrict__ mix,
+                float* __restrict__ dx, float* __restrict__ part,
                 int R, int T, int C, int rows_per_tile, int accumulate)
 {
     __shared__ float4 sh[CM_BY][32];
@@ -110,9 +111,9 @@ cm_mix_backward(const floatX* __restrict__ dxk, const floatX* __restrict__ x, co
         f4 om;
 #pragma unroll
         for (int e = 0; e < 4; ++e) om.v[e] = 1.0f - m.v[e];
-        const floatX* X = x + 4 * c4;
+        const float* X = x + 4 * c4;
         const floatX* D = dxk + 4 * c4;
-        floatX* DX = dx + 4 * c4;
+        float* DX = dx + 4 * c4;
         int tpos = a % T;                                   // position of row r in its sequence
         f4 xprev = tpos ? load4(X + (long long)(a - 1) * C) : f4_zero();  // shift(x)[a]
         f4 dcur = load4(D + (long long)a * C);

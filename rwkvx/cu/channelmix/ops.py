@@ -5,7 +5,8 @@
     k  = relu(h)^2                         relu_sq (in place on h allowed)
     out = k @ value^T                      (cuBLAS, by the model)
 
-Buffers row-major: x, xk, dxk, dx floatX ``[R, C]`` (R = B*T; C % 4 == 0; aligned to 4 elements);
+Buffers row-major: x, dx f32 ``[R, C]`` in every precision (LN2's output and its gradient, docs/SPEC.md §4);
+xk, dxk floatX ``[R, C]`` (R = B*T; C % 4 == 0; aligned to 4 elements);
 x_k, dx_k f32 ``[C]``; h, k, dk, dh floatX ``[R, F]`` (any n = R*F).
 Twins: ``rwkvx.oracle.channel_mix_shift_forward`` / ``channel_mix_shift_backward``, ``relu_sq_forward`` /
 ``relu_sq_backward``.
@@ -35,10 +36,10 @@ BY = 8                      # row streams per block of cm_mix_backward
 REDUCE_BY = 16              # reduce_partials rows (its summation order)
 
 CU = KernelFile("channelmix/channelmix", constants={"CM_BY": BY})
-CM_SHIFT_MIX = CU.kernel("cm_shift_mix", x=X_IN, mix=F32_IN, xk=X_OUT, R=INT, T=INT, C=INT)
+CM_SHIFT_MIX = CU.kernel("cm_shift_mix", x=F32_IN, mix=F32_IN, xk=X_OUT, R=INT, T=INT, C=INT)
 CM_RELU_SQ_FORWARD = CU.kernel("cm_relu_sq_forward", h=X_IN, k=X_OUT, n=LONG)
 CM_RELU_SQ_BACKWARD = CU.kernel("cm_relu_sq_backward", dk=X_IN, src=X_IN, dh=X_OUT, n=LONG, src_is_k=INT)
-CM_MIX_BACKWARD = CU.kernel("cm_mix_backward", dxk=X_IN, x=X_IN, mix=F32_IN, dx=X_OUT, part=F32_OUT,
+CM_MIX_BACKWARD = CU.kernel("cm_mix_backward", dxk=X_IN, x=F32_IN, mix=F32_IN, dx=F32_OUT, part=F32_OUT,
                             R=INT, T=INT, C=INT, rows_per_tile=INT, accumulate=INT)
 
 
@@ -59,7 +60,7 @@ def shift_mix(x, x_k, xk, R: int, T: int, C: int, dev: DeviceInfo) -> list:
     if int(xk) == int(x):
         raise ValueError("channelmix.shift_mix: xk must not alias x")
     return [CM_SHIFT_MIX.launch((grid_stride_blocks(R * C // 4, dev), 1, 1), (256, 1, 1),
-                                xtype=xtype_of("channelmix.shift_mix", x, xk), x=x, mix=x_k, xk=xk,
+                                xtype=xk.elem, x=x, mix=x_k, xk=xk,
                                 R=R, T=T, C=C)]
 
 
@@ -90,7 +91,7 @@ def mix_backward(dxk, x, x_k, dx, dx_k, scratch, R: int, T: int, C: int, dev: De
         raise ValueError("channelmix.mix_backward: dx must not alias dxk or x")
     rpt, n = _reduce.tiles(R, C, dev, rows_per_tile)
     ops = [CM_MIX_BACKWARD.launch((math.ceil(C / 128), n, 1), (32, BY, 1),
-                                  xtype=xtype_of("channelmix.mix_backward", dxk, x, dx), dxk=dxk, x=x,
+                                  xtype=dxk.elem, dxk=dxk, x=x,
                                   mix=x_k, dx=dx, part=scratch, R=R, T=T, C=C, rows_per_tile=rpt,
                                   accumulate=int(bool(accumulate_dx)))]
     return ops + _reduce.partials(scratch, n, C, [dx_k], REDUCE_BY, accumulate_dparam)

@@ -21,11 +21,12 @@
 #include "wkv7/state.cuh"
 
 // ---------------------------------------------------------------------------------------------
-// 1. token shift.  x, prev, o0..o5 floatX [B, C]; m0..m5 fp32 [C] (unused ones NULL).
+// 1. token shift.  x, prev fp32 [B, C] (a LayerNorm's output, fp32 in every precision); o0..o5 floatX [B, C];
+//    m0..m5 fp32 [C] (unused ones NULL).
 //    o_j = x + (prev - x) * m_j for j < nmix, then prev = x.  Grid-stride over the B*C/4 quads.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(256)
-dec_shift(const floatX* __restrict__ x, floatX* __restrict__ prev,
+dec_shift(const float* __restrict__ x, float* __restrict__ prev,
           const float* m0, const float* m1, const float* m2, const float* m3, const float* m4, const float* m5,
           floatX* o0, floatX* o1, floatX* o2, floatX* o3, floatX* o4, floatX* o5, int B, int C, int nmix)
 {
@@ -47,11 +48,11 @@ dec_shift(const floatX* __restrict__ x, floatX* __restrict__ prev,
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. WKV7 step.  grid (H, B), block N*Q.  r, w, k, v, a, b, y floatX [B, H, N] (= [B, C]);
+// 2. WKV7 step.  grid (H, B), block N*Q.  r, k, v, a, b, y floatX [B, H, N] (= [B, C]), the decay w fp32;
 //    state fp32 [B, H, N, N] (S[i, j], row = value index), read and written.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(wkv7::HN * wkv7::Q)
-dec_wkv7(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+dec_wkv7(const floatX* __restrict__ r, const float* __restrict__ w, const floatX* __restrict__ k,
          const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
          float* __restrict__ state, floatX* __restrict__ y, int H)
 {

@@ -35,9 +35,9 @@ MOBA_THREADS = moba.KM_THREADS        # dec_moba completes a block mean with mob
 
 CU = KernelFile("decode/decode", constants={"WKV_Q": wkv7.Q, "DEC_MOBA_THREADS": MOBA_THREADS},
                 variants={"HEAD_SIZE": HEAD_SIZES})
-DEC_SHIFT = CU.kernel("dec_shift", x=X_IN, prev=X_OUT, **{f"m{j}": F32_IN.opt() for j in range(6)},
+DEC_SHIFT = CU.kernel("dec_shift", x=F32_IN, prev=F32_OUT, **{f"m{j}": F32_IN.opt() for j in range(6)},
                       **{f"o{j}": X_OUT.opt() for j in range(6)}, B=INT, C=INT, nmix=INT)
-DEC_WKV7 = CU.kernel("dec_wkv7", r=X_IN, w=X_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN, state=F32_OUT, y=X_OUT, H=INT)
+DEC_WKV7 = CU.kernel("dec_wkv7", r=X_IN, w=F32_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN, state=F32_OUT, y=X_OUT, H=INT)
 DEC_MOBA = CU.kernel("dec_moba", q=X_IN, k=X_IN, v=X_IN, kc=X_OUT, vc=X_OUT, kmean=F32_OUT.opt(), pos=I32_IN,
                      sel_out=I32_OUT.opt(), o=X_OUT, H=INT, Tmax=INT, chunk=INT, K1=INT, maxblk=INT,
                      scale=FLOAT)
@@ -62,24 +62,24 @@ def moba_smem_bytes(N: int, chunk: int, top_k: int, maxblk: int) -> int:
 
 def shift(x, prev, mixes, outs, B: int, C: int, dev: DeviceInfo) -> list:
     """dec_shift: outs[j] = x + (prev - x) * mixes[j] (1 to 6 mixes, fp32 [C]), then prev = x.
-    x, prev, outs[j] [B, C]; outs must not alias x or prev."""
+    x, prev f32 [B, C], outs[j] floatX [B, C]; outs must not alias x or prev."""
     if not 1 <= len(mixes) <= 6 or len(mixes) != len(outs):
         raise ValueError("decode.shift: 1 to 6 mixes, one output each")
     check_rows("decode.shift", B, C, x, prev, *outs)
     pad = [None] * (6 - len(mixes))
     return [DEC_SHIFT.launch((grid_stride_blocks(B * C // 4, dev), 1, 1), (256, 1, 1),
-                             xtype=xtype_of("decode.shift", x, prev, *outs), variant={"HEAD_SIZE": SHIFT_N},
+                             xtype=xtype_of("decode.shift", *outs), variant={"HEAD_SIZE": SHIFT_N},
                              x=x, prev=prev, **{f"m{j}": m for j, m in enumerate([*mixes, *pad])},
                              **{f"o{j}": o for j, o in enumerate([*outs, *pad])}, B=B, C=C, nmix=len(mixes))]
 
 
 def wkv7_step(r, w, k, v, a, b, state, y, B: int, H: int, N: int) -> list:
     """dec_wkv7: y = S_t r_t after S_t = S_{t-1} diag(w) + (S_{t-1} a) b^T + v k^T, with S the carried
-    ``state`` fp32 [B, H, N, N] (updated in place); r .. b, y floatX [B, H, N]."""
+    ``state`` fp32 [B, H, N, N] (updated in place); r, k, v, a, b, y floatX [B, H, N], the decay w f32."""
     if N not in HEAD_SIZES or B < 1 or H < 1:
         raise ValueError(f"decode.wkv7_step: B={B}, H={H} must be >= 1 and N={N} one of {HEAD_SIZES}")
     check_buffers("decode.wkv7_step", r=r, w=w, k=k, v=v, a=a, b=b, state=state, y=y)
-    return [DEC_WKV7.launch((H, B, 1), (N * wkv7.Q, 1, 1), xtype=xtype_of("decode.wkv7_step", r, w, k, v, a, b, y),
+    return [DEC_WKV7.launch((H, B, 1), (N * wkv7.Q, 1, 1), xtype=xtype_of("decode.wkv7_step", r, k, v, a, b, y),
                             variant={"HEAD_SIZE": N}, r=r, w=w, k=k, v=v, a=a, b=b, state=state, y=y, H=H)]
 
 

@@ -2,18 +2,22 @@
 //
 //   y = (x - mean) * rstd * w + b,   mean = sum(x)/C,  rstd = 1/sqrt(sum((x-mean)^2)/C + eps)
 //
-// Buffers: x, y, dy, dx floatX [R, C] row-major; w, b float32 [C]; mean, rstd float32 [R]; part float32.
-// Requires C % 4 == 0 and row buffers aligned to 4 elements (ops/layernorm.py checks). fp32 math.
+// Buffers: x, x_copy, dy, dx float32 [R, C] row-major (a LayerNorm reads the residual stream and returns its
+// gradient, fp32 in every precision: docs/SPEC.md §4); y and dx_copy floatX [R, C]; w, b float32 [C]; mean,
+// rstd float32 [R]; part float32. Requires C % 4 == 0 and row buffers aligned to 4 elements
+// (layernorm/ops.py checks). fp32 math.
 // LN_WARPS, LN_BY, LN_NQ come from the declaration in rwkvx/cu/layernorm/ops.py.
 //
 // Kernels (one warp per row for the row-wise ones; block = (LN_WARPS*32), grid = ceil(R / LN_WARPS)):
 //   ln_forward(x, w, b, y, x_copy, mean, rstd, R, C, eps)
-//       y may be NULL (statistics only); mean / rstd may be NULL (not saved). y may alias x.
+//       y may be NULL (statistics only); mean / rstd may be NULL (not saved). y may alias x (fp32).
 //       x_copy (may be NULL) gets x as read: the residual a GEMM then adds to with beta = 1, written
 //       here because this pass reads x anyway (a separate copy would read it again).
-//   ln_backward_dx(x, w, dy, mean, rstd, dx, R, C, accumulate)
+//   ln_backward_dx(x, w, dy, mean, rstd, dx, dx_copy, R, C, accumulate)
 //       dx = rstd * (g - mean_c(g) - xhat * mean_c(g * xhat)),  g = dy * w,  xhat = (x - mean) * rstd
 //       accumulate = 0: dx = ...; 1: dx += ... . mean / rstd are required (from ln_forward).
+//       dx_copy (may be NULL) gets dx rounded to floatX: the operand of the GEMMs that read the
+//       gradient next, written here because this pass holds it (bf16; in fp32 the GEMMs read dx).
 //       dx may alias dy when accumulate == 0 (each element is read and written by the same thread).
 //   ln_backward_dwdb(x, dy, mean, rstd, part, R, C, rows_per_tile)
 //       grid (ceil(C/128), n_tiles), block (32, LN_BY):
@@ -40,19 +44,19 @@ static __device__ __forceinline__ float ln_warp_sum(float v)
 // waited for each load in turn: bf16 forward 0.0367 ms at R*C = 32768*768 on the H200, 64% of copy.)
 // No __launch_bounds__: with one, ptxas squeezed some LN_NQ builds to 32 registers and spilled.
 extern "C" __global__ void
-ln_forward(const floatX* x, const float* __restrict__ w, const float* __restrict__ b,
-           floatX* y, floatX* __restrict__ x_copy, float* __restrict__ mean_out,
+ln_forward(const float* x, const float* __restrict__ w, const float* __restrict__ b,
+           floatX* y, float* __restrict__ x_copy, float* __restrict__ mean_out,
            float* __restrict__ rstd_out, int R, int C, float eps)
 {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     if (r >= R) return;
     const int C4 = C >> 2;
-    const floatX* xr = x + (long long)r * C;
-    floatX* cr = x_copy ? x_copy + (long long)r * C : nullptr;
-    quadX v[LN_NQ];
+    const float* xr = x + (long long)r * C;
+    float* cr = x_copy ? x_copy + (long long)r * C : nullptr;
+    float4 v[LN_NQ];
 #pragma unroll
-    for (int k = 0; k < LN_NQ; ++k) v[k] = lane + 32 * k < C4 ? load_quad(xr + 4 * (lane + 32 * k)) : quadX{};
+    for (int k = 0; k < LN_NQ; ++k) v[k] = lane + 32 * k < C4 ? load_quad(xr + 4 * (lane + 32 * k)) : float4{};
     if (cr) {                                   // the copy is exact: the loaded bits are stored
 #pragma unroll
         for (int k = 0; k < LN_NQ; ++k)
@@ -99,24 +103,25 @@ ln_forward(const floatX* x, const float* __restrict__ w, const float* __restrict
 // dx: x, dy and (accumulate) the old dx of the row's first 32*LN_NQ quads are loaded together into
 // registers, as in ln_forward.
 extern "C" __global__ void
-ln_backward_dx(const floatX* __restrict__ x, const float* __restrict__ w, const floatX* dy,
-               const float* __restrict__ mean, const float* __restrict__ rstd, floatX* dx,
-               int R, int C, int accumulate)
+ln_backward_dx(const float* __restrict__ x, const float* __restrict__ w, const float* dy,
+               const float* __restrict__ mean, const float* __restrict__ rstd, float* dx,
+               floatX* __restrict__ dx_copy, int R, int C, int accumulate)
 {
     const int lane = threadIdx.x & 31;
     const int r = blockIdx.x * LN_WARPS + (threadIdx.x >> 5);
     if (r >= R) return;
     const int C4 = C >> 2;
-    const floatX* xr = x + (long long)r * C;
-    const floatX* dyr = dy + (long long)r * C;
-    floatX* dxr = dx + (long long)r * C;
-    quadX v[LN_NQ], d[LN_NQ], p[LN_NQ];
+    const float* xr = x + (long long)r * C;
+    const float* dyr = dy + (long long)r * C;
+    float* dxr = dx + (long long)r * C;
+    floatX* dcr = dx_copy ? dx_copy + (long long)r * C : nullptr;
+    float4 v[LN_NQ], d[LN_NQ], p[LN_NQ];
 #pragma unroll
     for (int k = 0; k < LN_NQ; ++k) {
         const int i = lane + 32 * k;
-        v[k] = i < C4 ? load_quad(xr + 4 * i) : quadX{};
-        d[k] = i < C4 ? load_quad(dyr + 4 * i) : quadX{};
-        p[k] = accumulate && i < C4 ? load_quad(dxr + 4 * i) : quadX{};
+        v[k] = i < C4 ? load_quad(xr + 4 * i) : float4{};
+        d[k] = i < C4 ? load_quad(dyr + 4 * i) : float4{};
+        p[k] = accumulate && i < C4 ? load_quad(dxr + 4 * i) : float4{};
     }
     const float mu = mean[r], rs = rstd[r];
     float sg = 0.0f, sgx = 0.0f;
@@ -145,6 +150,7 @@ ln_backward_dx(const floatX* __restrict__ x, const float* __restrict__ w, const 
             for (int e = 0; e < 4; ++e) o.v[e] += old.v[e];
         }
         store4(dxr + 4 * i, o);
+        if (dcr) store4(dcr + 4 * i, o);
     };
 #pragma unroll
     for (int k = 0; k < LN_NQ; ++k)
@@ -154,7 +160,7 @@ ln_backward_dx(const floatX* __restrict__ x, const float* __restrict__ w, const 
 }
 
 extern "C" __global__ void __launch_bounds__(32 * LN_BY)
-ln_backward_dwdb(const floatX* __restrict__ x, const floatX* __restrict__ dy,
+ln_backward_dwdb(const float* __restrict__ x, const float* __restrict__ dy,
                  const float* __restrict__ mean, const float* __restrict__ rstd,
                  float* __restrict__ part, int R, int C, int rows_per_tile)
 {

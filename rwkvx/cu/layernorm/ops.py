@@ -2,8 +2,10 @@
 
     y = (x - mean) * rstd * w + b,  mean = sum_c x / C,  rstd = 1 / sqrt(sum_c (x - mean)^2 / C + eps)
 
-Buffers (row-major, aligned to 4 elements, C % 4 == 0): x, y, dy, dx ``floatX [R, C]``; w, b, dw, db
-``f32 [C]``; mean, rstd ``f32 [R]`` (saved statistics). Rows up to a few million (tiles <= 65535).
+Buffers (row-major, aligned to 4 elements, C % 4 == 0): x, x_copy, dy, dx ``f32 [R, C]`` in every precision
+(the residual stream and its gradient, docs/SPEC.md §4); y ``floatX [R, C]`` — its element type selects
+the kernels' ``floatX`` (fp32 where a token shift reads it, bf16 where only GEMMs do); dx_copy ``floatX``;
+w, b, dw, db ``f32 [C]``; mean, rstd ``f32 [R]`` (saved statistics). Rows up to a few million (tiles <= 65535).
 Twin: ``rwkvx.oracle.layernorm_forward`` / ``layernorm_backward``.
 
 Forward::
@@ -17,13 +19,16 @@ residual a following GEMM accumulates into (beta = 1) without a separate device 
 Backward (one call: statistics if needed, dweight/dbias partials, their reduction, dx)::
 
     ops += layernorm.backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R, C, dev,
-                              stats_valid=True, accumulate_dx=False, accumulate_dparams=False)
+                              stats_valid=True, accumulate_dx=False, accumulate_dparams=False,
+                              dx_copy=None)
 
 * ``mean``/``rstd`` are required: with ``stats_valid=True`` they hold the forward's statistics of this
   same ``x``; with ``stats_valid=False`` they are scratch and a statistics-only ``ln_forward`` is added.
 * ``dx``: written (``accumulate_dx=False``) or added to (``True``: dx_total = dx_residual + dLN, the
   usual case for ln1/ln2 in a residual stream). With ``accumulate_dx=False``, ``dx`` may alias ``dy``
   (the dx kernel runs last, after the dweight/dbias partials have read dy). ``dx`` must not alias ``x``.
+* ``dx_copy`` (``floatX``, may be None): receives dx (the total, after accumulating) rounded to its
+  element type, for the GEMMs that read the gradient next.
 * ``dw``/``db`` are written (or added to with ``accumulate_dparams``), deterministically:
   ``ln_backward_dwdb`` writes per-row-tile partials ``f32 [2, n_tiles, C]`` into ``scratch``
   (:func:`scratch_elems` elements, same ``rows_per_tile``), then ``reduce_partials`` sums each half
@@ -37,7 +42,7 @@ from rwkvx.config import LN_EPS
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, INT, X_IN, X_OUT, KernelFile
 
 from .. import reduce as _reduce
-from .._common import DeviceInfo, check_rows, xtype_of
+from .._common import DeviceInfo, check_rows
 
 WARPS = 4            # rows (one warp each) per block of the row kernels: 128-thread blocks divide the
                      # register file finely (fp32 ln_backward_dx, 130-168 registers: 3 blocks of 4 warps)
@@ -46,11 +51,11 @@ REDUCE_BY = 16       # reduce_partials rows (its summation order)
 NQS = (1, 2, 4, 6, 8)  # LN_NQ variants: quads per lane the row kernels keep in registers (see _nq)
 
 CU = KernelFile("layernorm/layernorm", constants={"LN_WARPS": WARPS, "LN_BY": BY}, variants={"LN_NQ": NQS})
-LN_FORWARD = CU.kernel("ln_forward", x=X_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(), x_copy=X_OUT.opt(),
+LN_FORWARD = CU.kernel("ln_forward", x=F32_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(), x_copy=F32_OUT.opt(),
                        mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), R=INT, C=INT, eps=FLOAT)
-LN_BACKWARD_DX = CU.kernel("ln_backward_dx", x=X_IN, w=F32_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN,
-                           dx=X_OUT, R=INT, C=INT, accumulate=INT)
-LN_BACKWARD_DWDB = CU.kernel("ln_backward_dwdb", x=X_IN, dy=X_IN, mean=F32_IN, rstd=F32_IN, part=F32_OUT,
+LN_BACKWARD_DX = CU.kernel("ln_backward_dx", x=F32_IN, w=F32_IN, dy=F32_IN, mean=F32_IN, rstd=F32_IN,
+                           dx=F32_OUT, dx_copy=X_OUT.opt(), R=INT, C=INT, accumulate=INT)
+LN_BACKWARD_DWDB = CU.kernel("ln_backward_dwdb", x=F32_IN, dy=F32_IN, mean=F32_IN, rstd=F32_IN, part=F32_OUT,
                              R=INT, C=INT, rows_per_tile=INT)
 
 
@@ -58,6 +63,12 @@ def _nq(C: int) -> int:
     """LN_NQ for rows of C: the fewest quads per lane that hold the whole row (C <= 128*LN_NQ: the row
     kernels read each element once); wider rows than 1024 keep 8 and read the rest again in each pass."""
     return next((q for q in NQS if 128 * q >= C), NQS[-1])
+
+
+def _xtype(out) -> str:
+    """The launch's floatX: the element type of its floatX output, fp32 where there is none (the kernels
+    then touch only fp32 buffers)."""
+    return out.elem if out is not None else "f32"
 
 
 def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
@@ -72,17 +83,16 @@ def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS, x_copy=
     check_rows("layernorm.forward", R, C, x, w, b, y, x_copy)
     if x_copy is not None and int(x_copy) in (int(x), int(y) if y is not None else -1):
         raise ValueError("layernorm.forward: x_copy must not alias x or y")
-    return [LN_FORWARD.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=x.elem,
+    return [LN_FORWARD.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=_xtype(y),
                               variant={"LN_NQ": _nq(C)}, x=x, w=w, b=b, y=y, x_copy=x_copy,
                               mean_out=mean, rstd_out=rstd, R=R, C=C, eps=eps)]
 
 
 def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: DeviceInfo,
              eps: float = LN_EPS, stats_valid: bool = True, accumulate_dx: bool = False,
-             accumulate_dparams: bool = False, rows_per_tile: int | None = None) -> list:
+             accumulate_dparams: bool = False, rows_per_tile: int | None = None, dx_copy=None) -> list:
     """LayerNorm backward; see the module docstring. Returns 4 launches (5 with stats_valid=False)."""
-    check_rows("layernorm.backward", R, C, x, w, dy, dx, dw, db, scratch)
-    xtype = xtype_of("layernorm.backward", x, dy, dx)
+    check_rows("layernorm.backward", R, C, x, w, dy, dx, dw, db, scratch, dx_copy)
     if mean is None or rstd is None:
         raise ValueError("layernorm.backward: mean and rstd buffers [R] are required")
     if scratch is None:
@@ -96,12 +106,13 @@ def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: Dev
     ops = []
     if not stats_valid:
         ops += forward(x, w, w, None, mean, rstd, R, C, eps)
-    ops.append(LN_BACKWARD_DWDB.launch((math.ceil(C / 128), n, 1), (32, BY, 1), xtype=xtype, variant=nq,
+    ops.append(LN_BACKWARD_DWDB.launch((math.ceil(C / 128), n, 1), (32, BY, 1), variant=nq,
                                        x=x, dy=dy, mean=mean, rstd=rstd, part=scratch, R=R, C=C,
                                        rows_per_tile=rpt))
     ops += _reduce.partials(scratch, n, C, [dw], REDUCE_BY, accumulate_dparams)
     ops += _reduce.partials(scratch.offset(n * C), n, C, [db], REDUCE_BY, accumulate_dparams)
-    ops.append(LN_BACKWARD_DX.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=xtype, variant=nq,
-                                     x=x, w=w, dy=dy, mean=mean, rstd=rstd, dx=dx, R=R, C=C,
+    ops.append(LN_BACKWARD_DX.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=_xtype(dx_copy),
+                                     variant=nq, x=x, w=w, dy=dy, mean=mean, rstd=rstd, dx=dx, dx_copy=dx_copy,
+                                     R=R, C=C,
                                      accumulate=int(bool(accumulate_dx))))
     return ops

@@ -3,7 +3,9 @@
 Every builder returns ``list[Launch]`` (plain data; no GPU needed to build). Pointers are ints or
 objects with an int ``.ptr``; ``0`` / ``None`` means "absent" where a pointer is optional.
 All activations are floatX row-major ``[R, C]`` (R = B*T, row r = token r % T of sequence r // T,
-channel c = h*N + n), aligned to 4 elements; parameter vectors ``[C]`` and the partials are f32.
+channel c = h*N + n), aligned to 4 elements; parameter vectors ``[C]`` and the partials are f32. Some
+buffers are f32 in every precision (docs/SPEC.md §4): the token shift's input x = LN1(x) and its
+gradient dx, the decay, the WKV7 gradients prep_backward reads and the gradient of v_first.
 Twins: ``rwkvx.oracle.time_shift_forward`` / ``time_shift_backward``, ``tanh_*``, ``sigmoid_*``,
 ``time_mix_prep_forward`` / ``time_mix_prep_backward``, ``time_mix_gn_forward`` / ``time_mix_gn_backward``.
 
@@ -59,10 +61,10 @@ SHIFT_BWD_BLOCKS_PER_SM = 24    # 64-thread blocks: 3 waves of 8 per SM (<= 128 
 CU = KernelFile("timemix/timemix", constants={"TM_DECAY_SCALE": DECAY_SCALE, "TM_GN_EPS": GN_EPS, "TM_L2_EPS": L2_EPS},
                 variants={"HEAD_SIZE": HEAD_SIZES})
 _MIX = {f"m{j}": F32_IN for j in range(6)}
-TM_SHIFT_FWD = CU.kernel("tm_shift_fwd", x=X_IN, **_MIX, **{f"o{j}": X_OUT for j in range(6)},
+TM_SHIFT_FWD = CU.kernel("tm_shift_fwd", x=F32_IN, **_MIX, **{f"o{j}": X_OUT for j in range(6)},
                          R=INT, C=INT, T=INT, rpt=INT)
-TM_SHIFT_BWD = CU.kernel("tm_shift_bwd", x=X_IN, **_MIX, **{f"d{j}": X_IN for j in range(6)},
-                         dx=X_OUT, partials=F32_OUT, R=INT, C=INT, T=INT, rpt=INT, acc=INT)
+TM_SHIFT_BWD = CU.kernel("tm_shift_bwd", x=F32_IN, **_MIX, **{f"d{j}": X_IN for j in range(6)},
+                         dx=F32_OUT, partials=F32_OUT, R=INT, C=INT, T=INT, rpt=INT, acc=INT)
 _ELEMENTWISE = dict(a=X_IN, b=X_IN.opt(), out=X_OUT, n=LONG)
 TM_TANH_FWD = CU.kernel("tm_tanh_fwd", **_ELEMENTWISE)
 TM_TANH_BWD = CU.kernel("tm_tanh_bwd", **_ELEMENTWISE)
@@ -71,12 +73,12 @@ TM_SIGMOID_BWD = CU.kernel("tm_sigmoid_bwd", **_ELEMENTWISE)
 _PREP_IN = dict(k=X_IN, v=X_IN, wl=X_IN, al=X_IN, vl=X_IN.opt())
 _PREP_PARAMS = dict(w0=F32_IN, a0=F32_IN, v0=F32_IN.opt(), k_k=F32_IN, k_a=F32_IN)
 TM_PREP_FWD = CU.kernel("tm_prep_fwd", **_PREP_IN, vf=X_OUT, **_PREP_PARAMS,
-                        decay=X_OUT, kp=X_OUT, vp=X_OUT.opt(), wa=X_OUT, wb=X_OUT, R=INT, C=INT, rpt=INT,
+                        decay=F32_OUT, kp=X_OUT, vp=X_OUT.opt(), wa=X_OUT, wb=X_OUT, R=INT, C=INT, rpt=INT,
                         layer=INT)
 TM_PREP_BWD = CU.kernel("tm_prep_bwd", **_PREP_IN, vf=X_IN.opt(), **_PREP_PARAMS,
                         dd=F32_IN, dkp=F32_IN, dvp=F32_IN, dwa=F32_IN, dwb=F32_IN, dkp2=X_IN.opt(), dvp2=X_IN.opt(),
                         dr=X_IN.opt(), dr2=X_IN.opt(), dr_out=X_OUT.opt(),
-                        dk=X_OUT, dv=X_OUT, dwl=X_OUT, dal=X_OUT, dvl=X_OUT.opt(), dvf=X_OUT.opt(),
+                        dk=X_OUT, dv=X_OUT, dwl=X_OUT, dal=X_OUT, dvl=X_OUT.opt(), dvf=F32_OUT.opt(),
                         partials=F32_OUT, R=INT, C=INT, rpt=INT, layer=INT, vf_acc=INT)
 _GN_IN = dict(y=X_IN, r=X_IN, kp=X_IN, vp=X_IN, g=X_IN)
 _GN_PARAMS = dict(lnw=F32_IN, lnb=F32_IN, rk=F32_IN)
@@ -155,15 +157,15 @@ def _row_launch(kernel, L: dict, N: int, xtype: str, **args):
 # 1. token shift + mix
 # ------------------------------------------------------------------------------------------------
 def shift_forward(x, mix, outs, R: int, C: int, T: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> list:
-    """tm_shift_fwd. x [R,C] (LN1 output; R = B*T); mix = (x_r, x_w, x_k, x_v, x_a, x_g) each [C];
-    outs = (xr, xw, xk, xv, xa, xg) each [R,C], must not alias x.
+    """tm_shift_fwd. x [R,C] f32 (LN1 output; R = B*T); mix = (x_r, x_w, x_k, x_v, x_a, x_g) each [C];
+    outs = (xr, xw, xk, xv, xa, xg) each floatX [R,C].
     o_j = x + (shift(x) - x) * mix_j with shift zero at t = 0 of every sequence."""
     if len(mix) != 6 or len(outs) != 6:
         raise ValueError("shift_forward: 6 mix vectors and 6 outputs")
     if R % T:
         raise ValueError(f"R={R} must be a multiple of T={T}")
     L = layout(R, C, dev, SHIFT_N, rows_per_tile)
-    return [_row_launch(TM_SHIFT_FWD, L, SHIFT_N, xtype_of("timemix.shift_forward", x, *outs), x=x,
+    return [_row_launch(TM_SHIFT_FWD, L, SHIFT_N, xtype_of("timemix.shift_forward", *outs), x=x,
                         **{f"m{j}": m for j, m in enumerate(mix)}, **{f"o{j}": o for j, o in enumerate(outs)},
                         R=R, C=C, T=T, rpt=L["rpt"])]
 
@@ -173,8 +175,8 @@ def shift_backward(x, mix, douts, dx, dmix, partials, R: int, C: int, T: int, de
                    rows_per_tile: int | None = None) -> list:
     """tm_shift_bwd + reduce_partials.
 
-    x [R,C], mix 6 x [C] as in shift_forward; douts = (dxr, dxw, dxk, dxv, dxa, dxg) each [R,C];
-    dx [R,C]: written (or += with accumulate_dx); must not alias x or any douts.
+    x [R,C] f32, mix 6 x [C] as in shift_forward; douts = (dxr, dxw, dxk, dxv, dxa, dxg) each floatX
+    [R,C]; dx [R,C] f32: written (or += with accumulate_dx); must not alias x or any douts.
     dmix = (d x_r, ..., d x_g) each [C]: written (or += with accumulate_dmix).
     partials: scratch of at least scratch_elems(R, C, N, dev) fp32 elements."""
     if len(mix) != 6 or len(douts) != 6 or len(dmix) != 6:
@@ -182,7 +184,7 @@ def shift_backward(x, mix, douts, dx, dmix, partials, R: int, C: int, T: int, de
     if R % T:
         raise ValueError(f"R={R} must be a multiple of T={T}")
     L = shift_backward_layout(R, C, dev, rows_per_tile)
-    ops = [_row_launch(TM_SHIFT_BWD, L, SHIFT_N, xtype_of("timemix.shift_backward", x, dx, *douts), x=x,
+    ops = [_row_launch(TM_SHIFT_BWD, L, SHIFT_N, xtype_of("timemix.shift_backward", *douts), x=x,
                        **{f"m{j}": m for j, m in enumerate(mix)}, **{f"d{j}": d for j, d in enumerate(douts)},
                        dx=dx, partials=partials, R=R, C=C, T=T, rpt=L["rpt"], acc=int(bool(accumulate_dx)))]
     return ops + _reduce.partials(partials, L["pp"], C, dmix, REDUCE_BY, accumulate_dmix)
@@ -228,13 +230,13 @@ def prep_forward(*, k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
     """tm_prep_fwd. Inputs [R,C]: k, v (GEMM outputs), wl = tanh(xw@w1)@w2, al = xa@a1@a2,
     vl = xv@v1@v2 (layer > 0, else None), v_first (layer > 0: read; layer 0: written := v).
     Params [C]: w0, a0, v0 (layer > 0, else None), k_k, k_a.
-    Outputs [R,C]: decay = exp(-e^-0.5 sigmoid(w0+wl)); kp = k*(1+(a-1)*k_a);
+    Outputs [R,C]: decay (f32) = exp(-e^-0.5 sigmoid(w0+wl)); kp = k*(1+(a-1)*k_a);
     vp = v + (v_first - v)*sigmoid(v0+vl) (layer > 0 only; layer 0 uses v itself, vp may be None);
     wa = -kk, wb = kk*a with kk = l2normalize_head(k*k_k), a = sigmoid(a0+al).
     Outputs must not overwrite k, v, wl, al, vl, v_first (prep_backward re-reads them)."""
     L = layout(R, C, dev, N, rows_per_tile)
     lay = layer > 0
-    return [_row_launch(TM_PREP_FWD, L, N, xtype_of("timemix.prep_forward", k, v, decay, kp, wa, wb),
+    return [_row_launch(TM_PREP_FWD, L, N, xtype_of("timemix.prep_forward", k, v, kp, wa, wb),
                         k=k, v=v, wl=wl, al=al, vl=vl if lay else None, vf=v_first,
                         w0=w0, a0=a0, v0=v0 if lay else None, k_k=k_k, k_a=k_a,
                         decay=decay, kp=kp, vp=vp if lay else None, wa=wa, wb=wb,
@@ -254,7 +256,7 @@ def prep_backward(*, k, v, wl, al, vl, v_first, w0, a0, v0, k_k, k_a,
     dr_out = dr + dr2 (skipped when dr2 is None; dr_out may alias dr).
     Outputs [R,C] (may alias the gradient inputs): dk, dv (of the key/value GEMM outputs), dwl,
     dal, dvl (layer > 0).
-    dv_first [R,C]: layer > 0: dv_first = (vf_accumulate ? dv_first : 0) + dv'*sigmoid(v0+vl);
+    dv_first [R,C] f32: layer > 0: dv_first = (vf_accumulate ? dv_first : 0) + dv'*sigmoid(v0+vl);
     layer 0: dv += dv_first (read only; pass None when no later block exists).
     dparams = (d w0, d a0, d k_k, d k_a, d v0) [C] each (d v0 only for layer > 0): written
     (+= with accumulate_dparams)."""

@@ -83,8 +83,9 @@ __device__ __forceinline__ tm_rows tm_my_rows(int R, int rpt) {
 // 1. token shift + 6-way mix
 // ---------------------------------------------------------------------------------------------
 // Forward: xx = shift(x) - x (shift zero at t = r % T == 0); o_j = x + xx * m_j, j = r,w,k,v,a,g.
-// x [R,C]; m0..m5 [C]; o0..o5 [R,C] (must not alias x).
-extern "C" __global__ void tm_shift_fwd(const floatX* x,
+// x [R,C] fp32 (the LayerNorm's output, fp32 in every precision: docs/SPEC.md §4); m0..m5 [C];
+// o0..o5 [R,C] floatX (GEMM operands).
+extern "C" __global__ void tm_shift_fwd(const float* x,
                                         const float* m0, const float* m1, const float* m2,
                                         const float* m3, const float* m4, const float* m5,
                                         floatX* o0, floatX* o1, floatX* o2, floatX* o3, floatX* o4, floatX* o5,
@@ -118,7 +119,7 @@ extern "C" __global__ void tm_shift_fwd(const floatX* x,
     }
 }
 
-// Backward: given d0..d5 = dL/do_j [R,C]:
+// Backward: given d0..d5 = dL/do_j [R,C] (floatX; x and dx fp32):
 //   dx[t]  = sum_j d_j[t] * (1 - m_j) + sum_j d_j[t+1] * m_j      (second sum only if t+1 is in the
 //            same sequence);  dx = or += (acc != 0)
 //   dm_j  += d_j[t] * (shift(x)[t] - x[t])   -> partials[Pp, 6, C]
@@ -133,12 +134,12 @@ extern "C" __global__ void tm_shift_fwd(const floatX* x,
 // <= 128 registers in both element types; shift_backward_layout (ops/timemix.py) launches 64-thread
 // blocks where C allows, so 8 blocks (16 warps) fit an SM.
 
-extern "C" __global__ void tm_shift_bwd(const floatX* x,
+extern "C" __global__ void tm_shift_bwd(const float* x,
                                         const float* m0, const float* m1, const float* m2,
                                         const float* m3, const float* m4, const float* m5,
                                         const floatX* d0, const floatX* d1, const floatX* d2,
                                         const floatX* d3, const floatX* d4, const floatX* d5,
-                                        floatX* dx, float* partials,
+                                        float* dx, float* partials,
                                         int R, int C, int T, int rpt, int acc)
 {
     constexpr int SR = 16 / (4 * (int)sizeof(floatX));            // rows per step
@@ -152,23 +153,24 @@ extern "C" __global__ void tm_shift_bwd(const floatX* x,
 
     if (rr.beg < rr.end) {
         int row = rr.end - 1;                                      // the step's first (highest) row
-        quadX xtop = load_quad(x + (tm_size)row * C + c0);         // x[row]
+        float4 xtop = load_quad(x + (tm_size)row * C + c0);        // x[row]
         quadX dnext[6];                                            // d_j[row + 1]
         const bool end_has_next = row % T != T - 1;                // then row + 1 < R
 #pragma unroll
         for (int j = 0; j < 6; ++j)
             dnext[j] = end_has_next ? load_quad(dp[j] + (tm_size)(row + 1) * C + c0) : quadX{};
         for (; row >= rr.beg; row -= SR) {
-            quadX xm1[SR], dc[SR][6], gin[SR];                     // x[r - 1], d_j[r], dx[r] of r = row - k
+            float4 xm1[SR], gin[SR];                               // x[r - 1], dx[r] of r = row - k
+            quadX dc[SR][6];                                       // d_j[r]
 #pragma unroll
             for (int k = 0; k < SR; ++k) {
                 const int r = row - k;
                 const bool ok = k == 0 || r >= rr.beg;
                 const tm_size off = (tm_size)r * C + c0;
-                xm1[k] = (ok && r > 0) ? load_quad(x + off - C) : quadX{};
+                xm1[k] = (ok && r > 0) ? load_quad(x + off - C) : float4{};
 #pragma unroll
                 for (int j = 0; j < 6; ++j) dc[k][j] = ok ? load_quad(dp[j] + off) : quadX{};
-                gin[k] = (ok && acc) ? load_quad(dx + off) : quadX{};
+                gin[k] = (ok && acc) ? load_quad(dx + off) : float4{};
             }
             // m opaque to the compiler once per step: else it keeps 1 - m in 24 more registers (159 in all)
 #pragma unroll
@@ -259,13 +261,15 @@ extern "C" __global__ void tm_sigmoid_bwd(const floatX* a, const floatX* b, floa
 //   layer = 0: v' = v (vp untouched; use v);  vf := v                    (vf written)
 //   kk = (k*k_k) / max(||k*k_k||_head, 1e-12);  k' = k * (1 + (a - 1) * k_a)
 //   wa = -kk;  wb = kk * a
-// Inputs k, v, wl, al, vl, vf [R,C]; params w0, a0, v0, k_k, k_a [C]; outputs decay, kp, vp, wa, wb.
+// Inputs k, v, wl, al, vl, vf [R,C]; params w0, a0, v0, k_k, k_a [C]; outputs decay (fp32 in every
+// precision: near 1, a bf16 decay would move 1 - decay, the state's per-token forgetting, by up to half its
+// size), kp, vp, wa, wb.
 // Outputs may alias inputs element-wise, but the backward needs k, v, wl, al, vl, vf unchanged.
 extern "C" __global__ void tm_prep_fwd(const floatX* k, const floatX* v, const floatX* wl, const floatX* al,
                                        const floatX* vl, floatX* vf,
                                        const float* w0, const float* a0, const float* v0,
                                        const float* k_k, const float* k_a,
-                                       floatX* decay, floatX* kp, floatX* vp, floatX* wa, floatX* wb,
+                                       float* decay, floatX* kp, floatX* vp, floatX* wa, floatX* wb,
                                        int R, int C, int rpt, int layer)
 {
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
@@ -323,7 +327,7 @@ extern "C" __global__ void tm_prep_fwd(const floatX* k, const floatX* v, const f
 //   dkp2, dvp2 (extra d k', d v' from tm_gn_bwd's bonus term; 0 = none)
 //   dr, dr2: if dr2 != 0, dr_out = dr + dr2 (total d r for the receptance GEMM; dr_out may alias dr)
 // Outputs: dk (d of the key GEMM output), dv (d of the value GEMM output), dwl, dal, dvl (layer>0),
-//   dvf: layer > 0: dvf = (vf_acc ? dvf : 0) + dv' * sigmoid(v0+vl)
+//   dvf (fp32: the gradient of v_first, summed over the layers): layer > 0: dvf = (vf_acc ? dvf : 0) + dv' * sigmoid(v0+vl)
 //        layer = 0: v_first IS this layer's v, so dv += dvf (the gradient accumulated by the later
 //                   layers) when dvf != 0; dvf is only read.
 //   partials [Pp, NP, C] with NP = 5 (layer > 0) or 4 (layer 0): slots w0, a0, k_k, k_a, (v0).
@@ -337,7 +341,7 @@ extern "C" __global__ void tm_prep_bwd(const floatX* k, const floatX* v, const f
                                        const floatX* dkp2, const floatX* dvp2,
                                        const floatX* dr, const floatX* dr2, floatX* dr_out,
                                        floatX* dk, floatX* dv, floatX* dwl, floatX* dal, floatX* dvl,
-                                       floatX* dvf, float* partials,
+                                       float* dvf, float* partials,
                                        int R, int C, int rpt, int layer, int vf_acc)
 {
     const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * 4;

@@ -133,7 +133,7 @@ using namespace wkv7c;
 // on tensor cores, every warp a few 16 x 8 tiles.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(WKV_INTRA_THREADS)
-wkv7c_intra(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+wkv7c_intra(const floatX* __restrict__ r, const float* __restrict__ w, const floatX* __restrict__ k,
             const floatX* __restrict__ a, const floatX* __restrict__ b, float* __restrict__ rec,
             float* __restrict__ brec, int T, int H, int mode)
 {
@@ -525,7 +525,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
 //   adds k (dy.v) + b (dy.u) to dr, r (dy.v) to dk and r (dy.u) to db outside the log-decay sums.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(HN * 4)
-wkv7c_backward_grads(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+wkv7c_backward_grads(const floatX* __restrict__ r, const float* __restrict__ w, const floatX* __restrict__ k,
                      const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
                      const floatX* __restrict__ dy, const float* __restrict__ sa, const float* __restrict__ s0,
                      const float* __restrict__ ds, const float* __restrict__ dx,

@@ -10,8 +10,9 @@ S = 0 before t = 0::
 
 Buffers (16-byte aligned; outputs must not alias inputs):
 
-* r, w, k, v, a, b, dy, y, dr: floatX ``[B, T, H, N]`` (= row-major ``[B*T, C]``, c = h*N + n);
-  dw, dk, dv, da, db: f32 of the same shape (they feed the time mix's parameter-gradient sums, in which
+* r, k, v, a, b, dy, y, dr: floatX ``[B, T, H, N]`` (= row-major ``[B*T, C]``, c = h*N + n);
+  w: f32 of the same shape in every precision (near 1, bf16 would move 1 - w, the state's per-token
+  forgetting, by up to half its size; docs/SPEC.md §4); dw, dk, dv, da, db: f32 of the same shape (they feed the time mix's parameter-gradient sums, in which
   bf16 rounding of each token's term would not cancel out).
 * ``sa`` f32 ``[B, T, H, N]`` (sa_t = S_{t-1} a_t) and ``ckpt`` f32 ``[B, H, nC, N, N]``, nC = ceil(T/CHUNK)
   (slot c = the state after the last token of chunk c): what the forward saves for the backward,
@@ -90,7 +91,7 @@ FWD_RECORD, BWD_RECORD = 2, 3     # [L, L] sections of the forward / backward re
 
 CU = KernelFile("wkv7/sequential", constants={"WKV_Q": Q, "WKV_CHUNK": CHUNK, "WKV_BWD_MAXT": BWD_MAXT},
                 variants={"HEAD_SIZE": HEAD_SIZES})
-_RWKVAB = dict(r=X_IN, w=X_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN)
+_RWKVAB = dict(r=X_IN, w=F32_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN)
 WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, sa_out=F32_OUT.opt(), ckpt=F32_OUT.opt(),
                          T=INT, H=INT)
 WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F32_IN,
@@ -102,7 +103,7 @@ CUC = KernelFile("wkv7/chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CH
                  derived=lambda v, xtype: {"WKV_FREC": _record_floats(v["HEAD_SIZE"], FWD_RECORD),
                                            "WKV_BREC": _record_floats(v["HEAD_SIZE"], BWD_RECORD),
                                            "WKV_SPLIT_OPERATORS": int(SPLIT_OPERATORS[xtype])})
-WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=X_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, brec=F32_OUT.opt(),
+WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=F32_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, brec=F32_OUT.opt(),
                          T=INT, H=INT, mode=INT)
 INTRA_FORWARD, INTRA_BACKWARD, INTRA_BOTH = 0, 1, 2     # wkv7c_intra's modes: which records it writes
 WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),

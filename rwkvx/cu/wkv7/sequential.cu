@@ -5,8 +5,8 @@
 //     sa_t = S_{t-1} a_t
 //     S_t  = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T
 //     y_t  = S_t r_t
-// r, w, k, v, a, b, y and their gradients are floatX [B,T,H,N] (= row-major [B*T, C], c = h*N + n);
-// the state, its checkpoints and every accumulation are fp32.
+// r, k, v, a, b, y and their gradients are floatX [B,T,H,N] (= row-major [B*T, C], c = h*N + n); the
+// decay w, the state, its checkpoints and every accumulation are fp32.
 //
 // Thread mapping (Q = WKV_Q lanes per row, M = N/Q elements per lane, lanes of a row adjacent in a warp):
 //   "row role":    thread (ri, rq) owns S[row, rq*M .. rq*M+M-1] (row = i0 + ri) -- row reductions
@@ -84,10 +84,6 @@ __device__ __forceinline__ void stage_vec(E* dst, const E* src, long long tokbas
     }
 }
 
-// The staged inputs of one forward / backward stage: NV tensors x LS tokens x HN, double-buffered.
-template <int NV>
-struct Staging { floatX v[2][NV][LS][HN]; };
-
 // body(g) for the stages g = 0..G-1 of a walk while the inputs of stage g+1 are being copied in:
 // issue(g) starts stage g's copies into buffer g & 1 (double buffering, one commit group per stage).
 template <class Issue, class Body>
@@ -103,12 +99,19 @@ __device__ __forceinline__ void staged_walk(int G, Issue issue, Body body) {
     }
 }
 
-// Issue the cp.async copies of the `NV` tensors `src` for tokens ts .. ts+cnt-1 into buffer `buf`.
+// The staged inputs of one forward / backward stage, double-buffered: the NV floatX tensors and the
+// decay w (fp32 in every precision), LS tokens x HN each.
 template <int NV>
-__device__ __forceinline__ void stage_all(floatX (*buf)[LS][HN], const floatX* const (&src)[NV], long long hoff,
-                                          long long tokbase, int ts, int cnt, int H, int tid, int nt) {
+struct Staging { floatX v[2][NV][LS][HN]; float w[2][LS][HN]; };
+
+// Issue the cp.async copies of the `NV` floatX tensors `src` and the decay `w` for tokens ts .. ts+cnt-1
+// into buffer `g` of `stg`.
+template <int NV>
+__device__ __forceinline__ void stage_all(Staging<NV>& stg, int g, const floatX* const (&src)[NV], const float* w,
+                                          long long hoff, long long tokbase, int ts, int cnt, int H, int tid, int nt) {
 #pragma unroll
-    for (int i = 0; i < NV; ++i) stage_vec(&buf[i][0][0], src[i] + hoff, tokbase, ts, cnt, H, tid, nt);
+    for (int i = 0; i < NV; ++i) stage_vec(&stg.v[g][i][0][0], src[i] + hoff, tokbase, ts, cnt, H, tid, nt);
+    stage_vec(&stg.w[g][0][0], w + hoff, tokbase, ts, cnt, H, tid, nt);
 }
 
 }  // namespace wkv7
@@ -120,13 +123,13 @@ using namespace wkv7;
 // sa [B,T,H,N] fp32 and ckpt [B,H,nC,N,N] (slot c = the state after chunk c's last token).
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(FWD_MAXT)
-wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+wkv7_forward(const floatX* __restrict__ r, const float* __restrict__ w, const floatX* __restrict__ k,
              const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
              floatX* __restrict__ y, float* __restrict__ sa_out, float* __restrict__ ckpt, int T, int H)
 {
-    constexpr int NV = 6;                                        // r w k v a b
+    constexpr int NV = 5;                                        // r k v a b (and w)
     __shared__ __align__(16) Staging<NV> stg;
-    const floatX* const src[NV] = {r, w, k, v, a, b};
+    const floatX* const src[NV] = {r, k, v, a, b};
 
     const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
     const int NR = HN / P, nt = NR * Q, tid = threadIdx.x;
@@ -144,19 +147,20 @@ wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const f
     const int G = (T + LS - 1) / LS;
     auto issue = [&](int g) {
         const int ts = g * LS;
-        stage_all<NV>(stg.v[g & 1], src, hoff, tokbase, ts, min(LS, T - ts), H, tid, nt);
+        stage_all<NV>(stg, g & 1, src, w, hoff, tokbase, ts, min(LS, T - ts), H, tid, nt);
     };
 
     staged_walk(G, issue, [&](int g) {
         const floatX(*sb)[LS][HN] = stg.v[g & 1];
+        const float(*sw)[HN] = stg.w[g & 1];
         const int ts = g * LS, cnt = min(LS, T - ts);
         for (int sl = 0; sl < cnt; ++sl) {
             const int t = ts + sl;
             const long long gout = (tokbase + t) * (long long)H * HN + hoff;
-            const float sa = token_sa(S, &sb[4][sl][j0]);
+            const float sa = token_sa(S, &sb[3][sl][j0]);
             if (save && rq == 0) sa_out[gout + row] = sa;
-            const float yy = token_update(S, &sb[0][sl][j0], &sb[1][sl][j0], &sb[2][sl][j0], to_f32(sb[3][sl][row]),
-                                          &sb[5][sl][j0], sa);
+            const float yy = token_update(S, &sb[0][sl][j0], &sw[sl][j0], &sb[1][sl][j0], to_f32(sb[2][sl][row]),
+                                          &sb[4][sl][j0], sa);
             if (rq == 0) y[gout + row] = from_f32(yy);
             if (save && (t % CHUNK == CHUNK - 1 || t == T - 1)) {
                 float* dst = ck + (long long)(t / CHUNK) * HN * HN;
@@ -175,18 +179,18 @@ wkv7_forward(const floatX* __restrict__ r, const floatX* __restrict__ w, const f
 //   wkv7_backward_reduce adds them in order p = 0..P-1 (P = 1: part unused, may be NULL).
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(BWD_MAXT, BWD_MINB)
-wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const floatX* __restrict__ k,
+wkv7_backward(const floatX* __restrict__ r, const float* __restrict__ w, const floatX* __restrict__ k,
               const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
               const floatX* __restrict__ dy, const float* __restrict__ sa, const float* __restrict__ ckpt,
               floatX* __restrict__ dr, float* __restrict__ dw, float* __restrict__ dk,
               float* __restrict__ dv, float* __restrict__ da, float* __restrict__ db,
               float* __restrict__ part, int T, int H, long long n)
 {
-    constexpr int NV = 7;                                        // r w k v a b dy
+    constexpr int NV = 6;                                        // r k v a b dy (and w)
     __shared__ __align__(16) Staging<NV> stg;
     __shared__ __align__(16) float sa_st[2][LS][HN];             // staged sa (fp32), same stages
     __shared__ __align__(16) float dsa_sm[2][HN];                // dsa of the step (by parity), local rows
-    const floatX* const src[NV] = {r, w, k, v, a, b, dy};
+    const floatX* const src[NV] = {r, k, v, a, b, dy};
 
     const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
     const int NR = HN / P, nt = NR * Q, tid = threadIdx.x, i0 = p * NR;
@@ -219,12 +223,13 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
 
     auto issue = [&](int g) {                                    // stages in reverse token order
         const int ts = (G - 1 - g) * LS, cnt = min(LS, T - ts);
-        stage_all<NV>(stg.v[g & 1], src, hoff, tokbase, ts, cnt, H, tid, nt);
+        stage_all<NV>(stg, g & 1, src, w, hoff, tokbase, ts, cnt, H, tid, nt);
         stage_vec(&sa_st[g & 1][0][0], sa + hoff, tokbase, ts, cnt, H, tid, nt);
     };
 
     staged_walk(G, issue, [&](int g) {
         const floatX(*sb)[LS][HN] = stg.v[g & 1];
+        const float(*sw)[HN] = stg.w[g & 1];
         const float(*sab)[HN] = sa_st[g & 1];
         const int ts = (G - 1 - g) * LS, cnt = min(LS, T - ts);
         for (int sl = cnt - 1; sl >= 0; --sl) {
@@ -238,7 +243,7 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
             const bool first = t % CHUNK == 0;                   // S_{t-1} is s0
             // ---- row role: G[row,:] ; dv_row, dsa_row ; G <- G diag(w) + dsa a^T
             {
-                const float dyi = to_f32(sb[6][sl][row]);
+                const float dyi = to_f32(sb[5][sl][row]);
                 float dva[VW], dsaa[VW];
 #pragma unroll
                 for (int u = 0; u < VW; ++u) { dva[u] = 0.f; dsaa[u] = 0.f; }
@@ -246,8 +251,8 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
                 for (int m = 0; m < M; m += VW) {
                     float rv[VW], kv[VW], bv[VW];
                     ldv(&sb[0][sl][j0 + m], rv);
-                    ldv(&sb[2][sl][j0 + m], kv);
-                    ldv(&sb[5][sl][j0 + m], bv);
+                    ldv(&sb[1][sl][j0 + m], kv);
+                    ldv(&sb[4][sl][j0 + m], bv);
 #pragma unroll
                     for (int u = 0; u < VW; ++u) {
                         const float gg = fmaf(dyi, rv[u], dSr[m + u]);   // G_t += dy r^T
@@ -261,8 +266,8 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
 #pragma unroll
                 for (int m = 0; m < M; m += VW) {
                     float wv[VW], av[VW];
-                    ldv(&sb[1][sl][j0 + m], wv);
-                    ldv(&sb[4][sl][j0 + m], av);
+                    ldv(&sw[sl][j0 + m], wv);
+                    ldv(&sb[3][sl][j0 + m], av);
 #pragma unroll
                     for (int u = 0; u < VW; ++u)
                         dSr[m + u] = fmaf(dSr[m + u], wv[u], dsap * av[u]);  // G_{t-1}
@@ -275,15 +280,15 @@ wkv7_backward(const floatX* __restrict__ r, const floatX* __restrict__ w, const 
             __syncthreads();   // dsa of this step visible to the column role
             // ---- column role: G[:,cj] over the block's rows; S_t[:,cj] stepped back to S_{t-1}[:,cj]
             {
-                const float rj = to_f32(sb[0][sl][cj]), wj = to_f32(sb[1][sl][cj]), kj = to_f32(sb[2][sl][cj]);
-                const float aj = to_f32(sb[4][sl][cj]), bj = to_f32(sb[5][sl][cj]);
+                const float rj = to_f32(sb[0][sl][cj]), wj = sw[sl][cj], kj = to_f32(sb[1][sl][cj]);
+                const float aj = to_f32(sb[3][sl][cj]), bj = to_f32(sb[4][sl][cj]);
                 const float inv_wj = 1.f / wj;                   // <= 1/w_min: bounded by the decay clamp
                 float pr = 0.f, pw = 0.f, pk = 0.f, pa = 0.f, pb = 0.f;
 #pragma unroll
                 for (int m = 0; m < M; m += VW) {
                     float dyv[VW], vv[VW], sav[VW], dsav[VW];
-                    ldv(&sb[6][sl][i0 + ic0 + m], dyv);
-                    ldv(&sb[3][sl][i0 + ic0 + m], vv);
+                    ldv(&sb[5][sl][i0 + ic0 + m], dyv);
+                    ldv(&sb[2][sl][i0 + ic0 + m], vv);
                     ldv(&sab[sl][i0 + ic0 + m], sav);
                     ldv(&dsa_sm[t & 1][ic0 + m], dsav);
 #pragma unroll

@@ -83,7 +83,7 @@ __device__ __forceinline__ float state_update(float s, float wj, float sa, float
 __device__ __forceinline__ float token_sa(const float (&S)[M], const floatX* a) {
     return group_sum(row_dot(S, a), Q);
 }
-__device__ __forceinline__ float token_update(float (&S)[M], const floatX* r, const floatX* w, const floatX* k,
+__device__ __forceinline__ float token_update(float (&S)[M], const floatX* r, const float* w, const floatX* k,
                                               float vi, const floatX* b, float sa) {
     float ya[VW];
 #pragma unroll
