@@ -216,11 +216,12 @@ def clear_tokens(cfg, params, B, T, rng, margin):
     pytest.skip("no draw without a near-tie of the MoBA gate")
 
 
-@pytest.mark.parametrize("name, precision", [(n, "fp32") for n in DECODE] + [("moba", "tf32")])
+@pytest.mark.parametrize("name, precision", [(n, "fp32") for n in DECODE] + [("moba", "tf32"), ("C256_N64", "tf32")])
 def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision, training_like):
     """Sequence b's prompt has P - 3b tokens (at least 1), so the sequences run from different prefixes
     at different positions; every position a step sees gives the forward's logits and selection, and
-    the token the step's sampler chose is the contract's on those logits."""
+    the token the step's sampler chose is the contract's on those logits. Head size 64 runs the prefill
+    on the chunked WKV7 (chunked_exact in fp32, the tensor-core kernel in tf32)."""
     from rwkvx.decoder import Decoder
     from rwkvx.model import Model
     kwargs, B, T, P = DECODE[name]
