@@ -254,7 +254,11 @@ class Decoder:
             raise TypeError(f"Decoder expects an rwkvx.Model, got {type(model).__name__}")
         self.B, self.prompt_cap = _positive_int("batch", batch), _positive_int("prompt_cap", prompt_cap)
         self.max_len = _positive_int("max_len", max_len)
-        self.model, self.dev, self.cfg = model, model.dev, model.cfg
+        # no reference back to the model, which keeps this decoder (decoder_for): dropping the model frees
+        # both at once; a running generation holds the model itself
+        self.dev, self.cfg = model.dev, model.cfg
+        self.in_use = False     # between decoder_for handing it to a generation and that generation's close
+        self.private = False    # built for one generation while the kept one was in use: freed at close
         self.layout = Layout(self.cfg, self.B, self.prompt_cap, self.dev.info, model.precision, recompute=True,
                              methods=model.layout.methods)
         self.lengths: np.ndarray | None = None          # tokens fed so far per sequence (None: no prompt yet)
@@ -321,6 +325,7 @@ class Decoder:
         for b, (row, n) in enumerate(zip(rows, prefixes)):
             pin[b, :n] = row[:n]
         self._prefill_plan(prefixes).run()
+        self.dev.synchronize()          # the pinned prompt may be rewritten by the next prefill
         self.lengths = np.array(prefixes, np.int64)
         return self.lengths.copy()
 
@@ -365,8 +370,12 @@ class Decoder:
                 else np.zeros(shape, np.int32) for j in range(cfg.n_attn_layer)]
 
     def close(self) -> None:
-        """End the current sequences (the buffers and graphs stay for the next :meth:`prefill`)."""
+        """End the current sequences: the buffers and graphs stay for the next :meth:`prefill`, or are
+        freed if this decoder was built for one generation alone (:func:`decoder_for`)."""
         self.lengths = None
+        self.in_use = False
+        if self.private:
+            self.free()
 
     def free(self) -> None:
         """Free the graph, the arenas and the pinned buffers (the model stays)."""
@@ -384,20 +393,30 @@ def _capacity(need: int, floor: int) -> int:
 
 
 def decoder_for(model: Any, batch: int, prompt_len: int, max_len: int) -> Decoder:
-    """The Decoder of ``model`` for ``batch`` sequences, kept on the model (one per batch size and
-    precision) and built on first use, or again when a prompt or a sequence outgrows it (the
-    capacities grow to the next power of two, at least :data:`MIN_PROMPT_CAP` / :data:`MIN_MAX_LEN`)."""
+    """The Decoder of ``model`` for one generation of ``batch`` sequences, marked in use until its
+    :meth:`Decoder.close`: the one kept on the model (one per batch size and precision), built on first
+    use, or again when a prompt or a sequence outgrows it (the capacities grow to the next power of two,
+    at least :data:`MIN_PROMPT_CAP` / :data:`MIN_MAX_LEN`). While the kept one is in use (another live
+    generation, e.g. an unfinished :func:`rwkvx.stream`), a decoder of its own is built for this
+    generation and freed when it closes."""
     cache: dict = model.__dict__.setdefault("_decoders", {})
     key = (int(batch), model.precision.name)
     decoder = cache.get(key)
-    if decoder is not None and decoder.prompt_cap >= prompt_len and decoder.max_len >= max_len:
-        return decoder
     caps = (MIN_PROMPT_CAP, MIN_MAX_LEN) if decoder is None else (decoder.prompt_cap, decoder.max_len)
-    if decoder is not None:
-        del cache[key]
-        decoder.free()
-    cache[key] = Decoder(model, batch, _capacity(prompt_len, caps[0]), _capacity(max_len, caps[1]))
-    return cache[key]
+    fresh = Decoder(model, batch, _capacity(prompt_len, caps[0]), _capacity(max_len, caps[1])) \
+        if decoder is None or decoder.in_use or decoder.prompt_cap < prompt_len or decoder.max_len < max_len \
+        else None
+    if fresh is None:
+        decoder.in_use = True
+        return decoder
+    if decoder is not None and decoder.in_use:
+        fresh.private = True
+    else:
+        if decoder is not None:
+            decoder.free()
+        cache[key] = fresh
+    fresh.in_use = True
+    return fresh
 
 
 def free_decoders(model: Any) -> None:

@@ -172,11 +172,13 @@ def stream(model_or_trainer: Any, prompt_tokens: Any, max_new_tokens: int, tempe
     # the last new token is only returned, never fed back
     session = open_session(model_or_trainer, len(prompts), longest, longest + max_new_tokens - 1)
     return _steps(session, prompts, int(max_new_tokens), Sampling(float(temperature), int(top_k), float(top_p)),
-                  int(seed), end_token)
+                  int(seed), end_token, model_or_trainer)
 
 
 def _steps(session: Session, prompts: list[np.ndarray], n: int, sampling: Sampling, seed: int,
-           end_token: int | None) -> Iterator[np.ndarray]:
+           end_token: int | None, owner: Any) -> Iterator[np.ndarray]:
+    """The steps of one generation; ``owner`` (the model or trainer the session reads its weights
+    from) is held here so that it lives as long as the generation."""
     B = len(prompts)
     rows = np.arange(B)
     lens = np.array([len(p) for p in prompts])

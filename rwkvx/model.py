@@ -244,8 +244,10 @@ class Model:
         return sum_float64(losses) * self.inv_count(slot)
 
     def run_step(self) -> None:
-        """Enqueue one forward + loss + backward on the staged batch (no synchronisation)."""
+        """Enqueue one forward + loss + backward on the staged batch (no synchronisation); slot 0's
+        buffers are written again only after it has run."""
         self._step_plan.run()
+        self._events[0].record()
 
     def loss_and_grads(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> tuple[float, ParamDict]:
         """Mean cross-entropy over targets != ignore_index, and the gradient of every parameter."""

@@ -95,13 +95,25 @@ def test_moba_step_checks_its_shared_memory():
 
 
 class _FakeDecoder:
-    """Stands in for rwkvx.decoder.Decoder (which needs a GPU) in decoder_for: records its builds."""
+    """Stands in for rwkvx.decoder.Decoder (which needs a GPU) in decoder_for: records its builds; its
+    close is the real one."""
+    from rwkvx.decoder import Decoder as _Real
+    close = _Real.close
 
     def __init__(self, model, batch, prompt_cap, max_len):
         self.key, self.prompt_cap, self.max_len, self.freed = (model, batch), prompt_cap, max_len, False
+        self.in_use = self.private = False
 
     def free(self):
         self.freed = True
+
+
+def _use(D, model, batch, prompt_len, max_len):
+    """decoder_for for one finished generation: handed out in use, closed after."""
+    decoder = D.decoder_for(model, batch, prompt_len, max_len)
+    assert decoder.in_use
+    decoder.close()
+    return decoder
 
 
 def test_decoder_for_keeps_one_decoder_per_batch_and_precision(monkeypatch):
@@ -112,15 +124,35 @@ def test_decoder_for_keeps_one_decoder_per_batch_and_precision(monkeypatch):
 
     monkeypatch.setattr(D, "Decoder", _FakeDecoder)
     bf16, fp32 = (types.SimpleNamespace(precision=resolve_precision(p)) for p in ("bf16", "fp32"))
-    first = D.decoder_for(bf16, 1, 10, 40)
+    first = _use(D, bf16, 1, 10, 40)
     assert (first.prompt_cap, first.max_len) == (D.MIN_PROMPT_CAP, D.MIN_MAX_LEN)
-    assert D.decoder_for(bf16, 1, 3, 200) is first                  # fits: kept
-    two = D.decoder_for(bf16, 2, 10, 40)                             # another batch size: its own
-    assert two is not first and D.decoder_for(bf16, 1, 10, 40) is first
-    other = D.decoder_for(fp32, 1, 10, 40)                           # another model (precision): its own
+    assert _use(D, bf16, 1, 3, 200) is first                          # fits: kept
+    two = _use(D, bf16, 2, 10, 40)                                     # another batch size: its own
+    assert two is not first and _use(D, bf16, 1, 10, 40) is first
+    other = _use(D, fp32, 1, 10, 40)                                   # another model (precision): its own
     assert other is not first and other.key[0] is fp32
-    grown = D.decoder_for(bf16, 1, 100, 300)                         # outgrown: rebuilt, the old one freed
+    grown = _use(D, bf16, 1, 100, 300)                                 # outgrown: rebuilt, the old one freed
     assert first.freed and (grown.prompt_cap, grown.max_len) == (128, 512)
-    assert D.decoder_for(bf16, 1, 10, 40) is grown and not two.freed
+    assert _use(D, bf16, 1, 10, 40) is grown and not two.freed
     D.free_decoders(bf16)
     assert grown.freed and two.freed and not other.freed
+
+
+def test_decoder_for_gives_a_generation_its_own_decoder_while_the_kept_one_is_in_use(monkeypatch):
+    """Two live generations (e.g. interleaved streams) never share a decoder; the second's is freed at
+    its close and the kept one survives, even when the second needed a larger one."""
+    import types
+
+    import rwkvx.decoder as D
+    from rwkvx.precision import resolve_precision
+
+    monkeypatch.setattr(D, "Decoder", _FakeDecoder)
+    model = types.SimpleNamespace(precision=resolve_precision("bf16"))
+    kept = D.decoder_for(model, 1, 10, 40)
+    for need in ((10, 40), (100, 300)):
+        own = D.decoder_for(model, 1, *need)
+        assert own is not kept and own.private and not kept.freed
+        own.close()
+        assert own.freed and not kept.freed
+    kept.close()
+    assert D.decoder_for(model, 1, 10, 40) is kept

@@ -149,7 +149,12 @@ def train_loop(run: Run) -> Outcome:
                 break
             x, y = sampler.next()      # drawn while the previous step runs
             ts = time.perf_counter()
-            submitted = trainer.submit(x, y)
+            try:
+                submitted = trainer.submit(x, y)
+            except FloatingPointError:     # the CPU backend checks its loss in submit: log the step before
+                if pending is not None:
+                    report(pending, evaluate=False)
+                raise
             train_time += time.perf_counter() - ts
             tokens_seen += step_tokens
             if pending is not None:

@@ -48,7 +48,6 @@ TABLE_ENV = "RWKVX_ERROR_TABLE"
 TABLE_HEADER = "case,seed,tensor,rwkvx_err,yardstick_err\n"
 
 
-
 def _inputs(kind, N, T, seed, params_factory):
     cfg = Config(**SIZES, **KINDS[kind], head_size=N)
     B = BATCH[T]

@@ -102,24 +102,27 @@ LOSS_GAP = 0.01       # docs/SPEC.md §4: bf16 training ends within 0.01 nats of
 
 
 # The small preset's seed 2 ends 0.011 nats above fp32 on the H200 (seeds 0 and 1: -0.0005, +0.0001).
-SMALL_OVER = pytest.mark.xfail(strict=True, reason="seed 2 measured 0.011 nats from fp32 (bound 0.01)")
+OVER_THE_GAP = {("small", 2)}
+RUNS = [pytest.param(preset, seed, id=f"{preset}-seed{seed}",
+                     marks=[pytest.mark.xfail(strict=True, reason="measured 0.011 nats from fp32 (bound 0.01)")]
+                     if (preset, seed) in OVER_THE_GAP else [])
+        for preset in ("tiny", "small") for seed in SEEDS]
 
 
-@pytest.mark.parametrize("preset", ["tiny", pytest.param("small", marks=SMALL_OVER)])
-def test_bf16_run_tracks_fp32_for_every_seed(tmp_path, record_property, preset):
+@pytest.mark.parametrize("preset, seed", RUNS)
+def test_bf16_run_tracks_fp32_for_every_seed(tmp_path, record_property, preset, seed):
     """The default run (``tiny``, 1000 steps) and the ``small`` preset's (V 256, C 256, L 4, M 1, 2000
-    steps), each in bf16 and in fp32 for seeds 0..2: every seed's final validation loss in bf16 is within
+    steps), in bf16 and in fp32 for each of seeds 0..2: the final validation loss in bf16 is within
     0.01 nats of the same seed's in fp32 (same initial weights, same batches)."""
     from rwkvx.cli import main
     val = {}
-    for seed in SEEDS:
-        for precision in ("fp32", "bf16"):
-            out = tmp_path / f"{precision}-{seed}"
-            assert main(["train", "--device", "gpu", "--preset", preset, "--precision", precision,
-                         "--seed", str(seed), "--out", str(out), "--no-progress"]) == 0
-            val[precision, seed] = _final_val_loss(out)
-    gaps = {s: val["bf16", s] - val["fp32", s] for s in SEEDS}
-    record_property("val_loss", {f"{p}-{s}": v for (p, s), v in val.items()})
-    print(f"\n{preset}: final validation loss (fp32, bf16, gap) by seed:",
-          {s: (round(val["fp32", s], 4), round(val["bf16", s], 4), round(gaps[s], 4)) for s in SEEDS})
-    assert all(abs(g) <= LOSS_GAP for g in gaps.values()), gaps
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / precision
+        assert main(["train", "--device", "gpu", "--preset", preset, "--precision", precision,
+                     "--seed", str(seed), "--out", str(out), "--no-progress"]) == 0
+        val[precision] = _final_val_loss(out)
+    gap = val["bf16"] - val["fp32"]
+    record_property("val_loss", val)
+    print(f"\n{preset} seed {seed}: final validation loss fp32 {val['fp32']:.4f}, bf16 {val['bf16']:.4f}, "
+          f"gap {gap:+.4f}")
+    assert abs(gap) <= LOSS_GAP, gap

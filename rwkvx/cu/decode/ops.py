@@ -12,7 +12,8 @@ what they need from state carried in device memory and update it:
   then the gate over the complete past blocks, the top_k - 1 largest (ties: the lower block), softmax
   attention over them and the query's own block up to itself. ``sel`` int32 [B, H, top_k - 1] (optional) receives the selection.
 
-Activations (x, prev, outputs, r ... b, y, q, k, v, o) are floatX [B, C] (c = h*N + n), 16-byte aligned.
+Activations (outputs, r, k, v, a, b, y, q, o) are floatX [B, C] (c = h*N + n), 16-byte aligned; the shift's
+input x and carried row prev (a LayerNorm's output) and the decay w are f32 in every precision.
 Twins: ``rwkvx.oracle.decode_shift``, ``decode_wkv7``, ``decode_moba`` (built on the forward twins).
 
 :func:`sample` (rwkvx/cu/decode/sample.cu): the token of each row of logits floatX [B, V] that
