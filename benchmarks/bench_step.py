@@ -88,8 +88,10 @@ def submitted_steps(trainer, sampler, n: int) -> None:
 
 @pytest.mark.parametrize("name", list(OVERLAP_STEPS))
 def test_trainer_step_overlap(benchmark, dev, name):
-    """Wall ms per training step (bf16, recompute) waiting for each loss and not waiting, beside the
-    device ms of the step graph alone (CUDA events around back-to-back launches of one staged batch)."""
+    """Wall ms per training step (bf16, recompute) waiting for each loss and not waiting, beside
+    ``graph_ms_per_step``: CUDA events around back-to-back ``launch_step`` calls on one batch (each
+    stages the batch into the next slot and replays the graph; on a launch-bound model the host's
+    staging can show in it)."""
     import time
 
     from rwkvx.data import BatchSampler
