@@ -200,7 +200,7 @@ class Decoder:
         if ((model.B, model.T) != (batch, prompt_len)
                 or any(model.layout.methods[k] != v for k, v in PREFILL_METHODS.items())):
             model = Model(model.cfg, model.params(), batch, prompt_len, precision=model.precision,
-                          methods=PREFILL_METHODS)
+                          recompute=True, methods=PREFILL_METHODS)   # no backward: the least memory
         return cls(model, max_len)
 
     def _stage(self, tokens: np.ndarray, pos: int) -> None:

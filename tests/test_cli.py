@@ -187,7 +187,7 @@ class _FakeGPUModel:
     built: list = []
 
     def __init__(self, cfg, params, **kwargs):
-        assert set(kwargs) == {"batch_size", "seq_len", "precision", "methods"}, kwargs   # keywords only
+        assert set(kwargs) == {"batch_size", "seq_len", "precision", "recompute", "methods"}, kwargs   # keywords only
         assert kwargs["methods"] is _FAKE_PREFILL_METHODS     # built as the decoder's prefill needs it
         self.cfg, self.kwargs = cfg, kwargs
         _FakeGPUModel.built.append(self)
@@ -250,7 +250,7 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"   # each step's logits follow the token fed
     (model,) = fake_gpu
     assert model.kwargs == {"batch_size": 1, "seq_len": 6, "precision": "tf32",   # built for the prompt
-                            "methods": _FAKE_PREFILL_METHODS}
+                            "recompute": True, "methods": _FAKE_PREFILL_METHODS}
     decoder = model.decoder
     assert decoder.shape == (1, 6, 10) and decoder.closed
     assert list(decoder.fed[0][0]) == list(b"ROMEO:")   # the prompt once, in parallel ...
@@ -258,7 +258,7 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
 
     assert main([*sample, "--precision", "fp32"]) == 0
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"
-    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 6, "precision": "fp32",
+    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 6, "precision": "fp32", "recompute": True,
                                   "methods": _FAKE_PREFILL_METHODS}
 
 
@@ -275,7 +275,7 @@ def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
     for name, precision in (("t", "tf32"), ("w", "fp32")):
         assert main(["sample", "--ckpt", str(tmp_path / f"{name}.safetensors"), "--tokens", "1",
                      "--device", "gpu"]) == 0
-        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision,
+        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision, "recompute": True,
                                        "methods": _FAKE_PREFILL_METHODS}
     capsys.readouterr()
 
@@ -325,5 +325,6 @@ def test_recompute_choice_is_kept_by_the_run(tmp_path):
     assert main(["train", *TINY, "--no-recompute", "--steps", "1", "--eval-every", "0", "--out", str(out)]) == 0
     meta = load_checkpoint(out / "checkpoint.safetensors")[2]["meta"]
     assert meta["train"]["recompute"] is False
+    assert meta["user"]["run"]["recompute"] is None            # no GPU model: nothing resolved
     assert main(["train", "--resume", str(out), "--steps", "2", "--no-progress"]) == 0
     assert load_checkpoint(out / "checkpoint.safetensors")[2]["meta"]["train"]["recompute"] is False

@@ -10,7 +10,6 @@ from emulator import Memory, run
 from rwkvx import Config
 from rwkvx.decoder import PREFILL_METHODS, decoder_ops, state_sizes
 from rwkvx.arena import Layout
-from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.step import StepBuilder
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.oracle import Oracle, rel_err
@@ -48,7 +47,7 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     want = oracle.forward(tokens)
 
     mem = Memory()
-    layout = Layout(cfg, B, P, H200, "fp32", DEFAULT_RECOMPUTE, methods=PREFILL_METHODS)
+    layout = Layout(cfg, B, P, H200, "fp32", recompute=True, methods=PREFILL_METHODS)
     mem.add(BASE, layout.total)
     names = [*Layout.host_inputs(B * P), "loss_t"]
     host = {n: HOST + i * (1 << 24) for i, n in enumerate(names)}

@@ -6,7 +6,6 @@ import pytest
 from rwkvx import Config
 from rwkvx.decoder import PREFILL_METHODS, DecodeStepBuilder, PrefillBuilder, state_sizes
 from rwkvx.arena import Layout
-from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.precision import DEFAULT_PRECISION
 from rwkvx.cu import decode, layernorm, wkv7
 from rwkvx.cu._common import carve, carved_bytes
@@ -29,7 +28,7 @@ FORWARD_ONLY_OF_SEQUENCES = {"tm_shift_fwd", "cm_shift_mix", "wkv7_forward", "mo
 
 
 def build(kwargs, B, P, max_len):
-    layout = Layout(Config(**kwargs), B, P, H200, DEFAULT_PRECISION, DEFAULT_RECOMPUTE,
+    layout = Layout(Config(**kwargs), B, P, H200, DEFAULT_PRECISION, recompute=True,
                     methods=PREFILL_METHODS)
     sizes = state_sizes(layout, max_len)
     state = carve(STATE, sizes)
