@@ -340,14 +340,14 @@ def _schedule_note(run: Run) -> str | None:
 
 
 def _recompute_note(run: Run) -> str:
-    """How the GPU backward gets each block's forward state, and why (for the device line)."""
+    """Whether the GPU backward recomputes each block's forward, and why when it was "auto"."""
     from .training.config import RECOMPUTE_AUTO
 
-    how = "recompute" if run.info["recompute"] else "forward state kept (no recompute)"
-    if run.train.recompute != RECOMPUTE_AUTO:
-        return how
-    return how + (": the arena without recompute does not fit the free GPU memory" if run.info["recompute"]
-                  else ": the arena fits the free GPU memory")
+    resolved = run.info["recompute"]
+    note = f"recompute {'on' if resolved else 'off'}"
+    if run.train.recompute == RECOMPUTE_AUTO:
+        note += f"; auto: the arena without recompute {'does not fit' if resolved else 'fits'} in the free GPU memory"
+    return note
 
 
 def _print_run(run: Run) -> None:

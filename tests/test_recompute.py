@@ -63,3 +63,16 @@ def test_cli_rejects_other_values(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["train", "--recompute", "sometimes"])
     assert exc.value.code == 2 and "invalid choice: 'sometimes'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("requested, resolved, note", [
+    ("auto", False, "recompute off; auto: the arena without recompute fits in the free GPU memory"),
+    ("auto", True, "recompute on; auto: the arena without recompute does not fit in the free GPU memory"),
+    (True, True, "recompute on"), (False, False, "recompute off")])
+def test_the_device_line_says_what_was_chosen_and_why(requested, resolved, note):
+    from types import SimpleNamespace
+
+    from rwkvx.cli import _recompute_note
+
+    run = SimpleNamespace(info={"recompute": resolved}, train=TrainConfig(recompute=requested))
+    assert _recompute_note(run) == note

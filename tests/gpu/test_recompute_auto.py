@@ -46,10 +46,10 @@ def test_the_resolved_choice_is_printed_and_saved_with_the_run(dev, tmp_path, ca
                      "--no-progress", "--out", str(out), *flag]) == 0
         runs[requested] = out, capsys.readouterr().out
     out, printed = runs["auto"]
-    assert "forward state kept (no recompute): the arena fits the free GPU memory" in printed
+    assert "(fp32, recompute off; auto: the arena without recompute fits in the free GPU memory)" in printed
     meta = load_checkpoint(out / CHECKPOINT_NAME)[2]["meta"]
     assert meta["train"]["recompute"] == "auto" and meta["user"]["run"]["recompute"] is False
     assert json.loads((out / RUN_NAME).read_text())["run"]["recompute"] is False
     out, printed = runs[True]
-    assert "(fp32, recompute)" in printed
+    assert "(fp32, recompute on)" in printed
     assert load_checkpoint(out / CHECKPOINT_NAME)[2]["meta"]["user"]["run"]["recompute"] is True
