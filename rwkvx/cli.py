@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .presets import DEFAULT_PRESET, PRESETS, get_preset
     from .pth import WRITE_DTYPES
     from .tokenizer import TOKENIZERS
-    from .training.config import CPU_DTYPES
+    from .training.config import CPU_DTYPES, RECOMPUTE_AUTO
 
     parser = argparse.ArgumentParser(
         prog="python -m rwkvx",
@@ -170,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="GPU precision: fp32 (exact), tf32 (tensor-core GEMMs), bf16 (bf16 GEMMs and "
                         "activations, fp32 master weights; docs/SPEC.md §4); the CPU backend computes in --cpu-dtype")
-    g.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
-                   help="GPU: recompute each block's forward in the backward (default; least memory), or "
-                        "keep every block's transients (--no-recompute: faster, more memory)")
+    g.add_argument("--recompute", nargs="?", const=True, choices=(RECOMPUTE_AUTO,), default=None,
+                   help="GPU: recompute each block's forward in the backward (least memory); --no-recompute "
+                        "keeps every block's transients (faster, more memory); --recompute auto (the "
+                        "default) keeps them when that arena fits in the GPU's free memory")
+    g.add_argument("--no-recompute", dest="recompute", action="store_false", default=None,
+                   help=argparse.SUPPRESS)
     g.add_argument("--cpu-dtype", choices=CPU_DTYPES, default=None,
                    help="arithmetic of the CPU oracle backend (default float32)")
     g.add_argument("--batch-size", type=_positive_int, help="B, sequences per step")
@@ -338,6 +341,17 @@ def _schedule_note(run: Run) -> str | None:
             f"(was {prep.saved.schedule.lr_at(run.start + 1):.3g})")
 
 
+def _recompute_note(run: Run) -> str:
+    """Whether the GPU backward recomputes each block's forward, and why when it was "auto"."""
+    from .training.config import RECOMPUTE_AUTO
+
+    resolved = run.info["recompute"]
+    note = f"recompute {'on' if resolved else 'off'}"
+    if run.train.recompute == RECOMPUTE_AUTO:
+        note += f"; auto: the arena without recompute {'does not fit' if resolved else 'fits'} in the free GPU memory"
+    return note
+
+
 def _print_run(run: Run) -> None:
     """The header: the fallback note, device, model, data and the training plan."""
     prep, trainer, cfg, tr = run.prep, run.trainer, run.prep.cfg, run.train
@@ -348,7 +362,7 @@ def _print_run(run: Run) -> None:
     if note:
         print(f"note: {note}")
     print(f"device: {trainer.device}" + (f" ({tr.cpu_dtype} oracle)" if trainer.device == "cpu"
-                                         else f" ({tr.precision})"))
+                                         else f" ({tr.precision}, {_recompute_note(run)})"))
     print(f"model: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} M={cfg.n_attn_layer} "
           f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
           f"({sum(p.size for p in trainer.params.values()):,} parameters)"
@@ -494,8 +508,8 @@ def _generation_source(cfg: Config, params: ParamDict, device: str, precision: s
         kind, note = check_device(device, "sampling")
     if kind == "gpu":
         from .model import Model
-        try:
-            return Model(cfg, params, batch_size=1, seq_len=1, precision=precision), note
+        try:   # the weights' holder for the decoder; no backward: the least memory
+            return Model(cfg, params, batch_size=1, seq_len=1, precision=precision, recompute=True), note
         except (ValueError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
     try:

@@ -28,7 +28,30 @@ from .runtime.dtypes import from_storage, poison_bits, storage_dtype, to_storage
 from .runtime.ops import CopyDtoH, CopyHtoD, Gemm, flatten_ops
 from .step import StepBuilder
 
-DEFAULT_RECOMPUTE = True      # the backward recomputes each block's forward (least memory)
+RECOMPUTE_AUTO = "auto"
+DEFAULT_RECOMPUTE: bool | str = RECOMPUTE_AUTO
+# recompute="auto" keeps the forward state when that arena fits in the device's free memory with this
+# much to spare: for what the process allocates besides the arena (cuBLASLt workspaces, kernel modules,
+# the CUDA graph, NCCL's buffers when training data parallel) and for other processes' allocations.
+RECOMPUTE_AUTO_MARGIN = 4 << 30
+
+
+def check_recompute(value: object, owner: str = "recompute") -> bool | str:
+    """``value`` if it is a valid ``recompute`` setting (True, False or ``"auto"``); TypeError or
+    ValueError naming ``owner`` otherwise."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == RECOMPUTE_AUTO):
+        return value
+    if not isinstance(value, str):
+        raise TypeError(f"{owner} must be True, False or {RECOMPUTE_AUTO!r}, got {type(value).__name__}")
+    raise ValueError(f"{owner} must be True, False or {RECOMPUTE_AUTO!r}, got {value!r}")
+
+
+def auto_recompute(free_bytes: int, keep_bytes: int, margin: int = RECOMPUTE_AUTO_MARGIN) -> bool:
+    """The resolution of ``recompute="auto"``: False (keep every block's forward state: faster) when the
+    arena without recompute, ``keep_bytes`` (:attr:`rwkvx.arena.Layout.total` with recompute=False), fits
+    in ``free_bytes`` of device memory leaving ``margin``; True (recompute: least memory) otherwise."""
+    return keep_bytes + margin > free_bytes
+
 SLOTS = 2                     # pinned staging sets: the step in flight's and the next one's
 STATS_BUFFER = "adam_state"   # copied to pinned memory at the end of each training step
 
@@ -92,15 +115,18 @@ class Model:
     :data:`rwkvx.precision.DEFAULT_PRECISION`): "fp32" (exact), "tf32" (tensor-core GEMMs), "bf16" (bf16 GEMM
     operands and activations; fp32 master weights, gradients, optimizer state, WKV state and statistics);
     the attribute ``precision`` is the resolved :class:`~rwkvx.precision.Precision`.
-    ``recompute`` (default :data:`DEFAULT_RECOMPUTE`): the backward recomputes each block's forward
-    from its saved input; False keeps every block's transients instead (more memory, no second forward).
+    ``recompute`` (default :data:`DEFAULT_RECOMPUTE`): True, the backward recomputes each block's forward
+    from its saved input; False keeps every block's transients instead (more memory, no second forward);
+    ``"auto"`` is False when that arena fits in the device memory free at construction, leaving
+    :data:`RECOMPUTE_AUTO_MARGIN` (:func:`auto_recompute`), else True. The attribute ``recompute`` is the
+    resolved bool.
     ``methods`` overrides the precision's kernel methods (e.g. ``{"wkv7": "sequential"}``).
     ``head_chunk_bytes`` (default :data:`rwkvx.arena.HEAD_CHUNK_BYTES`): the most bytes of logits the head
     computes at once (the head and the cross entropy run over the rows in chunks of at least 64 rows).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
-                 precision: Precision | str = DEFAULT_PRECISION, recompute: bool = DEFAULT_RECOMPUTE,
+                 precision: Precision | str = DEFAULT_PRECISION, recompute: bool | str = DEFAULT_RECOMPUTE,
                  methods: dict[str, str] | None = None, *, head_chunk_bytes: int = HEAD_CHUNK_BYTES):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
@@ -108,16 +134,25 @@ class Model:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         precision = resolve_precision(precision)
-        if not isinstance(recompute, bool):
-            raise TypeError(f"recompute must be a bool, got {type(recompute).__name__}")
+        recompute = check_recompute(recompute)
         check_params(cfg, params)
         from ._core import Plan
         from .runtime import Device  # raises RuntimeError without a GPU
-        self.cfg, self.B, self.T, self.precision, self.recompute = cfg, batch_size, seq_len, precision, recompute
+        self.cfg, self.B, self.T, self.precision = cfg, batch_size, seq_len, precision
         self.dev = Device.get()
         self._events = [Event(self.dev) for _ in range(SLOTS)]   # the last step launched on each slot
-        self.layout = Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods,
-                             head_chunk_bytes=head_chunk_bytes)
+
+        def layout(recompute: bool) -> Layout:
+            return Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods,
+                          head_chunk_bytes=head_chunk_bytes)
+
+        if recompute == RECOMPUTE_AUTO:
+            keep = layout(False)
+            recompute = auto_recompute(self.dev.memory_info()["free"], keep.total)
+            self.layout = layout(True) if recompute else keep
+        else:
+            self.layout = layout(recompute)
+        self.recompute: bool = recompute
         self.arena = self.dev.alloc(self.layout.total)
         R = batch_size * seq_len
         # one set of pinned buffers per slot: the per-step inputs, the per-token losses, the optimizer

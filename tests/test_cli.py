@@ -184,7 +184,8 @@ class _FakeGPUModel:
     built: list = []
 
     def __init__(self, cfg, params, **kwargs):
-        assert set(kwargs) == {"batch_size", "seq_len", "precision"}, kwargs   # keywords only
+        assert set(kwargs) == {"batch_size", "seq_len", "precision", "recompute"}, kwargs   # keywords only
+        assert kwargs["recompute"] is True          # the weights' holder: no backward, the least memory
         self.cfg, self.kwargs = cfg, kwargs
         _FakeGPUModel.built.append(self)
 
@@ -241,7 +242,7 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
     assert main(sample) == 0                            # precision from the run
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"   # each step's logits follow the token fed
     (model,) = fake_gpu
-    assert model.kwargs == {"batch_size": 1, "seq_len": 1, "precision": "tf32"}   # the weights' holder
+    assert model.kwargs == {"batch_size": 1, "seq_len": 1, "precision": "tf32", "recompute": True}   # the weights' holder
     decoder = model.decoder
     assert decoder.shape == (1, 6, 10) and decoder.closed
     assert decoder.sampling == Sampling(temperature=0.0, top_k=0, top_p=0.9)   # the CLI's options, passed on
@@ -250,7 +251,7 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
 
     assert main([*sample, "--precision", "fp32"]) == 0
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"
-    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": "fp32"}
+    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": "fp32", "recompute": True}
 
 
 def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
@@ -266,7 +267,7 @@ def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
     for name, precision in (("t", "tf32"), ("w", "fp32")):
         assert main(["sample", "--ckpt", str(tmp_path / f"{name}.safetensors"), "--tokens", "1",
                      "--device", "gpu"]) == 0
-        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision}
+        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision, "recompute": True}
     capsys.readouterr()
 
 
@@ -341,5 +342,6 @@ def test_recompute_choice_is_kept_by_the_run(tmp_path):
     assert main(["train", *TINY, "--no-recompute", "--steps", "1", "--eval-every", "0", "--out", str(out)]) == 0
     meta = load_checkpoint(out / "checkpoint.safetensors")[2]["meta"]
     assert meta["train"]["recompute"] is False
+    assert meta["user"]["run"]["recompute"] is None            # no GPU model: nothing resolved
     assert main(["train", "--resume", str(out), "--steps", "2", "--no-progress"]) == 0
     assert load_checkpoint(out / "checkpoint.safetensors")[2]["meta"]["train"]["recompute"] is False

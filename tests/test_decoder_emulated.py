@@ -11,7 +11,6 @@ from emulator import Memory, run
 from rwkvx import Config
 from rwkvx.decoder import WEIGHT_REGIONS, own_span, prefill_ops, prefix_len, state_sizes, step_ops
 from rwkvx.arena import Layout
-from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.step import StepBuilder
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.oracle import Oracle, rel_err
@@ -51,7 +50,7 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     want = oracle.forward(tokens)
 
     mem = Memory()
-    layout = Layout(cfg, B, window, H200, "fp32", DEFAULT_RECOMPUTE, methods=SEQUENTIAL)
+    layout = Layout(cfg, B, window, H200, "fp32", recompute=True, methods=SEQUENTIAL)
     start, end = own_span(layout)
     mem.add(BASE + start, end - start)              # the decoder's own part of the layout
     weights_of = StepBuilder(layout, WEIGHTS, {})   # the model's weights, in another arena

@@ -7,7 +7,6 @@ import pytest
 from rwkvx import Config
 from rwkvx.decoder import WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len, state_sizes
 from rwkvx.arena import Layout
-from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.precision import DEFAULT_PRECISION
 from rwkvx.cu import decode, layernorm
 from rwkvx.cu._common import carve, carved_bytes
@@ -31,7 +30,7 @@ FORWARD_ONLY_OF_SEQUENCES = {"tm_shift_fwd", "cm_shift_mix", "wkv7_forward", "mo
 
 
 def build(kwargs, B, window, max_len, P):
-    layout = Layout(Config(**kwargs), B, window, H200, DEFAULT_PRECISION, DEFAULT_RECOMPUTE)
+    layout = Layout(Config(**kwargs), B, window, H200, DEFAULT_PRECISION, recompute=True)
     weights_of = StepBuilder(layout, WEIGHTS, {})
     weights = {n: weights_of.buf(n) for n in WEIGHT_REGIONS}
     sizes = state_sizes(layout, max_len)

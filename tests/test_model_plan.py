@@ -5,7 +5,6 @@ import pytest
 
 from rwkvx import Config
 from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, FP32_ALWAYS, Layout, head_chunk_rows
-from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.precision import DEFAULT_PRECISION, resolve_precision
 from rwkvx.step import StepBuilder
 from rwkvx.cu import moba, wkv7
@@ -33,7 +32,7 @@ def host_buffers(B, T):
 
 
 def build(kwargs, B, T, precision="fp32"):
-    layout = Layout(Config(**kwargs), B, T, H200, precision, DEFAULT_RECOMPUTE)
+    layout = Layout(Config(**kwargs), B, T, H200, precision, recompute=True)
     return layout, StepBuilder(layout, BASE, host_buffers(B, T)).build()
 
 
@@ -114,7 +113,7 @@ def test_bf16_optimizer_refreshes_the_weights_copy():
 def test_memory_is_linear_in_tokens():
     kwargs = CONFIGS[3][0]
     # from T = 32768 on the WKV work buffer outgrows the logits chunk it shares a region with
-    per_token = [Layout(Config(**kwargs), 1, T, H200, DEFAULT_PRECISION, DEFAULT_RECOMPUTE).total
+    per_token = [Layout(Config(**kwargs), 1, T, H200, DEFAULT_PRECISION, recompute=True).total
                  for T in (32768, 65536, 131072)]
     d1, d2 = per_token[1] - per_token[0], per_token[2] - per_token[1]
     assert d2 == pytest.approx(2 * d1, rel=1e-3)       # no T^2 term
@@ -126,7 +125,7 @@ def test_block_scratch_shares_the_logits_region():
     WKV7 backward's kept records (live through the channel mix) leading the WKV7 and channel mix sets; none
     of them is forward state kept for a backward."""
     kwargs, B, T = CONFIGS[3]
-    layout = Layout(Config(**kwargs), B, T, H200, "bf16", DEFAULT_RECOMPUTE)
+    layout = Layout(Config(**kwargs), B, T, H200, "bf16", recompute=True)
     start = layout.offsets["logits"]
     sets = (("logits",), ("wkv_records", "wkv_partials"), ("moba_part", "moba_lpart"),
             ("wkv_records", "dkf", "dxk2", "dh2"))
@@ -143,7 +142,7 @@ def test_block_scratch_shares_the_logits_region():
 def test_poison_image_reads_as_poison_in_every_buffer(precision):
     """Where the shared region's buffers overlap, each still reads as NaN in its own element type."""
     kwargs, B, T = CONFIGS[1]
-    layout = Layout(Config(**kwargs), B, T, H200, precision, DEFAULT_RECOMPUTE)
+    layout = Layout(Config(**kwargs), B, T, H200, precision, recompute=True)
     assert layout.offsets["logits"] == layout.offsets["moba_part"] and layout.nbytes("logits") > 0
     image, start = layout.poison_image(), layout.offsets["tokens"]
     for name in list(layout.offsets)[list(layout.offsets).index("tokens"):]:
@@ -225,16 +224,16 @@ def test_head_chunk_bytes_sets_the_row_chunks():
     cfg = Config(**kwargs)
     V = cfg.vocab_size
     for chunk_bytes in (64 * V * 4, 1):
-        layout = Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE, head_chunk_bytes=chunk_bytes)
+        layout = Layout(cfg, B, T, H200, "fp32", recompute=True, head_chunk_bytes=chunk_bytes)
         assert layout.head_rows == 64 and layout.counts["logits"] == 64 * V
         ops = StepBuilder(layout, BASE, host_buffers(B, T)).build()
         ce = [op for op in flatten_ops(ops.loss) if isinstance(op, Launch) and op.name == "cross_entropy_loss"]
         assert len(ops.head) == 3 and [op.grid[0] for op in ce] == [64, 64, 7]
-    assert Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE).head_rows == B * T
+    assert Layout(cfg, B, T, H200, "fp32", recompute=True).head_rows == B * T
     assert head_chunk_rows(1000, 100, "bf16", 3 * 64 * 100 * 2 + 1) == 192
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError):
-            Layout(cfg, B, T, H200, "fp32", DEFAULT_RECOMPUTE, head_chunk_bytes=bad)
+            Layout(cfg, B, T, H200, "fp32", recompute=True, head_chunk_bytes=bad)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

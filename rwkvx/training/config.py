@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..model import DEFAULT_RECOMPUTE
+from ..model import DEFAULT_RECOMPUTE, RECOMPUTE_AUTO, check_recompute  # noqa: F401 (RECOMPUTE_AUTO: the CLI's)
 from ..optim import Schedule
 from ..precision import DEFAULT_PRECISION, resolve_precision
 from ..validate import FieldError, require_int
@@ -46,7 +46,7 @@ class TrainConfig:
     val_fraction: float = 0.05
     seed: int = 0
     precision: str = DEFAULT_PRECISION
-    recompute: bool = DEFAULT_RECOMPUTE
+    recompute: bool | str = DEFAULT_RECOMPUTE   # True, False or "auto" (rwkvx.model.Model)
     cpu_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -71,8 +71,7 @@ class TrainConfig:
         if not isinstance(self.val_fraction, (int, float)) or not 0 <= self.val_fraction < 1:
             raise FieldError("TrainConfig", "{val_fraction} must be in [0, 1)", val_fraction=self.val_fraction)
         object.__setattr__(self, "precision", resolve_precision(self.precision).name)
-        if not isinstance(self.recompute, bool):
-            raise TypeError(f"TrainConfig.recompute must be a bool, got {type(self.recompute).__name__}")
+        check_recompute(self.recompute, "TrainConfig.recompute")
         dtype = np.dtype(self.cpu_dtype).name if isinstance(self.cpu_dtype, (type, np.dtype)) else self.cpu_dtype
         if dtype not in CPU_DTYPES:
             raise FieldError("TrainConfig", f"{{cpu_dtype}} must be one of {', '.join(CPU_DTYPES)}",

@@ -367,7 +367,10 @@ def resolve_run(req: RunRequest, world: Any = None) -> Run:
     entropy = None
     if rank == 0 and len(prep.train_tokens) <= ENTROPY_MAX_TOKENS:
         entropy = unigram_entropy(prep.train_tokens, cfg.vocab_size)
+    # the GPU model's resolved recompute (a TrainConfig's "auto" decided by the free memory); None on the CPU
+    recompute = trainer.backend.model.recompute if trainer.device == "gpu" else None
     info = {"preset": prep.preset, "init_from": prep.init_from, "data": prep.data_arg,
-            "token_width": prep.token_width, "tokenizer": prep.tokenizer, "world_size": ranks}
+            "token_width": prep.token_width, "tokenizer": prep.tokenizer, "world_size": ranks,
+            "recompute": recompute}
     return Run(prep=prep, trainer=trainer, sampler=sampler, start=trainer.step_count, out=out,
                entropy=entropy, info=info, progress=req.progress)
