@@ -40,6 +40,7 @@ _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
 
 def _encode(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, list[np.ndarray]]:
+    """(the 8-byte length and JSON header, the C-contiguous little-endian arrays to write after it)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     arrays, offset = [], 0
     for name, value in tensors.items():
@@ -77,6 +78,12 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, params: ParamDict,
     metadata = {"format": "rwkvx", "format_version": str(FORMAT_VERSION),
                 "config": json.dumps(cfg.to_dict()),
                 "extra_meta": json.dumps(extra.get("meta") or {})}
+    write_safetensors(path, tensors, metadata)
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str]) -> None:
+    """Write ``tensors`` (name -> numpy array) and string ``metadata`` as a safetensors file, atomically."""
     header, arrays = _encode(tensors, metadata)
 
     def write(f: Any) -> None:
