@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .checkpoint import FORMAT_VERSION, read_safetensors, write_safetensors
+from .checkpoint import FORMAT_VERSION, read_safetensors, safetensors_metadata, write_safetensors
 from .config import Config
 
 STATE_FORMAT = "rwkvx-state"
@@ -93,9 +93,10 @@ def save_states(path: str | os.PathLike, cfg: Config, states: Mapping[str, np.nd
 
 
 def is_state_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a state file (a safetensors file whose metadata says so)."""
+    """Whether ``path`` is a state file (a safetensors file whose metadata says so; only the header is
+    read)."""
     try:
-        return read_safetensors(path)[2].get("format") == STATE_FORMAT
+        return safetensors_metadata(path).get("format") == STATE_FORMAT
     except ValueError:
         return False
 
