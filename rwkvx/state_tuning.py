@@ -58,10 +58,10 @@ def check_states(cfg: Config, states: Mapping[str, Any], where: str = "states") 
     missing = [n for n in shapes if n not in states]
     unexpected = sorted(set(states) - set(shapes))
     if missing or unexpected:
-        raise ValueError(f"{where} do not fit this model ({cfg.n_rwkv_layer} RWKV blocks): "
-                         + "; ".join(part for part in (
-                             missing and f"missing {', '.join(missing[:3])}",
-                             unexpected and f"unexpected {', '.join(unexpected[:3])}") if part))
+        problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
+            [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else [])
+        raise ValueError(f"{where}: not this model's states (one per RWKV block, {cfg.n_rwkv_layer}): "
+                         + "; ".join(problems))
     out = {}
     for name, shape in shapes.items():
         value = states[name]
