@@ -163,3 +163,10 @@ def test_cli_state_tuning_on_the_gpu_is_refused(tmp_path, capsys):
     assert exc.value.code == 2
     assert "not available on the GPU backend yet" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+    save_checkpoint(tmp_path / "m.safetensors", CFG, init_params(CFG))
+    save_states(tmp_path / "s.safetensors", CFG, zero_states(CFG))
+    with pytest.raises(SystemExit) as exc:
+        main(["sample", "--ckpt", str(tmp_path / "m.safetensors"), "--state", str(tmp_path / "s.safetensors"),
+              "--device", "gpu"])
+    assert exc.value.code == 2
+    assert "not available on the GPU backend yet" in capsys.readouterr().err
