@@ -94,10 +94,10 @@ def save_states(path: str | os.PathLike, cfg: Config, states: Mapping[str, np.nd
 
 def is_state_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a state file (a safetensors file whose metadata says so; only the header is
-    read)."""
+    read). False for anything unreadable, which the reader of another format then reports."""
     try:
         return safetensors_metadata(path).get("format") == STATE_FORMAT
-    except ValueError:
+    except (OSError, ValueError):
         return False
 
 
