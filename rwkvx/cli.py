@@ -361,6 +361,9 @@ def _print_run(run: Run) -> None:
     if trainer.states is not None:
         print(f"state tuning: {sum(s.size for s in trainer.states.values()):,} state values trained "
               f"({len(trainer.states)} RWKV blocks x [H, N, N]), the model frozen")
+        if prep.init_from is None:
+            print("note: a fresh model's output matrices are zero, so its states get no gradient: "
+                  "state tuning adapts a trained model (--init-from)")
     fmt = prep.data.format + (f", {prep.tokenizer} tokenizer" if prep.tokenizer else "")
     held = 0 if prep.val_tokens is None else len(prep.val_tokens)
     val = (f"{held:,} held out for validation, {prep.val_scored:,} of them scored" if held
