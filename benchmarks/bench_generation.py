@@ -8,8 +8,11 @@ fed are a fixed random sequence, so every row does the same work.
   run's context (its seq_len, 128: what ``sample`` used by default) and with the whole sequence (the
   same tokens as the stateful path).
 * GPU: the 0.22B config (the ``base`` preset's model) in fp32, tf32 and bf16: the
-  decoder's graph-replayed step (wall clock per ``step``, the host's sync and logits read included, and
-  CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window.
+  decoder's graph-replayed step with its sampling on the device (wall clock per ``step``, the host's
+  sync and token read included, and CUDA-event time of the graph alone), against ``forward_padded`` over a 512-token window; and the
+  time to the first token of a ``generate`` call after a first one (the decoder kept on the model:
+  nothing built, the prompt's prefill and one step); and the device sampler ``dec_sample`` alone on
+  V = 65536 logits (CUDA-event time per call, B = 1 and 256 rows).
 
 Run: ``python -m pytest benchmarks/bench_generation.py --benchmark-columns=mean,rounds`` (GPU rows skip
 without a GPU).
@@ -22,15 +25,18 @@ import numpy as np
 import pytest
 
 from rwkvx import Config, init_params
-from rwkvx.generation import sample_next
+from rwkvx.sampling import Sampling, sample_token
 from rwkvx.presets import get_preset
 
 PROMPT = 512
 RNG = np.random.default_rng(0)
 
 
+SAMPLING = Sampling(temperature=0.8, top_p=0.9)      # the CLI's defaults
+
+
 def sample(logits: np.ndarray) -> int:
-    return sample_next(logits, 0.8, 0.9, RNG)
+    return sample_token(logits, RNG.random(), SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p)
 
 
 def tokens_per_s(benchmark, fn, tokens: int, rounds: int) -> float:
@@ -93,9 +99,8 @@ def base_params():
 
 
 def _model(dev, cfg, params, T, precision):
-    from rwkvx.decoder import PREFILL_METHODS
     from rwkvx.model import Model
-    return Model(cfg, params, 1, T, precision=precision, methods=PREFILL_METHODS)
+    return Model(cfg, params, 1, T, precision=precision)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
@@ -104,15 +109,17 @@ def test_gpu_stateful(benchmark, dev, base_params, precision):
     from rwkvx.runtime import EventTimer
     cfg, params, tokens = base_params
     n = tokens.shape[1] - PROMPT
-    decoder = Decoder(_model(dev, cfg, params, PROMPT, precision), PROMPT + n)
+    decoder = Decoder(_model(dev, cfg, params, 1, precision), 1, PROMPT, PROMPT + n)
     try:
         t0 = time.perf_counter()
-        decoder.prefill(tokens[:, :PROMPT])
+        fed = int(decoder.prefill(tokens[:, :PROMPT], SAMPLING)[0])
+        for t in range(fed, PROMPT):             # the prompt's last tokens go through the step
+            decoder.step(tokens[:, t], RNG.random(1))
         prefill_s = time.perf_counter() - t0
         steps = iter(range(PROMPT, PROMPT + n))
 
-        def one_token():
-            sample(decoder.step(tokens[:, next(steps)])[0])
+        def one_token():             # sampled on the device: only the token id comes back
+            decoder.step(tokens[:, next(steps)], RNG.random(1))
 
         benchmark.pedantic(one_token, rounds=n - 8, iterations=1, warmup_rounds=4)
         benchmark.extra_info["tokens_per_s"] = round(1.0 / benchmark.stats.stats.mean, 1)
@@ -122,7 +129,19 @@ def test_gpu_stateful(benchmark, dev, base_params, precision):
         benchmark.extra_info.update(prefill_s=round(prefill_s, 4), graph_ms_per_token=round(graph_ms, 4),
                                     graph_tokens_per_s=round(1e3 / graph_ms, 1))
     finally:
-        decoder.close()
+        decoder.free()
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
+def test_gpu_first_token_of_a_second_generate(benchmark, dev, base_params, precision):
+    import rwkvx
+    cfg, params, tokens = base_params
+    model = _model(dev, cfg, params, 1, precision)
+    t0 = time.perf_counter()
+    rwkvx.generate(model, tokens[0, :PROMPT], 1)          # builds the decoder kept on the model
+    benchmark.extra_info["first_call_s"] = round(time.perf_counter() - t0, 3)
+    benchmark.pedantic(lambda: rwkvx.generate(model, tokens[0, :PROMPT], 1), rounds=5, iterations=1)
+    benchmark.extra_info["first_token_s"] = round(benchmark.stats.stats.mean, 4)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
@@ -138,3 +157,28 @@ def test_gpu_window_rerun(benchmark, dev, base_params, precision):
 
     benchmark.pedantic(one_token, rounds=8, iterations=1, warmup_rounds=2)
     benchmark.extra_info["tokens_per_s"] = round(1.0 / benchmark.stats.stats.mean, 2)
+
+
+@pytest.mark.parametrize("B", [1, 256])
+def test_gpu_dec_sample(benchmark, dev, B):
+    from rwkvx._core import Plan
+    from rwkvx.cu import decode
+    from rwkvx.runtime import EventTimer
+    from rwkvx.runtime.dtypes import to_storage
+    V = 65536
+    bufs = {name: dev.alloc(nbytes) for name, nbytes in
+            (("logits", 2 * B * V), ("u", 8 * B), ("opts", 8 * len(decode.SAMPLE_OPTS)), ("out", 4 * B))}
+    try:
+        dev.upload(bufs["logits"], to_storage("bf16", RNG.standard_normal((B, V)) * 3))
+        dev.upload(bufs["u"], RNG.random(B))
+        dev.upload(bufs["opts"], np.array([getattr(SAMPLING, n) for n in decode.SAMPLE_OPTS], np.float64))
+        plan = Plan(dev, decode.sample(*(bufs[n].typed(e) for n, e in (("logits", "bf16"), ("u", "f64"),
+                                                                      ("opts", "f64"), ("out", "i32"))), B, V))
+        plan.run()
+        timer = EventTimer(dev)
+        benchmark.pedantic(lambda: timer.time_ms(plan.run, 20), rounds=3, iterations=1)
+        benchmark.extra_info["ms_per_call"] = round(timer.time_ms(plan.run, 20), 4)
+        timer.close()
+    finally:
+        for buf in bufs.values():
+            buf.close()

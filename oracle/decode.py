@@ -1,12 +1,15 @@
 """Twin of rwkvx/cu/decode/decode.cu: the single-token step kernels of generation.
 
 Each is the forward twin of its family run on one token that continues a carried state (a sequence of
-length 1 after the state's tokens), so no formula is written twice. Shapes: one row per sequence,
+length 1 after the state's tokens), so no formula is written twice; ``decode_sample`` is the sampling
+contract's own implementation (rwkvx.sampling). Shapes: one row per sequence,
 x [B, C] or [B, H, N]; caches [B, T, H, N].
 """
 from __future__ import annotations
 
 import numpy as np
+
+from rwkvx.sampling import sample_rows
 
 from ._common import float64_op, shift_mix_forward
 from .moba import moba_attention_cached, moba_block_means
@@ -43,3 +46,10 @@ def decode_moba(q: np.ndarray, k: np.ndarray, v: np.ndarray, kc: np.ndarray, vc:
         kmean = np.concatenate([kmean, moba_block_means(kc[:, -chunk:], chunk)], axis=2)
     o, sel = moba_attention_cached(q[:, None], kc, vc, kmean, chunk, top_k)
     return o[:, 0], sel[:, :, 0], kc, vc, kmean
+
+
+def decode_sample(logits: np.ndarray, u: np.ndarray, opts: np.ndarray) -> np.ndarray:
+    """int32 [B]: the token rwkvx.sampling's contract chooses from each row of ``logits`` [B, V] with its
+    draw ``u`` [B] and ``opts`` = (temperature, top_p, top_k), as dec_sample takes them."""
+    temperature, top_p, top_k = (float(o) for o in opts)
+    return sample_rows(logits, u, temperature, int(top_k), top_p).astype(np.int32)

@@ -225,7 +225,8 @@ def read_tensors(path: str | os.PathLike
 
 def load_checkpoint(path: str | os.PathLike, cfg: Config | None = None
                     ) -> tuple[Config, ParamDict, dict[str, Any]]:
-    """Read a checkpoint: ``(cfg, params, extra)``; every problem raises ``ValueError``.
+    """Read a checkpoint: ``(cfg, params, extra)``; every problem raises ``ValueError`` (a parameter
+    holding NaN or Inf among them, named).
 
     Files written by :func:`save_checkpoint` carry their Config. Plain RWKV-7 state dicts
     (names without the ``rwkv.`` prefix, any float dtype incl. bf16), as safetensors or as PyTorch
@@ -259,6 +260,12 @@ def load_checkpoint(path: str | os.PathLike, cfg: Config | None = None
     if unexpected:
         raise ValueError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])}")
     params = {n: params[n].astype(np.float32, copy=False) for n in expected}
+    for name, value in params.items():     # after the float32 cast: a float64 beyond its range is Inf
+        bad = ~np.isfinite(value)
+        if bad.any():
+            where = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), value.shape))
+            raise ValueError(f"{path}: tensor {name} holds {int(bad.sum())} non-finite value(s) "
+                             f"(NaN or Inf), the first {value[where]} at index {list(where)}")
     try:
         meta = json.loads(metadata.get("extra_meta", "{}"))
     except json.JSONDecodeError as exc:

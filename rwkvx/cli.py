@@ -233,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0 = greedy (default: %(default)s)")
     sp.add_argument("--top-p", type=float, default=0.9,
                     help="nucleus sampling mass, in (0, 1] (default: %(default)s)")
+    sp.add_argument("--top-k", type=_nonneg_int, default=0,
+                    help="sample among the k most likely tokens only; 0 = no limit (default: %(default)s)")
     sp.add_argument("--seed", type=_nonneg_int, default=0, help="sampling seed (default: %(default)s)")
     sp.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto",
                     help="auto: the GPU when usable, else the CPU oracle (default: %(default)s)")
@@ -500,21 +502,20 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 # sample
 # ---------------------------------------------------------------------------------------------
 
-def _generation_source(cfg: Config, params: ParamDict, device: str, prompt_len: int, precision: str,
+def _generation_source(cfg: Config, params: ParamDict, device: str, precision: str,
                        states: dict | None = None) -> tuple[Any, str | None]:
     """What :func:`rwkvx.generation.stream` generates with on the chosen device, plus the fallback
-    note: a GPU Model built for the prompt (``precision`` GEMMs), or the float32 CPU oracle
-    (starting from the initial WKV ``states`` when given, which the GPU cannot yet)."""
+    note: a GPU Model holding the weights (``precision``; its decoder has buffers of its own, so the
+    model is built for one token), or the float32 CPU oracle (starting from the initial WKV
+    ``states`` when given, which the GPU cannot yet)."""
     from .training.setup import check_device
 
     with _usage_errors():
         kind, note = check_device(device, "sampling", "full" if states is None else "state")
     if kind == "gpu":
-        from .decoder import PREFILL_METHODS
         from .model import Model
-        try:   # with the kernels the decoder's prefill reads (else Decoder.from_model builds another Model)
-            return Model(cfg, params, batch_size=1, seq_len=prompt_len, precision=precision,
-                         methods=PREFILL_METHODS), note
+        try:
+            return Model(cfg, params, batch_size=1, seq_len=1, precision=precision), note
         except (ValueError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
     try:
@@ -624,12 +625,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
             states = load_states(_checkpoint(args.state, "--state"), cfg)[1]
         except ValueError as exc:
             raise UsageError(f"--state: {exc}") from None
-    source, note = _generation_source(cfg, params, args.device, len(prompt), precision, states)
+    source, note = _generation_source(cfg, params, args.device, precision, states)
     if note:
         print(f"note: {note}", file=sys.stderr)
     from .generation import stream
     try:
-        new_tokens = stream(source, prompt, args.tokens, args.temperature, args.top_p, args.seed)
+        new_tokens = stream(source, prompt, args.tokens, args.temperature, args.top_p, args.seed, args.top_k)
     except ValueError as exc:          # e.g. a model too large for the decoder's buffers
         raise UsageError(str(exc)) from None
     echo = TokenEcho(sys.stdout, tokenizer)

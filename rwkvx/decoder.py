@@ -1,23 +1,36 @@
 """Stateful generation on the GPU: :class:`Decoder`, the GPU :class:`rwkvx.generation.Session`.
 
-**Prefill** (once per prompt of P tokens): the forward of a :class:`rwkvx.model.Model` built for (B, P),
-in parallel over the prompt, with the WKV state saved (the forward's checkpoint after the last token is
-the state after the prompt); after each block, copies leave what decoding needs in the decoder's state
-arena: the last LN1 and LN2 rows (the token shifts), the WKV state, MoBA's keys, values and the means of
-the complete key blocks. The model's own forward kernels can expose these states, so the prompt is not
-fed token by token.
+A Decoder serves one (model, batch size) pair for any prompt up to its capacities; it reads the weights
+from the model's own resident parameters (``params``, and ``params_x`` in bf16), so an optimizer step
+or :meth:`rwkvx.model.Model.load_params` is seen by the next token without a copy. Everything else
+(activations, the carried state, the step's CUDA graph) is the decoder's own, allocated once;
+:func:`decoder_for` keeps one Decoder per batch size on the model, so a second ``generate`` builds
+nothing.
 
-**Step** (one token per sequence): the same :class:`rwkvx.step.StepBuilder` forward on B rows of the
-model's arena (its weights and transients), with the parts that look at earlier tokens (token shifts,
-WKV, MoBA) replaced by rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state arena.
-The token ids and the position (a device int MoBA reads) come from pinned memory, the logits [B, V]
-go back to pinned memory, and the whole step is one CUDA graph, replayed per token.
+**Prefill** (once per batch of prompts, each of its own length P_b): each prompt's first ``prefix_b``
+tokens run through the model's forward kernels in parallel (the chunked WKV7 where the precision uses
+it), over a window of ``prompt_cap`` tokens (the rest padded with token 0: the forward is causal, so
+the padding never reaches them). ``prefix_b`` is the largest multiple of the WKV7 kernel's checkpoint
+interval below P_b (0 for a short prompt), because its checkpoints are where the forward leaves the
+WKV state (:func:`prefix_len`). After each block, copies leave what decoding needs in the decoder's
+state arena: row prefix_b - 1 of LN1 and LN2 (the token shifts), the WKV state, MoBA's keys, values
+and the means of the complete key blocks. The remaining 1 to interval tokens of each prompt are fed
+one by one through the step.
+
+**Step** (one token per sequence, each at its own position): the same :class:`rwkvx.step.StepBuilder`
+forward on B rows of the decoder's arena, with the parts that look at earlier tokens (token shifts,
+WKV, MoBA) replaced by rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state
+arena, then the head and rwkvx/cu/decode/sample.cu's ``dec_sample``, which chooses each sequence's next
+token from its logits by :mod:`rwkvx.sampling`'s contract. The token ids, their positions (device ints
+MoBA reads), one uniform draw per sequence and the sampling options come from pinned memory, only the B
+chosen token ids go back, and the whole step is one CUDA graph, replayed per token.
 
 State arena (elements; X = the model's activation type): per RWKV block i ``tm_prev.i`` fp32 [B, C] and
 ``wkv.i`` fp32 [B, H, N, N]; per block ``cm_prev.<prefix>`` fp32 [B, C] (the LayerNorm outputs the token
 shifts read are fp32 in every precision); per attention block j the caches
 ``kc.j``, ``vc.j`` X [B, Tmax, H, N] and (top_k > 1) ``kmean.j`` fp32 [B, H, Tmax // chunk, N] and
-``sel.j`` int32 [B, H, top_k-1] (the last step's selection); ``pos`` int32.
+``sel.j`` int32 [B, H, top_k-1] (the last step's selection); ``pos`` int32 [B]; the sampler's ``u`` f64 [B],
+``opts`` f64 [3] (:data:`rwkvx.cu.decode.SAMPLE_OPTS`) and ``next`` int32 [B].
 """
 from __future__ import annotations
 
@@ -31,20 +44,53 @@ from .cu._common import carve, carved_bytes
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
+from .sampling import Sampling
 from .step import StepBuilder
 from .validate import check_tokens
 
+WEIGHT_REGIONS = ("params", "params_x")            # read from the model's arena, never copied
+TRAINING_REGIONS = ("grads", "adam_m", "adam_v")   # a decoder never touches them: not allocated
+MIN_PROMPT_CAP = 64        # the smallest prompt window a cached decoder is built for (tokens)
+MIN_MAX_LEN = 256          # the smallest cache a cached decoder is built for (tokens)
 
-# The kernel methods a decoder's Model needs: the sequential WKV7 forward, whose last checkpoint is the
-# state after the prompt (the chunked one saves the states entering its chunks).
-PREFILL_METHODS = {"wkv7": "sequential"}
+
+def checkpoint_interval(method: str) -> int:
+    """Tokens between the WKV7 forward's saved states for kernel ``method``."""
+    return wkv7.CHUNKED_L if method in wkv7.CHUNKED_METHODS else wkv7.CHUNK
+
+
+def prefix_len(prompt_len: int, method: str) -> int:
+    """Tokens of a prompt of ``prompt_len`` that the prefill runs through the forward: the largest
+    multiple of the checkpoint interval below ``prompt_len`` (at least one token is left for the step,
+    which chooses the first new token from the prompt's last position)."""
+    g = checkpoint_interval(method)
+    return (prompt_len - 1) // g * g
+
+
+def state_slot(method: str, prefix: int) -> int:
+    """The WKV7 checkpoint slot holding the state after ``prefix`` tokens (> 0, a multiple of the
+    interval): the sequential kernel saves the state after each chunk, the chunked ones the state
+    entering each chunk (so the window must be longer than ``prefix``)."""
+    g = checkpoint_interval(method)
+    return prefix // g if method in wkv7.CHUNKED_METHODS else prefix // g - 1
+
+
+def own_span(layout: Layout) -> tuple[int, int]:
+    """(start, end): the bytes of ``layout``'s arena a decoder allocates, everything after the weight
+    and training regions (which the layout places first)."""
+    skipped = WEIGHT_REGIONS + TRAINING_REGIONS
+    start = max(layout.offsets[n] + layout.nbytes(n) for n in skipped)
+    if any(off < start for n, off in layout.offsets.items() if n not in skipped):
+        raise ValueError("decoder: the layout must place the weight and training regions first")
+    return start, layout.total
 
 
 def state_sizes(layout: Layout, max_len: int) -> dict[str, tuple[int, str]]:
     """(elements, element type) of every buffer of the state arena of a model of ``layout``."""
     cfg, B, X = layout.cfg, layout.B, layout.xtype
     C, H, N, K1 = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.moba_top_k - 1
-    sizes: dict[str, tuple[int, str]] = {"pos": (1, "i32")}
+    sizes: dict[str, tuple[int, str]] = {"pos": (B, "i32"), "u": (B, "f64"),
+                                         "opts": (len(decode.SAMPLE_OPTS), "f64"), "next": (B, "i32")}
     for kind, idx in cfg.block_order():
         if kind == "rwkv":
             sizes[f"tm_prev.{idx}"] = (B * C, "f32")
@@ -57,22 +103,44 @@ def state_sizes(layout: Layout, max_len: int) -> dict[str, tuple[int, str]]:
     return sizes
 
 
-class PrefillBuilder(StepBuilder):
-    """The forward over the prompt (the model's, B x T = P tokens at ``base``) that also fills the
-    state arena ``state`` (:func:`state_sizes` carved, caches of ``max_len`` tokens)."""
+class _DecoderBuilder(StepBuilder):
+    """A StepBuilder on the decoder's arena at ``base`` whose weights are ``weights`` (the model's
+    ``params`` and ``params_x`` pointers), with the state arena ``state`` (caches of ``max_len`` tokens)."""
 
-    def __init__(self, layout: Layout, base: int, state: dict[str, DevPtr | None], max_len: int):
-        if any(layout.methods[k] != v for k, v in PREFILL_METHODS.items()):
-            raise ValueError("the prefill reads the state after the prompt from the sequential WKV7 "
-                             "kernel's checkpoints: build the Model with methods=rwkvx.decoder.PREFILL_METHODS")
+    def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
+                 state: dict[str, DevPtr | None], max_len: int):
         super().__init__(layout, base, {})
-        self.state, self.max_len = state, max_len
+        self.weights, self.state, self.max_len = weights, state, max_len
+
+    def buf(self, name: str) -> DevPtr | None:
+        if name in self.weights:
+            return self.weights[name]
+        return super().buf(name)
+
+
+class PrefillBuilder(_DecoderBuilder):
+    """The forward over the prompt window (B x T tokens) that also leaves in the state arena what
+    decoding needs after each sequence's first ``prefixes[b]`` tokens (each a multiple of the WKV7
+    checkpoint interval in [0, T), not all 0; a sequence with none keeps its zeroed state)."""
+
+    def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
+                 state: dict[str, DevPtr | None], max_len: int, prefixes: tuple[int, ...]):
+        super().__init__(layout, base, weights, state, max_len)
+        g = checkpoint_interval(self.methods["wkv7"])
+        if (len(prefixes) != self.B or not any(prefixes)
+                or any(not 0 <= n < self.T or n % g for n in prefixes)):
+            raise ValueError(f"prefixes {prefixes}: {self.B} multiples of {g} in [0, {self.T}), not all 0")
+        self.prefixes = prefixes
+
+    def _rows(self) -> list[tuple[int, int]]:
+        """(sequence, its prefix) of the sequences with a prefix."""
+        return [(b, n) for b, n in enumerate(self.prefixes) if n]
 
     def _last_rows(self, src: DevPtr, dst: DevPtr) -> list:
-        """dst [B, C] = the last row of each sequence of src [B*T, C]."""
+        """dst [B, C] = row prefix-1 of each sequence of src [B*T, C]."""
         C, T = self.cfg.n_embd, self.T
-        return [Copy(dst.offset(b * C), src.offset((b * T + T - 1) * C), C * ELEM_BYTES[src.elem])
-                for b in range(self.B)]
+        return [Copy(dst.offset(b * C), src.offset((b * T + n - 1) * C), C * ELEM_BYTES[src.elem])
+                for b, n in self._rows()]
 
     def time_shift(self, i: int) -> list:
         return super().time_shift(i) + self._last_rows(self.buf("h1"), self.state[f"tm_prev.{i}"])
@@ -81,38 +149,37 @@ class PrefillBuilder(StepBuilder):
         return super().channel_shift(prefix) + self._last_rows(self.buf("h2"), self.state["cm_prev." + prefix])
 
     def wkv(self, i: int, for_backward: bool) -> list:
-        # checkpoint slot nC-1 of every (b, h) is the state after the prompt's last token
-        H, N, nC = self.cfg.n_head, self.cfg.head_size, wkv7.n_chunks(self.T)
+        H, N, method = self.cfg.n_head, self.cfg.head_size, self.methods["wkv7"]
+        nC = wkv7.n_chunks(self.T, method)
         ckpt, dst = self.buf("wkv_ckpt"), self.state[f"wkv.{i}"]
         return super().wkv(i, for_backward=True) + [
-            Copy(dst.offset(bh * N * N), ckpt.offset((bh * nC + nC - 1) * N * N), N * N * 4)
-            for bh in range(self.B * H)]
+            Copy(dst.offset(bh * N * N), ckpt.offset((bh * nC + state_slot(method, n)) * N * N), N * N * 4)
+            for b, n in self._rows() for bh in range(b * H, (b + 1) * H)]
 
     def attention(self, j: int) -> list:
-        cfg, B, T = self.cfg, self.B, self.T
+        cfg, T = self.cfg, self.T
         C, H, N, chunk = cfg.n_embd, cfg.n_head, cfg.head_size, cfg.moba_chunk_size
         ops = super().attention(j)
         for name, cache in (("k", f"kc.{j}"), ("v", f"vc.{j}")):
             src, dst = self.buf(name), self.state[cache]
-            ops += [Copy(dst.offset(b * self.max_len * C), src.offset(b * T * C), T * C * ELEM_BYTES[src.elem])
-                    for b in range(B)]
-        full = T // chunk                 # the forward's block means of the prompt's complete blocks
-        if cfg.moba_top_k > 1 and full:
+            ops += [Copy(dst.offset(b * self.max_len * C), src.offset(b * T * C), n * C * ELEM_BYTES[src.elem])
+                    for b, n in self._rows()]
+        if cfg.moba_top_k > 1:            # the forward's means of the blocks complete within each prefix
             src, dst = self.buf("moba_kmean"), self.state[f"kmean.{j}"]
             nblk, maxblk = -(-T // chunk), self.max_len // chunk
-            ops += [Copy(dst.offset(bh * maxblk * N), src.offset(bh * nblk * N), full * N * 4)
-                    for bh in range(B * H)]
+            ops += [Copy(dst.offset(bh * maxblk * N), src.offset(bh * nblk * N), n // chunk * N * 4)
+                    for b, n in self._rows() if n >= chunk for bh in range(b * H, (b + 1) * H)]
         return ops
 
 
-class DecodeStepBuilder(StepBuilder):
-    """One token per sequence: the forward on B rows of the model's arena at ``base``, with decode.cu
-    where it looks at earlier tokens (state arena ``state``, caches of ``max_len`` tokens)."""
+class DecodeStepBuilder(_DecoderBuilder):
+    """One token per sequence: the forward on B rows of the decoder's arena, with decode.cu where it
+    looks at earlier tokens."""
 
-    def __init__(self, layout: Layout, base: int, state: dict[str, DevPtr | None], max_len: int):
-        super().__init__(layout, base, {})
+    def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
+                 state: dict[str, DevPtr | None], max_len: int):
+        super().__init__(layout, base, weights, state, max_len)
         self.T, self.R = 1, self.B
-        self.state, self.max_len = state, max_len
 
     def time_shift(self, i: int) -> list:
         att, b = f"rwkv.blocks.{i}.att.", self.buf
@@ -136,107 +203,158 @@ class DecodeStepBuilder(StepBuilder):
                                 cfg.moba_top_k, self.dev, sel=s[f"sel.{j}"])
 
 
-def decoder_ops(layout: Layout, base: int, state: dict[str, DevPtr | None], max_len: int,
-                stage_tokens: list, host_inputs: int, host_logits: int) -> tuple[list, list]:
-    """(prefill ops, step ops) of a model of ``layout`` at ``base`` with the state arena ``state``
-    (needs no GPU). ``stage_tokens``: the model's copy of the prompt from pinned memory; pinned
-    ``host_inputs`` int32 [B + 1] (the step's tokens, then its position) and ``host_logits`` [B, V]
-    (the step's logits, in the activation type). The prefill ends with the final LayerNorm's output
-    (the model's head turns it into logits: :meth:`rwkvx.model.Model.logits`)."""
-    built = (layout, base, state, max_len)
-    step = DecodeStepBuilder(*built)
+def prefill_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
+                state_bytes: int, max_len: int, prefixes: tuple[int, ...], host_prompt: int) -> list:
+    """The prefill of prompts whose first ``prefixes[b]`` tokens go through the forward (needs no GPU):
+    the state arena (``state_bytes`` from ``state["pos"]``) zeroed, then, when a prefix is not 0, the
+    window's tokens staged from pinned ``host_prompt`` int32 [B, T] and the forward with its state copies."""
+    ops = [Memset(state["pos"], state_bytes)]
+    if any(prefixes):
+        built = PrefillBuilder(layout, base, weights, state, max_len, prefixes)
+        ops += [CopyHtoD(built.buf("tokens"), host_prompt, 4 * layout.B * layout.T), *built.forward()]
+    return ops
+
+
+def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
+             max_len: int, host_inputs: int, host_draws: int, host_next: int) -> list:
+    """One step (needs no GPU): pinned ``host_inputs`` int32 [2B] (the tokens, then their positions) and
+    ``host_draws`` f64 [B + 3] (each sequence's u, then the sampling options) in, the chosen tokens
+    int32 [B] out to pinned ``host_next``."""
+    step = DecodeStepBuilder(layout, base, weights, state, max_len)
     B, V = layout.B, layout.cfg.vocab_size
-    step_ops = [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
-                CopyHtoD(state["pos"], host_inputs + 4 * B, 4),
-                *step.forward(), *step.head_logits(0),
-                CopyDtoH(host_logits, step.buf("logits"), B * V * ELEM_BYTES[layout.xtype])]
-    return stage_tokens + PrefillBuilder(*built).forward(), step_ops
+    return [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
+            CopyHtoD(state["pos"], host_inputs + 4 * B, 4 * B),
+            CopyHtoD(state["u"], host_draws, 8 * B),
+            CopyHtoD(state["opts"], host_draws + 8 * B, 8 * len(decode.SAMPLE_OPTS)),
+            *step.forward(), *step.head_logits(0),
+            *decode.sample(step.buf("logits"), state["u"], state["opts"], state["next"], B, V),
+            CopyDtoH(host_next, state["next"], 4 * B)]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 class Decoder:
-    """Stateful generation of ``model.B`` sequences on the GPU (see the module docstring).
-
-    ``model``: a :class:`rwkvx.model.Model` built for (B, P): its forward processes the P-token prompt,
-    its weights and buffers serve every step (the model is used, not copied). ``max_len`` (>= P): the
-    most tokens fed to the model, prompt included (the length of the MoBA caches). Use
-    :meth:`prefill` once, then :meth:`step` up to ``max_len - P`` times; :meth:`close` frees it.
+    """Stateful generation of ``batch`` sequences on the GPU with ``model``'s weights (see the module
+    docstring): prompts of up to ``prompt_cap`` tokens, sequences of up to ``max_len`` tokens fed to
+    the model, prompt included (the length of the MoBA caches); each sequence has its own length.
+    :meth:`prefill` takes the prompts (it runs the prefix of each that the forward can take), then each
+    :meth:`step` feeds one token to every active sequence and returns the next token of each, chosen on
+    the device; :meth:`logits` reads the logits it was chosen from. A new :meth:`prefill` starts over;
+    :meth:`free` releases the decoder.
     """
 
-    def __init__(self, model: Model, max_len: int) -> None:
+    def __init__(self, model: Model, batch: int, prompt_cap: int, max_len: int) -> None:
         from ._core import Plan
         from .runtime import Graph
-        if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < model.T:
-            raise ValueError(f"max_len must be an int >= the prompt length {model.T}, got {max_len!r}")
-        self.model, self.dev, self.cfg = model, model.dev, model.cfg
-        self.B, self.P, self.max_len = model.B, model.T, int(max_len)
-        self.length: int | None = None                   # tokens fed so far (None: no prompt yet)
-        sizes = state_sizes(model.layout, self.max_len)
-        self.arena = self.dev.alloc(carved_bytes(sizes))
-        self.state = carve(self.arena.ptr, sizes)
-        B, V, X = self.B, self.cfg.vocab_size, model.layout.xtype
-        self._logits_elem = X
-        self._pinned_in = self.dev.alloc_pinned(4 * (B + 1))                 # tokens, then the position
-        self._pinned_logits = self.dev.alloc_pinned(B * V * ELEM_BYTES[X])
-        Plan(self.dev, [Memset(self.arena.ptr, self.arena.nbytes)]).run()      # no garbage in the state
-        prefill_ops, step_ops = decoder_ops(model.layout, model.arena.ptr, self.state, self.max_len,
-                                            model.ops.stage_tokens, self._pinned_in.ptr, self._pinned_logits.ptr)
-        self._prefill_plan = Plan(self.dev, prefill_ops)
-        self._graph = None
-        if self.max_len > self.P:
-            self._step_plan = Plan(self.dev, step_ops)
-            # one eager step (modules, cuBLAS) before the capture, on a position the prefill and the
-            # first step overwrite before anything reads it
-            self._stage(np.zeros(B, np.int64), self.P)
-            self._step_plan.run()
-            self.dev.synchronize()
-            self._graph = Graph.capture(self.dev, self._step_plan.run)
-
-    @classmethod
-    def from_model(cls, model: Any, batch: int, prompt_len: int, max_len: int) -> "Decoder":
-        """A Decoder on ``model`` itself when it is built for (batch, prompt_len) with the sequential
-        WKV7 kernel (whose checkpoints hold the state after the prompt), else on a Model of that shape
-        with ``model``'s parameters and precision."""
         if not isinstance(model, Model):
-            raise TypeError(f"expected an rwkvx.Model, got {type(model).__name__}")
-        if ((model.B, model.T) != (batch, prompt_len)
-                or any(model.layout.methods[k] != v for k, v in PREFILL_METHODS.items())):
-            model = Model(model.cfg, model.params(), batch, prompt_len, precision=model.precision,
-                          methods=PREFILL_METHODS)
-        return cls(model, max_len)
-
-    def _stage(self, tokens: np.ndarray, pos: int) -> None:
-        pin = self._pinned_in.array(np.int32, (self.B + 1,))
-        pin[:self.B] = tokens
-        pin[self.B] = pos
-
-    def prefill(self, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Process the prompt int [B, P]: logits [B, V] of its last position ([B, P, V] with
-        ``all_logits``); every state is set for :meth:`step` (a second prefill starts over)."""
-        self.model.stage_tokens(tokens)
-        self._prefill_plan.run()
+            raise TypeError(f"Decoder expects an rwkvx.Model, got {type(model).__name__}")
+        self.B, self.prompt_cap = _positive_int("batch", batch), _positive_int("prompt_cap", prompt_cap)
+        self.max_len = _positive_int("max_len", max_len)
+        self.model, self.dev, self.cfg = model, model.dev, model.cfg
+        self.layout = Layout(self.cfg, self.B, self.prompt_cap, self.dev.info, model.precision, recompute=True,
+                             methods=model.layout.methods)
+        self.lengths: np.ndarray | None = None          # tokens fed so far per sequence (None: no prompt yet)
+        B = self.B
+        if B > self.layout.head_rows:
+            raise ValueError(f"batch {B}: the head computes the logits of at most {self.layout.head_rows} "
+                             f"rows at once for vocab_size {self.cfg.vocab_size}")
+        start, end = own_span(self.layout)
+        self.arena = self.dev.alloc(end - start)
+        self.base = self.arena.ptr - start               # the layout's offsets below start are never used
+        self.weights = {n: model.builder.buf(n) for n in WEIGHT_REGIONS}
+        sizes = state_sizes(self.layout, self.max_len)
+        self.state_bytes = carved_bytes(sizes)
+        self.state_arena = self.dev.alloc(self.state_bytes)
+        self.state = carve(self.state_arena.ptr, sizes)
+        self._pinned_prompt = self.dev.alloc_pinned(4 * B * self.prompt_cap)
+        self._pinned_in = self.dev.alloc_pinned(8 * B)                       # tokens, then their positions
+        self._pinned_draws = self.dev.alloc_pinned(8 * (B + len(decode.SAMPLE_OPTS)))   # u, then the options
+        self._pinned_next = self.dev.alloc_pinned(4 * B)
+        self._prefills: dict[tuple[int, ...], Any] = {}      # prefixes -> their Plan
+        self._step_plan = Plan(self.dev, step_ops(self.layout, self.base, self.weights, self.state, self.max_len,
+                                                  self._pinned_in.ptr, self._pinned_draws.ptr, self._pinned_next.ptr))
+        # one eager step (modules, cuBLAS) before the capture; every prefill starts by zeroing the state
+        self._pinned_in.array(np.int32, (2 * B,))[:] = 0
+        self._set_draws(np.zeros(B), Sampling(temperature=0.0))
+        self._step_plan.run()
         self.dev.synchronize()
-        self.length = self.P
-        logits = self.model.logits().reshape(self.B, self.P, self.cfg.vocab_size)
-        return logits if all_logits else logits[:, -1].copy()
+        self._graph = Graph.capture(self.dev, self._step_plan.run)
 
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        """Feed one token per sequence (int [B]): logits [B, V] of that position (graph replay)."""
-        if self.length is None:
+    def _set_draws(self, u: np.ndarray, sampling: Sampling | None = None) -> None:
+        pin = self._pinned_draws.array(np.float64, (self.B + len(decode.SAMPLE_OPTS),))
+        u = np.asarray(u, np.float64)
+        if u.shape != (self.B,) or not ((0 <= u) & (u < 1)).all():
+            raise ValueError(f"u must be {self.B} draws in [0, 1), got shape {u.shape}")
+        pin[:self.B] = u
+        if sampling is not None:
+            pin[self.B:] = [float(getattr(sampling, name)) for name in decode.SAMPLE_OPTS]
+
+    def _prefill_plan(self, prefixes: tuple[int, ...]):
+        from ._core import Plan
+        if prefixes not in self._prefills:
+            self._prefills[prefixes] = Plan(self.dev, prefill_ops(
+                self.layout, self.base, self.weights, self.state, self.state_bytes, self.max_len, prefixes,
+                self._pinned_prompt.ptr))
+        return self._prefills[prefixes]
+
+    def prefill(self, prompts: Any, sampling: Sampling) -> np.ndarray:
+        """Start over with ``prompts`` (B token sequences, each of 1 to min(prompt_cap, max_len) tokens:
+        a list of 1-D arrays or an array [B, P]) and ``sampling`` for every later step. Runs the prefix
+        of each prompt that the forward can take (:func:`prefix_len`); returns those lengths, int64 [B]:
+        the caller feeds each prompt's remaining tokens through :meth:`step`."""
+        if len(prompts) != self.B:
+            raise ValueError(f"{len(prompts)} prompts: this decoder takes {self.B}")
+        rows = [check_tokens(np.asarray(p).reshape(1, -1), self.cfg.vocab_size, f"prompts[{b}]")[0]
+                for b, p in enumerate(prompts)]
+        cap = min(self.prompt_cap, self.max_len)
+        for b, row in enumerate(rows):
+            if not 1 <= len(row) <= cap:
+                raise ValueError(f"prompts[{b}] has {len(row)} tokens: this decoder takes 1 to {cap}")
+        self._set_draws(np.zeros(self.B), sampling)
+        prefixes = tuple(prefix_len(len(row), self.layout.methods["wkv7"]) for row in rows)
+        pin = self._pinned_prompt.array(np.int32, (self.B, self.prompt_cap))
+        pin[:] = 0
+        for b, (row, n) in enumerate(zip(rows, prefixes)):
+            pin[b, :n] = row[:n]
+        self._prefill_plan(prefixes).run()
+        self.lengths = np.array(prefixes, np.int64)
+        return self.lengths.copy()
+
+    def step(self, tokens: np.ndarray, u: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+        """Feed one token to each active sequence (``tokens`` int [B]; ``active`` bool [B], default all)
+        and choose the next of every sequence with its draw ``u`` [B] in [0, 1) (graph replay): int64
+        [B], meaningful for the active sequences. An inactive sequence stays where it is (its state
+        past its end is not kept)."""
+        if self.lengths is None:
             raise RuntimeError("Decoder.step before prefill")
-        if self.length >= self.max_len:
-            raise ValueError(f"the decoder holds at most max_len={self.max_len} tokens")
-        tokens = check_tokens(np.asarray(tokens).reshape(self.B, 1), self.cfg.vocab_size)
-        self._stage(tokens[:, 0], self.length)
+        active = np.ones(self.B, bool) if active is None else np.asarray(active, bool).reshape(self.B)
+        if (self.lengths[active] >= self.max_len).any():
+            raise ValueError(f"the decoder holds at most max_len={self.max_len} tokens per sequence")
+        tokens = np.where(active, np.asarray(tokens).reshape(self.B), 0)     # an inactive one's is unused
+        tokens = check_tokens(tokens.reshape(self.B, 1), self.cfg.vocab_size)[:, 0]
+        self._set_draws(u)
+        pin = self._pinned_in.array(np.int32, (2 * self.B,))
+        pin[:self.B] = tokens
+        pin[self.B:] = np.where(active, self.lengths, np.maximum(self.lengths - 1, 0))
         self._graph.launch()
         self.dev.synchronize()
-        self.length += 1
-        raw = self._pinned_logits.array(storage_dtype(self._logits_elem), (self.B, self.cfg.vocab_size))
-        return from_storage(self._logits_elem, raw).copy()
+        self.lengths += active
+        return self._pinned_next.array(np.int32, (self.B,)).astype(np.int64)
+
+    def logits(self) -> np.ndarray:
+        """The logits float32 [B, V] the last token was chosen from (downloaded)."""
+        buf = DevPtr(self.base + self.layout.offsets["logits"], self.layout.elems["logits"])
+        raw = self.dev.download(buf, (self.B, self.cfg.vocab_size), storage_dtype(buf.elem))
+        return from_storage(buf.elem, raw)
 
     @property
     def graph(self):
-        """The step's CUDA graph (None when max_len == the prompt length): replaying it alone repeats the
-        last step's position, for timing the device work of a step."""
+        """The step's CUDA graph: replaying it alone repeats the last step's positions, for timing the
+        device work of a step."""
         return self._graph
 
     def selection(self) -> list[np.ndarray]:
@@ -247,10 +365,42 @@ class Decoder:
                 else np.zeros(shape, np.int32) for j in range(cfg.n_attn_layer)]
 
     def close(self) -> None:
-        """Free the graph, the state arena and the pinned buffers (the model stays)."""
-        if self._graph is not None:
-            self._graph.close()
-            self._graph = None
-        for buf in (self.arena, self._pinned_in, self._pinned_logits):
+        """End the current sequences (the buffers and graphs stay for the next :meth:`prefill`)."""
+        self.lengths = None
+
+    def free(self) -> None:
+        """Free the graph, the arenas and the pinned buffers (the model stays)."""
+        self._graph.close()
+        self._prefills.clear()
+        for buf in (self.arena, self.state_arena, self._pinned_prompt, self._pinned_in, self._pinned_draws,
+                    self._pinned_next):
             buf.close()
-        self.length = None
+        self.lengths = None
+
+
+def _capacity(need: int, floor: int) -> int:
+    """The smallest power of two >= need and >= floor."""
+    return 1 << (max(need, floor) - 1).bit_length()
+
+
+def decoder_for(model: Any, batch: int, prompt_len: int, max_len: int) -> Decoder:
+    """The Decoder of ``model`` for ``batch`` sequences, kept on the model (one per batch size and
+    precision) and built on first use, or again when a prompt or a sequence outgrows it (the
+    capacities grow to the next power of two, at least :data:`MIN_PROMPT_CAP` / :data:`MIN_MAX_LEN`)."""
+    cache: dict = model.__dict__.setdefault("_decoders", {})
+    key = (int(batch), model.precision.name)
+    decoder = cache.get(key)
+    if decoder is not None and decoder.prompt_cap >= prompt_len and decoder.max_len >= max_len:
+        return decoder
+    caps = (MIN_PROMPT_CAP, MIN_MAX_LEN) if decoder is None else (decoder.prompt_cap, decoder.max_len)
+    if decoder is not None:
+        del cache[key]
+        decoder.free()
+    cache[key] = Decoder(model, batch, _capacity(prompt_len, caps[0]), _capacity(max_len, caps[1]))
+    return cache[key]
+
+
+def free_decoders(model: Any) -> None:
+    """Free the decoders :func:`decoder_for` keeps on ``model``."""
+    for decoder in model.__dict__.pop("_decoders", {}).values():
+        decoder.free()

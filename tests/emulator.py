@@ -218,20 +218,32 @@ def _dec_wkv7(mem, a, op):
 def _dec_moba(mem, a, op):
     N, H, B, Tmax, chunk, K1, maxblk = (_head_size(op), a["H"], op.grid[1], a["Tmax"], a["chunk"], a["K1"],
                                         a["maxblk"])
-    t = int(mem.read(a["pos"], 1, elem="i32")[0])
+    pos = mem.read(a["pos"], B, elem="i32")
     q, k, v = (mem.read(a[n], B * H * N, (B, H, N)) for n in "qkv")
     kc, vc = (_bthn(mem, a[n], B, Tmax, H, N) for n in ("kc", "vc"))
     kmean = mem.read(a["kmean"], B * H * maxblk * N, (B, H, maxblk, N)) if a["kmean"] else np.zeros((B, H, 0, N))
-    o, sel, kc2, vc2, km2 = O.decode_moba(q, k, v, kc, vc, kmean, t, chunk, K1 + 1)
+    o = np.zeros((B, H, N))
+    sel = np.zeros((B, H, K1), np.int64)
+    for b, t in enumerate(int(p) for p in pos):      # each sequence at its own position: the twin row by row
+        row = slice(b, b + 1)
+        o[row], sel[row], kc2, vc2, km2 = O.decode_moba(q[row], k[row], v[row], kc[row], vc[row], kmean[row], t,
+                                                       chunk, K1 + 1)
+        kc[row, :t + 1], vc[row, :t + 1] = kc2, vc2
+        kmean[row, :, :km2.shape[2]] = km2
     mem.write(a["o"], o)
-    kc[:, :t + 1], vc[:, :t + 1] = kc2, vc2
     mem.write(a["kc"], kc)
     mem.write(a["vc"], vc)
     if a["kmean"]:
-        kmean[:, :, :km2.shape[2]] = km2
         mem.write(a["kmean"], kmean)
     if a["sel_out"]:
         mem.write(a["sel_out"], sel, "i32")
+
+
+def _dec_sample(mem, a, op):
+    B, V = op.grid[0], a["V"]
+    logits = mem.read(a["logits"], B * V, (B, V)).astype(np.float32)
+    mem.write(a["out"], O.decode_sample(logits, mem.read(a["u"], B, elem="f64"), mem.read(a["opts"], 3, elem="f64")),
+              "i32")
 
 
 KERNELS = {
@@ -241,5 +253,5 @@ KERNELS = {
     "cm_shift_mix": _cm_shift_mix, "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,
     "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
     "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
-    "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba,
+    "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
 }

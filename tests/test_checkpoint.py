@@ -104,6 +104,18 @@ def test_bad_tensor(tmp_path, name, value, match):
         load_checkpoint(path)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 1e39], ids=["nan", "inf", "-inf", "beyond_f32"])
+def test_non_finite_weights_are_refused_by_name(tmp_path, bad):
+    """A weight holding NaN or Inf (or a float64 beyond float32's range) is refused at load, named with
+    where it is, instead of sampling garbage later."""
+    params = {k: v.astype(np.float64) for k, v in init_params(CFG, 0).items()}
+    params["rwkv.blocks.1.att.w1"][3, 5] = bad
+    path = tmp_path / "m.safetensors"
+    write_raw(path, params, {"config": json.dumps(CFG.to_dict())})
+    with pytest.raises(ValueError, match=r"tensor rwkv.blocks.1.att.w1 holds 1 non-finite value.*index \[3, 5\]"):
+        load_checkpoint(path)
+
+
 def test_save_rejects_bad_params(tmp_path):
     params = init_params(CFG, 0)
     params["rwkv.head.weight"] = params["rwkv.head.weight"][:3]

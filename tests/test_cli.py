@@ -178,45 +178,37 @@ def test_device_gpu_without_gpu_is_a_clear_error(tmp_path, capsys):
     _fails(capsys, tmp_path, ["train", "--device", "gpu", "--steps", "1"], "GPU backend cannot be used")
 
 
-_FAKE_PREFILL_METHODS = {"wkv7": "sequential"}
-
-
 class _FakeGPUModel:
     """Stands in for rwkvx.model.Model (which needs a GPU): records how it was built."""
 
     built: list = []
 
     def __init__(self, cfg, params, **kwargs):
-        assert set(kwargs) == {"batch_size", "seq_len", "precision", "methods"}, kwargs   # keywords only
-        assert kwargs["methods"] is _FAKE_PREFILL_METHODS     # built as the decoder's prefill needs it
+        assert set(kwargs) == {"batch_size", "seq_len", "precision"}, kwargs   # keywords only
         self.cfg, self.kwargs = cfg, kwargs
         _FakeGPUModel.built.append(self)
 
 
 class _FakeDecoder:
-    """Stands in for rwkvx.decoder.Decoder: records what it was fed. Its logits put all the mass on
-    ``token + 1`` of the last token fed, so greedy sampling shows which position's logits were read."""
+    """Stands in for rwkvx.decoder.Decoder (made by ``decoder_for``): records what it was fed and the
+    sampling options. It chooses ``token + 1`` after the last token fed, so the output shows which
+    position each token followed."""
 
     def __init__(self, model, batch, prompt_len, max_len):
         self.model, self.shape, self.fed = model, (batch, prompt_len, max_len), []
         model.decoder = self
 
-    @classmethod
-    def from_model(cls, model, batch, prompt_len, max_len):
-        return cls(model, batch, prompt_len, max_len)
+    def _next(self, last):
+        return (last + 1) % self.model.cfg.vocab_size
 
-    def _logits(self, last):
-        logits = np.zeros((len(last), self.model.cfg.vocab_size), np.float32)
-        logits[np.arange(len(last)), (last + 1) % self.model.cfg.vocab_size] = 10.0
-        return logits
+    def prefill(self, prompts, sampling):
+        self.fed.append([p.copy() for p in prompts])
+        self.sampling = sampling
+        return np.array([len(p) - 1 for p in prompts])      # all but the last token, as the oracle's
 
-    def prefill(self, tokens, all_logits=False):
+    def step(self, tokens, u, active):
         self.fed.append(tokens.copy())
-        return self._logits(tokens[:, -1])
-
-    def step(self, tokens):
-        self.fed.append(tokens.copy())
-        return self._logits(tokens)
+        return self._next(tokens)
 
     def close(self):
         self.closed = True
@@ -233,13 +225,13 @@ def fake_gpu(monkeypatch):
 
     monkeypatch.setattr(rwkvx.training.trainer, "gpu_unavailable_reason", lambda: None)
     monkeypatch.setitem(sys.modules, "rwkvx.model", types.SimpleNamespace(Model=_FakeGPUModel))
-    monkeypatch.setitem(sys.modules, "rwkvx.decoder", types.SimpleNamespace(Decoder=_FakeDecoder,
-                                                                           PREFILL_METHODS=_FAKE_PREFILL_METHODS))
+    monkeypatch.setitem(sys.modules, "rwkvx.decoder", types.SimpleNamespace(decoder_for=_FakeDecoder))
     monkeypatch.setattr(_FakeGPUModel, "built", [])
     return _FakeGPUModel.built
 
 
 def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake_gpu):
+    from rwkvx.sampling import Sampling
     out = tmp_path / "r"
     assert main(["train", *TINY, "--precision", "tf32", "--steps", "1", "--out", str(out)]) == 0
     capsys.readouterr()
@@ -249,17 +241,16 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
     assert main(sample) == 0                            # precision from the run
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"   # each step's logits follow the token fed
     (model,) = fake_gpu
-    assert model.kwargs == {"batch_size": 1, "seq_len": 6, "precision": "tf32",   # built for the prompt
-                            "methods": _FAKE_PREFILL_METHODS}
+    assert model.kwargs == {"batch_size": 1, "seq_len": 1, "precision": "tf32"}   # the weights' holder
     decoder = model.decoder
     assert decoder.shape == (1, 6, 10) and decoder.closed
+    assert decoder.sampling == Sampling(temperature=0.0, top_k=0, top_p=0.9)   # the CLI's options, passed on
     assert list(decoder.fed[0][0]) == list(b"ROMEO:")   # the prompt once, in parallel ...
-    assert [int(t[0]) for t in decoder.fed[1:]] == list(b";<=>")   # ... then one token per step
+    assert [int(t[0]) for t in decoder.fed[1:]] == list(b":;<=>")   # ... then its rest, a token per step
 
     assert main([*sample, "--precision", "fp32"]) == 0
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"
-    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 6, "precision": "fp32",
-                                  "methods": _FAKE_PREFILL_METHODS}
+    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": "fp32"}
 
 
 def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
@@ -275,8 +266,7 @@ def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
     for name, precision in (("t", "tf32"), ("w", "fp32")):
         assert main(["sample", "--ckpt", str(tmp_path / f"{name}.safetensors"), "--tokens", "1",
                      "--device", "gpu"]) == 0
-        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision,
-                                       "methods": _FAKE_PREFILL_METHODS}
+        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision}
     capsys.readouterr()
 
 
@@ -299,6 +289,32 @@ def test_sample_is_stateful_on_the_cpu(tmp_path, capsys, random_params):
 
 
 @pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU backend is usable here")
+@pytest.mark.parametrize("option, message", [
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    (["--temperature", "-1"], "a finite number >= 0"),
+    (["--top-k", "-1"], "an integer >= 0"),
+    (["--top-k", "2.5"], "an integer >= 0"),
+])
+def test_sample_bad_sampling_options_are_one_line_errors(tmp_path, capsys, option, message):
+    err = _fails(capsys, tmp_path, ["sample", "--ckpt", str(tmp_path / "never.safetensors"), *option], message)
+    (line,) = [line for line in err.splitlines() if "error" in line]     # after argparse's usage, if any
+    assert message in line
+
+
+def test_sample_refuses_non_finite_weights(tmp_path, capsys):
+    from rwkvx import Config, init_params, save_checkpoint
+
+    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, head_size=16)
+    params = init_params(cfg, 0)
+    params["rwkv.head.weight"][7, 3] = np.nan
+    save_checkpoint(tmp_path / "nan.safetensors", cfg, params)
+    err = _fails(capsys, tmp_path, ["sample", "--ckpt", str(tmp_path / "nan.safetensors"), "--device", "cpu"],
+                 "tensor rwkv.head.weight holds 1 non-finite value(s) (NaN or Inf), the first nan at index [7, 3]")
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_sample_device_gpu_without_gpu_is_a_clear_error(tmp_path, capsys):
     from rwkvx import Config, init_params, save_checkpoint
 

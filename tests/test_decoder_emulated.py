@@ -1,6 +1,7 @@
 """The GPU decoder's op lists executed on the CPU (tests/emulator.py: every kernel its oracle twin,
-GEMMs and copies as such): the prompt's forward with its state copies, then one step per token, gives
-the oracle's logits at every position. This checks the decoder's plumbing (what each op reads and
+GEMMs and copies as such): the prompt window's forward with its state copies after each sequence's
+prefix (prompts of different lengths), then one step per token from there, each sequence at its own
+position, gives the oracle's logits at every position the steps see. This checks the decoder's plumbing (what each op reads and
 writes, the copies' offsets and strides, the position and token inputs) without a GPU; the kernels
 themselves are checked against the same twins by tests/gpu/test_decode.py."""
 import numpy as np
@@ -8,33 +9,35 @@ import pytest
 
 from emulator import Memory, run
 from rwkvx import Config
-from rwkvx.decoder import PREFILL_METHODS, decoder_ops, state_sizes
+from rwkvx.decoder import WEIGHT_REGIONS, own_span, prefill_ops, prefix_len, state_sizes, step_ops
 from rwkvx.arena import Layout
 from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.step import StepBuilder
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.oracle import Oracle, rel_err
+from rwkvx.sampling import sample_rows
 from rwkvx.runtime.device import H200
 
 from seeding import seeded_rng
 
-BASE, STATE, HOST = 1 << 40, 1 << 42, 1 << 44
+BASE, STATE, HOST, WEIGHTS = 1 << 40, 1 << 42, 1 << 44, 1 << 46
+SEQUENTIAL = {"wkv7": "sequential"}     # the emulator's WKV7 twin stands for the sequential kernel
 MOBA = dict(vocab_size=67, n_embd=32, head_size=8, n_rwkv_layer=3, n_attn_layer=2, moba_chunk_size=4,
             moba_top_k=3)
-CASES = {   # name: (config, B, T, prompt length)
-    "moba": (MOBA, 2, 23, 6),
-    "moba_prompt_ends_a_block": (MOBA, 1, 17, 8),
-    "moba_long_prompt": (MOBA, 2, 30, 13),                           # several WKV checkpoints
-    "moba_short": (dict(MOBA, moba_chunk_size=16), 1, 9, 3),       # no block completes
-    "top_k_1_no_ln0": (dict(MOBA, moba_top_k=1, ln0=False), 2, 15, 5),
-    "big_top_k_leftover": (dict(MOBA, n_rwkv_layer=5, moba_top_k=7, moba_chunk_size=2), 1, 19, 1),
-    "rwkv_only": (dict(vocab_size=40, n_embd=32, head_size=16, n_rwkv_layer=2), 3, 12, 4),
+CASES = {   # name: (config, B, T, prompt length of each sequence, prompt window)
+    "moba": (MOBA, 2, 23, (10, 17), 24),                            # prefixes of 8 and 16 tokens
+    "moba_prompt_ends_a_block": (MOBA, 1, 17, (9,), 12),
+    "moba_long_prompt": (MOBA, 2, 30, (21, 4), 24),                  # several WKV checkpoints; no prefix
+    "moba_short": (dict(MOBA, moba_chunk_size=16), 1, 9, (3,), 8),  # no prefix, no block completes
+    "top_k_1_no_ln0": (dict(MOBA, moba_top_k=1, ln0=False), 2, 15, (13, 13), 16),
+    "big_top_k_leftover": (dict(MOBA, n_rwkv_layer=5, moba_top_k=7, moba_chunk_size=2), 1, 19, (17,), 20),
+    "rwkv_only": (dict(vocab_size=40, n_embd=32, head_size=16, n_rwkv_layer=2), 3, 12, (9, 2, 12), 12),
 }
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_params):
-    kwargs, B, T, P = CASES[name]
+    kwargs, B, T, lens, window = CASES[name]
     cfg = Config(**kwargs)
     rng = seeded_rng()
     seed = int(rng.integers(1 << 31))
@@ -48,38 +51,49 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     want = oracle.forward(tokens)
 
     mem = Memory()
-    layout = Layout(cfg, B, P, H200, "fp32", DEFAULT_RECOMPUTE, methods=PREFILL_METHODS)
-    mem.add(BASE, layout.total)
-    names = [*Layout.host_inputs(B * P), "loss_t"]
-    host = {n: HOST + i * (1 << 24) for i, n in enumerate(names)}
-    for n in names:
-        mem.add(host[n], layout.nbytes(n))
+    layout = Layout(cfg, B, window, H200, "fp32", DEFAULT_RECOMPUTE, methods=SEQUENTIAL)
+    start, end = own_span(layout)
+    mem.add(BASE + start, end - start)              # the decoder's own part of the layout
+    weights_of = StepBuilder(layout, WEIGHTS, {})   # the model's weights, in another arena
+    mem.add(WEIGHTS, layout.offsets["grads"])
+    weights = {n: weights_of.buf(n) for n in WEIGHT_REGIONS}
     sizes = state_sizes(layout, T)
     mem.add(STATE, carved_bytes(sizes))
-    pin_in, pin_logits = HOST + (1 << 30), HOST + (1 << 31)
-    mem.add(pin_in, 4 * (B + 1))
-    mem.add(pin_logits, 4 * B * cfg.vocab_size)
-    builder = StepBuilder(layout, BASE, host)
-    ops = builder.build()
-    prefill, step = decoder_ops(layout, BASE, carve(STATE, sizes), T, ops.stage_tokens, pin_in, pin_logits)
+    pin_prompt, pin_in, pin_draws, pin_next = HOST, HOST + (1 << 30), HOST + (1 << 31), HOST + (1 << 32)
+    mem.add(pin_prompt, 4 * B * window)
+    mem.add(pin_in, 8 * B)
+    mem.add(pin_draws, 8 * (B + 3))
+    mem.add(pin_next, 4 * B)
+    state = carve(STATE, sizes)
+    prefixes = tuple(prefix_len(n, SEQUENTIAL["wkv7"]) for n in lens)
+    prefill = prefill_ops(layout, BASE, weights, state, carved_bytes(sizes), T, prefixes, pin_prompt)
+    step = step_ops(layout, BASE, weights, state, T, pin_in, pin_draws, pin_next)
 
     flat = np.zeros(layout.counts["params"], np.float32)
     for n, (off, size) in layout.param_offsets.items():
         flat[off:off + size] = params[n].ravel()
-    mem.write(BASE + layout.offsets["params"], flat)
-    mem.write(host["tokens"], tokens[:, :P], "i32")
+    mem.write(weights["params"], flat)
+    mem.write(STATE, np.full(carved_bytes(sizes) // 4, np.nan, np.float32))   # the prefill zeroes it
+    window_tokens = np.zeros((B, window), np.int64)
+    for b, n in enumerate(prefixes):
+        window_tokens[b, :n] = tokens[b, :n]
+    mem.write(pin_prompt, window_tokens.ravel(), "i32")
     run(mem, prefill)
-    V, rows = cfg.vocab_size, layout.head_rows
-    prompt_logits = []
-    for head, r0 in zip(ops.head, builder.head_chunks()):     # the model's head, chunk by chunk
-        run(mem, head)
-        n = min(rows, B * P - r0)
-        prompt_logits.append(mem.read(BASE + layout.offsets["logits"], n * V, (n, V)))
-    got = [np.concatenate(prompt_logits).reshape(B, P, V)]
-    for t in range(P, T):
-        mem.write(pin_in, [*tokens[:, t], t], "i32")
+    # every sequence from its own prefix on, one token per step; a finished one stays put (the
+    # decoder's inactive rows: token 0 at its last position)
+    lengths, errs = np.array(prefixes), []
+    temperature, top_p, top_k = 1.3, 0.95, cfg.vocab_size // 2
+    while (lengths < T).any():
+        active = lengths < T
+        u = rng.random(B)
+        mem.write(pin_in, [*np.where(active, tokens[np.arange(B), np.minimum(lengths, T - 1)], 0),
+                           *np.where(active, lengths, lengths - 1)], "i32")
+        mem.write(pin_draws, [*u, temperature, top_p, top_k], "f64")
         run(mem, step)
-        got.append(mem.read(pin_logits, B * V, (B, 1, V)))
-    got = np.concatenate(got, axis=1)
-    errs = [rel_err(got[:, t], want[:, t]) for t in range(T)]
-    assert max(errs) <= 1e-5, f"seed {seed}: position {int(np.argmax(errs))}: {max(errs):.2e}"
+        logits = mem.read(BASE + layout.offsets["logits"], B * cfg.vocab_size, (B, cfg.vocab_size))
+        errs += [(rel_err(logits[b], want[b, lengths[b]]), b, lengths[b]) for b in np.flatnonzero(active)]
+        np.testing.assert_array_equal(mem.read(pin_next, B, elem="i32"),       # the step's sampler's choice
+                                      sample_rows(logits.astype(np.float32), u, temperature, top_k, top_p))
+        lengths += active
+    worst = max(errs)
+    assert worst[0] <= 1e-5, f"seed {seed}: sequence {worst[1]} position {worst[2]}: {worst[0]:.2e}"

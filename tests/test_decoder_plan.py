@@ -1,40 +1,45 @@
 """The GPU decoder's op lists, built on the CPU (no device; plans assume an H200): the prompt's forward
-with its state copies and the one-token step, every pointer inside the model's arena or the state
-arena, the step on B rows with decode.cu where a block looks at earlier tokens."""
+with its state copies and the one-token step, every pointer inside the decoder's own part of its arena,
+the state arena or the model's weights, the step on B rows with decode.cu where a block looks at
+earlier tokens."""
 import pytest
 
 from rwkvx import Config
-from rwkvx.decoder import PREFILL_METHODS, DecodeStepBuilder, PrefillBuilder, state_sizes
+from rwkvx.decoder import WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len, state_sizes
 from rwkvx.arena import Layout
 from rwkvx.model import DEFAULT_RECOMPUTE
 from rwkvx.precision import DEFAULT_PRECISION
-from rwkvx.cu import decode, layernorm, wkv7
+from rwkvx.cu import decode, layernorm
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.runtime.device import H200
+from rwkvx.step import StepBuilder
 from rwkvx.runtime.ops import Copy, Gemm, Launch, flatten_ops
 
-BASE, STATE = 1 << 40, 1 << 42
+BASE, STATE, WEIGHTS = 1 << 40, 1 << 42, 1 << 44
 SMALL = dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=2, moba_chunk_size=8,
              moba_top_k=3)
-CONFIGS = [
-    (SMALL, 2, 20, 40),
-    (SMALL, 1, 3, 6),                       # shorter than a MoBA block: no block mean is ever needed
-    (dict(SMALL, moba_top_k=1, ln0=False), 1, 5, 9),
-    (dict(vocab_size=50, n_embd=32, head_size=8, n_rwkv_layer=2), 3, 1, 2),
+CONFIGS = [   # config, B, prompt window, max_len, prompt length
+    (SMALL, 2, 20, 40, 17),
+    (SMALL, 1, 32, 40, 30),                 # several WKV checkpoints before the prefix's end
+    (dict(SMALL, moba_top_k=1, ln0=False), 1, 16, 20, 9),
+    (dict(vocab_size=50, n_embd=32, head_size=8, n_rwkv_layer=2), 3, 16, 16, 16),
     (dict(vocab_size=65536, n_embd=768, head_size=64, n_rwkv_layer=12, n_attn_layer=4, moba_chunk_size=512,
-          moba_top_k=3), 1, 512, 768),
+          moba_top_k=3), 1, 1024, 1536, 600),                       # the chunked WKV7 (head size 64)
 ]
 FORWARD_ONLY_OF_SEQUENCES = {"tm_shift_fwd", "cm_shift_mix", "wkv7_forward", "moba_kmean", "moba_select",
                              "moba_fwd_own", "moba_fwd_past"}
 
 
-def build(kwargs, B, P, max_len):
-    layout = Layout(Config(**kwargs), B, P, H200, DEFAULT_PRECISION, DEFAULT_RECOMPUTE,
-                    methods=PREFILL_METHODS)
+def build(kwargs, B, window, max_len, P):
+    layout = Layout(Config(**kwargs), B, window, H200, DEFAULT_PRECISION, DEFAULT_RECOMPUTE)
+    weights_of = StepBuilder(layout, WEIGHTS, {})
+    weights = {n: weights_of.buf(n) for n in WEIGHT_REGIONS}
     sizes = state_sizes(layout, max_len)
     state = carve(STATE, sizes)
-    args = (layout, BASE, state, max_len)
-    return layout, carved_bytes(sizes), PrefillBuilder(*args).forward(), DecodeStepBuilder(*args).forward()
+    args = (layout, BASE, weights, state, max_len)
+    prefixes = (prefix_len(P, layout.methods["wkv7"]),) * B
+    return (layout, carved_bytes(sizes), PrefillBuilder(*args, prefixes).forward(),
+            DecodeStepBuilder(*args).forward())
 
 
 def pointers(op):
@@ -47,21 +52,22 @@ def pointers(op):
     return []
 
 
-@pytest.mark.parametrize("kwargs, B, P, max_len", CONFIGS)
-def test_decoder_plans_stay_inside_their_arenas(kwargs, B, P, max_len):
-    layout, state_bytes, prefill, step = build(kwargs, B, P, max_len)
+@pytest.mark.parametrize("kwargs, B, window, max_len, P", CONFIGS)
+def test_decoder_plans_stay_inside_their_arenas(kwargs, B, window, max_len, P):
+    layout, state_bytes, prefill, step = build(kwargs, B, window, max_len, P)
+    start, end = own_span(layout)
+    weights = [(WEIGHTS + layout.offsets[n], WEIGHTS + layout.offsets[n] + layout.nbytes(n)) for n in WEIGHT_REGIONS]
     for ops in (prefill, step):
         for op in flatten_ops(ops):
             for ptr, nbytes in pointers(op):
-                inside_model = BASE <= ptr and ptr + nbytes <= BASE + layout.total
-                inside_state = STATE <= ptr and ptr + nbytes <= STATE + state_bytes
-                assert inside_model or inside_state, (op, hex(ptr))
+                spans = [(BASE + start, BASE + end), (STATE, STATE + state_bytes), *weights]
+                assert any(lo <= ptr and ptr + nbytes <= hi for lo, hi in spans), (op, hex(ptr))
 
 
-@pytest.mark.parametrize("kwargs, B, P, max_len", CONFIGS)
-def test_step_is_one_token_per_sequence(kwargs, B, P, max_len):
+@pytest.mark.parametrize("kwargs, B, window, max_len, P", CONFIGS)
+def test_step_is_one_token_per_sequence(kwargs, B, window, max_len, P):
     cfg = Config(**kwargs)
-    _, _, prefill, step = build(kwargs, B, P, max_len)
+    layout, _, prefill, step = build(kwargs, B, window, max_len, P)
     step = flatten_ops(step)
     names = [op.name for op in step if isinstance(op, Launch)]
     assert not FORWARD_ONLY_OF_SEQUENCES & set(names)
@@ -75,13 +81,46 @@ def test_step_is_one_token_per_sequence(kwargs, B, P, max_len):
     copying = [a for a in lns if a["x_copy"]]
     assert len(copying) == 2 * cfg.n_blocks and all(a["R"] == B for a in copying)
     # the prompt's forward saves the WKV checkpoints (the state after its last token) for the copies
-    fwd = [op for op in flatten_ops(prefill) if isinstance(op, Launch) and op.name == "wkv7_forward"]
-    ckpt = [n for n, _ in wkv7.WKV7_FORWARD.params].index("ckpt")
-    assert len(fwd) == cfg.n_rwkv_layer and all(op.args[ckpt][1] for op in fwd)
+    ckpt = BASE + layout.offsets["wkv_ckpt"]
+    saving = [op for op in flatten_ops(prefill) if isinstance(op, Launch) and op.name.startswith("wkv7")
+              and any(value == ckpt for _, value in op.args)]
+    assert len(saving) == cfg.n_rwkv_layer
 
 
 def test_moba_step_checks_its_shared_memory():
     cfg = dict(SMALL, moba_chunk_size=4096, moba_top_k=16)
     with pytest.raises(ValueError, match="shared memory"):
-        build(cfg, 1, 8, 1 << 16)
+        build(cfg, 1, 16, 1 << 16, 9)
     assert decode.moba_smem_bytes(64, 512, 3, 1536 // 512) <= H200.smem_per_block
+
+
+class _FakeDecoder:
+    """Stands in for rwkvx.decoder.Decoder (which needs a GPU) in decoder_for: records its builds."""
+
+    def __init__(self, model, batch, prompt_cap, max_len):
+        self.key, self.prompt_cap, self.max_len, self.freed = (model, batch), prompt_cap, max_len, False
+
+    def free(self):
+        self.freed = True
+
+
+def test_decoder_for_keeps_one_decoder_per_batch_and_precision(monkeypatch):
+    import types
+
+    import rwkvx.decoder as D
+    from rwkvx.precision import resolve_precision
+
+    monkeypatch.setattr(D, "Decoder", _FakeDecoder)
+    bf16, fp32 = (types.SimpleNamespace(precision=resolve_precision(p)) for p in ("bf16", "fp32"))
+    first = D.decoder_for(bf16, 1, 10, 40)
+    assert (first.prompt_cap, first.max_len) == (D.MIN_PROMPT_CAP, D.MIN_MAX_LEN)
+    assert D.decoder_for(bf16, 1, 3, 200) is first                  # fits: kept
+    two = D.decoder_for(bf16, 2, 10, 40)                             # another batch size: its own
+    assert two is not first and D.decoder_for(bf16, 1, 10, 40) is first
+    other = D.decoder_for(fp32, 1, 10, 40)                           # another model (precision): its own
+    assert other is not first and other.key[0] is fp32
+    grown = D.decoder_for(bf16, 1, 100, 300)                         # outgrown: rebuilt, the old one freed
+    assert first.freed and (grown.prompt_cap, grown.max_len) == (128, 512)
+    assert D.decoder_for(bf16, 1, 10, 40) is grown and not two.freed
+    D.free_decoders(bf16)
+    assert grown.freed and two.freed and not other.freed

@@ -6,7 +6,7 @@ import pytest
 
 import rwkvx
 from rwkvx import Config
-from rwkvx.generation import sample_next, stream
+from rwkvx.generation import stream
 from rwkvx.oracle import (Oracle, channel_mix_shift_forward, moba_attention_cached, moba_attention_forward,
                           moba_block_means, rel_err, time_shift_forward, wkv7_forward)
 
@@ -194,25 +194,75 @@ def test_generate_is_deterministic_and_accepts_trainers(small):
     (dict(temperature=float("nan")), ValueError, "temperature"),
     (dict(top_p=0.0), ValueError, "top_p"),
     (dict(top_p=1.5), ValueError, "top_p"),
+    (dict(top_p=float("nan")), ValueError, "top_p"),
     (dict(seed=-1), ValueError, "seed"),
+    (dict(top_k=-1), ValueError, "top_k must be >= 0"),
+    (dict(top_k=2.0), TypeError, "top_k must be an int"),
+    (dict(top_k=True), TypeError, "top_k must be an int"),
+    (dict(end_token=40), ValueError, "end_token"),
+    (dict(end_token=-1), ValueError, "end_token"),
+    (dict(end_token=1.0), ValueError, "end_token"),
+    (dict(prompt_tokens=[[1, 2], []]), ValueError, r"prompt_tokens\[1\] must be non-empty"),
+    (dict(prompt_tokens=[[1, 2], [3, 40, 1]]), ValueError, r"prompt_tokens\[1\]\[0, 1\] = 40 is out of range"),
 ])
-def test_generate_rejects_bad_arguments(small, kwargs, error, message):
+def test_generate_rejects_bad_arguments(small, kwargs, error, message, monkeypatch):
+    import rwkvx.generation
+
+    def no_session(*args):
+        raise AssertionError("a session was opened before the arguments were checked")
+
+    monkeypatch.setattr(rwkvx.generation, "open_session", no_session)   # the GPU's decoder included
     cfg, params = small
     args = dict(model_or_trainer=Oracle(cfg, params), prompt_tokens=[1, 2], max_new_tokens=3)
     args.update(kwargs)
     with pytest.raises(error, match=message):
         rwkvx.generate(**args)
+    with pytest.raises(error, match=message):
+        stream(**args)
     with pytest.raises(TypeError, match="Trainer, rwkvx.Model or"):
         rwkvx.generate(object(), [1], 1)
 
 
-def test_sample_next():
-    rng = seeded_rng(0)
-    logits = np.array([0.0, 5.0, 1.0, -2.0])
-    assert sample_next(logits, 0.0, 1.0, rng) == 1
-    assert all(sample_next(logits, 1.0, 0.5, rng) == 1 for _ in range(20))    # nucleus = top token
-    draws = {sample_next(logits, 5.0, 1.0, rng) for _ in range(300)}
-    assert draws == {0, 1, 2, 3}
+def test_prompts_of_different_lengths_end_on_their_own(small):
+    """A batch of prompts of different lengths: each sequence is its own greedy run, its draws are
+    default_rng([seed, b]), and it stops at end_token or after max_new_tokens."""
+    from rwkvx.sampling import sample_token
+    cfg, params = small
+    oracle = Oracle(cfg, params, dtype=np.float32)
+    rng = seeded_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, n) for n in (5, 1, 9)]
+    greedy = rwkvx.generate(oracle, prompts, 7, temperature=0)
+    assert isinstance(greedy, list) and [len(g) for g in greedy] == [7, 7, 7]
+    for prompt, got in zip(prompts, greedy):
+        np.testing.assert_array_equal(got, rwkvx.generate(oracle, prompt, 7, temperature=0))
+
+    sampled = rwkvx.generate(oracle, prompts, 6, temperature=1.2, top_k=10, top_p=0.9, seed=4)
+    for b, (prompt, got) in enumerate(zip(prompts, sampled)):     # the contract, token by token
+        u, seq = np.random.default_rng([4, b]).random(6), list(prompt)
+        for k in range(6):
+            logits = oracle.forward(np.array([seq]))[0, -1]
+            seq.append(sample_token(logits, u[k], 1.2, 10, 0.9))
+        np.testing.assert_array_equal(got, seq[len(prompt):])
+
+    end = int(greedy[1][2])                    # the third token of sequence 1 ends it there
+    ended = rwkvx.generate(oracle, prompts, 7, temperature=0, end_token=end)
+    for full, got in zip(greedy, ended):
+        stop = list(full).index(end) + 1 if end in full else len(full)
+        np.testing.assert_array_equal(got, full[:stop])
+    steps = list(stream(oracle, prompts, 7, temperature=0, end_token=end))
+    assert all((s[1] == -1) for s in steps[3:]) and steps[2][1] == end     # ended: -1 from then on
+
+
+def test_equal_prompts_keep_the_array_form(small):
+    cfg, params = small
+    oracle = Oracle(cfg, params, dtype=np.float32)
+    prompts = seeded_rng(5).integers(0, cfg.vocab_size, (3, 4))
+    out = rwkvx.generate(oracle, prompts, 5, temperature=0.7, seed=1)
+    assert out.shape == (3, 5)
+    listed = rwkvx.generate(oracle, list(prompts), 5, temperature=0.7, seed=1, end_token=cfg.vocab_size - 1)
+    for row, got in zip(out, listed):
+        stop = list(row).index(cfg.vocab_size - 1) + 1 if cfg.vocab_size - 1 in row else 5
+        np.testing.assert_array_equal(got, row[:stop])
 
 
 # ------------------------------------------------------------------ the twins of decode.cu
@@ -249,20 +299,3 @@ def test_decode_twins_step_through_a_sequence_as_the_forward_twins():
         np.testing.assert_array_equal(sel, sel_full[:, :, t])
         assert kmean.shape[2] == (t + 1) // chunk
     np.testing.assert_array_equal(kmean, moba_block_means(k[:, :(T // chunk) * chunk], chunk))
-
-
-def test_nucleus_is_the_prefix_of_the_full_sort():
-    """The nucleus sorts only candidates; it must be the stable full sort's prefix (ties: lower id first)."""
-    from rwkvx.generation import _nucleus_order
-    rng = seeded_rng(0)
-    for V in (3, 100, 5000):
-        for _ in range(10):
-            z = np.round(rng.standard_normal(V) * 3, 1)           # many equal probabilities
-            p = np.exp(z - z.max())
-            p /= p.sum()
-            full = np.argsort(-p, kind="stable")
-            for top_p in (0.05, 0.5, 0.9, 0.999):
-                order, cum = _nucleus_order(p, top_p)
-                assert cum[-1] >= top_p or len(order) == V
-                np.testing.assert_array_equal(order, full[:len(order)])
-                np.testing.assert_array_equal(cum, np.cumsum(p[full])[:len(order)])

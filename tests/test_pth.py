@@ -152,6 +152,18 @@ def test_wrong_shapes_are_clear_errors(tmp_path, ref):
             load_checkpoint(path)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_non_finite_weights_are_refused_by_name(tmp_path, ref, dtype):
+    tensors = dict(ref)
+    tensors["blocks.1.ffn.key.weight"] = tensors["blocks.1.ffn.key.weight"].copy()
+    tensors["blocks.1.ffn.key.weight"][2, 1] = np.nan
+    tensors["blocks.1.ffn.key.weight"][4, 0] = np.inf
+    path = tmp_path / "nan.pth"
+    write_pth(path, tensors, dtype)
+    with pytest.raises(ValueError, match=r"tensor rwkv.blocks.1.ffn.key.weight holds 2 non-finite.*\[2, 1\]"):
+        load_checkpoint(path, FIXTURE_CFG)
+
+
 def test_write_read_round_trip(tmp_path):
     rng = seeded_rng(5)
     tensors = {"w": rng.standard_normal((5, 7)).astype(np.float32) * 100,

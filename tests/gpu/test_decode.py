@@ -1,8 +1,12 @@
 """GPU tests of stateful generation: the single-token kernels of rwkvx/cu/decode/decode.cu against their twins
-(rwkvx.oracle.decode_shift / decode_wkv7 / decode_moba) in fp32 and bf16 (harness.KernelCase), then the
+(rwkvx.oracle.decode_shift / decode_wkv7 / decode_moba) in fp32 and bf16 (harness.KernelCase), the
+device sampler dec_sample (rwkvx/cu/decode/sample.cu) against the sampling contract's numpy
+implementation token for token (rwkvx.oracle.decode_sample) and its frequencies against the contract's
+probabilities, then the
 whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in parallel plus one graph
-replay per token gives the forward's logits at every position (fp32: <= 1e-5 relative), and greedy
-rwkvx.generate on the GPU is the argmax of a full forward re-run.
+replay per token gives the forward's logits at every position from the prompt's last on (fp32: <= 1e-5
+relative), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
+generate reuses the decoder kept on the model (same tokens, nothing rebuilt, new weights seen).
 """
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ import pytest
 from harness import KernelCase, check, tolerance
 from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
-from rwkvx.oracle import Oracle, decode_moba, decode_shift, decode_wkv7, moba_block_means, rel_err
+from rwkvx.oracle import Oracle, decode_moba, decode_sample, decode_shift, decode_wkv7, moba_block_means, rel_err
 from rwkvx.cu import decode as D
 from rwkvx.runtime.dtypes import round_to
+from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
 
 from seeding import seeded_rng
 
@@ -93,7 +98,7 @@ def test_dec_moba(dev, xtype, B, H, N, chunk, top_k, positions):
         bufs = dict(q=case.input("q", q), k=case.input("k", k), v=case.input("v", v),
                     kc=case.inout("kc", cache[0]), vc=case.inout("vc", cache[1]),
                     kmean=case.inout("kmean", kmean, "f32") if top_k > 1 else None,
-                    pos=case.input("pos", np.array([t]), "i32"))
+                    pos=case.input("pos", np.full(B, t), "i32"))
         o = case.output("o", (B, H, N))
         sel = case.output("sel", (B, H, top_k - 1), "i32") if top_k > 1 else None
         out = case.run(D.moba_step(*bufs.values(), o, B, H, N, Tmax, chunk, top_k, dev.info, sel=sel))
@@ -111,6 +116,73 @@ def test_dec_moba(dev, xtype, B, H, N, chunk, top_k, positions):
             others = np.ones(Tmax // chunk, bool)
             others[t // chunk] = (t + 1) % chunk != 0
             np.testing.assert_array_equal(out["kmean"][:, :, others], s["kmean"][:, :, others])
+
+
+# ------------------------------------------------------------------ sampling on the device
+
+SAMPLE_OPTIONS = [   # (temperature, top_p, top_k), as dec_sample's opts
+    (0.0, 1.0, 0), (1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 0.95, 40), (2.0, 1.0, 1), (0.5, 1e-6, 3),
+    (1.0, 1e-9, 0), (4.0, 0.5, 2), (0.8, 0.9, 100000), (3.0, 1.0, 7)]
+
+
+def sample_logits(rng, B, V, kind):
+    """Logits at a random scale; "ties": rounded to few values; "special": NaN, -inf and (in row 0) two
+    +inf among them."""
+    z = rng.standard_normal((B, V)) * rng.choice([0.5, 3.0, 20.0])
+    if kind == "ties":
+        z = np.round(z)
+    elif kind == "special":
+        z[rng.random((B, V)) < 0.05] = np.nan
+        z[rng.random((B, V)) < 0.05] = -np.inf
+        z[0, rng.choice(V, 2, replace=False)] = np.inf
+    return z
+
+
+@pytest.mark.parametrize("B, V", [(3, 65536), (2, 50277), (8, 1000), (16, 7)])
+def test_dec_sample_is_the_contract(case, B, V):
+    from rwkvx._core import Plan
+    rng = seeded_rng()
+    ptrs = (case.input("logits", np.zeros((B, V))), case.input("u", np.zeros(B), "f64"),
+            case.input("opts", np.zeros(3), "f64"))
+    out = case.output("out", B, "i32")
+    plan = Plan(case.dev, D.sample(*ptrs, out, B, V))
+    for trial in range(60):
+        kind = ("plain", "ties", "special")[trial % 3]
+        case.set("logits", sample_logits(rng, B, V, kind))
+        case.set("u", rng.random(B))
+        case.set("opts", SAMPLE_OPTIONS[trial % len(SAMPLE_OPTIONS)])
+        got = case.run(plan=plan)["out"].astype(np.int64)
+        want = decode_sample(case.seen["logits"].astype(np.float32), case.seen["u"], case.seen["opts"])
+        assert np.array_equal(got, want), f"trial {trial} ({kind}, opts {SAMPLE_OPTIONS[trial % len(SAMPLE_OPTIONS)]}): " \
+                                          f"device {got}, contract {want}"
+
+
+@pytest.mark.parametrize("opts", [(1.0, 1.0, 0), (0.6, 0.8, 0), (1.5, 1.0, 4)])
+def test_dec_sample_frequencies_are_the_contracts_probabilities(case, opts):
+    """Many draws of u over one row: each token's frequency is its probability q_i / N (5 sigma)."""
+    from rwkvx._core import Plan
+    rng = seeded_rng()
+    B, V = 20000, 12
+    row = rng.standard_normal(V)
+    logits = case.input("logits", np.broadcast_to(row, (B, V)))
+    u = case.input("u", rng.random(B), "f64")
+    opts_buf = case.input("opts", opts, "f64")
+    out = case.output("out", B, "i32")
+    got = case.run(plan=Plan(case.dev, D.sample(logits, u, opts_buf, out, B, V)))["out"].astype(np.int64)
+    # the contract's probabilities, from its weights: the nucleus of the top-k, renormalised
+    temperature, top_p, top_k = opts
+    z = case.seen["logits"][0].astype(np.float32).astype(np.float64)
+    order = np.lexsort((np.arange(V), -z))[:top_k or V]
+    x = (z[order] - z.max()) / temperature
+    q = np.where(x >= WEIGHT_CUTOFF, np.floor(np.ldexp(contract_exp(np.maximum(x, WEIGHT_CUTOFF)), WEIGHT_BITS)), 0)
+    cum = np.cumsum(q)
+    keep = int(np.searchsorted(cum, max(1, np.ceil(top_p * cum[-1])))) + 1
+    p = np.zeros(V)
+    p[order[:keep]] = q[:keep] / cum[keep - 1]
+    freq = np.bincount(got, minlength=V) / B
+    sigma = np.sqrt(p * (1 - p) / B)
+    assert (np.abs(freq - p) <= 5 * sigma + 1e-12).all(), f"frequencies {freq} against {p}"
+    assert (freq[p == 0] == 0).all()
 
 
 # ------------------------------------------------------------------ the decoder against the forward
@@ -144,9 +216,13 @@ def clear_tokens(cfg, params, B, T, rng, margin):
     pytest.skip("no draw without a near-tie of the MoBA gate")
 
 
-@pytest.mark.parametrize("name, precision", [(n, "fp32") for n in DECODE] + [("moba", "tf32")])
+@pytest.mark.parametrize("name, precision", [(n, "fp32") for n in DECODE] + [("moba", "tf32"), ("C256_N64", "tf32")])
 def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision, training_like):
-    from rwkvx.decoder import PREFILL_METHODS, Decoder
+    """Sequence b's prompt has P - 3b tokens (at least 1), so the sequences run from different prefixes
+    at different positions; every position a step sees gives the forward's logits and selection, and
+    the token the step's sampler chose is the contract's on those logits. Head size 64 runs the prefill
+    on the chunked WKV7 (chunked_exact in fp32, the tensor-core kernel in tf32)."""
+    from rwkvx.decoder import Decoder
     from rwkvx.model import Model
     kwargs, B, T, P = DECODE[name]
     cfg = Config(**kwargs)
@@ -157,22 +233,29 @@ def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision
     full_model = Model(cfg, params, B, T, precision=precision)
     full = full_model.forward(tokens)
     selection = full_model.moba_selection()
-    decoder = Decoder(Model(cfg, params, B, P, precision=precision, methods=PREFILL_METHODS), T)
+    decoder = Decoder(full_model, B, P, T)          # reads the full model's weights
+    sampling = Sampling(temperature=1.1, top_k=30, top_p=0.95)
+    errs = []
     try:
-        got = [decoder.prefill(tokens[:, :P], all_logits=True)]
-        for t in range(P, T):
-            got.append(decoder.step(tokens[:, t])[:, None])
-            for j, (sel, ref) in enumerate(zip(decoder.selection(), selection)):
-                assert np.array_equal(sel, ref[:, :, t]), f"seed {seed}: block {j} selection differs at t={t}"
+        lengths = decoder.prefill([tokens[b, :max(1, P - 3 * b)] for b in range(B)], sampling)
+        while (lengths < T).any():
+            active, u = lengths < T, rng.random(B)
+            new = decoder.step(tokens[np.arange(B), np.minimum(lengths, T - 1)], u, active)
+            logits = decoder.logits()
+            assert np.array_equal(new, sample_rows(logits, u, 1.1, 30, 0.95)), f"seed {seed}: device sampling"
+            for b in np.flatnonzero(active):
+                errs.append((rel_err(logits[b], full[b, lengths[b]]), b, lengths[b]))
+                for j, (sel, ref) in enumerate(zip(decoder.selection(), selection)):
+                    assert np.array_equal(sel[b], ref[b, :, lengths[b]]), \
+                        f"seed {seed}: block {j} selection differs at sequence {b}, t={lengths[b]}"
+            lengths += active
         with pytest.raises(ValueError, match="max_len"):
-            decoder.step(tokens[:, 0])
+            decoder.step(tokens[:, 0], u)
     finally:
-        decoder.close()
-    got = np.concatenate(got, axis=1)
-    errs = [rel_err(got[:, t], full[:, t]) for t in range(T)]
-    worst = int(np.argmax(errs))
-    print(f"\n{name} {precision}: worst position {worst} rel err {errs[worst]:.2e} (prompt {P})")
-    assert errs[worst] <= LOGIT_TOL[precision], f"seed {seed}: position {worst}: {errs[worst]:.2e}"
+        decoder.free()
+    worst = max(errs)
+    print(f"\n{name} {precision}: worst rel err {worst[0]:.2e} (sequence {worst[1]}, position {worst[2]})")
+    assert worst[0] <= LOGIT_TOL[precision], f"seed {seed}: sequence {worst[1]} position {worst[2]}: {worst[0]:.2e}"
 
 
 def test_decoder_prefill_again_starts_over(dev, training_like):
@@ -183,17 +266,20 @@ def test_decoder_prefill_again_starts_over(dev, training_like):
     params = training_like(cfg, 1)
     rng = seeded_rng(1)
     a, b = rng.integers(0, cfg.vocab_size, (2, B, P + 3))
-    decoder = Decoder(Model(cfg, params, B, P), P + 3)
+    decoder = Decoder(Model(cfg, params, B, P), B, P, P + 3)
     try:
         def run(tokens):
-            out = [decoder.prefill(tokens[:, :P])]
-            out += [decoder.step(tokens[:, t]) for t in range(P, P + 3)]
+            fed = int(decoder.prefill(tokens[:, :P], Sampling(temperature=0.0))[0])
+            out = []
+            for t in range(fed, P + 3):
+                decoder.step(tokens[:, t], np.zeros(B))
+                out.append(decoder.logits())
             return np.stack(out, axis=1)
         first = run(a)
         run(b)
         assert np.array_equal(run(a), first), "a second prefill must not see the first sequence's state"
     finally:
-        decoder.close()
+        decoder.free()
 
 
 def test_greedy_generate_on_gpu_is_the_argmax_of_forward_reruns(dev, training_like):
@@ -205,7 +291,7 @@ def test_greedy_generate_on_gpu_is_the_argmax_of_forward_reruns(dev, training_li
     prompt = seeded_rng(2).integers(0, cfg.vocab_size, (1, 9))
     n = 24
     model = Model(cfg, params, 1, prompt.shape[1] + n)
-    new = rwkvx.generate(model, prompt, n, temperature=0)             # copies the weights (other shape)
+    new = rwkvx.generate(model, prompt, n, temperature=0)
     seq = np.concatenate([prompt, new], axis=1)
     logits = model.forward(seq)[0]
     for i in range(n):
@@ -213,3 +299,56 @@ def test_greedy_generate_on_gpu_is_the_argmax_of_forward_reruns(dev, training_li
         if row[-1] - row[-2] < 1e-3 * abs(row[-1]):             # an fp32 near-tie: the rest may diverge
             break
         assert new[0, i] == logits[prompt.shape[1] - 1 + i].argmax(), f"token {i}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_generate_twice_reuses_the_decoder(dev, training_like, precision):
+    import rwkvx
+    from rwkvx.model import Model
+    kwargs, _, _, _ = DECODE["moba"]
+    cfg = Config(**kwargs)
+    rng = seeded_rng(3)
+    model = Model(cfg, training_like(cfg, 3), 1, 4, precision=precision)
+    prompt = rng.integers(0, cfg.vocab_size, 21)
+    first = rwkvx.generate(model, prompt, 30, temperature=0.9, top_p=0.95, seed=5)
+    (decoder,) = model._decoders.values()
+    graph = decoder.graph
+    assert np.array_equal(rwkvx.generate(model, prompt, 30, temperature=0.9, top_p=0.95, seed=5), first)
+    rwkvx.generate(model, prompt[:3], 10, seed=1)       # a shorter prompt: the same decoder too
+    assert list(model._decoders.values()) == [decoder] and decoder.graph is graph, "the decoder was rebuilt"
+    # new weights are read by the kept decoder: the tokens of a model built with them
+    other = training_like(cfg, 4)
+    model.load_params(other)
+    want = rwkvx.generate(Model(cfg, other, 1, 4, precision=precision), prompt, 30, temperature=0)
+    assert np.array_equal(rwkvx.generate(model, prompt, 30, temperature=0), want)
+    assert list(model._decoders.values()) == [decoder]
+
+
+def test_generate_a_batch_of_256_prompts_of_different_lengths(dev, training_like):
+    """B = 256 prompts of 1 to 40 tokens, greedy: each sequence is the argmax of a float64 forward re-run
+    of its own tokens (up to an fp32 near-tie), and sequences stop at their end token."""
+    import rwkvx
+    from rwkvx.model import Model
+    kwargs, _, _, _ = DECODE["moba"]
+    cfg = Config(**kwargs)
+    params = training_like(cfg, 5)
+    rng = seeded_rng(5)
+    prompts = [rng.integers(0, cfg.vocab_size, int(n)) for n in rng.integers(1, 41, 256)]
+    model = Model(cfg, params, 1, 8)
+    n = 12
+    out = rwkvx.generate(model, prompts, n, temperature=0)
+    assert [len(o) for o in out] == [n] * 256
+    oracle = Oracle(cfg, params, dtype=np.float64)
+    for b in (0, 1, 77, 200, 255):
+        logits = oracle.forward(np.concatenate([prompts[b], out[b]])[None])[0]
+        for i in range(n):
+            row = logits[len(prompts[b]) - 1 + i]
+            top = np.sort(row)
+            if top[-1] - top[-2] < 1e-3 * abs(top[-1]):         # a near-tie: the rest may diverge
+                break
+            assert out[b][i] == row.argmax(), f"sequence {b} token {i}"
+    end = int(out[0][3])
+    ended = rwkvx.generate(model, prompts, n, temperature=0, end_token=end)
+    for full, got in zip(out, ended):
+        stop = list(full).index(end) + 1 if end in full else n
+        assert np.array_equal(got, full[:stop])

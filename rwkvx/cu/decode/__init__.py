@@ -1,5 +1,5 @@
-"""Kernel family ``decode``: the single-token step kernels of generation.
+"""Kernel family ``decode``: the single-token step kernels of generation and its device sampler.
 
 The CUDA source, its declared interface and launch builders (:mod:`.ops`) and README.md live in this
-folder; the float64 twin is ``rwkvx.oracle.decode``."""
+folder; the twin is ``rwkvx.oracle.decode``."""
 from .ops import *  # noqa: F401,F403  (the family's public builders, constants and declarations)

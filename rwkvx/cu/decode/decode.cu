@@ -72,7 +72,7 @@ dec_wkv7(const floatX* __restrict__ r, const float* __restrict__ w, const floatX
 }
 
 // ---------------------------------------------------------------------------------------------
-// 3. MoBA step of the query at position t = *pos.  grid (H, B), block DEC_MOBA_THREADS.
+// 3. MoBA step of the query at position t = pos[b] (each sequence its own).  grid (H, B), block DEC_MOBA_THREADS.
 //    q, k, v, o floatX [B, H, N]; kc, vc floatX [B, Tmax, H, N]: every key and value so far (this step
 //    writes position t); kmean fp32 [B, H, maxblk, N]: the means of the complete blocks (this step writes
 //    block t / chunk when t ends it); sel_out int [B, H, K1] (optional): the selected blocks, ascending,
@@ -120,7 +120,7 @@ dec_moba(const floatX* __restrict__ q, const floatX* __restrict__ k, const float
 
     const int h = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
     const int bh = b * H + h;
-    const int t = *pos, bt = t / chunk;
+    const int t = pos[b], bt = t / chunk;
     const size_t tstride = (size_t)H * HS;
     const size_t cbase = (size_t)b * Tmax * tstride + (size_t)h * HS;    // cache row u: cbase + u * tstride
     const size_t tok = (size_t)bh * HS;

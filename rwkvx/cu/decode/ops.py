@@ -6,21 +6,26 @@ what they need from state carried in device memory and update it:
 * :func:`shift`: the token shift of the time mix (6 mixes) or the channel mix (1), from ``prev``
   [B, C] (the previous token's input row), which becomes this token's;
 * :func:`wkv7_step`: one WKV7 token on ``state`` fp32 [B, H, N, N] (S[i, j], row = value index), in place;
-* :func:`moba_step`: MoBA attention of the new query at position ``*pos`` (a device int): its key and
-  value go into the caches ``kc``, ``vc`` floatX [B, Tmax, H, N]; when the token completes a block,
-  that block's key mean goes into ``kmean`` fp32 [B, H, Tmax // chunk, N]; then the gate over the
-  complete past blocks, the top_k - 1 largest (ties: the lower block), softmax attention over them and
-  the query's own block up to itself. ``sel`` int32 [B, H, top_k - 1] (optional) receives the selection.
+* :func:`moba_step`: MoBA attention of each sequence's new query at its own position ``pos[b]``
+  (device int32 [B]): its key and value go into the caches ``kc``, ``vc`` floatX [B, Tmax, H, N]; when
+  the token completes a block, that block's key mean goes into ``kmean`` fp32 [B, H, Tmax // chunk, N];
+  then the gate over the complete past blocks, the top_k - 1 largest (ties: the lower block), softmax
+  attention over them and the query's own block up to itself. ``sel`` int32 [B, H, top_k - 1] (optional) receives the selection.
 
 Activations (x, prev, outputs, r ... b, y, q, k, v, o) are floatX [B, C] (c = h*N + n), 16-byte aligned.
 Twins: ``rwkvx.oracle.decode_shift``, ``decode_wkv7``, ``decode_moba`` (built on the forward twins).
+
+:func:`sample` (rwkvx/cu/decode/sample.cu): the token of each row of logits floatX [B, V] that
+:mod:`rwkvx.sampling`'s contract chooses with the row's draw ``u`` f64 [B] and ``opts`` f64 [3]
+(temperature, top_p, top_k), into ``out`` int32 [B]. Twin: ``rwkvx.oracle.decode_sample``.
 """
 from __future__ import annotations
 
 import math
 
-from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, I32_IN, I32_OUT, INT, X_IN, X_OUT, KernelFile
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, F64_IN, FLOAT, I32_IN, I32_OUT, INT, X_IN, X_OUT, KernelFile
 
+from ... import sampling
 from .. import moba, wkv7
 from .._common import DeviceInfo, check_buffers, check_rows, grid_stride_blocks, xtype_of
 
@@ -36,6 +41,15 @@ DEC_WKV7 = CU.kernel("dec_wkv7", r=X_IN, w=F32_IN, k=X_IN, v=X_IN, a=X_IN, b=X_I
 DEC_MOBA = CU.kernel("dec_moba", q=X_IN, k=X_IN, v=X_IN, kc=X_OUT, vc=X_OUT, kmean=F32_OUT.opt(), pos=I32_IN,
                      sel_out=I32_OUT.opt(), o=X_OUT, H=INT, Tmax=INT, chunk=INT, K1=INT, maxblk=INT,
                      scale=FLOAT)
+
+
+SAMPLE_THREADS = 512
+SAMPLE_OPTS = ("temperature", "top_p", "top_k")      # opts[i] of dec_sample
+SAMPLE_CU = KernelFile("decode/sample", constants={
+    "SMP_THREADS": SAMPLE_THREADS, "SMP_WEIGHT_BITS": sampling.WEIGHT_BITS, "SMP_CUTOFF": sampling.WEIGHT_CUTOFF,
+    "SMP_INV_LN2": sampling.INV_LN2, "SMP_LN2_HI": sampling.LN2_HI, "SMP_LN2_LO": sampling.LN2_LO,
+    "SMP_EXP_COEFFS": ",".join(repr(c) for c in sampling.EXP_COEFFS)})
+DEC_SAMPLE = SAMPLE_CU.kernel("dec_sample", logits=X_IN, u=F64_IN, opts=F64_IN, out=I32_OUT, V=INT)
 
 
 def moba_smem_bytes(N: int, chunk: int, top_k: int, maxblk: int) -> int:
@@ -71,7 +85,7 @@ def wkv7_step(r, w, k, v, a, b, state, y, B: int, H: int, N: int) -> list:
 
 def moba_step(q, k, v, kc, vc, kmean, pos, o, B: int, H: int, N: int, Tmax: int, chunk: int, top_k: int,
               dev: DeviceInfo, sel=None) -> list:
-    """dec_moba (see the module docstring): o [B, H, N] for the query q at position ``*pos`` < Tmax.
+    """dec_moba (see the module docstring): o [B, H, N] for the queries q at positions ``pos[b]`` < Tmax.
     kmean is required when top_k > 1 and a block can complete (Tmax >= chunk), else None."""
     for name, val in (("B", B), ("H", H), ("Tmax", Tmax), ("chunk", chunk), ("top_k", top_k)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -93,3 +107,14 @@ def moba_step(q, k, v, kc, vc, kmean, pos, o, B: int, H: int, N: int, Tmax: int,
                             variant={"HEAD_SIZE": N}, smem=smem, q=q, k=k, v=v, kc=kc, vc=vc,
                             kmean=kmean if maxblk else None, pos=pos, sel_out=sel if K1 else None, o=o, H=H,
                             Tmax=Tmax, chunk=chunk, K1=K1, maxblk=maxblk, scale=1.0 / math.sqrt(N))]
+
+
+def sample(logits, u, opts, out, B: int, V: int) -> list:
+    """dec_sample: out[b] = the contract's token of logits [B, V] with u[b] and the options ``opts``
+    (f64 [3], :data:`SAMPLE_OPTS`); V <= rwkvx.sampling.MAX_VOCAB."""
+    if isinstance(B, bool) or not isinstance(B, int) or B < 1:
+        raise ValueError(f"decode.sample: B must be an int >= 1, got {B!r}")
+    sampling.check_vocab(V)
+    check_buffers("decode.sample", logits=logits, u=u, opts=opts, out=out)
+    return [DEC_SAMPLE.launch((B, 1, 1), (SAMPLE_THREADS, 1, 1), xtype=xtype_of("decode.sample", logits),
+                              logits=logits, u=u, opts=opts, out=out, V=V)]
