@@ -21,6 +21,10 @@ forward takes a ``carry`` dict, the :class:`DecodeState` of that block, reads wh
 need (the token shifts' previous rows, the WKV state, the MoBA keys, values and block means) and
 writes it back for the next call. A call on T new tokens processes them in parallel; the prompt is
 one call, every generated token another.
+
+Initial states (state tuning, :mod:`rwkvx.state_tuning`): an Oracle built with ``states`` starts the
+WKV recurrence of every RWKV block from its state s0 [H, N, N] (shared by the batch) instead of 0, in
+every forward, and :meth:`Oracle.loss_and_grads` then also returns each state's gradient.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import numpy as np
 
 from rwkvx.config import Config
 from rwkvx.params import check_params
+from rwkvx.state_tuning import check_states, state_name
 from rwkvx.validate import check_targets, check_tokens
 
 from ._common import LN_EPS, last_rows, matmul
@@ -119,12 +124,14 @@ def channel_mix_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndar
 # ---------------------------------------------------------------- TimeMix (RWKV-7 x070)
 
 def time_mix_forward(P: dict, pre: str, layer: int, x: np.ndarray, v_first: np.ndarray | None,
-                     T: int, N: int, carry: dict | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+                     T: int, N: int, carry: dict | None = None,
+                     s0: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
     """TimeMix of RWKV block ``layer`` on x = LN1 output [R, C]: token shift, the r/k/v GEMMs and
     LoRAs, the prep, WKV7, GroupNorm + bonus + gate, the output GEMM. Returns (out, v_first, cache);
     block 0 defines v_first (its value before the residual mix), later blocks pass it on.
     ``carry`` (stateful forward): tm_x [B, C] (the LN1 output before these tokens) and wkv
-    [B, H, N, N] (the WKV state before them), replaced by those after the last token."""
+    [B, H, N, N] (the WKV state before them), replaced by those after the last token. ``s0``
+    [1, H, N, N]: the WKV state before each sequence (None: zero) when there is no carry."""
     a = pre + "att."
     C = x.shape[1]
     mixes = np.stack([P[a + m].reshape(C) for m in MIXES])
@@ -142,7 +149,7 @@ def time_mix_forward(P: dict, pre: str, layer: int, x: np.ndarray, v_first: np.n
     pr = time_mix_prep_forward(*prep_in)
     wkv_in = [_bthn(T, N, t) for t in (r, pr["decay"], pr["kp"], pr["vp"], pr["wa"], pr["wb"])]
     if carry is None:
-        y = wkv7_forward(*wkv_in)
+        y = wkv7_forward(*wkv_in, state=s0)
     else:
         y, carry["wkv"] = wkv7_forward(*wkv_in, state=carry["wkv"], return_state=True)
         carry["tm_x"] = last_rows(x, T)
@@ -151,21 +158,24 @@ def time_mix_forward(P: dict, pre: str, layer: int, x: np.ndarray, v_first: np.n
              P[a + "ln_x.bias"], P[a + "r_k"], N)
     z = time_mix_gn_forward(*gn_in)
     cache = dict(x=x, mixes=mixes, xs=xs, wh=wh, ah=ah, gh=gh, vh=vh, prep_in=prep_in,
-                 wkv_in=wkv_in, gn_in=gn_in, z=z)
+                 wkv_in=wkv_in, s0=s0, gn_in=gn_in, z=z)
     return _linear(z, P[a + "output.weight"]), pr["v_first"], cache
 
 
 def time_mix_backward(P: dict, G: dict, pre: str, layer: int, cache: dict, dout: np.ndarray,
                       dv_first: np.ndarray, T: int, N: int) -> np.ndarray:
     """Backward of :func:`time_mix_forward`; returns dx. ``dv_first`` [R, C] is the running
-    gradient of v_first: blocks > 0 add to it (in place), block 0 consumes it into its value."""
+    gradient of v_first: blocks > 0 add to it (in place), block 0 consumes it into its value. With
+    an initial state s0, its gradient goes to ``G[state_name(layer)]``."""
     a = pre + "att."
     c = cache
     xr, xw, xk, xv, xa, xg = c["xs"]
     dz, dW_out = _linear_backward(c["z"], P[a + "output.weight"], dout)
     gn = time_mix_gn_backward(*c["gn_in"], dz)
-    dr, d_decay, dkp, dvp, dwa, dwb = (d.reshape(dout.shape) for d in
-                                       wkv7_backward(*c["wkv_in"], _bthn(T, N, gn["dy"])))
+    wkv_grads = wkv7_backward(*c["wkv_in"], _bthn(T, N, gn["dy"]), state=c["s0"])
+    dr, d_decay, dkp, dvp, dwa, dwb = (d.reshape(dout.shape) for d in wkv_grads[:6])
+    if c["s0"] is not None:
+        G[state_name(layer)] += wkv_grads[6][0]
     pb = time_mix_prep_backward(*c["prep_in"], d_decay, dkp + gn["dkp"], dvp + gn["dvp"], dwa, dwb,
                                 dv_first if layer == 0 else None)
     grads = {"output.weight": dW_out, "ln_x.weight": gn["dln_w"], "ln_x.bias": gn["dln_b"],
@@ -261,9 +271,13 @@ class Oracle:
     ``dtype`` float64 (default, the ground truth) or float32: the dtype of the parameters and of
     every tensor between ops; each op computes in float64 (an ideal fp32 GPU in float32 mode), the
     cross-entropy is float64 always. Parameters are copied (converted) on construction.
+
+    ``states``: the initial WKV state of every RWKV block (``{"blocks.{i}.att.state": [H, N, N]}``,
+    :mod:`rwkvx.state_tuning`), copied in the oracle's dtype; None: zero. They start every forward
+    (and :meth:`initial_state`), and :meth:`loss_and_grads` returns their gradients too.
     """
 
-    def __init__(self, cfg: Config, params: dict, dtype=np.float64) -> None:
+    def __init__(self, cfg: Config, params: dict, dtype=np.float64, states: dict | None = None) -> None:
         if not isinstance(cfg, Config):
             raise TypeError(f"cfg must be an rwkvx.Config, got {type(cfg).__name__}")
         dtype = np.dtype(dtype)
@@ -273,6 +287,12 @@ class Oracle:
         self.cfg = cfg
         self.dtype = dtype
         self.params = {n: np.array(p, dtype=dtype, order="C", copy=True) for n, p in params.items()}
+        self.states = None if states is None else {
+            n: s.astype(dtype) for n, s in check_states(cfg, states).items()}
+
+    def _s0(self, layer):
+        """RWKV block ``layer``'s initial state as [1, H, N, N], or None (zero)."""
+        return None if self.states is None else self.states[state_name(layer)][None]
 
     # -- plumbing
 
@@ -303,7 +323,8 @@ class Oracle:
         if kind == "rwkv":
             pre = f"rwkv.blocks.{idx}."
             h1 = _layernorm_forward(P, pre + "ln1", x)
-            tm, v_first, tm_cache = time_mix_forward(P, pre, idx, h1, v_first, T, N, carry)
+            tm, v_first, tm_cache = time_mix_forward(P, pre, idx, h1, v_first, T, N, carry,
+                                                     self._s0(idx))
         else:
             pre = f"moba.{idx}."
             h1 = _layernorm_forward(P, pre + "ln1", x)
@@ -367,7 +388,8 @@ class Oracle:
         return logits.reshape(*tokens.shape, -1)
 
     def initial_state(self, batch: int) -> "DecodeState":
-        """The state before any token of ``batch`` sequences (zeros; empty caches)."""
+        """The state before any token of ``batch`` sequences (zeros, or the initial WKV states the
+        oracle holds; empty caches)."""
         cfg, dt = self.cfg, self.dtype
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
             raise ValueError(f"batch must be an int >= 1, got {batch!r}")
@@ -376,7 +398,9 @@ class Oracle:
         for kind, idx in cfg.block_order():
             carry = {"cm_x": np.zeros((B, C), dt)}
             if kind == "rwkv":
-                carry.update(tm_x=np.zeros((B, C), dt), wkv=np.zeros((B, H, N, N), dt))
+                s0 = self._s0(idx)
+                wkv = np.zeros((B, H, N, N), dt) if s0 is None else np.repeat(s0, B, axis=0)
+                carry.update(tm_x=np.zeros((B, C), dt), wkv=wkv)
             else:
                 carry.update(k=np.zeros((B, 0, H, N), dt), v=np.zeros((B, 0, H, N), dt),
                              kmean=np.zeros((B, H, 0, N)))
@@ -433,12 +457,13 @@ class Oracle:
     def loss_and_grads(self, tokens: np.ndarray, targets: np.ndarray, ignore_index: int = -100,
                        selection: list | None = None) -> tuple[float, dict]:
         """(loss, grads): mean cross-entropy over targets != ignore_index (float64) and the
-        gradient of every parameter (same names and shapes as the params, oracle dtype).
+        gradient of every parameter (same names and shapes as the params, oracle dtype), plus, for
+        an oracle with initial states, of every state (under the states' names).
         If every target is ignored the loss is 0 and every gradient is 0."""
         cfg, P = self.cfg, self.params
         tokens = check_tokens(tokens, cfg.vocab_size)
         targets = check_targets(targets, tokens.shape, cfg.vocab_size, ignore_index)
-        G = {n: np.zeros_like(p) for n, p in P.items()}
+        G = {n: np.zeros_like(p) for n, p in {**P, **(self.states or {})}.items()}
 
         state = self._forward(tokens, selection)
         T = state["T"]

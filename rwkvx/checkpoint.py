@@ -40,6 +40,7 @@ _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 
 
 def _encode(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> tuple[bytes, list[np.ndarray]]:
+    """(the 8-byte length and JSON header, the C-contiguous little-endian arrays to write after it)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     arrays, offset = [], 0
     for name, value in tensors.items():
@@ -77,6 +78,12 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, params: ParamDict,
     metadata = {"format": "rwkvx", "format_version": str(FORMAT_VERSION),
                 "config": json.dumps(cfg.to_dict()),
                 "extra_meta": json.dumps(extra.get("meta") or {})}
+    write_safetensors(path, tensors, metadata)
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str]) -> None:
+    """Write ``tensors`` (name -> numpy array) and string ``metadata`` as a safetensors file, atomically."""
     header, arrays = _encode(tensors, metadata)
 
     def write(f: Any) -> None:
@@ -87,6 +94,34 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, params: ParamDict,
     atomic_write(path, write)
 
 
+def _read_header(f: Any, path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the tensor entries, the metadata) of the safetensors file open as ``f``, read up to its data;
+    ``ValueError`` on corruption."""
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError(f"{path}: truncated checkpoint (no header)")
+    (n,) = struct.unpack("<Q", head)
+    if n > _MAX_HEADER or 8 + n > size:
+        raise ValueError(f"{path}: corrupt checkpoint (header length {n} exceeds file size {size})")
+    try:
+        header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: corrupt checkpoint header ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt checkpoint header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path}: corrupt checkpoint metadata")
+    return header, metadata
+
+
+def safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a safetensors file, its header alone read; ``ValueError`` on corruption."""
+    with open(path, "rb") as f:
+        return _read_header(f, Path(path))[1]
+
+
 def read_safetensors(path: str | os.PathLike
                      ) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:
     """``(tensors, dtype codes as stored, metadata)`` of a safetensors file; ``ValueError`` on corruption.
@@ -94,26 +129,11 @@ def read_safetensors(path: str | os.PathLike
     bf16 tensors are widened to float32; every other dtype is returned as stored."""
     path = Path(path)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError(f"{path}: truncated checkpoint (no header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise ValueError(f"{path}: corrupt checkpoint (header length {n} exceeds file size {size})")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ValueError(f"{path}: corrupt checkpoint header ({exc})") from None
+            header, metadata = _read_header(f, path)
             data = f.read()
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint not found: {path}") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: corrupt checkpoint header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise ValueError(f"{path}: corrupt checkpoint metadata")
     tensors: dict[str, np.ndarray] = {}
     codes: dict[str, str] = {}
     for name, info in header.items():

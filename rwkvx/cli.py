@@ -101,7 +101,7 @@ MODEL_FLAGS = {
 # TrainConfig fields set by a flag of the same name
 TRAIN_FLAGS = ("batch_size", "seq_len", "steps", "lr", "lr_min", "warmup", "weight_decay", "grad_clip",
                "eval_every", "eval_batches", "ckpt_every", "val_fraction", "seed", "precision", "recompute",
-               "cpu_dtype")
+               "cpu_dtype", "tune")
 
 
 def _flag(dest: str) -> str:
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .presets import DEFAULT_PRESET, PRESETS, get_preset
     from .pth import WRITE_DTYPES
     from .tokenizer import TOKENIZERS
-    from .training.config import CPU_DTYPES, RECOMPUTE_AUTO
+    from .training.config import CPU_DTYPES, RECOMPUTE_AUTO, TUNES
 
     parser = argparse.ArgumentParser(
         prog="python -m rwkvx",
@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)
     g.add_argument("--cpu-dtype", choices=CPU_DTYPES, default=None,
                    help="arithmetic of the CPU oracle backend (default float32)")
+    g.add_argument("--tune", choices=TUNES, default=None,
+                   help="full (default): train every parameter; state: train only the initial WKV "
+                        "state of every RWKV block, the model frozen (usually with --init-from; CPU "
+                        "only for now). The checkpoint is then a state file, state.safetensors")
     g.add_argument("--batch-size", type=_positive_int, help="B, sequences per step")
     g.add_argument("--seq-len", type=_positive_int, help="T, tokens per sequence")
     n = g.add_mutually_exclusive_group()
@@ -219,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text to continue, encoded with the model's tokenizer; token ids separated "
                          "by spaces or commas for a model trained without one (default: empty, i.e. "
                          "a newline, or token 0)")
+    sp.add_argument("--state", metavar="FILE",
+                    help="start every RWKV block from the tuned initial WKV states of this state file "
+                         "(a state-tuning run's state.safetensors or its run directory; CPU only for now)")
     sp.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
                     help="encode the prompt and decode the output with this tokenizer (default: the "
                          "one the checkpoint was trained with; a checkpoint that records none: bytes "
@@ -272,12 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
 # train
 # ---------------------------------------------------------------------------------------------
 
-def _checkpoint(path: str) -> Path:
-    """The checkpoint file ``--ckpt`` names (a file or a run directory)."""
+def _checkpoint(path: str, option: str = "--ckpt") -> Path:
+    """The checkpoint file ``option`` names (a file or a run directory)."""
     from .training.setup import checkpoint_option
 
     with _usage_errors():
-        return checkpoint_option(path, "--ckpt")
+        return checkpoint_option(path, option)
 
 
 def _check_writable(path: Path) -> None:
@@ -367,6 +374,12 @@ def _print_run(run: Run) -> None:
           f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
           f"({sum(p.size for p in trainer.params.values()):,} parameters)"
           + (f", initialised from {prep.init_from}" if prep.init_from else ""))
+    if trainer.states is not None:
+        print(f"state tuning: {sum(s.size for s in trainer.states.values()):,} state values trained "
+              f"({len(trainer.states)} RWKV blocks x [H, N, N]), the model frozen")
+        if prep.init_from is None:
+            print("note: a fresh model's output matrices are zero, so its states get no gradient: "
+                  "state tuning adapts a trained model (--init-from)")
     fmt = prep.data.format + (f", {prep.tokenizer} tokenizer" if prep.tokenizer else "")
     held = 0 if prep.val_tokens is None else len(prep.val_tokens)
     val = (f"{held:,} held out for validation, {prep.val_scored:,} of them scored" if held
@@ -404,8 +417,13 @@ def _print_outcome(run: Run, outcome: Outcome) -> None:
         print(f"resume:     python -m rwkvx train --resume {run.out}")
         return
     prompt = DEFAULT_CORPUS_PROMPT if run.prep.data_arg is None else ""
-    print(f"sample:     python -m rwkvx sample --ckpt {run.ckpt_path}"
-          + (f" --prompt {prompt!r}" if prompt else ""))
+    if tr.tune == "state":
+        if run.prep.init_from is None:    # a fresh model, which no file holds
+            return
+        source = f"--ckpt {run.prep.init_from} --state {run.ckpt_path} --device cpu"
+    else:
+        source = f"--ckpt {run.ckpt_path}"
+    print(f"sample:     python -m rwkvx sample {source}" + (f" --prompt {prompt!r}" if prompt else ""))
 
 
 def _train(args: argparse.Namespace, world: Any) -> int:
@@ -498,14 +516,16 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 # sample
 # ---------------------------------------------------------------------------------------------
 
-def _generation_source(cfg: Config, params: ParamDict, device: str, precision: str) -> tuple[Any, str | None]:
+def _generation_source(cfg: Config, params: ParamDict, device: str, precision: str,
+                       states: dict | None = None) -> tuple[Any, str | None]:
     """What :func:`rwkvx.generation.stream` generates with on the chosen device, plus the fallback
     note: a GPU Model holding the weights (``precision``; its decoder has buffers of its own, so the
-    model is built for one token), or the float32 CPU oracle."""
+    model is built for one token), or the float32 CPU oracle (starting from the initial WKV
+    ``states`` when given, which the GPU cannot yet)."""
     from .training.setup import check_device
 
     with _usage_errors():
-        kind, note = check_device(device, "sampling")
+        kind, note = check_device(device, "sampling", "full" if states is None else "state")
     if kind == "gpu":
         from .model import Model
         try:   # the weights' holder for the decoder; no backward: the least memory
@@ -516,7 +536,7 @@ def _generation_source(cfg: Config, params: ParamDict, device: str, precision: s
         from .oracle import Oracle
     except ImportError as exc:
         raise UsageError(f"sampling on the CPU needs the compiled oracle (rwkvx.oracle): {exc}") from None
-    return Oracle(cfg, params, dtype=np.float32), note
+    return Oracle(cfg, params, dtype=np.float32, states=states), note
 
 
 def _sample_tokenizer(name: str | None, run: dict[str, Any], vocab_size: int) -> Tokenizer | None:
@@ -597,7 +617,12 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    from .state_tuning import is_state_file
+
     path = _checkpoint(args.ckpt)
+    if is_state_file(path):
+        raise UsageError(f"--ckpt {path} is a state file (tuned states, no model): give the model as "
+                         "--ckpt and the state file as --state")
     try:
         cfg, params, extra = load_checkpoint(path)
     except ValueError as exc:
@@ -607,7 +632,14 @@ def cmd_sample(args: argparse.Namespace) -> int:
     tokenizer = _sample_tokenizer(args.tokenizer, run, cfg.vocab_size)
     prompt = encode_prompt(args.prompt, tokenizer, cfg.vocab_size)
     precision = args.precision or (meta.get("train") or {}).get("precision") or DEFAULT_PRECISION
-    source, note = _generation_source(cfg, params, args.device, precision)
+    states = None
+    if args.state is not None:
+        from .state_tuning import load_states
+        try:
+            states = load_states(_checkpoint(args.state, "--state"), cfg)[1]
+        except ValueError as exc:
+            raise UsageError(f"--state: {exc}") from None
+    source, note = _generation_source(cfg, params, args.device, precision, states)
     if note:
         print(f"note: {note}", file=sys.stderr)
     from .generation import stream

@@ -142,7 +142,7 @@ def open_session(source: Any, batch: int, prompt_len: int, max_len: int) -> Sess
     if isinstance(source, Trainer):
         source = source.backend
     if isinstance(source, CPUBackend):
-        source = Oracle(source.cfg, source.params, dtype=source.dtype)
+        source = source.oracle()
     elif isinstance(source, GPUBackend):
         source = source.model
     if isinstance(source, Oracle):

@@ -18,6 +18,7 @@ from ..precision import DEFAULT_PRECISION, resolve_precision
 from ..validate import FieldError, require_int
 
 CPU_DTYPES = ("float32", "float64")
+TUNES = ("full", "state")   # what a run trains: every parameter, or the initial WKV states alone
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class TrainConfig:
     The learning rate warms up linearly to ``lr`` over ``warmup`` steps, then follows a cosine to
     ``lr_min`` at step ``schedule_steps`` (None: ``steps``, the end of the run) and stays there
     (:class:`rwkvx.optim.Schedule`). ``precision`` and ``recompute`` apply to the GPU backend, ``cpu_dtype``
-    to the CPU oracle backend. ``batch_size`` is per rank when training data parallel.
+    to the CPU oracle backend. ``batch_size`` is per rank when training data parallel. ``tune``:
+    ``"full"`` trains every parameter; ``"state"`` trains only the initial WKV state of every RWKV
+    block, the model frozen (:mod:`rwkvx.state_tuning`; CPU backend only for now).
     """
 
     batch_size: int = 8
@@ -48,6 +51,7 @@ class TrainConfig:
     precision: str = DEFAULT_PRECISION
     recompute: bool | str = DEFAULT_RECOMPUTE   # True, False or "auto" (rwkvx.model.Model)
     cpu_dtype: str = "float32"
+    tune: str = "full"
 
     def __post_init__(self) -> None:
         for name, minimum in (("batch_size", 1), ("seq_len", 1), ("steps", 1), ("warmup", 0),
@@ -77,6 +81,8 @@ class TrainConfig:
             raise FieldError("TrainConfig", f"{{cpu_dtype}} must be one of {', '.join(CPU_DTYPES)}",
                              cpu_dtype=self.cpu_dtype)
         object.__setattr__(self, "cpu_dtype", dtype)
+        if self.tune not in TUNES:
+            raise FieldError("TrainConfig", f"{{tune}} must be one of {', '.join(TUNES)}", tune=self.tune)
 
     @property
     def schedule(self) -> Schedule:

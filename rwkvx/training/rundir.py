@@ -16,6 +16,8 @@ import numpy as np
 from ..atomic_io import atomic_write
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
+STATE_NAME = "state.safetensors"          # a state-tuning run's checkpoint: the tuned state file
+CHECKPOINT_NAMES = {"full": CHECKPOINT_NAME, "state": STATE_NAME}   # by TrainConfig.tune
 LOG_NAME = "log.csv"
 PLOT_NAME = "loss.png"
 RUN_NAME = "run.json"
@@ -23,11 +25,11 @@ LOG_FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "el
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint file ``path`` names: the file itself, or a run directory's checkpoint;
-    ``ValueError`` when there is none."""
+    """The checkpoint file ``path`` names: the file itself, or a run directory's checkpoint (a
+    state-tuning run's state file); ``ValueError`` when there is none."""
     p = Path(path)
     if p.is_dir():
-        p = p / CHECKPOINT_NAME
+        p = next((p / n for n in CHECKPOINT_NAMES.values() if (p / n).is_file()), p / CHECKPOINT_NAME)
     if not p.is_file():
         raise ValueError(f"checkpoint not found: {p}")
     return p

@@ -22,7 +22,7 @@ from ..params import ParamDict
 from ..validate import FieldError
 from . import trainer as _trainer
 from .config import TrainConfig
-from .rundir import CHECKPOINT_NAME, LOG_NAME, PLOT_NAME, default_out, find_checkpoint
+from .rundir import CHECKPOINT_NAMES, LOG_NAME, PLOT_NAME, default_out, find_checkpoint
 from .trainer import CHECKPOINT_KIND, Trainer, saved_train_config
 
 ENTROPY_MAX_TOKENS = 50_000_000   # the unigram entropy is computed for training data up to this size
@@ -75,10 +75,13 @@ class Prepared:
     val_scored: int                 # held-out tokens an evaluation scores (distinct positions)
 
 
-def check_device(device: str, task: str) -> tuple[str, str | None]:
-    """``("cpu"|"gpu", note)`` for ``device``; an explicit ``gpu`` that cannot be used is a RunError
-    here, before anything is built or written."""
-    kind, note = _trainer.resolve_device(device, task)
+def check_device(device: str, task: str, tune: str = "full") -> tuple[str, str | None]:
+    """``("cpu"|"gpu", note)`` for ``device`` (and ``TrainConfig.tune``); an explicit ``gpu`` that
+    cannot be used is a RunError here, before anything is built or written."""
+    try:
+        kind, note = _trainer.resolve_device(device, task, tune)
+    except ValueError as exc:
+        raise RunError(f"--device {device}: {exc}") from None
     if device == "gpu":
         reason = _trainer.gpu_unavailable_reason()   # looked up when called: tests stand in a GPU
         if reason is not None:
@@ -152,18 +155,27 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
     from ..checkpoint import load_checkpoint
     from ..data import TEXT_FORMATS, default_corpus_path, eval_batches, load_tokens, scored_tokens, split_train_val
     from ..presets import DEFAULT_PRESET, get_preset
+    from ..state_tuning import is_state_file, load_states
     from ..tokenizer import tokenizer_class
 
     note = None
-    if kind is None:
-        kind, note = check_device(req.device, "training")
     if req.resume and req.init_from:
         raise RunError("--init-from starts a new run from a model, --resume continues a run: give one")
     resume_path = checkpoint_option(req.resume, "--resume") if req.resume else None
+    resumes_states = resume_path is not None and is_state_file(resume_path)
+    tune = "state" if resumes_states else "full"
+    if req.train.get("tune") not in (None, tune) and resume_path is not None:
+        raise RunError(f"--resume: the run tunes {'the states' if resumes_states else 'every parameter'}; "
+                       "--tune cannot change a resumed run")
+    tune = req.train.get("tune") or tune
+    if kind is None:
+        kind, note = check_device(req.device, "training", tune)
+    elif tune == "state" and kind == "gpu":
+        raise RunError(f"--tune state: {_trainer.STATE_ON_GPU}")
     saved_run, saved, ckpt_cfg = None, None, None
     if resume_path is not None:
         try:
-            ckpt_cfg, _, extra = load_checkpoint(resume_path)
+            ckpt_cfg, _, extra = (load_states if resumes_states else load_checkpoint)(resume_path)
         except ValueError as exc:
             raise RunError(str(exc)) from None
         meta = extra.get("meta") or {}
@@ -205,6 +217,12 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
     start_params, init_from = None, run_opts.get("init_from")
     if ckpt_cfg is not None:
         cfg = ckpt_cfg
+        if resumes_states and init_from:   # the frozen model the states were tuned on
+            cfg, start_params, _ = _init_model(replace(req, init_from=init_from, model={
+                k: getattr(ckpt_cfg, k) for k in ("moba_chunk_size", "moba_top_k", "n_attn_layer")}),
+                preset["model"])
+            if cfg != ckpt_cfg:
+                raise RunError(f"--resume: the run's model {init_from} no longer fits its state file")
     elif req.init_from:
         cfg, start_params, init_from = _init_model(req, preset["model"])
     else:
@@ -299,8 +317,8 @@ class Run:
 
     @property
     def ckpt_path(self) -> Path:
-        """The run's checkpoint."""
-        return self.out / CHECKPOINT_NAME
+        """The run's checkpoint (a state-tuning run's: its state file)."""
+        return self.out / CHECKPOINT_NAMES[self.train.tune]
 
     @property
     def log_path(self) -> Path:
@@ -318,10 +336,11 @@ def _check_out(out: Path, resuming: bool) -> None:
     where this process may write, holding no other run."""
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} exists and is not a directory")
-    if not resuming and (out / CHECKPOINT_NAME).exists():
-        raise RunError(f"--out {out} already holds a run ({CHECKPOINT_NAME}); use --resume "
-                       f"{out} to continue it or choose another --out")
-    check_writable(out / CHECKPOINT_NAME, shown=out)
+    for name in () if resuming else CHECKPOINT_NAMES.values():
+        if (out / name).exists():
+            raise RunError(f"--out {out} already holds a run ({name}); use --resume "
+                           f"{out} to continue it or choose another --out")
+    check_writable(out / LOG_NAME, shown=out)
 
 
 def resolve_run(req: RunRequest, world: Any = None) -> Run:
@@ -342,11 +361,13 @@ def resolve_run(req: RunRequest, world: Any = None) -> Run:
                            + "): pass --device gpu or --device cpu")
     tr, cfg = prep.train, prep.cfg
     try:
-        if prep.resume is not None:
+        if prep.resume is not None and tr.tune == "full":
             trainer = Trainer.load(prep.resume, backend=prep.kind, world=world, config=tr)
-        else:
-            params = prep.start_params if prep.start_params is not None else init_params(cfg, tr.seed)
-            trainer = Trainer(cfg, params, tr, backend=prep.kind, world=world)
+        else:   # a new run, or a state-tuning run's frozen model (a fresh one: the run's first seed)
+            seed = (prep.saved or tr).seed
+            params = prep.start_params if prep.start_params is not None else init_params(cfg, seed)
+            trainer = (Trainer(cfg, params, tr, backend=prep.kind, world=world) if prep.resume is None else
+                       Trainer.load(prep.resume, backend=prep.kind, world=world, config=tr, params=params))
     except DistributedError:
         raise
     except (ValueError, RuntimeError) as exc:

@@ -23,6 +23,11 @@ NCCL inside the step's CUDA graph on the GPU backend (:mod:`rwkvx.dist.step`), t
 collectives of the world on the CPU backend. Losses are means over all ranks; every rank ends each
 step with the same parameters. Without a world (the default) nothing of this runs.
 
+State tuning (``TrainConfig.tune = "state"``, CPU backend only): the backend trains the initial WKV
+states of the RWKV blocks (:mod:`rwkvx.state_tuning`) with the same AdamW, the parameters stay as
+they were, and the checkpoint is a state file (the states, their moments and the same metadata; no
+weights), which :meth:`Trainer.load` resumes given the model's parameters.
+
 Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
 parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
 metadata: the step count, the optimizer state's scalars, the :class:`TrainConfig` (once, as
@@ -44,12 +49,15 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
 from ..optim import AdamW, Schedule
 from ..params import ParamDict, check_params
+from ..state_tuning import StateDict, check_states, is_state_file, load_states, save_states, zero_states
 from ..validate import IGNORE_INDEX, check_targets, check_tokens
 from .config import TrainConfig
 
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 STATS = ("lr", "grad_norm", "clip")      # the optimizer statistics of a step
+STATE_ON_GPU = ("initial WKV states (state tuning, tune='state') are not available on the GPU backend "
+                "yet: use the CPU backend (backend='cpu', CLI --device cpu)")
 
 
 def check_loss(loss: float, step: int) -> float:
@@ -133,12 +141,15 @@ def cross_entropy_mean(logits: np.ndarray, targets: np.ndarray, ignore_index: in
 
 
 class CPUBackend(Backend):
-    """Oracle forward/backward (``dtype`` float32 or float64 math) + numpy AdamW on float32 params."""
+    """Oracle forward/backward (``dtype`` float32 or float64 math) + numpy AdamW on float32 params,
+    or, with ``tune="state"``, on the float32 initial WKV ``states`` (None: zeros), the parameters
+    frozen."""
 
     name = "cpu"
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
-                 grad_clip: float | None, dtype: Any = np.float32, world: Any = None) -> None:
+                 grad_clip: float | None, dtype: Any = np.float32, world: Any = None, tune: str = "full",
+                 states: StateDict | None = None) -> None:
         try:
             from ..oracle import Oracle
         except ImportError as exc:  # the Cython extension is not built
@@ -152,22 +163,30 @@ class CPUBackend(Backend):
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"CPU backend dtype must be float32 or float64, got {self.dtype}")
         self.params = {n: np.array(p, dtype=np.float32, copy=True) for n, p in params.items()}
-        self.opt = AdamW(self.params, schedule, weight_decay=weight_decay, grad_clip=grad_clip)
+        self.states = None
+        if tune == "state":
+            self.states = {n: s.astype(np.float32) for n, s in
+                           check_states(cfg, zero_states(cfg) if states is None else states).items()}
+        elif states is not None:
+            raise ValueError("initial states are trained only when state tuning (tune='state')")
+        trainable = self.params if self.states is None else self.states
+        self.opt = AdamW(trainable, schedule, weight_decay=weight_decay, grad_clip=grad_clip)
         self.world = world
 
     @property
     def step_count(self) -> int:  # type: ignore[override]
         return self.opt.step_count
 
-    def _oracle(self) -> Any:
+    def oracle(self) -> Any:
+        """An :class:`rwkvx.oracle.Oracle` of the parameters (and states) as they are now."""
         # A fresh Oracle per call sees the parameters exactly as they are now (the optimizer
         # updates them in place); building one costs a dtype conversion of the weights, which is
         # small next to a forward/backward.
-        return self._Oracle(self.cfg, self.params, dtype=self.dtype)
+        return self._Oracle(self.cfg, self.params, dtype=self.dtype, states=self.states)
 
     def submit_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> FinishedStep:
-        loss, grads = self._oracle().loss_and_grads(tokens, targets)
-        loss = float(loss)
+        loss, grads = self.oracle().loss_and_grads(tokens, targets)
+        loss, grads = float(loss), {n: grads[n] for n in self.opt.params}
         if self.world is not None:
             loss, grads = self._average(loss, grads, stop)
         check_loss(loss, self.step_count + 1)     # before the update: the parameters stay finite
@@ -192,7 +211,7 @@ class CPUBackend(Backend):
         return cross_entropy_mean(self.forward(tokens), targets)
 
     def forward(self, tokens: np.ndarray) -> np.ndarray:
-        return np.asarray(self._oracle().forward(tokens))
+        return np.asarray(self.oracle().forward(tokens))
 
     def get_params(self) -> ParamDict:
         return {n: p.copy() for n, p in self.params.items()}
@@ -300,12 +319,18 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
-def resolve_device(device: str, task: str = "training") -> tuple[str, str | None]:
+def resolve_device(device: str, task: str = "training", tune: str = "full") -> tuple[str, str | None]:
     """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a
     one-line note saying that ``task`` runs there (:func:`gpu_unavailable_reason` says why). ``gpu`` is
-    not checked here: building the GPU model fails with the reason."""
+    not checked here: building the GPU model fails with the reason. State tuning (``tune="state"``)
+    runs on the CPU: ``auto`` picks it, ``gpu`` is a ValueError."""
     if device not in BACKENDS:
         raise ValueError(f"device must be one of {', '.join(BACKENDS)}, got {device!r}")
+    if tune == "state":
+        if device == "gpu":
+            raise ValueError(STATE_ON_GPU)
+        return "cpu", (f"{task} with initial WKV states runs on the CPU (the oracle): the GPU backend "
+                       "does not have them yet" if device == "auto" else None)
     if device == "cpu":
         return "cpu", None
     if device == "gpu":
@@ -352,11 +377,14 @@ class Trainer:
     changes to single fields of it (``Trainer(cfg, params, lr=1e-3, steps=100)``). ``backend`` is "cpu"
     (oracle + numpy AdamW in ``config.cpu_dtype``), "gpu" (graph replay in ``config.precision``; needs
     rwkvx.model) or "auto" (GPU when usable, else CPU). ``world`` (a :class:`rwkvx.dist.World`):
-    data-parallel training, ``config.batch_size`` rows per rank.
+    data-parallel training, ``config.batch_size`` rows per rank. State tuning (``config.tune ==
+    "state"``) runs on the CPU ("auto" picks it; "gpu" is a ValueError) from ``states`` (the initial
+    WKV states, :mod:`rwkvx.state_tuning`; None: zeros).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, config: TrainConfig | None = None,
-                 backend: str = "auto", world: Any = None, **settings: Any) -> None:
+                 backend: str = "auto", world: Any = None, states: StateDict | None = None,
+                 **settings: Any) -> None:
         if not isinstance(cfg, Config):
             raise TypeError("cfg must be an rwkvx.Config")
         if config is not None and not isinstance(config, TrainConfig):
@@ -368,14 +396,14 @@ class Trainer:
         self.world = world
         self._stop_requested = False
         self._stats_step, self._last_stats = 0, {name: float("nan") for name in STATS}
-        kind, self.device_note = resolve_device(backend)
+        kind, self.device_note = resolve_device(backend, tune=self.config.tune)
         c, clip = self.config, self.config.grad_clip or None
         if kind == "gpu":
             self.backend: Backend = GPUBackend(cfg, params, self.schedule, c.weight_decay, clip, c.batch_size,
                                                c.seq_len, c.precision, c.recompute, world=world)
         else:
             self.backend = CPUBackend(cfg, params, self.schedule, c.weight_decay, clip,
-                                      dtype=np.dtype(c.cpu_dtype), world=world)
+                                      dtype=np.dtype(c.cpu_dtype), world=world, tune=c.tune, states=states)
         # what Trainer.load reads back of the caller's save(meta=..., tensors=...)
         self.meta: dict[str, Any] = {}
         self.extra_tensors: dict[str, np.ndarray] = {}
@@ -395,6 +423,12 @@ class Trainer:
     def params(self) -> ParamDict:
         """Host float32 copies of the current parameters."""
         return self.backend.get_params()
+
+    @property
+    def states(self) -> StateDict | None:
+        """Float32 copies of the initial WKV states being tuned (None unless state tuning)."""
+        states = getattr(self.backend, "states", None)
+        return None if states is None else {n: s.copy() for n, s in states.items()}
 
     @property
     def last_stats(self) -> dict[str, float]:
@@ -458,7 +492,8 @@ class Trainer:
              tensors: Mapping[str, np.ndarray] | None = None) -> None:
         """Write an atomic checkpoint: parameters, AdamW state, step, the TrainConfig, plus ``meta``
         (JSON-able) and ``tensors`` (extra arrays) of the caller. It holds every submitted step, read
-        or not (reading the device state waits for them)."""
+        or not (reading the device state waits for them). State tuning: a state file (the states in
+        place of the parameters)."""
         state = self.backend.optimizer_state()
         all_tensors = dict(state["tensors"])
         for name, value in (tensors or {}).items():
@@ -467,21 +502,34 @@ class Trainer:
             all_tensors[name] = value
         full_meta = {"kind": CHECKPOINT_KIND, "step": self.step_count, "train": self.config.to_dict(),
                      "optim_state_meta": state["meta"], "user": dict(meta or {})}
-        save_checkpoint(path, self.cfg, self.backend.get_params(),
-                        extra={"tensors": all_tensors, "meta": full_meta})
+        extra = {"tensors": all_tensors, "meta": full_meta}
+        if self.config.tune == "state":
+            save_states(path, self.cfg, self.backend.states, extra=extra)
+        else:
+            save_checkpoint(path, self.cfg, self.backend.get_params(), extra=extra)
 
     @classmethod
     def load(cls, path: str | os.PathLike, backend: str = "auto", world: Any = None,
              config: TrainConfig | None = None, stretch_schedule: bool = False,
-             **overrides: Any) -> "Trainer":
+             params: ParamDict | None = None, **overrides: Any) -> "Trainer":
         """A Trainer restored from :meth:`save`: parameters, optimizer moments and step exactly.
 
         Settings are ``config`` when given, else the saved :class:`TrainConfig` with ``overrides`` (field
         names; None values are ignored) as :meth:`TrainConfig.resumed` makes them: a new ``steps``
         keeps the cosine's length unless ``stretch_schedule``. The caller's ``meta`` is ``trainer.meta``,
         its extra tensors ``trainer.extra_tensors``. ``world``: as for the constructor (the checkpoint
-        may come from a job with another number of ranks)."""
-        cfg, params, extra = load_checkpoint(path)
+        may come from a job with another number of ranks). A state-tuning checkpoint (a state file)
+        holds no weights: ``params`` are the frozen model's (required then, refused otherwise)."""
+        states = None
+        if is_state_file(path):
+            if params is None:
+                raise ValueError(f"{path}: a state-tuning checkpoint holds the tuned states, not the "
+                                 "model: pass the model's parameters (params=...)")
+            cfg, states, extra = load_states(path)
+        elif params is not None:
+            raise ValueError(f"{path}: holds the model's parameters; params=... is for state files only")
+        else:
+            cfg, params, extra = load_checkpoint(path)
         meta = extra.get("meta") or {}
         if meta.get("kind") != CHECKPOINT_KIND:
             raise ValueError(f"{path}: not a trainer checkpoint (no optimizer state); it holds weights "
@@ -489,7 +537,7 @@ class Trainer:
         if config is None:
             config = saved_train_config(meta).resumed(
                 stretch_schedule, **{k: v for k, v in overrides.items() if v is not None})
-        trainer = cls(cfg, params, config, backend=backend, world=world)
+        trainer = cls(cfg, params, config, backend=backend, world=world, states=states)
         tensors = extra.get("tensors") or {}
         trainer.backend.load_optimizer_state(
             {"tensors": {k: v for k, v in tensors.items() if k.startswith("optim.")},

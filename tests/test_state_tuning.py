@@ -1,0 +1,191 @@
+"""State tuning on the CPU backend: only the initial WKV states train (AdamW), the model stays bit for
+bit, the state file round-trips, resumes exactly and starts generation; the CLI runs it end to end;
+clear errors for the GPU, shapes that do not fit and models without RWKV blocks."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rwkvx import Config, generate, init_params, save_checkpoint
+from rwkvx.cli import main
+from rwkvx.optim import AdamW, Schedule
+from rwkvx.oracle import Oracle
+from rwkvx.state_tuning import load_states, save_states, state_shapes, zero_states
+from rwkvx.training import TrainConfig, Trainer
+
+from seeding import seeded_rng
+from test_cli import TINY, _log
+
+CFG = Config(vocab_size=256, n_embd=16, n_rwkv_layer=2, n_attn_layer=1, head_size=8,
+             moba_chunk_size=4, moba_top_k=2)
+B, T = 2, 12
+SETTINGS = dict(backend="cpu", tune="state", batch_size=B, seq_len=T, lr=1e-2, lr_min=1e-3,
+                warmup=1, steps=4, grad_clip=1.0, weight_decay=0.1)
+
+
+def _batches(n, seed=0):
+    rng = seeded_rng(seed)
+    return [(rng.integers(0, 256, (B, T)), rng.integers(0, 256, (B, T))) for _ in range(n)]
+
+
+def test_only_the_states_train_with_adamw(random_params):
+    params = random_params(CFG, 1)
+    trainer = Trainer(CFG, params, **SETTINGS)
+    states = zero_states(CFG)
+    opt = AdamW(states, Schedule(1e-2, 1e-3, 1, 4), weight_decay=0.1, grad_clip=1.0)
+    for x, y in _batches(3):
+        loss = trainer.step(x, y)
+        ref_loss, grads = Oracle(CFG, params, dtype=np.float32, states=states).loss_and_grads(x, y)
+        opt.step({n: grads[n] for n in states})
+        assert loss == ref_loss
+    tuned = trainer.states
+    assert set(tuned) == set(state_shapes(CFG))
+    for n, s in tuned.items():
+        assert s.dtype == np.float32 and s.any()
+        np.testing.assert_array_equal(s, states[n], err_msg=n)
+    for n, p in trainer.params.items():      # the model is frozen, bit for bit
+        np.testing.assert_array_equal(p, params[n].astype(np.float32), err_msg=n)
+
+
+def test_state_file_resumes_exactly(tmp_path, random_params):
+    params = random_params(CFG, 2)
+    batches = _batches(4, seed=1)
+    straight = Trainer(CFG, params, **SETTINGS)
+    for x, y in batches:
+        straight.step(x, y)
+    half = Trainer(CFG, params, **SETTINGS)
+    for x, y in batches[:2]:
+        half.step(x, y)
+    path = tmp_path / "state.safetensors"
+    half.save(path, meta={"note": 1})
+    saved_cfg, saved, extra = load_states(path)
+    assert saved_cfg == CFG and extra["meta"]["step"] == 2
+    assert set(saved) == {"blocks.0.att.state", "blocks.1.att.state"}
+    with pytest.raises(ValueError, match="pass the model's parameters"):
+        Trainer.load(path, backend="cpu")
+    resumed = Trainer.load(path, backend="cpu", params=params)
+    assert resumed.step_count == 2 and resumed.meta == {"note": 1}
+    for x, y in batches[2:]:
+        resumed.step(x, y)
+    for n, s in straight.states.items():
+        np.testing.assert_array_equal(resumed.states[n], s, err_msg=n)
+
+
+def test_generation_starts_from_a_loaded_state(tmp_path, random_params):
+    """Greedy generation from a loaded state == the forward with that s0, token by token."""
+    params = random_params(CFG, 3)
+    rng = seeded_rng(4)
+    states = {n: rng.standard_normal(s).astype(np.float32) for n, s in state_shapes(CFG).items()}
+    save_states(tmp_path / "s.safetensors", CFG, states)
+    _, loaded, _ = load_states(tmp_path / "s.safetensors", CFG)
+    oracle = Oracle(CFG, params, dtype=np.float32, states=loaded)
+    prompt = rng.integers(0, 256, 5)
+    new = generate(oracle, prompt, 4, temperature=0)
+    seq = np.concatenate([prompt, new])
+    logits = oracle.forward(seq[None, :-1])[0]
+    np.testing.assert_array_equal(np.argmax(logits[len(prompt) - 1:], axis=-1), new)
+    assert not np.array_equal(new, generate(Oracle(CFG, params, dtype=np.float32), prompt, 4,
+                                            temperature=0))
+
+
+def test_a_state_that_does_not_fit_is_refused(tmp_path):
+    other = dataclasses.replace(CFG, n_embd=32, head_size=16)
+    save_states(tmp_path / "s.safetensors", other, zero_states(other))
+    with pytest.raises(ValueError, match=r"blocks\.0\.att\.state has shape \(2, 16, 16\).*\(2, 8, 8\)"):
+        load_states(tmp_path / "s.safetensors", CFG)
+    deeper = dataclasses.replace(CFG, n_rwkv_layer=3)
+    with pytest.raises(ValueError, match="missing blocks.2.att.state"):
+        load_states(tmp_path / "s.safetensors", deeper)
+    with pytest.raises(ValueError, match="not a state file"):
+        save_checkpoint(tmp_path / "m.safetensors", CFG, init_params(CFG))
+        load_states(tmp_path / "m.safetensors")
+
+
+def test_gpu_and_misuse_are_clear_errors():
+    params = init_params(CFG)
+    with pytest.raises(ValueError, match="not available on the GPU backend yet"):
+        Trainer(CFG, params, **dict(SETTINGS, backend="gpu"))
+    with pytest.raises(ValueError, match="only when state tuning"):
+        Trainer(CFG, params, backend="cpu", states=zero_states(CFG))
+    with pytest.raises(ValueError, match="tune"):
+        TrainConfig(tune="lora")
+    assert Trainer(CFG, params, **dict(SETTINGS, backend="auto")).device == "cpu"
+
+
+def test_a_model_without_rwkv_blocks_has_no_state():
+    cfg = Config(vocab_size=8, n_embd=8, n_rwkv_layer=1, head_size=8)
+    object.__setattr__(cfg, "n_rwkv_layer", 0)    # Config itself refuses this; the check stands alone
+    with pytest.raises(ValueError, match="has none"):
+        state_shapes(cfg)
+
+
+def test_cli_state_tuning_from_a_model(tmp_path, capsys, random_params):
+    """train --tune state --init-from: progress, the state file as checkpoint, exact --resume, sample."""
+    base = tmp_path / "base"
+    assert main(["train", *TINY, "--steps", "1", "--out", str(base)]) == 0
+    model = base / "checkpoint.safetensors"
+    const = ["--lr", "1e-2", "--lr-min", "1e-2", "--warmup", "0", "--eval-every", "2", "--ckpt-every", "2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    capsys.readouterr()
+    tune = ["train", "--tune", "state", "--init-from", str(model), *TINY, *const]
+    assert main([*tune, "--steps", "4", "--out", str(a)]) == 0
+    printed = capsys.readouterr().out
+    assert "state tuning:" in printed and str(a / "state.safetensors") in printed
+    assert "--state" in printed
+    assert not (a / "checkpoint.safetensors").exists()
+    assert [int(r["step"]) for r in _log(a / "log.csv")] == [1, 2, 3, 4]
+    assert main([*tune, "--steps", "2", "--out", str(b)]) == 0
+    with pytest.raises(SystemExit):
+        main(["train", "--resume", str(b), "--tune", "full", "--steps", "4", "--device", "cpu"])
+    assert "--tune cannot change a resumed run" in capsys.readouterr().err
+    assert main(["train", "--resume", str(b), "--steps", "4", "--device", "cpu", "--no-progress"]) == 0
+    _, sa, _ = load_states(a / "state.safetensors")
+    _, sb, eb = load_states(b / "state.safetensors")
+    for n in sa:
+        np.testing.assert_array_equal(sa[n], sb[n], err_msg=n)
+    assert eb["meta"]["step"] == 4 and eb["meta"]["train"]["tune"] == "state"
+    assert all(s.any() for s in sa.values())
+
+    capsys.readouterr()
+    sample = ["sample", "--ckpt", str(model), "--tokens", "5", "--temperature", "0", "--device", "cpu"]
+    assert main([*sample, "--state", str(a)]) == 0
+    assert capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["sample", "--ckpt", str(a), "--device", "cpu"])
+    assert "is a state file" in capsys.readouterr().err
+
+
+def test_cli_state_tuning_on_the_gpu_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--tune", "state", "--device", "gpu", "--out", str(tmp_path / "r")])
+    assert exc.value.code == 2
+    assert "not available on the GPU backend yet" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    save_checkpoint(tmp_path / "m.safetensors", CFG, init_params(CFG))
+    save_states(tmp_path / "s.safetensors", CFG, zero_states(CFG))
+    with pytest.raises(SystemExit) as exc:
+        main(["sample", "--ckpt", str(tmp_path / "m.safetensors"), "--state", str(tmp_path / "s.safetensors"),
+              "--device", "gpu"])
+    assert exc.value.code == 2
+    assert "not available on the GPU backend yet" in capsys.readouterr().err
+
+
+def test_data_parallel_state_tuning_equals_one_rank(tmp_path, random_params):
+    """2 CPU ranks x B=2 tune the same states as 1 rank x B=4 (float64 oracle: up to rounding). The
+    model is random: a fresh one's zero output matrices would leave every state gradient 0."""
+    from test_dist_cpu import SMALL, cli
+
+    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16,
+                 moba_chunk_size=8, moba_top_k=2)
+    save_checkpoint(tmp_path / "m.safetensors", cfg, random_params(cfg, 5))
+    tune = [*SMALL, "--tune", "state", "--init-from", str(tmp_path / "m.safetensors"), "--steps", "3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    r1 = cli(*tune, "--batch-size", "4", "--out", str(one))
+    r2 = cli(*tune, "--gpus", "2", "--batch-size", "2", "--out", str(two))
+    assert r1.returncode == 0, r1.stderr
+    assert r2.returncode == 0, r2.stderr
+    _, s1, _ = load_states(one / "state.safetensors")
+    _, s2, _ = load_states(two / "state.safetensors")
+    for n in s1:
+        assert s1[n].any()
+        np.testing.assert_allclose(s2[n], s1[n], rtol=0, atol=1e-6, err_msg=n)
