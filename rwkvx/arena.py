@@ -149,7 +149,7 @@ class Layout:
               "dk", "dv", "dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1")
         for name in rc:
             if name not in AFTER_WKV_GRADS:
-                self._add(name, R * C, "f32" if name in WKV_F32_GRADS else self.elem_of(name))
+                self._add(name, R * C, self.elem_of(name))
         for name, copy in GEMM_COPIES.items():
             if self.elems[name] == X:
                 self._alias(copy, name)
@@ -194,8 +194,8 @@ class Layout:
 
     def elem_of(self, name: str) -> str:
         """The element type of activation buffer ``name`` (``block_in`` for every ``block_in.i``):
-        f32 for :data:`FP32_ALWAYS`, else the precision's activation type."""
-        return "f32" if name in FP32_ALWAYS else self.xtype
+        f32 for :data:`FP32_ALWAYS` and :data:`WKV_F32_GRADS`, else the precision's activation type."""
+        return "f32" if name in FP32_ALWAYS or name in WKV_F32_GRADS else self.xtype
 
     @staticmethod
     def host_inputs(R: int) -> dict[str, int]:

@@ -402,13 +402,12 @@ def decoder_for(model: Any, batch: int, prompt_len: int, max_len: int) -> Decode
     cache: dict = model.__dict__.setdefault("_decoders", {})
     key = (int(batch), model.precision.name)
     decoder = cache.get(key)
-    caps = (MIN_PROMPT_CAP, MIN_MAX_LEN) if decoder is None else (decoder.prompt_cap, decoder.max_len)
-    fresh = Decoder(model, batch, _capacity(prompt_len, caps[0]), _capacity(max_len, caps[1])) \
-        if decoder is None or decoder.in_use or decoder.prompt_cap < prompt_len or decoder.max_len < max_len \
-        else None
-    if fresh is None:
+    if decoder is not None and not decoder.in_use and decoder.prompt_cap >= prompt_len \
+            and decoder.max_len >= max_len:
         decoder.in_use = True
         return decoder
+    caps = (MIN_PROMPT_CAP, MIN_MAX_LEN) if decoder is None else (decoder.prompt_cap, decoder.max_len)
+    fresh = Decoder(model, batch, _capacity(prompt_len, caps[0]), _capacity(max_len, caps[1]))
     if decoder is not None and decoder.in_use:
         fresh.private = True
     else:
