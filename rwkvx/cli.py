@@ -101,7 +101,7 @@ MODEL_FLAGS = {
 # TrainConfig fields set by a flag of the same name
 TRAIN_FLAGS = ("batch_size", "seq_len", "steps", "lr", "lr_min", "warmup", "weight_decay", "grad_clip",
                "eval_every", "eval_batches", "ckpt_every", "val_fraction", "seed", "precision", "recompute",
-               "cpu_dtype", "tune")
+               "cpu_dtype", "tune", "optimizer_memory")
 
 
 def _flag(dest: str) -> str:
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .presets import DEFAULT_PRESET, PRESETS, get_preset
     from .pth import WRITE_DTYPES
     from .tokenizer import TOKENIZERS
-    from .training.config import CPU_DTYPES, RECOMPUTE_AUTO, TUNES
+    from .training.config import CPU_DTYPES, OPTIMIZER_MEMORY, RECOMPUTE_AUTO, TUNES
 
     parser = argparse.ArgumentParser(
         prog="python -m rwkvx",
@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full (default): train every parameter; state: train only the initial WKV "
                         "state of every RWKV block, the model frozen (usually with --init-from; CPU "
                         "only for now). The checkpoint is then a state file, state.safetensors")
+    g.add_argument("--optimizer-memory", choices=tuple(OPTIMIZER_MEMORY), default=None,
+                   help="standard (default): AdamW moments in float32; lean: in bf16, stochastically "
+                        "rounded (4 bytes a parameter less; a standard run cannot resume lean)")
     g.add_argument("--batch-size", type=_positive_int, help="B, sequences per step")
     g.add_argument("--seq-len", type=_positive_int, help="T, tokens per sequence")
     n = g.add_mutually_exclusive_group()

@@ -19,6 +19,9 @@ from ..validate import FieldError, require_int
 
 CPU_DTYPES = ("float32", "float64")
 TUNES = ("full", "state")   # what a run trains: every parameter, or the initial WKV states alone
+# How the AdamW moments are stored, by TrainConfig.optimizer_memory: float32, or bf16 stochastically
+# rounded (rwkvx.oracle.adamw, "lean moments": 4 bytes a parameter less)
+OPTIMIZER_MEMORY = {"standard": "f32", "lean": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class TrainConfig:
     to the CPU oracle backend. ``batch_size`` is per rank when training data parallel. ``tune``:
     ``"full"`` trains every parameter; ``"state"`` trains only the initial WKV state of every RWKV
     block, the model frozen (:mod:`rwkvx.state_tuning`; CPU backend only for now).
+    ``optimizer_memory``: ``"standard"`` keeps the AdamW moments in float32; ``"lean"`` in bf16,
+    stochastically rounded (:data:`OPTIMIZER_MEMORY`; a run with float32 moments cannot resume lean).
     """
 
     batch_size: int = 8
@@ -52,6 +57,7 @@ class TrainConfig:
     recompute: bool | str = DEFAULT_RECOMPUTE   # True, False or "auto" (rwkvx.model.Model)
     cpu_dtype: str = "float32"
     tune: str = "full"
+    optimizer_memory: str = "standard"
 
     def __post_init__(self) -> None:
         for name, minimum in (("batch_size", 1), ("seq_len", 1), ("steps", 1), ("warmup", 0),
@@ -83,6 +89,14 @@ class TrainConfig:
         object.__setattr__(self, "cpu_dtype", dtype)
         if self.tune not in TUNES:
             raise FieldError("TrainConfig", f"{{tune}} must be one of {', '.join(TUNES)}", tune=self.tune)
+        if self.optimizer_memory not in OPTIMIZER_MEMORY:
+            raise FieldError("TrainConfig", f"{{optimizer_memory}} must be one of {', '.join(OPTIMIZER_MEMORY)}",
+                             optimizer_memory=self.optimizer_memory)
+
+    @property
+    def moments(self) -> str:
+        """The AdamW moments' element type ("f32" or "bf16") for :attr:`optimizer_memory`."""
+        return OPTIMIZER_MEMORY[self.optimizer_memory]
 
     @property
     def schedule(self) -> Schedule:

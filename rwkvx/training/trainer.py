@@ -48,7 +48,7 @@ import numpy as np
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import Config
 from ..optim import AdamW, Schedule
-from ..params import ParamDict, check_params
+from ..params import ParamDict, check_params, param_shapes
 from ..state_tuning import StateDict, check_states, is_state_file, load_states, save_states, zero_states
 from ..validate import IGNORE_INDEX, check_targets, check_tokens
 from .config import TrainConfig
@@ -149,7 +149,7 @@ class CPUBackend(Backend):
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, dtype: Any = np.float32, world: Any = None, tune: str = "full",
-                 states: StateDict | None = None) -> None:
+                 states: StateDict | None = None, moments: str = "f32") -> None:
         try:
             from ..oracle import Oracle
         except ImportError as exc:  # the Cython extension is not built
@@ -162,7 +162,8 @@ class CPUBackend(Backend):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"CPU backend dtype must be float32 or float64, got {self.dtype}")
-        self.params = {n: np.array(p, dtype=np.float32, copy=True) for n, p in params.items()}
+        # in param_shapes' order: the flat layout the GPU arena uses (the lean moments' rounding reads it)
+        self.params = {n: np.array(params[n], dtype=np.float32, copy=True) for n in param_shapes(cfg)}
         self.states = None
         if tune == "state":
             self.states = {n: s.astype(np.float32) for n, s in
@@ -170,7 +171,7 @@ class CPUBackend(Backend):
         elif states is not None:
             raise ValueError("initial states are trained only when state tuning (tune='state')")
         trainable = self.params if self.states is None else self.states
-        self.opt = AdamW(trainable, schedule, weight_decay=weight_decay, grad_clip=grad_clip)
+        self.opt = AdamW(trainable, schedule, weight_decay=weight_decay, grad_clip=grad_clip, moments=moments)
         self.world = world
 
     @property
@@ -265,13 +266,14 @@ class GPUBackend(Backend):
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
-                 recompute: bool, world: Any = None) -> None:
+                 recompute: bool, world: Any = None, moments: str = "f32") -> None:
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
                                "(the oracle) or 'auto'.")
         from ..model import Model
-        self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute)
+        self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute,
+                           moments=moments)
         self.model.configure_optimizer(schedule, weight_decay, grad_clip)
         self.dist_step = None
         if world is not None:
@@ -400,10 +402,11 @@ class Trainer:
         c, clip = self.config, self.config.grad_clip or None
         if kind == "gpu":
             self.backend: Backend = GPUBackend(cfg, params, self.schedule, c.weight_decay, clip, c.batch_size,
-                                               c.seq_len, c.precision, c.recompute, world=world)
+                                               c.seq_len, c.precision, c.recompute, world=world, moments=c.moments)
         else:
             self.backend = CPUBackend(cfg, params, self.schedule, c.weight_decay, clip,
-                                      dtype=np.dtype(c.cpu_dtype), world=world, tune=c.tune, states=states)
+                                      dtype=np.dtype(c.cpu_dtype), world=world, tune=c.tune, states=states,
+                                      moments=c.moments)
         # what Trainer.load reads back of the caller's save(meta=..., tensors=...)
         self.meta: dict[str, Any] = {}
         self.extra_tensors: dict[str, np.ndarray] = {}
