@@ -16,17 +16,15 @@ with it says which model it was tuned on; :func:`load_states` checks the shapes 
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping
 
 import numpy as np
 
-from .checkpoint import FORMAT_VERSION, read_safetensors, safetensors_metadata, write_safetensors
+from .checkpoint import file_format, load_adapter, save_adapter
 from .config import Config
 
 STATE_FORMAT = "rwkvx-state"
-EXTRA_PREFIX = "extra."
 StateDict = dict[str, np.ndarray]
 
 
@@ -80,25 +78,13 @@ def save_states(path: str | os.PathLike, cfg: Config, states: Mapping[str, np.nd
                 extra: Mapping[str, Any] | None = None) -> None:
     """Write a state file (see the module docstring) atomically. ``extra`` may hold ``"tensors"``
     (stored under ``extra.``) and ``"meta"`` (JSON-able), as :func:`rwkvx.checkpoint.save_checkpoint`."""
-    extra = dict(extra or {})
-    unknown = set(extra) - {"tensors", "meta"}
-    if unknown:
-        raise ValueError(f"extra accepts keys 'tensors' and 'meta', got {sorted(unknown)}")
-    tensors = {n: s.astype(np.float32) for n, s in check_states(cfg, states).items()}
-    for name, value in (extra.get("tensors") or {}).items():
-        tensors[EXTRA_PREFIX + name] = value
-    metadata = {"format": STATE_FORMAT, "format_version": str(FORMAT_VERSION),
-                "config": json.dumps(cfg.to_dict()), "extra_meta": json.dumps(extra.get("meta") or {})}
-    write_safetensors(path, tensors, metadata)
+    save_adapter(path, STATE_FORMAT, cfg, check_states(cfg, states), extra)
 
 
 def is_state_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a state file (a safetensors file whose metadata says so; only the header is
     read). False for anything unreadable, which the reader of another format then reports."""
-    try:
-        return safetensors_metadata(path).get("format") == STATE_FORMAT
-    except (OSError, ValueError):
-        return False
+    return file_format(path) == STATE_FORMAT
 
 
 def load_states(path: str | os.PathLike, cfg: Config | None = None
@@ -106,20 +92,10 @@ def load_states(path: str | os.PathLike, cfg: Config | None = None
     """``(the Config it was tuned on, states, extra)`` of a state file; ``extra`` as
     :func:`rwkvx.checkpoint.load_checkpoint` returns it. Given ``cfg`` (the model the states are
     for), every state must have that model's shape; any problem raises ``ValueError``."""
-    tensors, _, metadata = read_safetensors(path)
-    if metadata.get("format") != STATE_FORMAT:
-        raise ValueError(f"{path}: not a state file (a state-tuning run's output)")
-    try:
-        saved = Config.from_dict(json.loads(metadata["config"]))
-        meta = json.loads(metadata.get("extra_meta", "{}"))
-    except (KeyError, json.JSONDecodeError, TypeError) as exc:
-        raise ValueError(f"{path}: corrupt state file metadata ({exc})") from None
-    states = {k: v for k, v in tensors.items() if not k.startswith(EXTRA_PREFIX)}
+    saved, states, extra, _ = load_adapter(path, STATE_FORMAT, "state file (a state-tuning run's output)")
     try:
         states = {n: s.astype(np.float32, copy=False)
                   for n, s in check_states(cfg or saved, states, where=f"state file {path}").items()}
     except TypeError as exc:
         raise ValueError(str(exc)) from None
-    extra = {"tensors": {k[len(EXTRA_PREFIX):]: v for k, v in tensors.items() if k.startswith(EXTRA_PREFIX)},
-             "meta": meta}
     return saved, states, extra
