@@ -108,7 +108,7 @@ def test_gpu_and_misuse_are_clear_errors():
     with pytest.raises(ValueError, match="only when state tuning"):
         Trainer(CFG, params, backend="cpu", states=zero_states(CFG))
     with pytest.raises(ValueError, match="tune"):
-        TrainConfig(tune="lora")
+        TrainConfig(tune="prefix")
     assert Trainer(CFG, params, **dict(SETTINGS, backend="auto")).device == "cpu"
 
 
