@@ -89,6 +89,33 @@ def _write_with_extra(path: str | os.PathLike, fmt: str, cfg: Config, tensors: d
                                       "extra_meta": json.dumps(extra.get("meta") or {}), **metadata})
 
 
+def check_tensors(shapes: Mapping[str, tuple[int, ...]], tensors: Any, where: str, what: str
+                  ) -> dict[str, np.ndarray]:
+    """Copies of ``tensors`` (their dtype kept) in the order of ``shapes``; ``TypeError`` /
+    ``ValueError`` naming ``where`` unless they are exactly the names and shapes of ``shapes``, finite
+    float arrays. ``what`` says what the model expects (``"states (one per RWKV block, 2)"``)."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"{where} must be a dict of name -> numpy array, got {type(tensors).__name__}")
+    missing = [n for n in shapes if n not in tensors]
+    unexpected = sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
+            [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else [])
+        raise ValueError(f"{where}: not this model's {what}: " + "; ".join(problems))
+    out = {}
+    for name, shape in shapes.items():
+        value = tensors[name]
+        if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
+            raise TypeError(f"{where}: {name} must be a float numpy array")
+        if value.shape != tuple(shape):
+            raise ValueError(f"{where}: {name} has shape {value.shape}, but this model's {what} need "
+                             f"{tuple(shape)} there")
+        if not np.isfinite(value).all():
+            raise ValueError(f"{where}: {name} is not finite")
+        out[name] = value.copy()
+    return out
+
+
 def save_adapter(path: str | os.PathLike, fmt: str, cfg: Config, tensors: dict[str, np.ndarray],
                  extra: Mapping[str, Any] | None = None, info: Mapping[str, Any] | None = None) -> None:
     """Write an *adapter file* atomically: what a tuning run trains beside a frozen model (the tuned

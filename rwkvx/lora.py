@@ -37,7 +37,7 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from .checkpoint import file_format, load_adapter, save_adapter
+from .checkpoint import check_tensors, file_format, load_adapter, save_adapter
 from .config import Config
 from .params import ParamDict, check_params, param_shapes, tensor_rng
 from .validate import FieldError, require_int
@@ -125,19 +125,26 @@ def adapted_weights(cfg: Config, targets: tuple[str, ...]) -> list[str]:
     return [name for name in param_shapes(cfg) if name in wanted]
 
 
+def _factor_shapes(cfg: Config, weights: list[str], rank: int) -> dict[str, tuple[int, int]]:
+    """Names and shapes (A [in, r], B [r, out]) of the rank-``rank`` factors of ``weights``."""
+    shapes, out = param_shapes(cfg), {}
+    for weight in weights:
+        rows, cols = shapes[weight]           # [out, in]
+        a, b = factor_names(weight)
+        out[a], out[b] = (cols, rank), (rank, rows)
+    return out
+
+
 def lora_shapes(cfg: Config, settings: LoraSettings) -> dict[str, tuple[int, int]]:
     """Names and shapes (A [in, r], B [r, out]) of the factors ``settings`` give ``cfg``, in parameter
     order; FieldError naming ``lora_rank`` unless r is smaller than both sides of every adapted matrix
     (or ``lora_targets``, see :func:`adapted_weights`)."""
-    shapes, out, r = param_shapes(cfg), {}, settings.rank
-    for weight in adapted_weights(cfg, settings.targets):
-        rows, cols = shapes[weight]           # [out, in]
-        if r >= min(rows, cols):
-            raise FieldError("TrainConfig", f"{{lora_rank}} must be smaller than both sides of every "
-                             f"adapted matrix ({weight} is [{rows}, {cols}])", lora_rank=r)
-        a, b = factor_names(weight)
-        out[a], out[b] = (cols, r), (r, rows)
-    return out
+    weights, shapes = adapted_weights(cfg, settings.targets), param_shapes(cfg)
+    for weight in weights:
+        if settings.rank >= min(shapes[weight]):
+            raise FieldError("TrainConfig", "{lora_rank} must be smaller than both sides of every adapted "
+                             f"matrix ({weight} is {list(shapes[weight])})", lora_rank=settings.rank)
+    return _factor_shapes(cfg, weights, settings.rank)
 
 
 def init_factors(cfg: Config, settings: LoraSettings, seed: int = 0) -> FactorDict:
@@ -158,38 +165,15 @@ def check_factors(cfg: Config, factors: Mapping[str, Any], settings: LoraSetting
     """Copies of ``factors`` (their dtype kept) in parameter order; TypeError / ValueError naming
     ``where`` unless they are finite float arrays forming (A, B) pairs of one rank for matrices of
     ``cfg`` — exactly the factors of ``settings`` when given."""
-    if not isinstance(factors, Mapping):
-        raise TypeError(f"{where} must be a dict of name -> numpy array, got {type(factors).__name__}")
     if settings is not None:
         shapes = lora_shapes(cfg, settings)
-    else:   # any adaptable matrix of the model, the rank read from the first A given
-        params = param_shapes(cfg)
+    else:   # any adaptable matrices of the model, the rank read from the first A given
         adaptable = set().union(*(_matrices(cfg, t) for t in TARGETS))
-        weights = [w for w in params if w in adaptable and any(n in factors for n in factor_names(w))]
-        first = factors.get(factor_names(weights[0])[0]) if weights else None
-        r = int(np.shape(first)[1]) if np.ndim(first) == 2 else 0
-        shapes = {}
-        for w in weights:
-            a, b = factor_names(w)
-            shapes[a], shapes[b] = (params[w][1], r), (r, params[w][0])
-    missing = [n for n in shapes if n not in factors]
-    unexpected = sorted(set(factors) - set(shapes))
-    if missing or unexpected:
-        problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
-            [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else [])
-        raise ValueError(f"{where}: not this model's LoRA factors: " + "; ".join(problems))
-    out = {}
-    for name, shape in shapes.items():
-        value = factors[name]
-        if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
-            raise TypeError(f"{where}: {name} must be a float numpy array")
-        if value.shape != shape:
-            raise ValueError(f"{where}: {name} has shape {value.shape}, expected {shape} "
-                             "(A [in, r], B [r, out], one rank r for every factor)")
-        if not np.isfinite(value).all():
-            raise ValueError(f"{where}: {name} is not finite")
-        out[name] = value.copy()
-    return out
+        given = factors if isinstance(factors, Mapping) else {}
+        weights = [w for w in param_shapes(cfg) if w in adaptable and any(n in given for n in factor_names(w))]
+        first = given.get(factor_names(weights[0])[0]) if weights else None
+        shapes = _factor_shapes(cfg, weights, int(np.shape(first)[1]) if np.ndim(first) == 2 else 0)
+    return check_tensors(shapes, factors, where, "LoRA factors (A [in, r], B [r, out], one rank r)")
 
 
 def check_scale(scale: Any) -> float:

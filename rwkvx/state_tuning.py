@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .checkpoint import file_format, load_adapter, save_adapter
+from .checkpoint import check_tensors, file_format, load_adapter, save_adapter
 from .config import Config
 
 STATE_FORMAT = "rwkvx-state"
@@ -50,28 +50,8 @@ def zero_states(cfg: Config) -> StateDict:
 def check_states(cfg: Config, states: Mapping[str, Any], where: str = "states") -> StateDict:
     """Copies of ``states`` (their dtype kept) in block order; ``TypeError`` / ``ValueError`` naming
     ``where`` unless they are exactly ``cfg``'s names and shapes, finite floats."""
-    if not isinstance(states, Mapping):
-        raise TypeError(f"{where} must be a dict of name -> numpy array, got {type(states).__name__}")
-    shapes = state_shapes(cfg)
-    missing = [n for n in shapes if n not in states]
-    unexpected = sorted(set(states) - set(shapes))
-    if missing or unexpected:
-        problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
-            [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else [])
-        raise ValueError(f"{where}: not this model's states (one per RWKV block, {cfg.n_rwkv_layer}): "
-                         + "; ".join(problems))
-    out = {}
-    for name, shape in shapes.items():
-        value = states[name]
-        if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
-            raise TypeError(f"{where}: {name} must be a float numpy array")
-        if value.shape != shape:
-            raise ValueError(f"{where}: {name} has shape {value.shape}, but this model's states are "
-                             f"[H, N, N] = {shape}")
-        if not np.isfinite(value).all():
-            raise ValueError(f"{where}: {name} is not finite")
-        out[name] = value.copy()
-    return out
+    return check_tensors(state_shapes(cfg), states, where,
+                         f"states (one per RWKV block, {cfg.n_rwkv_layer}; [H, N, N])")
 
 
 def save_states(path: str | os.PathLike, cfg: Config, states: Mapping[str, np.ndarray],
