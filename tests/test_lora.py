@@ -22,8 +22,9 @@ from test_cli import TINY, _log
 from test_state_tuning import CFG, SETTINGS as STATE_SETTINGS
 from test_state_tuning import _batches, check_exact_resume
 
+# the model test_cli's TINY flags (and test_dist_cpu's SMALL) train
 TINY_CFG = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16,
-                  moba_chunk_size=8, moba_top_k=2)     # the model test_cli's TINY flags train
+                  moba_chunk_size=8, moba_top_k=2)
 SETTINGS = dict(STATE_SETTINGS, tune="lora", lora_rank=2, lora_alpha=4.0,
                 lora_targets=DEFAULT_TARGETS + ("moba.key",), seed=3)
 
@@ -245,9 +246,7 @@ def test_data_parallel_lora_equals_one_rank(tmp_path, random_params):
     """2 CPU ranks x B=2 train the same factors as 1 rank x B=4 (float64 oracle: up to rounding)."""
     from test_dist_cpu import SMALL, cli
 
-    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16,
-                 moba_chunk_size=8, moba_top_k=2)
-    save_checkpoint(tmp_path / "m.safetensors", cfg, random_params(cfg, 5))
+    save_checkpoint(tmp_path / "m.safetensors", TINY_CFG, random_params(TINY_CFG, 5))
     tune = [*SMALL, "--tune", "lora", "--init-from", str(tmp_path / "m.safetensors"), "--steps", "3",
             "--lora-rank", "2"]
     one, two = tmp_path / "one", tmp_path / "two"
