@@ -648,7 +648,8 @@ def _load_model(args: argparse.Namespace) -> tuple[Path, Config, ParamDict, dict
     tune = ADAPTER_FORMATS.get(file_format(path))
     if tune is not None:
         what, option = _ADAPTER_OPTIONS[tune]
-        raise UsageError(f"--ckpt {path} is {what}: give the model as --ckpt and this file as {option}")
+        use = f" and this file as {option}" if hasattr(args, option[2:]) else ""
+        raise UsageError(f"--ckpt {path} is {what}: give the model as --ckpt{use}")
     try:
         cfg, params, extra = load_checkpoint(path)
     except ValueError as exc:

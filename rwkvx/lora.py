@@ -37,7 +37,7 @@ from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
-from .checkpoint import check_tensors, file_format, load_adapter, save_adapter
+from .checkpoint import check_tensors, load_adapter, save_adapter
 from .config import Config
 from .params import ParamDict, check_params, param_shapes, tensor_rng
 from .validate import FieldError, require_int
@@ -204,11 +204,6 @@ def save_lora(path: str | os.PathLike, cfg: Config, factors: Mapping[str, np.nda
     save_adapter(path, LORA_FORMAT, cfg, check_factors(cfg, factors, settings), extra, settings.to_dict())
 
 
-def is_lora_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a LoRA file (only the header is read); False for anything unreadable."""
-    return file_format(path) == LORA_FORMAT
-
-
 def load_lora(path: str | os.PathLike, cfg: Config | None = None
               ) -> tuple[Config, FactorDict, LoraSettings, dict[str, Any]]:
     """``(the Config it was tuned on, factors (float32), settings, extra)`` of a LoRA file; ``extra`` as
@@ -218,8 +213,12 @@ def load_lora(path: str | os.PathLike, cfg: Config | None = None
     where = f"LoRA file {path}"
     try:
         settings = check_settings(info.get("rank"), info.get("alpha"), info.get("targets"))
-        factors = {n: f.astype(np.float32, copy=False)
-                   for n, f in check_factors(cfg or saved, factors, settings, where).items()}
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}" if where not in str(exc) else str(exc)) from None
-    return saved, factors, settings, extra
+        raise ValueError(f"{where}: corrupt adapter metadata ({exc})") from None
+    try:
+        factors = check_factors(cfg or saved, factors, settings, where)
+    except FieldError as exc:     # the settings ask for matrices or a rank the model does not have
+        raise ValueError(f"{where}: does not fit this model ({exc})") from None
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    return saved, {n: f.astype(np.float32, copy=False) for n, f in factors.items()}, settings, extra

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .checkpoint import check_tensors, file_format, load_adapter, save_adapter
+from .checkpoint import check_tensors, load_adapter, save_adapter
 from .config import Config
 
 STATE_FORMAT = "rwkvx-state"
@@ -59,12 +59,6 @@ def save_states(path: str | os.PathLike, cfg: Config, states: Mapping[str, np.nd
     """Write a state file (see the module docstring) atomically. ``extra`` may hold ``"tensors"``
     (stored under ``extra.``) and ``"meta"`` (JSON-able), as :func:`rwkvx.checkpoint.save_checkpoint`."""
     save_adapter(path, STATE_FORMAT, cfg, check_states(cfg, states), extra)
-
-
-def is_state_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a state file (a safetensors file whose metadata says so; only the header is
-    read). False for anything unreadable, which the reader of another format then reports."""
-    return file_format(path) == STATE_FORMAT
 
 
 def load_states(path: str | os.PathLike, cfg: Config | None = None

@@ -102,6 +102,10 @@ def test_a_lora_file_that_does_not_fit_is_refused(tmp_path):
     deeper = dataclasses.replace(CFG, n_rwkv_layer=3)
     with pytest.raises(ValueError, match=r"missing rwkv\.blocks\.2\.att\.key\.lora_A"):
         load_lora(tmp_path / "l.safetensors", deeper)
+    moba = LoraSettings(2, 2.0, ("moba.key",))
+    save_lora(tmp_path / "moba.safetensors", CFG, init_factors(CFG, moba), moba)
+    with pytest.raises(ValueError, match="does not fit this model .*has no MoBA attention blocks"):
+        load_lora(tmp_path / "moba.safetensors", dataclasses.replace(CFG, n_attn_layer=0))
     save_checkpoint(tmp_path / "m.safetensors", CFG, init_params(CFG))
     with pytest.raises(ValueError, match="not a LoRA file"):
         load_lora(tmp_path / "m.safetensors")
