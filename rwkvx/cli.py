@@ -118,10 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``python -m rwkvx`` parser: the ``train``, ``sample``, ``prepare`` and ``export`` subcommands."""
     from .dist.world import DEFAULT_TIMEOUT_S
     from .precision import PRECISION_NAMES as PRECISIONS
+    from .lora import DEFAULT_ALPHA, DEFAULT_RANK, DEFAULT_TARGETS, TARGETS
     from .presets import DEFAULT_PRESET, PRESETS, get_preset
     from .pth import WRITE_DTYPES
     from .tokenizer import TOKENIZERS
-    from .lora import DEFAULT_ALPHA, DEFAULT_RANK, DEFAULT_TARGETS, TARGETS
     from .training.config import CPU_DTYPES, RECOMPUTE_AUTO, TUNES
 
     parser = argparse.ArgumentParser(
@@ -376,6 +376,11 @@ def _recompute_note(run: Run) -> str:
     return note
 
 
+# what a fresh model's zero output matrices (att.output, ffn.value) mean for a tuning run, by tune
+_FRESH_MODEL = {"state": "its states get no gradient",
+                "lora": "only the factors of output matrices get a gradient until those have trained"}
+
+
 def _print_run(run: Run) -> None:
     """The header: the fallback note, device, model, data and the training plan."""
     prep, trainer, cfg, tr = run.prep, run.trainer, run.prep.cfg, run.train
@@ -394,14 +399,14 @@ def _print_run(run: Run) -> None:
     if trainer.states is not None:
         print(f"state tuning: {sum(s.size for s in trainer.states.values()):,} state values trained "
               f"({len(trainer.states)} RWKV blocks x [H, N, N]), the model frozen")
-        if prep.init_from is None:
-            print("note: a fresh model's output matrices are zero, so its states get no gradient: "
-                  "state tuning adapts a trained model (--init-from)")
     if trainer.lora is not None:
         r, alpha, targets = tr.lora
         print(f"LoRA: {sum(f.size for f in trainer.lora.values()):,} factor values trained "
               f"({len(trainer.lora) // 2} matrices of {','.join(targets)}; rank {r}, alpha {alpha:g}, "
               f"scale {tr.lora.scale:g}), the model frozen")
+    if tr.tune != "full" and prep.init_from is None:
+        print(f"note: a fresh model's output matrices are zero, so {_FRESH_MODEL[tr.tune]}: tuning adapts "
+              "a trained model (--init-from)")
     fmt = prep.data.format + (f", {prep.tokenizer} tokenizer" if prep.tokenizer else "")
     held = 0 if prep.val_tokens is None else len(prep.val_tokens)
     val = (f"{held:,} held out for validation, {prep.val_scored:,} of them scored" if held

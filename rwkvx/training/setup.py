@@ -23,12 +23,13 @@ from ..validate import FieldError
 from . import trainer as _trainer
 from .config import TrainConfig
 from .rundir import CHECKPOINT_NAMES, LOG_NAME, PLOT_NAME, default_out, find_checkpoint
-from .trainer import CHECKPOINT_KIND, CPU_ONLY, Trainer, read_checkpoint, saved_train_config
+from .trainer import (ADAPTER_FORMATS, CHECKPOINT_KIND, CPU_ONLY, TUNED, Trainer, read_checkpoint,
+                      saved_train_config)
 
 ENTROPY_MAX_TOKENS = 50_000_000   # the unigram entropy is computed for training data up to this size
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")   # TrainConfig fields that only --tune lora uses
 LORA_OPTIONS = "--lora-rank, --lora-alpha and --lora-targets"
-RUN_TRAINS = {"full": "every parameter", "state": "the initial states", "lora": "LoRA factors"}
+RUN_TRAINS = {"full": "every parameter", **TUNED}   # by TrainConfig.tune
 
 
 class RunError(ValueError):
@@ -155,11 +156,10 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
 
     ``rank`` of ``ranks``: this process's place in a data-parallel job; ``kind``: the backend, when the
     caller has resolved it (the ``--gpus`` launcher, which must not open a GPU itself)."""
-    from ..data import TEXT_FORMATS, default_corpus_path, eval_batches, load_tokens, scored_tokens, split_train_val
     from ..checkpoint import file_format
+    from ..data import TEXT_FORMATS, default_corpus_path, eval_batches, load_tokens, scored_tokens, split_train_val
     from ..presets import DEFAULT_PRESET, get_preset
     from ..tokenizer import tokenizer_class
-    from .trainer import ADAPTER_FORMATS
 
     note = None
     if req.resume and req.init_from:
@@ -235,7 +235,8 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
                 k: getattr(ckpt_cfg, k) for k in ("moba_chunk_size", "moba_top_k", "n_attn_layer")}),
                 preset["model"])
             if cfg != ckpt_cfg:
-                raise RunError(f"--resume: the run's model {init_from} no longer fits its {tune} file")
+                raise RunError(f"--resume: the run's model {init_from} no longer fits its "
+                               f"{CHECKPOINT_NAMES[tune]}")
     elif req.init_from:
         cfg, start_params, init_from = _init_model(req, preset["model"])
     else:
