@@ -45,7 +45,8 @@ from .validate import FieldError, require_int
 LORA_FORMAT = "rwkvx-lora"
 FactorDict = dict[str, np.ndarray]
 
-# target -> (the kinds of block it adapts, the matrix's name inside such a block)
+# target -> (the parameter groups it adapts: RWKV blocks "rwkv.blocks.{i}.", MoBA blocks "moba.{j}.", and
+# the matrix's name inside such a block)
 TARGETS: dict[str, tuple[tuple[str, ...], str]] = {
     **{f"att.{n}": (("rwkv",), f"att.{n}.weight") for n in ("receptance", "key", "value", "output")},
     **{f"ffn.{n}": (("rwkv", "moba"), f"ffn.{n}.weight") for n in ("key", "value")},
@@ -106,10 +107,8 @@ def factor_names(weight: str) -> tuple[str, str]:
 
 def _matrices(cfg: Config, target: str) -> set[str]:
     """The parameters ``target`` names in ``cfg`` (none for a MoBA target on an RWKV-7 model)."""
-    kinds, suffix = TARGETS[target]
-    prefixes = {"rwkv": [f"rwkv.blocks.{i}." for i in range(cfg.n_rwkv_layer)],
-                "moba": [f"moba.{j}." for j in range(cfg.n_attn_layer)]}
-    return {p + suffix for kind in kinds for p in prefixes[kind]}
+    groups, suffix = TARGETS[target]
+    return {n for n in param_shapes(cfg) if n.split(".")[0] in groups and n.endswith("." + suffix)}
 
 
 def adapted_weights(cfg: Config, targets: tuple[str, ...]) -> list[str]:
