@@ -521,11 +521,12 @@ def _generation_source(cfg: Config, params: ParamDict, device: str, precision: s
     """What :func:`rwkvx.generation.stream` generates with on the chosen device, plus the fallback
     note: a GPU Model holding the weights (``precision``; its decoder has buffers of its own, so the
     model is built for one token), or the float32 CPU oracle (starting from the initial WKV
-    ``states`` when given, which the GPU cannot yet)."""
+    ``states`` when given, which the GPU decoder cannot)."""
+    from .generation import STATES_ON_GPU
     from .training.setup import check_device
 
     with _usage_errors():
-        kind, note = check_device(device, "sampling", "full" if states is None else "state")
+        kind, note = check_device(device, "sampling", None if states is None else STATES_ON_GPU)
     if kind == "gpu":
         from .model import Model
         try:   # the weights' holder for the decoder; no backward: the least memory

@@ -75,11 +75,12 @@ class Prepared:
     val_scored: int                 # held-out tokens an evaluation scores (distinct positions)
 
 
-def check_device(device: str, task: str, tune: str = "full") -> tuple[str, str | None]:
-    """``("cpu"|"gpu", note)`` for ``device`` (and ``TrainConfig.tune``); an explicit ``gpu`` that
-    cannot be used is a RunError here, before anything is built or written."""
+def check_device(device: str, task: str, cpu_only: str | None = None) -> tuple[str, str | None]:
+    """``("cpu"|"gpu", note)`` for ``device`` (``cpu_only``: why ``task`` cannot run on the GPU, see
+    :func:`rwkvx.training.trainer.resolve_device`); an explicit ``gpu`` that cannot be used is a
+    RunError here, before anything is built or written."""
     try:
-        kind, note = _trainer.resolve_device(device, task, tune)
+        kind, note = _trainer.resolve_device(device, task, cpu_only)
     except ValueError as exc:
         raise RunError(f"--device {device}: {exc}") from None
     if device == "gpu":
@@ -169,9 +170,9 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
                        "--tune cannot change a resumed run")
     tune = req.train.get("tune") or tune
     if kind is None:
-        kind, note = check_device(req.device, "training", tune)
-    elif tune == "state" and kind == "gpu":
-        raise RunError(f"--tune state: {_trainer.STATE_ON_GPU}")
+        kind, note = check_device(req.device, "training")
+    if tune == "state" and kind == "gpu" and ranks > 1:
+        raise RunError(f"--tune state: {_trainer.STATE_DATA_PARALLEL}")
     saved_run, saved, ckpt_cfg = None, None, None
     if resume_path is not None:
         try:

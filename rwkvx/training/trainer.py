@@ -23,10 +23,10 @@ NCCL inside the step's CUDA graph on the GPU backend (:mod:`rwkvx.dist.step`), t
 collectives of the world on the CPU backend. Losses are means over all ranks; every rank ends each
 step with the same parameters. Without a world (the default) nothing of this runs.
 
-State tuning (``TrainConfig.tune = "state"``, CPU backend only): the backend trains the initial WKV
-states of the RWKV blocks (:mod:`rwkvx.state_tuning`) with the same AdamW, the parameters stay as
-they were, and the checkpoint is a state file (the states, their moments and the same metadata; no
-weights), which :meth:`Trainer.load` resumes given the model's parameters.
+State tuning (``TrainConfig.tune = "state"``, either backend; on the GPU without data parallel): the
+backend trains the initial WKV states of the RWKV blocks (:mod:`rwkvx.state_tuning`) with the same
+AdamW, the parameters stay as they were, and the checkpoint is a state file (the states, their moments
+and the same metadata; no weights), which :meth:`Trainer.load` resumes given the model's parameters.
 
 Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
 parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
@@ -56,8 +56,8 @@ from .config import TrainConfig
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 STATS = ("lr", "grad_norm", "clip")      # the optimizer statistics of a step
-STATE_ON_GPU = ("initial WKV states (state tuning, tune='state') are not available on the GPU backend "
-                "yet: use the CPU backend (backend='cpu', CLI --device cpu)")
+STATE_DATA_PARALLEL = ("state tuning (tune='state') on the GPU backend runs on one GPU: data-parallel "
+                       "state tuning is not built; use one rank, or the CPU backend")
 
 
 def check_loss(loss: float, step: int) -> float:
@@ -259,19 +259,28 @@ class GPUBackend(Backend):
     Training batches are exactly ``[batch_size, seq_len]``; ``evaluate``/``forward`` take any
     ``[B, T]`` with B <= batch_size and T <= seq_len, padded by :func:`pad_batch`. With a ``world``
     the step is :class:`rwkvx.dist.step.DistributedStep` (NCCL all-reduces inside the graph).
+    With ``tune="state"`` the model trains the float32 initial WKV ``states`` (None: zeros) and the
+    parameters stay frozen (one GPU: no ``world``).
     """
 
     name = "gpu"
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
-                 recompute: bool, world: Any = None) -> None:
+                 recompute: bool, world: Any = None, tune: str = "full", states: StateDict | None = None) -> None:
+        if tune == "state":
+            if world is not None:
+                raise ValueError(STATE_DATA_PARALLEL)
+            states = zero_states(cfg) if states is None else states
+        elif states is not None:
+            raise ValueError("initial states are trained only when state tuning (tune='state')")
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
                                "(the oracle) or 'auto'.")
         from ..model import Model
-        self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute)
+        self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute,
+                           states=states)
         self.model.configure_optimizer(schedule, weight_decay, grad_clip)
         self.dist_step = None
         if world is not None:
@@ -298,6 +307,11 @@ class GPUBackend(Backend):
     def forward(self, tokens: np.ndarray) -> np.ndarray:
         return forward_padded(self.model, tokens)
 
+    @property
+    def states(self) -> StateDict | None:
+        """The initial WKV states being tuned, downloaded (None unless state tuning)."""
+        return self.model.states()
+
     def get_params(self) -> ParamDict:
         return self.model.params()
 
@@ -319,18 +333,17 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
-def resolve_device(device: str, task: str = "training", tune: str = "full") -> tuple[str, str | None]:
+def resolve_device(device: str, task: str = "training", cpu_only: str | None = None) -> tuple[str, str | None]:
     """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a
     one-line note saying that ``task`` runs there (:func:`gpu_unavailable_reason` says why). ``gpu`` is
-    not checked here: building the GPU model fails with the reason. State tuning (``tune="state"``)
-    runs on the CPU: ``auto`` picks it, ``gpu`` is a ValueError."""
+    not checked here: building the GPU model fails with the reason. ``cpu_only``: why ``task`` cannot
+    run on the GPU (``auto`` picks the CPU, saying so; ``gpu`` is a ValueError with it)."""
     if device not in BACKENDS:
         raise ValueError(f"device must be one of {', '.join(BACKENDS)}, got {device!r}")
-    if tune == "state":
+    if cpu_only is not None:
         if device == "gpu":
-            raise ValueError(STATE_ON_GPU)
-        return "cpu", (f"{task} with initial WKV states runs on the CPU (the oracle): the GPU backend "
-                       "does not have them yet" if device == "auto" else None)
+            raise ValueError(cpu_only)
+        return "cpu", f"{task} runs on the CPU (the oracle): {cpu_only}" if device == "auto" else None
     if device == "cpu":
         return "cpu", None
     if device == "gpu":
@@ -378,8 +391,8 @@ class Trainer:
     (oracle + numpy AdamW in ``config.cpu_dtype``), "gpu" (graph replay in ``config.precision``; needs
     rwkvx.model) or "auto" (GPU when usable, else CPU). ``world`` (a :class:`rwkvx.dist.World`):
     data-parallel training, ``config.batch_size`` rows per rank. State tuning (``config.tune ==
-    "state"``) runs on the CPU ("auto" picks it; "gpu" is a ValueError) from ``states`` (the initial
-    WKV states, :mod:`rwkvx.state_tuning`; None: zeros).
+    "state"``) trains ``states`` (the initial WKV states, :mod:`rwkvx.state_tuning`; None: zeros) on
+    either backend (the GPU's without a ``world``).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, config: TrainConfig | None = None,
@@ -396,11 +409,12 @@ class Trainer:
         self.world = world
         self._stop_requested = False
         self._stats_step, self._last_stats = 0, {name: float("nan") for name in STATS}
-        kind, self.device_note = resolve_device(backend, tune=self.config.tune)
+        kind, self.device_note = resolve_device(backend)
         c, clip = self.config, self.config.grad_clip or None
         if kind == "gpu":
             self.backend: Backend = GPUBackend(cfg, params, self.schedule, c.weight_decay, clip, c.batch_size,
-                                               c.seq_len, c.precision, c.recompute, world=world)
+                                               c.seq_len, c.precision, c.recompute, world=world, tune=c.tune,
+                                               states=states)
         else:
             self.backend = CPUBackend(cfg, params, self.schedule, c.weight_decay, clip,
                                       dtype=np.dtype(c.cpu_dtype), world=world, tune=c.tune, states=states)
