@@ -180,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arithmetic of the CPU oracle backend (default float32)")
     g.add_argument("--tune", choices=TUNES, default=None,
                    help="full (default): train every parameter; state: train only the initial WKV "
-                        "state of every RWKV block, the model frozen (usually with --init-from; CPU "
-                        "only for now). The checkpoint is then a state file, state.safetensors")
+                        "state of every RWKV block, the model frozen (usually with --init-from; one GPU "
+                        "or the CPU). The checkpoint is then a state file, state.safetensors")
     g.add_argument("--batch-size", type=_positive_int, help="B, sequences per step")
     g.add_argument("--seq-len", type=_positive_int, help="T, tokens per sequence")
     n = g.add_mutually_exclusive_group()

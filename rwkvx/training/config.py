@@ -31,7 +31,7 @@ class TrainConfig:
     (:class:`rwkvx.optim.Schedule`). ``precision`` and ``recompute`` apply to the GPU backend, ``cpu_dtype``
     to the CPU oracle backend. ``batch_size`` is per rank when training data parallel. ``tune``:
     ``"full"`` trains every parameter; ``"state"`` trains only the initial WKV state of every RWKV
-    block, the model frozen (:mod:`rwkvx.state_tuning`; CPU backend only for now).
+    block, the model frozen (:mod:`rwkvx.state_tuning`; the GPU backend on one GPU, or the CPU).
     """
 
     batch_size: int = 8
