@@ -110,3 +110,29 @@ def test_generation_from_states_is_refused_on_the_gpu(random_params):
     trainer = Trainer(CFG, random_params(CFG, 25), backend="gpu", batch_size=2, **SETTINGS)
     with pytest.raises(ValueError, match="zero WKV states"):
         generate(trainer, np.array([1, 2, 3]), 2)
+
+
+def test_cli_state_tuning_on_the_gpu(tmp_path, capsys, random_params):
+    """train --tune state --device gpu from a model: the state file, an exact --resume on the GPU, and
+    sampling from the states on the CPU."""
+    from rwkvx import save_checkpoint
+    from rwkvx.cli import main
+    from rwkvx.state_tuning import load_states
+
+    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16,
+                 moba_chunk_size=8, moba_top_k=2)
+    model = tmp_path / "m.safetensors"
+    save_checkpoint(model, cfg, random_params(cfg, 26))
+    tune = ["train", "--tune", "state", "--init-from", str(model), "--device", "gpu", "--batch-size", "2",
+            "--seq-len", "32", "--no-progress", "--lr", "1e-2", "--lr-min", "1e-2", "--warmup", "0",
+            "--ckpt-every", "2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main([*tune, "--steps", "4", "--out", str(a)]) == 0
+    assert main([*tune, "--steps", "2", "--out", str(b)]) == 0
+    assert main(["train", "--resume", str(b), "--steps", "4", "--device", "gpu", "--no-progress"]) == 0
+    assert "state tuning:" in capsys.readouterr().out
+    _, sa, _ = load_states(a / "state.safetensors")
+    _, sb, _ = load_states(b / "state.safetensors")
+    assert all(sa[n].any() and np.array_equal(sa[n], sb[n]) for n in sa)
+    assert main(["sample", "--ckpt", str(model), "--state", str(a), "--tokens", "3", "--temperature", "0"]) == 0
+    assert "sampling runs on the CPU (the oracle): the GPU decoder starts" in capsys.readouterr().err
