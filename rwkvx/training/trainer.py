@@ -56,6 +56,7 @@ from .config import TrainConfig
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 STATS = ("lr", "grad_norm", "clip")      # the optimizer statistics of a step
+STATES_WITHOUT_TUNING = "initial states are trained only when state tuning (tune='state')"
 STATE_DATA_PARALLEL = ("state tuning (tune='state') on the GPU backend runs on one GPU: data-parallel "
                        "state tuning is not built; use one rank, or the CPU backend")
 
@@ -168,7 +169,7 @@ class CPUBackend(Backend):
             self.states = {n: s.astype(np.float32) for n, s in
                            check_states(cfg, zero_states(cfg) if states is None else states).items()}
         elif states is not None:
-            raise ValueError("initial states are trained only when state tuning (tune='state')")
+            raise ValueError(STATES_WITHOUT_TUNING)
         trainable = self.params if self.states is None else self.states
         self.opt = AdamW(trainable, schedule, weight_decay=weight_decay, grad_clip=grad_clip)
         self.world = world
@@ -273,7 +274,7 @@ class GPUBackend(Backend):
                 raise ValueError(STATE_DATA_PARALLEL)
             states = zero_states(cfg) if states is None else states
         elif states is not None:
-            raise ValueError("initial states are trained only when state tuning (tune='state')")
+            raise ValueError(STATES_WITHOUT_TUNING)
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
