@@ -17,6 +17,7 @@ from .params import param_shapes
 from .precision import Precision, resolve_precision
 from .runtime.device import DeviceInfo
 from .runtime.dtypes import ELEM_BYTES, poison_bits
+from .state_tuning import state_shapes
 
 HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
 
@@ -56,6 +57,9 @@ WKV_F32_GRADS = ("ddecay", "dkp", "dvp", "dwa", "dwb")
 AFTER_WKV_GRADS = ("dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1")
 # MoBA scratch that lives inside one attention block's forward or backward (shares the logits' region)
 SHARED_MOBA_SCRATCH = ("part", "lpart")
+# What AdamW updates: its values, gradients and two moments, flat f32 regions with the same offsets — every
+# parameter, or under state tuning the RWKV blocks' initial WKV states alone (the parameters frozen)
+TRAINED = {False: ("params", "grads", "adam_m", "adam_v"), True: ("states", "state_grads", "state_m", "state_v")}
 
 
 def head_chunk_rows(R: int, V: int, xtype: str, chunk_bytes: int) -> int:
@@ -78,18 +82,21 @@ class Layout:
     overridden by ``methods`` where given. ``recompute``: the backward recomputes each block's forward
     (see :class:`rwkvx.model.Model`). ``head_chunk_bytes``: the most bytes of logits the head computes at
     once; the head and the cross entropy run over the rows in chunks of :attr:`head_rows`
-    (:func:`head_chunk_rows`).
+    (:func:`head_chunk_rows`). ``tune_states``: the RWKV blocks start their WKV recurrence from initial
+    states (``states``, flat f32 at :attr:`state_offsets`, :mod:`rwkvx.state_tuning`) and AdamW trains those
+    alone (:data:`TRAINED`: ``state_grads``, ``state_m``, ``state_v``; the parameters get no moments).
     """
 
     def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: Precision | str,
                  recompute: bool, methods: dict[str, str] | None = None, *,
-                 head_chunk_bytes: int = HEAD_CHUNK_BYTES, moments: str = "f32"):
+                 head_chunk_bytes: int = HEAD_CHUNK_BYTES, tune_states: bool = False,
+                 moments: str = "f32"):
         if isinstance(head_chunk_bytes, bool) or not isinstance(head_chunk_bytes, int) or head_chunk_bytes < 1:
             raise ValueError(f"head_chunk_bytes must be a positive int, got {head_chunk_bytes!r}")
         precision = resolve_precision(precision)
         xtype = precision.xtype
         self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
-        self.precision, self.recompute = precision, recompute
+        self.precision, self.recompute, self.tune_states = precision, recompute, tune_states
         self.methods = precision.kernel_methods(cfg)
         if methods is not None:
             if set(methods) - set(self.methods):
@@ -109,11 +116,19 @@ class Layout:
         self.param_shapes = shapes
         if moments not in MOMENT_TYPES:
             raise ValueError(f"moments must be one of {', '.join(MOMENT_TYPES)}, got {moments!r}")
-        for region in ("params", "grads", "adam_m", "adam_v"):
-            self._add(region, n_flat, moments if region.startswith("adam_") else "f32")
+        for region in TRAINED[False]:      # frozen parameters (state tuning) have no moments
+            moment = region.startswith("adam_")
+            self._add(region, 0 if tune_states and moment else n_flat, moments if moment else "f32")
         # the weights as bf16 GEMM operands (refreshed by AdamW); empty where the GEMMs read the f32 weights
         self._add("params_x", n_flat if precision.gemm.bf16_operands else 0, xtype)
-        self.adam_table, self.adam_lrmul = adamw.build_table(self.param_segments)
+        self.state_offsets: dict[str, tuple[int, int]] = {}
+        trained_segments = self.param_segments
+        if tune_states:
+            trained_segments, n_states = adamw.flat_layout(state_shapes(cfg))
+            self.state_offsets = {seg[0]: (seg[1], seg[2]) for seg in trained_segments}
+            for region in TRAINED[True]:
+                self._add(region, n_states, moments if region.endswith(("_m", "_v")) else "f32")
+        self.adam_table, self.adam_lrmul = adamw.build_table(trained_segments)
         self.adam_chunks = len(self.adam_lrmul)
         self._add("adam_table", self.adam_table.size, "i32")
         self._add("adam_lrmul", self.adam_lrmul.size, "f32")
@@ -170,7 +185,7 @@ class Layout:
         # WKV7 backward: they lead the WKV7 work buffer's set and the channel mix's
         keep = recompute and self.methods["wkv7"] in wkv7.CHUNKED_METHODS
         for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"],
-                                              kept_records=keep).items():
+                                              kept_records=keep, ds0=tune_states).items():
             if name == "partials":
                 shared["wkv"]["wkv_partials"] = (count, "f32")
             elif name == "records":

@@ -182,8 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arithmetic of the CPU oracle backend (default float32)")
     g.add_argument("--tune", choices=TUNES, default=None,
                    help="full (default): train every parameter; state: train only the initial WKV "
-                        "state of every RWKV block, the model frozen (usually with --init-from; CPU "
-                        "only for now). The checkpoint is then a state file, state.safetensors; lora: "
+                        "state of every RWKV block, the model frozen (usually with --init-from; one GPU "
+                        "or the CPU). The checkpoint is then a state file, state.safetensors; lora: "
                         "train only low-rank factors of the --lora-targets matrices, the model frozen "
                         "(CPU only for now); the checkpoint is then a LoRA file, lora.safetensors")
     g.add_argument("--lora-rank", type=_positive_int, metavar="R",
@@ -553,11 +553,12 @@ def _generation_source(cfg: Config, params: ParamDict, device: str, precision: s
     """What :func:`rwkvx.generation.stream` generates with on the chosen device, plus the fallback
     note: a GPU Model holding the weights (``precision``; its decoder has buffers of its own, so the
     model is built for one token), or the float32 CPU oracle (starting from the initial WKV
-    ``states`` when given, which the GPU cannot yet)."""
+    ``states`` when given, which the GPU decoder cannot)."""
+    from .generation import STATES_ON_GPU
     from .training.setup import check_device
 
     with _usage_errors():
-        kind, note = check_device(device, "sampling", "full" if states is None else "state")
+        kind, note = check_device(device, "sampling", None if states is None else STATES_ON_GPU)
     if kind == "gpu":
         from .model import Model
         try:   # the weights' holder for the decoder; no backward: the least memory

@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 
 from . import validate
-from .arena import HEAD_CHUNK_BYTES, Layout
+from .arena import HEAD_CHUNK_BYTES, TRAINED, Layout
 from .config import Config
 from .cu import adamw, embedding, loss
 from .optim import Schedule, bf16_moment_bits
@@ -26,7 +26,8 @@ from .precision import DEFAULT_PRECISION, Precision, resolve_precision
 from .runtime.event import Event
 from .runtime.dtypes import from_storage, poison_bits, storage_dtype, to_storage
 from .runtime.ops import CopyDtoH, CopyHtoD, Gemm, flatten_ops
-from .step import StepBuilder
+from .state_tuning import StateDict, check_states, state_shapes
+from .step import StepBuilder, StepOps
 
 RECOMPUTE_AUTO = "auto"
 DEFAULT_RECOMPUTE: bool | str = RECOMPUTE_AUTO
@@ -65,6 +66,18 @@ def rebased(ops, moves: dict[int, int]) -> list:
             op = dataclasses.replace(op, host_ptr=moves[op.host_ptr])
         out.append(op)
     return out
+
+
+def without_weight_gradients(ops: StepOps, grads: tuple[int, int]) -> StepOps:
+    """``ops`` without the GEMMs whose output lies in ``grads`` (the address range of the parameters'
+    gradients): under state tuning nothing reads them. The kernels that compute a parameter gradient
+    together with an input gradient (LayerNorm, time mix, channel mix) still run."""
+    lo, hi = grads
+
+    def keep(lst: list) -> list:
+        return [op for op in flatten_ops(lst) if not (isinstance(op, Gemm) and lo <= op.C < hi)]
+
+    return dataclasses.replace(ops, loss=keep(ops.loss), backward=keep(ops.backward), grad_ready=[])
 
 
 def stats_from_state(state: np.ndarray) -> dict[str, float]:
@@ -125,12 +138,16 @@ class Model:
     computes at once (the head and the cross entropy run over the rows in chunks of at least 64 rows).
     ``moments``: how AdamW keeps its moments, "f32" or "bf16" (stochastically rounded,
     :mod:`rwkvx.oracle.adamw`: 4 bytes a parameter less).
+    ``states`` (state tuning, :mod:`rwkvx.state_tuning`): every RWKV block starts its WKV recurrence from
+    its initial state there (shared by the batch), and the states are what the model trains: gradients
+    and AdamW update the states alone (clipping over their gradients), the parameters stay bit for bit
+    (the GEMMs of their weight gradients are left out of the step).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
                  precision: Precision | str = DEFAULT_PRECISION, recompute: bool | str = DEFAULT_RECOMPUTE,
                  methods: dict[str, str] | None = None, *, head_chunk_bytes: int = HEAD_CHUNK_BYTES,
-                 moments: str = "f32"):
+                 moments: str = "f32", states: StateDict | None = None):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -139,6 +156,8 @@ class Model:
         precision = resolve_precision(precision)
         recompute = check_recompute(recompute)
         check_params(cfg, params)
+        if states is not None:
+            states = check_states(cfg, states)
         from ._core import Plan
         from .runtime import Device  # raises RuntimeError without a GPU
         self.cfg, self.B, self.T, self.precision = cfg, batch_size, seq_len, precision
@@ -147,7 +166,7 @@ class Model:
 
         def layout(recompute: bool) -> Layout:
             return Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods,
-                          head_chunk_bytes=head_chunk_bytes, moments=moments)
+                          head_chunk_bytes=head_chunk_bytes, tune_states=states is not None, moments=moments)
 
         if recompute == RECOMPUTE_AUTO:
             keep = layout(False)
@@ -169,6 +188,9 @@ class Model:
         self._next_slot = 0
         self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
         self.ops = self.builder.build()
+        if self.layout.tune_states:
+            grads = self.arena.ptr + self.layout.offsets["grads"]
+            self.ops = without_weight_gradients(self.ops, (grads, grads + self.layout.nbytes("grads")))
         # every GEMM's algorithm, chosen before anything in the arena past the per-step inputs is live:
         # new shapes are timed with their outputs written there, so the plans allocate nothing for it
         ops = self.ops
@@ -178,20 +200,29 @@ class Model:
         self._forward_plan = Plan(self.dev, self.ops.stage_tokens + self.ops.forward)
         self._step_plan = Plan(self.dev, self.ops.step)
         self.load_params(params)
+        if states is not None:
+            self.load_states(states)
 
     # -- parameters ------------------------------------------------------------------------------
+    def _tensors(self, region: str) -> tuple[dict[str, tuple[int, int]], dict[str, tuple]]:
+        """Name -> (offset, size) and name -> shape of the tensors of flat region ``region``: the
+        parameters', or the initial states' (:data:`rwkvx.arena.TRAINED`)."""
+        if region in TRAINED[True]:
+            return self.layout.state_offsets, state_shapes(self.cfg)
+        return self.layout.param_offsets, self.layout.param_shapes
+
     def _region(self, region: str) -> dict[str, np.ndarray]:
+        offsets, shapes = self._tensors(region)
         elem = self.layout.elems[region]
         flat = from_storage(elem, self.dev.download(self.builder.buf(region), (self.layout.counts[region],),
                                                     storage_dtype(elem)))
-        return {n: flat[off:off + size].reshape(self.layout.param_shapes[n]).copy()
-                for n, (off, size) in self.layout.param_offsets.items()}
+        return {n: flat[off:off + size].reshape(shapes[n]).copy() for n, (off, size) in offsets.items()}
 
     def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        """Inverse of :meth:`_region`: one name-keyed tensor per parameter, packed and uploaded (float32
-        values; a bf16 region takes only bf16 values, :func:`rwkvx.optim.bf16_moment_bits`)."""
+        """Inverse of :meth:`_region`: one name-keyed tensor per parameter (or state), packed and uploaded
+        (float32 values; a bf16 region takes only bf16 values, :func:`rwkvx.optim.bf16_moment_bits`)."""
         flat = np.zeros(self.layout.counts[region], np.float32)
-        for n, (off, size) in self.layout.param_offsets.items():
+        for n, (off, size) in self._tensors(region)[0].items():
             flat[off:off + size] = np.asarray(tensors[n], np.float32).ravel()
         stored = bf16_moment_bits(flat, region) if self.layout.elems[region] == "bf16" else flat
         self.dev.upload(self.builder.buf(region), stored)
@@ -210,8 +241,19 @@ class Model:
         return self._region("params")
 
     def grads(self) -> ParamDict:
-        """The gradients of the last :meth:`loss_and_grads`, downloaded, name-keyed."""
-        return self._region("grads")
+        """The gradients of the last :meth:`loss_and_grads`, downloaded, name-keyed: of every parameter,
+        or under state tuning of every initial state (the parameters' are not computed)."""
+        return self._region(TRAINED[self.layout.tune_states][1])
+
+    def load_states(self, states: StateDict) -> None:
+        """Upload the initial WKV states (state tuning: the model was built with ``states``)."""
+        if not self.layout.tune_states:
+            raise ValueError("this Model has no initial states: build it with states=... (state tuning)")
+        self._upload_region("states", check_states(self.cfg, states))
+
+    def states(self) -> StateDict | None:
+        """The current initial WKV states, downloaded (float32 [H, N, N] each); None without them."""
+        return self._region("states") if self.layout.tune_states else None
 
     # -- steps ---------------------------------------------------------------------------------
     def _claim(self, slot: int) -> dict:
@@ -307,9 +349,10 @@ class Model:
         self.dev.upload(b("adam_table"), self.layout.adam_table)
         self.dev.upload(b("adam_lrmul"), self.layout.adam_lrmul)
         self.dev.upload(b("adam_state"), adamw.state_from_schedule(schedule, grad_clip))
-        zeros = np.zeros(self.layout.counts["adam_m"], storage_dtype(self.layout.elems["adam_m"]))
-        self.dev.upload(b("adam_m"), zeros)
-        self.dev.upload(b("adam_v"), zeros)
+        _, _, m, v = TRAINED[self.layout.tune_states]
+        zeros = np.zeros(self.layout.counts[m], storage_dtype(self.layout.elems[m]))
+        self.dev.upload(b(m), zeros)
+        self.dev.upload(b(v), zeros)
         self.schedule, self.weight_decay, self.grad_clip = schedule, weight_decay, grad_clip
         stats = CopyDtoH(self._pinned[STATS_BUFFER].ptr, b(STATS_BUFFER), self.layout.nbytes(STATS_BUFFER))
         train = flatten_ops(self.ops.step + self.builder.optimizer(weight_decay, bool(grad_clip)) + [stats])
@@ -386,10 +429,15 @@ class Model:
         return stats_from_state(self.dev.download(self.builder.buf(STATS_BUFFER), (adamw.STATE_DOUBLES,),
                                                   np.float64))
 
+    def _moments(self) -> tuple[tuple[str, str], ...]:
+        """(key, region) of AdamW's two moments of what the model trains."""
+        return tuple(zip(("m", "v"), TRAINED[self.layout.tune_states][2:]))
+
     def optimizer_state(self) -> dict:
-        """AdamW moments and step, in :meth:`rwkvx.optim.AdamW.state_dict`'s format."""
+        """AdamW moments and step, in :meth:`rwkvx.optim.AdamW.state_dict`'s format (the states'
+        moments under state tuning)."""
         tensors = {}
-        for key, region in (("m", "adam_m"), ("v", "adam_v")):
+        for key, region in self._moments():
             for name, value in self._region(region).items():
                 tensors[f"optim.{key}.{name}"] = value
         return {"tensors": tensors, "meta": {"optim_step": self.optimizer_stats()["step"]}}
@@ -400,9 +448,9 @@ class Model:
         step = meta.get("optim_step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"optimizer state needs an int step count 'optim_step' >= 0, got {step!r}")
-        for key, region in (("m", "adam_m"), ("v", "adam_v")):
+        for key, region in self._moments():
             moments = {}
-            for name, shape in self.layout.param_shapes.items():
+            for name, shape in self._tensors(region)[1].items():
                 full = f"optim.{key}.{name}"
                 if full not in tensors:
                     raise ValueError(f"optimizer state is missing {full}")
@@ -427,7 +475,8 @@ class Model:
         """Fill gradients and every activation with NaN (tests: whatever a step leaves unwritten shows)."""
         L = self.layout
         self.dev.upload(self.arena.ptr + L.offsets["tokens"], L.poison_image())
-        self.dev.upload(self.builder.buf("grads"), poison_bits(L.elems["grads"], L.counts["grads"]))
+        for grads in {"grads", TRAINED[L.tune_states][1]}:
+            self.dev.upload(self.builder.buf(grads), poison_bits(L.elems[grads], L.counts[grads]))
 
     def memory_bytes(self) -> int:
         """Bytes of the device arena (weights, gradients, optimizer state, activations, scratch)."""

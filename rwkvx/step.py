@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .arena import GEMM_COPIES, Layout
+from .arena import GEMM_COPIES, TRAINED, Layout
 from .cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from .runtime import gemm
 from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
+from .state_tuning import state_name
 
 
 @dataclass
@@ -205,11 +206,14 @@ class StepBuilder:
         self.grad_ready.append((len(ops), names))
 
     def optimizer(self, weight_decay: float, clip: bool) -> list:
-        """One fused AdamW update of every parameter (oracle/adamw.py's formulas; state on device)."""
+        """One fused AdamW update of every parameter, or of the initial states alone under state tuning
+        (:data:`rwkvx.arena.TRAINED`; oracle/adamw.py's formulas; state on device)."""
         b = self.buf
-        return adamw.step(b("params"), b("grads"), b("adam_m"), b("adam_v"), b("adam_table"),
+        values, grads, m, v = TRAINED[self.L.tune_states]
+        return adamw.step(b(values), b(grads), b(m), b(v), b("adam_table"),
                           b("adam_lrmul"), b("adam_state"), self.L.adam_chunks, b("adam_partials"),
-                          weight_decay=weight_decay, clip=clip, params_x=self.buf("params_x"))
+                          weight_decay=weight_decay, clip=clip,
+                          params_x=None if self.L.tune_states else self.buf("params_x"))
 
     @staticmethod
     def _prefix(kind: str, idx: int) -> str:
@@ -242,7 +246,18 @@ class StepBuilder:
         saved = dict(sa=b("wkv_sa"), ckpt=b("wkv_ckpt"), records=self._wkv_records()) if for_backward else {}
         return wkv7.forward(b("r"), b("decay"), b("kp"), self._value(i), b("wa"), b("wb"), b("y"),
                             self.B, self.T, cfg.n_head, cfg.head_size, self.dev, **saved,
-                            method=self.methods["wkv7"], partials=b("wkv_partials"))
+                            method=self.methods["wkv7"], partials=b("wkv_partials"), **self._wkv_state(i))
+
+    def _wkv_state(self, i: int, grad: bool = False) -> dict:
+        """Under state tuning, RWKV block i's initial state ``s0`` (and with ``grad`` where its gradient
+        goes: ``ds0``, ``ds0_partials``) as wkv7's arguments; else none."""
+        if not self.L.tune_states:
+            return {}
+        off = self.L.state_offsets[state_name(i)][0]
+        args = {"s0": self.buf("states").offset(off)}
+        if grad:
+            args.update(ds0=self.buf("state_grads").offset(off), ds0_partials=self.buf("wkv_ds0_partials"))
+        return args
 
     def _wkv_records(self) -> DevPtr | None:
         """The WKV7 backward's chunk records as the recomputed forward keeps them (recompute, chunked), else None."""
@@ -365,7 +380,7 @@ class StepBuilder:
         ops += wkv7.backward(b("r"), b("decay"), b("kp"), gn["vp"], b("wa"), b("wb"), b("dy"), b("wkv_sa"),
                              b("wkv_ckpt"), b("dr"), b("ddecay"), b("dkp"), b("dvp"), b("dwa"), b("dwb"),
                              self.B, T, H, N, dev, partials=b("wkv_partials"), method=self.methods["wkv7"],
-                             records=self._wkv_records())
+                             records=self._wkv_records(), **self._wkv_state(i, grad=True))
         dparams = [gp(att + n) for n in ("w0", "a0", "k_k", "k_a")] + ([gp(att + "v0")] if i else [])
         ops += timemix.prep_backward(**self._prep_inputs(i),
                                      d_decay=b("ddecay"), dkp=b("dkp"), dvp=b("dvp"), dwa=b("dwa"), dwb=b("dwb"),

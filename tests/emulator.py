@@ -151,14 +151,15 @@ def _wkv7_forward(mem, a, op):
     N, H, T = _head_size(op), a["H"], a["T"]
     B = op.grid[2]
     x = [_bthn(mem, a[n], B, T, H, N) for n in "rwkvab"]
-    mem.write(a["y"], O.wkv7_forward(*x))
+    s0 = mem.read(a["s_init"], H * N * N, (1, H, N, N)) if a["s_init"] else None    # the shared initial state
+    mem.write(a["y"], O.wkv7_forward(*x, state=s0))
     if a["ckpt"]:                    # the state after the last token of each chunk of CHUNK tokens
         from rwkvx.cu.wkv7 import CHUNK, n_chunks
         nC = n_chunks(T)
         ck = np.zeros((B, H, nC, N, N))
         for c in range(nC):
             end = min((c + 1) * CHUNK, T)
-            ck[:, :, c] = O.wkv7_forward(*(t[:, :end] for t in x), return_state=True)[1]
+            ck[:, :, c] = O.wkv7_forward(*(t[:, :end] for t in x), state=s0, return_state=True)[1]
         mem.write(a["ckpt"], ck)
 
 

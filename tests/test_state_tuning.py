@@ -1,6 +1,8 @@
 """State tuning on the CPU backend: only the initial WKV states train (AdamW), the model stays bit for
 bit, the state file round-trips, resumes exactly and starts generation; the CLI runs it end to end;
-clear errors for the GPU, shapes that do not fit and models without RWKV blocks."""
+clear errors for what the GPU does not run (data-parallel state tuning, generation from states),
+shapes that do not fit and models without RWKV blocks. The GPU backend's state tuning:
+tests/gpu/test_state_tuning_gpu.py."""
 import dataclasses
 
 import numpy as np
@@ -12,6 +14,7 @@ from rwkvx.optim import AdamW, Schedule
 from rwkvx.oracle import Oracle
 from rwkvx.state_tuning import load_states, save_states, state_shapes, zero_states
 from rwkvx.training import TrainConfig, Trainer
+from rwkvx.training.trainer import gpu_unavailable_reason
 
 from seeding import seeded_rng
 from test_cli import TINY, _log
@@ -110,13 +113,14 @@ def test_a_state_that_does_not_fit_is_refused(tmp_path):
 
 def test_gpu_and_misuse_are_clear_errors():
     params = init_params(CFG)
-    with pytest.raises(ValueError, match="not available on the GPU backend yet"):
-        Trainer(CFG, params, **dict(SETTINGS, backend="gpu"))
+    with pytest.raises(ValueError, match="data-parallel state tuning is not built"):
+        Trainer(CFG, params, **dict(SETTINGS, backend="gpu"), world=object())   # refused before any GPU work
     with pytest.raises(ValueError, match="only when state tuning"):
         Trainer(CFG, params, backend="cpu", states=zero_states(CFG))
     with pytest.raises(ValueError, match="tune"):
         TrainConfig(tune="prefix")
-    assert Trainer(CFG, params, **dict(SETTINGS, backend="auto")).device == "cpu"
+    assert Trainer(CFG, params, **dict(SETTINGS, backend="auto")).device == (
+        "cpu" if gpu_unavailable_reason() else "gpu")
 
 
 def test_a_model_without_rwkv_blocks_has_no_state():
@@ -162,19 +166,14 @@ def test_cli_state_tuning_from_a_model(tmp_path, capsys, random_params):
     assert "is a state file" in capsys.readouterr().err
 
 
-def test_cli_state_tuning_on_the_gpu_is_refused(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--tune", "state", "--device", "gpu", "--out", str(tmp_path / "r")])
-    assert exc.value.code == 2
-    assert "not available on the GPU backend yet" in capsys.readouterr().err
-    assert not (tmp_path / "r").exists()
+def test_cli_sampling_from_states_on_the_gpu_is_refused(tmp_path, capsys):
     save_checkpoint(tmp_path / "m.safetensors", CFG, init_params(CFG))
     save_states(tmp_path / "s.safetensors", CFG, zero_states(CFG))
     with pytest.raises(SystemExit) as exc:
         main(["sample", "--ckpt", str(tmp_path / "m.safetensors"), "--state", str(tmp_path / "s.safetensors"),
               "--device", "gpu"])
     assert exc.value.code == 2
-    assert "not available on the GPU backend yet" in capsys.readouterr().err
+    assert "the GPU decoder starts every sequence from zero WKV states" in capsys.readouterr().err
 
 
 def test_data_parallel_state_tuning_equals_one_rank(tmp_path, random_params):

@@ -63,6 +63,27 @@ def test_chunked_model_matches_oracle(T, N, shift, prec):
         assert rel_err(got, want[0, :, 0]) <= tol, name
 
 
+@pytest.mark.parametrize("prec", list(PRECISIONS))
+@pytest.mark.parametrize("T,N,shift", CASES, ids=[f"T{t}-N{n}-s{s:g}" for t, n, s in CASES])
+def test_chunked_model_from_an_initial_state(T, N, shift, prec):
+    """From an initial state s0 (chunk 0's S0), y, every gradient and ds0 (the dS left after chunk 0)
+    against the oracle, within the same limits."""
+    rng = seeded_rng(T * 1000 + N * 10 + int(shift) + 9)
+    x, dy = _inputs(T, N, rng, shift)
+    s0 = 0.5 * rng.standard_normal((1, 1, N, N))
+    args = [x[n] for n in "rwkvab"]
+    want_y, want_g = wkv7_forward(*args, state=s0), wkv7_backward(*args, dy, state=s0)
+    one = [z[0, :, 0] for z in args]
+    rnd, dt, tol = PRECISIONS[prec]
+    y, _, S0 = CM.forward(*one, rnd=rnd, dt=dt, s0=s0[0, 0])
+    assert np.array_equal(S0[0], s0[0, 0].astype(dt))
+    assert rel_err(y, want_y[0, :, 0]) <= tol
+    got = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0[0, 0])
+    for name, g, want in zip(GRADS, got, want_g):
+        assert rel_err(g, want[0, :, 0]) <= tol, name
+    assert rel_err(got[-1], want_g[-1][0, 0]) <= tol, "ds0"
+
+
 def test_chunked_model_sa_is_the_recurrence():
     """U (the rows the forward saves as sa) is S_{t-1} a_t of the token recurrence."""
     T, N = 37, 32

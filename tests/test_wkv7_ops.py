@@ -5,6 +5,7 @@ import pytest
 from rwkvx.cu.wkv7 import ops as W
 from rwkvx.runtime import DevPtr
 from rwkvx.runtime.device import H200
+from rwkvx.runtime.kernel import KernelFile
 
 
 def test_wkv7_builders_validate():
@@ -96,3 +97,38 @@ def test_wkv7_chunked_kept_records():
     assert [o.name for o in bwd] == ["wkv7c_backward_state", "wkv7c_backward_grads"]
     plain, kept = (W.scratch_elems(8, 4096, 12, 64, H200, method="chunked", kept_records=k) for k in (False, True))
     assert kept["records"] + kept["partials"] == plain["partials"]         # N = 64: no more memory
+
+
+def launch_args(op) -> dict:
+    """A launch's argument values by parameter name (pointers as ints)."""
+    names = [n for n, _ in KernelFile.registry[op.module].kernels[op.name].params]
+    return {n: value for n, (_, value) in zip(names, op.args)}
+
+
+@pytest.mark.parametrize("method", W.METHODS)
+def test_wkv7_initial_state_builders(method):
+    """s0 reaches the forward's state kernel (and the sequential backward); ds0 adds the ordered batch sum
+    when B > 1 (none for B = 1: the backward writes ds0 itself); its scratch is [B, H, N, N]."""
+    p = lambda i=1: DevPtr(16 * i, "f32")      # noqa: E731
+    work = {"method": method, "partials": p()}
+    ops = W.forward(*[p()] * 7, 2, 33, 3, 64, H200, sa=p(), ckpt=p(), s0=p(5), **work)
+    assert launch_args(ops[-1])["s_init"] == 16 * 5
+    assert launch_args(W.forward(*[p()] * 7, 2, 33, 3, 64, H200, sa=p(), ckpt=p(), **work)[-1])["s_init"] == 0
+    with pytest.raises(ValueError, match="aligned"):
+        W.forward(*[p()] * 7, 2, 33, 3, 64, H200, s0=DevPtr(8, "f32"), **work)
+    with pytest.raises(ValueError, match="ds0"):
+        W.backward(*[p()] * 15, 2, 33, 3, 64, H200, ds0_partials=p(), **work)
+    with pytest.raises(ValueError, match="ds0_partials"):
+        W.backward(*[p()] * 15, 2, 33, 3, 64, H200, s0=p(), ds0=p(), **work)           # B > 1 needs scratch
+    plain = [o.name for o in W.backward(*[p()] * 15, 2, 33, 3, 64, H200, **work)]
+    ops = W.backward(*[p()] * 15, 2, 33, 3, 64, H200, s0=p(), ds0=p(6), ds0_partials=p(7), **work)
+    assert [o.name for o in ops] == plain + ["wkv7_state_reduce"]
+    assert {k: launch_args(ops[-1])[k] for k in ("part", "ds0", "n", "B")} == {"part": 16 * 7, "ds0": 16 * 6,
+                                                                              "n": 3 * 64 * 64, "B": 2}
+    assert [launch_args(o)["ds_part"] for o in ops if "ds_part" in launch_args(o)] == [16 * 7]
+    ops = W.backward(*[p()] * 15, 1, 33, 3, 64, H200, s0=p(), ds0=p(6), **work)
+    assert [o.name for o in ops] == plain
+    assert [launch_args(o)["ds_part"] for o in ops if "ds_part" in launch_args(o)] == [16 * 6]
+    sizes = W.scratch_elems(2, 33, 3, 64, H200, method=method, ds0=True)
+    assert sizes == {**W.scratch_elems(2, 33, 3, 64, H200, method=method), "ds0_partials": 2 * 3 * 64 * 64}
+    assert W.scratch_elems(1, 33, 3, 64, H200, method=method, ds0=True)["ds0_partials"] == 0

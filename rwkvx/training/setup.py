@@ -79,11 +79,12 @@ class Prepared:
     val_scored: int                 # held-out tokens an evaluation scores (distinct positions)
 
 
-def check_device(device: str, task: str, tune: str = "full") -> tuple[str, str | None]:
-    """``("cpu"|"gpu", note)`` for ``device`` (and ``TrainConfig.tune``); an explicit ``gpu`` that
-    cannot be used is a RunError here, before anything is built or written."""
+def check_device(device: str, task: str, cpu_only: str | None = None) -> tuple[str, str | None]:
+    """``("cpu"|"gpu", note)`` for ``device`` (``cpu_only``: why ``task`` cannot run on the GPU, see
+    :func:`rwkvx.training.trainer.resolve_device`); an explicit ``gpu`` that cannot be used is a
+    RunError here, before anything is built or written."""
     try:
-        kind, note = _trainer.resolve_device(device, task, tune)
+        kind, note = _trainer.resolve_device(device, task, cpu_only)
     except ValueError as exc:
         raise RunError(f"--device {device}: {exc}") from None
     if device == "gpu":
@@ -173,9 +174,11 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
     if lora_given and tune != "lora":
         raise RunError(f"{LORA_OPTIONS} are LoRA settings: they need --tune lora")
     if kind is None:
-        kind, note = check_device(req.device, "training", tune)
+        kind, note = check_device(req.device, "training", CPU_ONLY.get(tune))
     elif tune in CPU_ONLY and kind == "gpu":
         raise RunError(f"--tune {tune}: {CPU_ONLY[tune]}")
+    if tune == "state" and kind == "gpu" and ranks > 1:
+        raise RunError(f"--tune state: {_trainer.STATE_DATA_PARALLEL}")
     saved_run, saved, ckpt_cfg = None, None, None
     if resume_path is not None:
         try:

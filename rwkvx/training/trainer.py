@@ -23,10 +23,10 @@ NCCL inside the step's CUDA graph on the GPU backend (:mod:`rwkvx.dist.step`), t
 collectives of the world on the CPU backend. Losses are means over all ranks; every rank ends each
 step with the same parameters. Without a world (the default) nothing of this runs.
 
-State tuning (``TrainConfig.tune = "state"``, CPU backend only): the backend trains the initial WKV
-states of the RWKV blocks (:mod:`rwkvx.state_tuning`) with the same AdamW, the parameters stay as
-they were, and the checkpoint is a state file (the states, their moments and the same metadata; no
-weights), which :meth:`Trainer.load` resumes given the model's parameters. LoRA
+State tuning (``TrainConfig.tune = "state"``, either backend; on the GPU without data parallel): the
+backend trains the initial WKV states of the RWKV blocks (:mod:`rwkvx.state_tuning`) with the same
+AdamW, the parameters stay as they were, and the checkpoint is a state file (the states, their moments
+and the same metadata; no weights), which :meth:`Trainer.load` resumes given the model's parameters. LoRA
 (``TrainConfig.tune = "lora"``, CPU backend only) is the same with the LoRA factors of :mod:`rwkvx.lora`
 in place of the states: they train, the parameters stay, the checkpoint is a LoRA file.
 
@@ -62,10 +62,12 @@ STATS = ("lr", "grad_norm", "clip")      # the optimizer statistics of a step
 # what a tuning run trains in place of the parameters (TrainConfig.tune -> its name in messages)
 TUNED = {"state": "initial WKV states", "lora": "LoRA factors"}
 ADAPTER_FORMATS = {STATE_FORMAT: "state", LORA_FORMAT: "lora"}   # an adapter file's format -> its tune
-_USE_CPU = "use the CPU backend (backend='cpu', CLI --device cpu)"
-CPU_ONLY = {"state": f"initial WKV states (state tuning, tune='state') are not available on the GPU backend "
-                     f"yet: {_USE_CPU}",
-            "lora": f"LoRA fine-tuning (tune='lora') is not available on the GPU backend yet: {_USE_CPU}"}
+# why a tuning cannot run on the GPU backend (TrainConfig.tune -> the reason)
+CPU_ONLY = {"lora": "LoRA fine-tuning (tune='lora') is not available on the GPU backend yet: use the CPU "
+                    "backend (backend='cpu', CLI --device cpu)"}
+STATES_WITHOUT_TUNING = "initial states are trained only when state tuning (tune='state')"
+STATE_DATA_PARALLEL = ("state tuning (tune='state') on the GPU backend runs on one GPU: data-parallel "
+                       "state tuning is not built; use one rank, or the CPU backend")
 
 
 def check_loss(loss: float, step: int) -> float:
@@ -179,7 +181,7 @@ class CPUBackend(Backend):
             self.states = {n: s.astype(np.float32) for n, s in
                            check_states(cfg, zero_states(cfg) if states is None else states).items()}
         elif states is not None:
-            raise ValueError("initial states are trained only when state tuning (tune='state')")
+            raise ValueError(STATES_WITHOUT_TUNING)
         self.lora, self.lora_scale = None, check_scale(lora_scale)
         if tune == "lora":
             if lora is None:
@@ -278,20 +280,29 @@ class GPUBackend(Backend):
     Training batches are exactly ``[batch_size, seq_len]``; ``evaluate``/``forward`` take any
     ``[B, T]`` with B <= batch_size and T <= seq_len, padded by :func:`pad_batch`. With a ``world``
     the step is :class:`rwkvx.dist.step.DistributedStep` (NCCL all-reduces inside the graph).
+    With ``tune="state"`` the model trains the float32 initial WKV ``states`` (None: zeros) and the
+    parameters stay frozen (one GPU: no ``world``).
     """
 
     name = "gpu"
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
-                 recompute: bool, world: Any = None, moments: str = "f32") -> None:
+                 recompute: bool, world: Any = None, tune: str = "full", states: StateDict | None = None,
+                 moments: str = "f32") -> None:
+        if tune == "state":
+            if world is not None:
+                raise ValueError(STATE_DATA_PARALLEL)
+            states = zero_states(cfg) if states is None else states
+        elif states is not None:
+            raise ValueError(STATES_WITHOUT_TUNING)
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
                                "(the oracle) or 'auto'.")
         from ..model import Model
         self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute,
-                           moments=moments)
+                           moments=moments, states=states)
         self.model.configure_optimizer(schedule, weight_decay, grad_clip)
         self.dist_step = None
         if world is not None:
@@ -318,6 +329,11 @@ class GPUBackend(Backend):
     def forward(self, tokens: np.ndarray) -> np.ndarray:
         return forward_padded(self.model, tokens)
 
+    @property
+    def states(self) -> StateDict | None:
+        """The initial WKV states being tuned, downloaded (None unless state tuning)."""
+        return self.model.states()
+
     def get_params(self) -> ParamDict:
         return self.model.params()
 
@@ -339,18 +355,17 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
-def resolve_device(device: str, task: str = "training", tune: str = "full") -> tuple[str, str | None]:
+def resolve_device(device: str, task: str = "training", cpu_only: str | None = None) -> tuple[str, str | None]:
     """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a
     one-line note saying that ``task`` runs there (:func:`gpu_unavailable_reason` says why). ``gpu`` is
-    not checked here: building the GPU model fails with the reason. State tuning (``tune="state"``)
-    runs on the CPU, and so does LoRA (``tune="lora"``): ``auto`` picks it, ``gpu`` is a ValueError."""
+    not checked here: building the GPU model fails with the reason. ``cpu_only``: why ``task`` cannot
+    run on the GPU (``auto`` picks the CPU, saying so; ``gpu`` is a ValueError with it)."""
     if device not in BACKENDS:
         raise ValueError(f"device must be one of {', '.join(BACKENDS)}, got {device!r}")
-    if tune in CPU_ONLY:
+    if cpu_only is not None:
         if device == "gpu":
-            raise ValueError(CPU_ONLY[tune])
-        return "cpu", (f"{task} with {TUNED[tune]} runs on the CPU (the oracle): the GPU backend "
-                       "does not have them yet" if device == "auto" else None)
+            raise ValueError(cpu_only)
+        return "cpu", f"{task} runs on the CPU (the oracle): {cpu_only}" if device == "auto" else None
     if device == "cpu":
         return "cpu", None
     if device == "gpu":
@@ -398,8 +413,8 @@ class Trainer:
     (oracle + numpy AdamW in ``config.cpu_dtype``), "gpu" (graph replay in ``config.precision``; needs
     rwkvx.model) or "auto" (GPU when usable, else CPU). ``world`` (a :class:`rwkvx.dist.World`):
     data-parallel training, ``config.batch_size`` rows per rank. State tuning (``config.tune ==
-    "state"``) runs on the CPU ("auto" picks it; "gpu" is a ValueError) from ``states`` (the initial
-    WKV states, :mod:`rwkvx.state_tuning`; None: zeros); so does LoRA (``config.tune == "lora"``) from
+    "state"``) trains ``states`` (the initial WKV states, :mod:`rwkvx.state_tuning`; None: zeros) on
+    either backend (the GPU's without a ``world``); LoRA (``config.tune == "lora"``) runs on the CPU ("auto" picks it; "gpu" is a ValueError) from
     ``lora`` (the factors of ``config.lora``, :mod:`rwkvx.lora`; None: :func:`rwkvx.lora.init_factors`
     of ``config.seed``).
     """
@@ -419,11 +434,12 @@ class Trainer:
         self.world = world
         self._stop_requested = False
         self._stats_step, self._last_stats = 0, {name: float("nan") for name in STATS}
-        kind, self.device_note = resolve_device(backend, tune=self.config.tune)
+        kind, self.device_note = resolve_device(backend, cpu_only=CPU_ONLY.get(self.config.tune))
         c, clip = self.config, self.config.grad_clip or None
         if kind == "gpu":
             self.backend: Backend = GPUBackend(cfg, params, self.schedule, c.weight_decay, clip, c.batch_size,
-                                               c.seq_len, c.precision, c.recompute, world=world, moments=c.moments)
+                                               c.seq_len, c.precision, c.recompute, world=world, tune=c.tune,
+                                               states=states, moments=c.moments)
         else:
             if c.tune == "lora":
                 lora = init_factors(cfg, c.lora, c.seed) if lora is None else check_factors(cfg, lora, c.lora)

@@ -8,7 +8,8 @@ in (0,1); w = exp(-e^-0.5 * sigmoid(z + shift)), z ~ N(0,1): shift 0 by default,
 step-back amplifies rounding most there). fp32 limits: y 1e-5, gradients 1e-4. The chunked method
 (tensor cores, tf32 products) is held to 5e-3 with fp32 inputs (docs/SPEC.md's TF32 kernel limit) and to SPEC's
 bf16 limit with bf16 inputs; chunked_exact (3xTF32, the fp32 precision's path) to the fp32 kernel limit
-1e-5 for y and every gradient."""
+1e-5 for y and every gradient. With an initial state s0 (shared by the batch, as state tuning trains it)
+its gradient ds0, summed over the sequences, is held to the gradients' limit."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,14 +42,23 @@ def make_inputs(B, T, H, N, rng, shift=0.0):
     return x, rng.standard_normal(shp)
 
 
+def initial_state(H, N, rng) -> np.ndarray:
+    """A state before t = 0, [1, H, N, N] (shared by the sequences): entries of a state's size."""
+    return 0.5 * rng.standard_normal((1, H, N, N))
+
+
 def wkv_inputs(case, x: dict) -> dict:
     """The device buffers of r, w, k, v, a, b: the decay w f32 in every precision, the rest floatX."""
     return {n: case.input(n, x[n], "f32" if n == "w" else "x") for n in "rwkvab"}
 
 
-def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=None, method="sequential"):
-    """Forward + backward of one case; ``heads`` limits the twin check to (sequence 0, those heads)."""
-    x, dy = make_inputs(B, T, H, N, seeded_rng(), shift)
+def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=None, method="sequential",
+             state=False):
+    """Forward + backward of one case; ``heads`` limits the twin check to (sequence 0, those heads);
+    ``state``: from a random initial state, its gradient ds0 checked too."""
+    assert not (state and heads), "ds0 sums over every sequence: check all of them"
+    rng = seeded_rng()
+    x, dy = make_inputs(B, T, H, N, rng, shift)
     shp = (B, T, H, N)
     inp = wkv_inputs(case, x)
     pdy = case.input("dy", dy)
@@ -56,23 +66,33 @@ def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=N
     if bsplit is None:
         bsplit = W.chunked_split(B, H, N, dev.info) if chunked else W.backward_split(B, H, N, dev.info)
     P = bsplit
-    sizes = W.scratch_elems(B, T, H, N, dev.info, split=None if chunked else P, method=method)
+    sizes = W.scratch_elems(B, T, H, N, dev.info, split=None if chunked else P, method=method, ds0=state)
+    fwd_state, bwd_state = {}, {}
+    if state:
+        s0 = case.input("s0", initial_state(H, N, rng), "f32")
+        fwd_state = dict(s0=s0)
+        bwd_state = dict(s0=s0, ds0=case.output("ds0", (1, H, N, N), "f32"),
+                         ds0_partials=case.scratch("ds0_partials", sizes["ds0_partials"]) if B > 1 else None)
     y = case.output("y", shp)
     sa, ckpt = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
     part = case.scratch("partials", sizes["partials"]) if sizes["partials"] else None
     outs = {n: case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS}
     extra = dict(method=method, partials=part) if chunked else {}
-    ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ckpt, split=fsplit, **extra)
+    ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ckpt, split=fsplit, **extra, **fwd_state)
     ops += W.backward(*inp.values(), pdy, sa, ckpt, *(outs[n] for n in GRADS), B, T, H, N, dev.info,
-                      partials=part, split=P, **({"method": method} if chunked else {}))
+                      partials=part, split=P, **({"method": method} if chunked else {}), **bwd_state)
     out = case.run(ops)
     sel = (slice(None),) if heads is None else (slice(0, 1), slice(None), slice(0, heads))
     seen = {n: np.ascontiguousarray(case.seen[n][sel]) for n in (*"rwkvab", "dy")}
     args = tuple(seen[n] for n in "rwkvab")
+    s0 = {"state": case.seen["s0"]} if state else {}
     fwd_tol, bwd_tol = TOLS[method]
-    errs = {"y": check("y", out["y"][sel], wkv7_forward(*args), tolerance(case.xtype, fwd_tol))}
-    for n, g in zip(GRADS, wkv7_backward(*args, seen["dy"])):
-        if T == 1 and n == "dw":                 # dw_0 = 0 exactly (S_{-1} = 0): no relative error
+    errs = {"y": check("y", out["y"][sel], wkv7_forward(*args, **s0), tolerance(case.xtype, fwd_tol))}
+    twin = wkv7_backward(*args, seen["dy"], **s0)
+    if state:
+        errs["ds0"] = check(f"ds0 (B={B})", out["ds0"], twin[-1], tolerance(case.xtype, bwd_tol))
+    for n, g in zip(GRADS, twin):
+        if T == 1 and n == "dw" and not state:   # dw_0 = 0 exactly (S_{-1} = 0): no relative error
             assert not out[n][sel].any(), "dw of the first token must be 0"
             continue
         errs[n] = check(f"{n} (P={P})", out[n][sel], g, tolerance(case.xtype, bwd_tol))
@@ -284,3 +304,76 @@ def test_wkv7_chunked_exact_model_shapes(dev, B, T):
     """The 0.22B config's shapes (H=12, N=64), sequence 0 heads 0-1 against the twin, errors printed."""
     _, errs = run_case(KernelCase(dev, "f32"), dev, B, T, 12, 64, heads=2, method="chunked_exact")
     print(f"\nwkv7 chunked_exact f32 B={B} T={T}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+
+
+# ------------------------------------------------------------------------------------------ initial state
+STATE_CASES = [  # (method, B, T, H, N): B = 1 (ds0 written directly) and B > 1 (the batch sum), T = 1,
+    # T not a multiple of the chunk, long T, every head size of the method
+    ("sequential", 1, 1, 2, 64), ("sequential", 3, 100, 2, 64), ("sequential", 2, 37, 3, 32),
+    ("sequential", 2, 75, 2, 128), ("sequential", 1, 1024, 2, 64), ("sequential", 4, 33, 2, 16),
+    ("chunked", 1, 1, 1, 64), ("chunked", 3, 100, 2, 64), ("chunked", 2, 37, 3, 32), ("chunked", 8, 33, 12, 64),
+    ("chunked", 1, 1024, 2, 64),
+]
+
+
+@pytest.mark.parametrize("method,B,T,H,N", STATE_CASES, ids=[f"{m}-B{b}-T{t}-H{h}-N{n}" for m, b, t, h, n in STATE_CASES])
+def test_wkv7_initial_state(case, dev, method, B, T, H, N):
+    """From a shared initial state s0: y, every gradient and ds0 (summed over the sequences) against the twin."""
+    _, errs = run_case(case, dev, B, T, H, N, method=method, state=True)
+    print(f"\nwkv7 {method} {case.xtype} s0 B={B} T={T} N={N}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+
+
+@pytest.mark.parametrize("B,T,H,N", [(1, 1, 1, 64), (3, 100, 2, 64), (2, 37, 3, 32), (8, 33, 12, 64)])
+def test_wkv7_chunked_exact_initial_state(dev, B, T, H, N):
+    """The fp32 precision's chunked path from an initial state, within the fp32 kernel limit."""
+    run_case(KernelCase(dev, "f32"), dev, B, T, H, N, method="chunked_exact", state=True)
+
+
+@pytest.mark.parametrize("N", [32, 64, 128])
+def test_wkv7_initial_state_splits(dev, xtype, N):
+    """The sequential kernels from an initial state at every forward and backward row split (each split's
+    rows write their part of ds0)."""
+    for fs, bs in zip(W._forward_splits(N), W._backward_splits(N) * 4):
+        run_case(KernelCase(dev, xtype), dev, 3, 75, 2, N, fsplit=fs, bsplit=bs, state=True)
+
+
+@pytest.mark.parametrize("key_warps", W.KEY_WARPS)
+@pytest.mark.parametrize("N", [32, 64])
+@pytest.mark.parametrize("xtype, method", [("f32", "chunked"), ("bf16", "chunked"), ("f32", "chunked_exact")])
+def test_wkv7_chunked_initial_state_groups(dev, monkeypatch, xtype, method, N, key_warps):
+    """The chunked state passes from an initial state at every row split and group shape."""
+    monkeypatch.setattr(W, "chunked_key_warps", lambda *_: key_warps)
+    for P in W._chunked_splits(N):
+        run_case(KernelCase(dev, xtype), dev, 3, 75, 2, N, fsplit=P, bsplit=P, method=method, state=True)
+
+
+@pytest.mark.parametrize("xtype, method", [("f32", "sequential"), ("bf16", "sequential"), ("f32", "chunked"),
+                                           ("bf16", "chunked"), ("f32", "chunked_exact")])
+def test_wkv7_zero_state_is_stateless(dev, xtype, method):
+    """s0 = 0 gives y, the saved state and every gradient bit for bit as without s0; its ds0 matches the twin's."""
+    B, T, H, N = 3, 75, 2, 64
+    x, dy = make_inputs(B, T, H, N, seeded_rng())
+    shp = (B, T, H, N)
+    sizes = W.scratch_elems(B, T, H, N, dev.info, method=method, ds0=True)
+    runs = []
+    for with_state in (False, True):
+        case = KernelCase(dev, xtype)
+        inp = wkv_inputs(case, x)
+        y, sa, ck = case.output("y", shp), case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
+        part = case.scratch("partials", sizes["partials"]) if sizes["partials"] else None
+        outs = [case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS]
+        state = {}
+        if with_state:
+            s0 = case.input("s0", np.zeros((1, H, N, N)), "f32")
+            state = dict(s0=s0, ds0=case.output("ds0", (1, H, N, N), "f32"),
+                         ds0_partials=case.scratch("ds0_partials", sizes["ds0_partials"]))
+        ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, method=method, partials=part,
+                        **({"s0": state["s0"]} if with_state else {}))
+        ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
+                          method=method, **state)
+        runs.append(case.run(ops))
+    for name in ("y", "sa", "ckpt", *GRADS):
+        assert np.array_equal(runs[1][name], runs[0][name], equal_nan=True), f"{name} differs with s0 = 0"
+    seen = {n: case.seen[n] for n in (*"rwkvab", "dy")}
+    ds0 = wkv7_backward(*(seen[n] for n in "rwkvab"), seen["dy"], state=case.seen["s0"])[-1]
+    check("ds0 at s0 = 0", runs[1]["ds0"], ds0, tolerance(xtype, TOLS[method][1]))

@@ -2,6 +2,7 @@
 //
 // Same recurrence and layouts as rwkvx/cu/wkv7/sequential.cu (S is N x N, row i = value, column j = key):
 //     sa_t = S_{t-1} a_t ;  S_t = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T ;  y_t = S_t r_t
+// from S_{-1} = s_init[h] (the initial state shared by the B sequences; 0 when NULL).
 // Per chunk of L = 16 tokens with entering state S0 and cw_t = prod_{s<=t} w_s, cx_t = cw_t / w_t,
 // PL = cw_{L-1}:  rt = r cw, at = a cx, kh = k / cw, bh = b / cw  (w >= exp(-e^-0.5), the decay clamp,
 // bounds 1/cw <= 1.6e4: no overflow at L = 16);
@@ -25,7 +26,10 @@
 //                         products on mma.sync m16n8k8 tf32 (3xTF32 with WKV_EXACT) with fp32 accumulation;
 //                         y, sa and the chunk-entering states S0 out.
 //   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
-//                         chunk-ending dS out.
+//                         chunk-ending dS out, and (ds_part not NULL) the dS left after chunk 0, each
+//                         sequence's gradient of the initial state, for wkv7_state_reduce's sum over them.
+//   The initial state costs one pointer test per block: it is the forward's carried state at chunk 0 (and so
+//   the chunk-0 slot of the saved S0, which the gradient kernel reads like any other).
 //   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
 //                         rows with S0 and dS on tensor cores in tf32 or 3xTF32, the [L, L] ones as intra's, the rest
 //                         fp32 on CUDA cores).
@@ -328,6 +332,9 @@ __device__ __forceinline__ void store_rows(float* dst, const float* Cw, int lane
         *reinterpret_cast<float4*>(dst + row * HN + 4 * c4) = s;
     }
 }
+// store_rows out of line, for the backward pass's one store after its chunk walk (dS_{-1}): inlined there,
+// ptxas gives chunked_exact's N = 64 two-warp backward pass 64 registers and spills in the chunk loop.
+__device__ __noinline__ void store_rows_once(float* dst, const float* Cw, int lane) { store_rows(dst, Cw, lane); }
 // The warp's LW tokens of a [L][8] tile (tokens c*L + t, the group's 8 rows from column ig) to a
 // [B,T,H,N] tensor, four elements per store: two lanes per token instead of the accumulator's
 // eight scattered elements per lane. The caller __syncwarp()s between put_tile and this.
@@ -391,15 +398,19 @@ __device__ __forceinline__ void check_smem(int NR, int ngroups) {
 struct StatePlace {
     int group, wk, kh0, lane;
     float *rows, *tile0, *tile1, *xch;
+    // init: the carried rows' first values, the group's rows of an [N, N] state from row 0 of its block
+    // (NULL: zeros)
     template <class R>
-    __device__ __forceinline__ StatePlace(float* sm, int NR, R) {
+    __device__ __forceinline__ StatePlace(float* sm, int NR, R, const float* init) {
         const int tid = threadIdx.x;
         lane = tid & 31; group = tid / (32 * KW); wk = (tid >> 5) % KW; kh0 = wk * KH;
         rows = sm + state_smem_floats<R>(NR, 0) + group * GROUP_FLOATS;      // [8][SP4], shared by the group
         tile0 = rows + 8 * SP4 + wk * 2 * L * 8;                            // [L][8]
         tile1 = tile0 + L * 8;                                              // [L][8]
         xch = rows + 8 * SP4 + KW * 2 * L * 8;                              // [KW][8][32]
-        for (int e = lane; e < 8 * KH; e += 32) rows[e / KH * SP4 + kh0 + e % KH] = 0.f;
+        const float* src = init != nullptr ? init + group * 8 * HN + kh0 : nullptr;
+        for (int e = lane; e < 8 * KH; e += 32)
+            rows[e / KH * SP4 + kh0 + e % KH] = src != nullptr ? src[e / KH * HN + e % KH] : 0.f;
     }
 };
 }  // namespace wkv7c
@@ -408,11 +419,13 @@ struct StatePlace {
 // Forward sequential pass.  grid (P, H, B), block N/P/8 groups of KW warps; block p owns rows
 // p*N/P .. +N/P-1, group q rows 8 q .. 8 q + 7 of those, its warp wk the keys wk*N/KW .. +N/KW-1.
 // rec: forward records of wkv7c_intra.  y [B,T,H,N]; sa_out [B,T,H,N] fp32 and s0 [B,H,n_c,N,N] fp32
-// (the state entering each chunk), both or neither NULL.  Dynamic shared memory: state_smem_floats.
+// (the state entering each chunk), both or neither NULL; s_init [H,N,N] fp32 the state before t = 0
+// (NULL: 0).  Dynamic shared memory: state_smem_floats.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(HN * 4 * KW)
 wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v, floatX* __restrict__ y,
-                    float* __restrict__ sa_out, float* __restrict__ s0, int T, int H)
+                    float* __restrict__ sa_out, float* __restrict__ s0, const float* __restrict__ s_init,
+                    int T, int H)
 {
     using R = FRec;
     extern __shared__ __align__(16) float sm[];
@@ -420,8 +433,9 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
     const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x;
     const int nC = (T + L - 1) / L;
     check_smem<R>(NR, nt / (32 * KW));                         // before anything writes shared memory
-    const StatePlace me(sm, NR, R{});
-    const int i0 = p * NR, ri0 = me.group * 8, ig = i0 + ri0;   // block's rows; group's rows (local, global)
+    const int i0 = p * NR;
+    const StatePlace me(sm, NR, R{}, s_init != nullptr ? s_init + ((long long)h * HN + i0) * HN : nullptr);
+    const int ri0 = me.group * 8, ig = i0 + ri0;                 // group's rows (local, global)
     float* recs = sm;                                            // [NS][R::SIZE]
     floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::SIZE);  // [NS][L][NR + 8]
     float *Sw = me.rows, *Uw = me.tile0, *Yw = me.tile1;
@@ -457,12 +471,13 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
 // =============================================================================================
 // Backward sequential pass (chunks in reverse).  grid (P, H, B), block N/P/8 groups of KW warps (as the
 // forward).  rec: backward records of wkv7c_intra.  dv [B,T,H,N] (complete); dx [B,T,H,N] fp32;
-// ds [B,H,n_c,N,N] fp32 = dL/dS at the end of each chunk through the later chunks.  Dynamic shared
+// ds [B,H,n_c,N,N] fp32 = dL/dS at the end of each chunk through the later chunks; ds_part [B,H,N,N]
+// fp32 (NULL: not written) = dL/dS_{-1}, the gradient of the initial state, per sequence.  Dynamic shared
 // memory: state_smem_floats.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(HN * 4 * KW)
 wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ dy, float* __restrict__ dv,
-                     float* __restrict__ dx, float* __restrict__ ds, int T, int H)
+                     float* __restrict__ dx, float* __restrict__ ds, float* __restrict__ ds_part, int T, int H)
 {
     using R = BRec;
     extern __shared__ __align__(16) float sm[];
@@ -470,7 +485,7 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
     const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x;
     const int nC = (T + L - 1) / L;
     check_smem<R>(NR, nt / (32 * KW));                         // before anything writes shared memory
-    const StatePlace me(sm, NR, R{});
+    const StatePlace me(sm, NR, R{}, nullptr);                   // dS = 0 after the last chunk
     const int i0 = p * NR, ri0 = me.group * 8, ig = i0 + ri0;
     float* recs = sm;
     floatX* ys = reinterpret_cast<floatX*>(sm + NS * R::SIZE);       // dY rows [NS][L][NR + 8]
@@ -508,6 +523,8 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         store_tile(dv, Vw, bb, T, c, H, h, ig, me.wk, me.lane);
         carry_chunk<R>(Gw, Rs, Yb, Xb, me.wk);               // dS0^T = diag(PL) dS^T + rt^T dY + at^T dX
     });
+    if (ds_part != nullptr)                                   // after chunk 0 (ring_walk's last barrier)
+        store_rows_once(ds_part + ((long long)(bb * H + h) * HN + ig) * HN + me.kh0, Gw + me.kh0, me.lane);
 }
 
 // =============================================================================================

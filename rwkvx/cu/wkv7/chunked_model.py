@@ -18,6 +18,8 @@ Backward state pass (chunks in reverse, dS = dL/dS_L from later chunks, 0 after 
                      dX = Qb dS^T + Db dY ;  dV = Kt dS^T + Ark^T dY + Aak^T dX ;
                      dS0^T = diag(PL) dS^T + rt^T dY + at^T dX.
 Backward gradient part (per chunk, from S0, dS, U, V, dY, dX): see :func:`chunk_grads`.
+An initial state s0 is chunk 0's S0 (the kernels' carried state starts from it); its gradient is the
+dS0 the backward state pass leaves after chunk 0.
 """
 from __future__ import annotations
 
@@ -61,16 +63,16 @@ def intra(r, w, k, a, b, dt=np.float64):
                 Qb=M.T @ Bt, Db=(Arb @ M).T)
 
 
-def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64):
-    """One (sequence, head): inputs [T, N]. Returns y [T, N], U (= sa) [T, N] and the chunk-entering states
-    S0 [nC, N, N]."""
+def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None):
+    """One (sequence, head): inputs [T, N], from the initial state ``s0`` [N, N] (None: 0). Returns
+    y [T, N], U (= sa) [T, N] and the chunk-entering states S0 [nC, N, N]."""
     T, N = r.shape
     nC = (T + L - 1) // L
     Tp = nC * L
     r, k, v, a, b = (_pad(np.asarray(x, dt), Tp, 0.0) for x in (r, k, v, a, b))
     w = _pad(np.asarray(w, dt), Tp, 1.0)
     y, U = np.zeros((Tp, N), dt), np.zeros((Tp, N), dt)
-    S = np.zeros((N, N), dt)
+    S = np.zeros((N, N), dt) if s0 is None else np.asarray(s0, dt)
     S0 = np.zeros((nC, N, N), dt)
     for c in range(nC):
         t = slice(c * L, c * L + L)
@@ -118,10 +120,11 @@ def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity):
                 da=dat * o["cx"], db=dbh / o["cw"] + r * du_rb)
 
 
-def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64):
-    """One (sequence, head): inputs [T, N]; the forward recomputed here. Returns dr, dw, dk, dv, da, db."""
+def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None):
+    """One (sequence, head): inputs [T, N]; the forward (from ``s0``, as :func:`forward`) recomputed here.
+    Returns dr, dw, dk, dv, da, db, and given ``s0`` its gradient ds0 [N, N] too."""
     T, N = r.shape
-    _, U, S0 = forward(r, w, k, v, a, b, rnd, dt)
+    _, U, S0 = forward(r, w, k, v, a, b, rnd, dt, s0)
     nC = S0.shape[0]
     Tp = nC * L
     r, k, v, a, b, dy, U = (_pad(np.asarray(x, dt), Tp, 0.0) for x in (r, k, v, a, b, dy, U))
@@ -139,4 +142,5 @@ def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64):
         for n, x in chunk_grads(o, S0[c], dS, U[t], v[t], dY, dX, r[t], w[t], k[t], b[t], rnd).items():
             g[n][t] = x
         dS = dS0
-    return tuple(g[n][:T] for n in ("dr", "dw", "dk", "dv", "da", "db"))
+    grads = tuple(g[n][:T] for n in ("dr", "dw", "dk", "dv", "da", "db"))
+    return grads if s0 is None else (*grads, dS)

@@ -1,7 +1,8 @@
 """Launch builders for rwkvx/cu/wkv7/sequential.cu and chunked.cu: the RWKV-7 WKV recurrence (forward and backward).
 
 Per sequence b and head h (N = head size), S is N x N (row i = value index, column j = key index),
-S = 0 before t = 0::
+S = s0[h] before t = 0 (``s0``: an initial state shared by the B sequences, as state tuning trains it;
+None: 0)::
 
     sa_t = S_{t-1} a_t ;  S_t = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T ;  y_t = S_t r_t
 
@@ -21,12 +22,22 @@ Buffers (16-byte aligned; outputs must not alias inputs):
   steps the state back from the checkpoints (no recomputation; see rwkvx/cu/wkv7/sequential.cu).
 * ``partials`` f32 ``[5, P, B, T, H, N]``: backward scratch for the row-split column reductions, only
   when the backward split P > 1 (see :func:`backward_split`); ``None`` otherwise.
+* ``s0`` f32 ``[H, N, N]`` (optional): the initial state, given to the forward and (same values) to the
+  backward. ``ds0`` f32 ``[H, N, N]`` (optional backward output): its gradient, the sum over the B
+  sequences of each one's dL/dS_{-1}; the backward writes those per sequence to ``ds0_partials`` f32
+  ``[B, H, N, N]`` (:func:`scratch_elems` with ``ds0=True``; B = 1 writes ds0 directly) and
+  ``wkv7_state_reduce`` adds them in sequence order, ((b0 + b1) + b2) + ...: bit-identical reruns.
+  Without them the kernels take NULL and skip the state's work: one test per block, the per-token
+  work unchanged.
 
 Sizes: :func:`scratch_elems`. Use::
 
     ops += wkv7.forward(r, w, k, v, a, b, y, B, T, H, N, dev, sa=sa, ckpt=ckpt)
     ops += wkv7.backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
                          partials=partials)
+    # state tuning: from s0 and with its gradient
+    ops += wkv7.forward(..., sa=sa, ckpt=ckpt, s0=s0)
+    ops += wkv7.backward(..., partials=partials, s0=s0, ds0=ds0, ds0_partials=ds0_partials)
 
 All gradients are *written* (not accumulated). Deterministic (no atomics): with P > 1 the per-split
 partial sums are added in a fixed order (split 0, then 1, ..., P-1) by ``wkv7_backward_reduce``.
@@ -61,7 +72,7 @@ from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, LONG, X_IN, X_OUT, Kernel
 
 from rwkvx.runtime.dtypes import ELEM_BYTES
 
-from .._common import DeviceInfo, check_buffers
+from .._common import DeviceInfo, check_buffers, grid_stride_blocks
 
 HEAD_SIZES = (4, 8, 16, 32, 64, 128)
 Q = 4                 # lanes per state row (block = N/P * Q threads)
@@ -93,10 +104,11 @@ CU = KernelFile("wkv7/sequential", constants={"WKV_Q": Q, "WKV_CHUNK": CHUNK, "W
                 variants={"HEAD_SIZE": HEAD_SIZES})
 _RWKVAB = dict(r=X_IN, w=F32_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN)
 WKV7_FORWARD = CU.kernel("wkv7_forward", **_RWKVAB, y=X_OUT, sa_out=F32_OUT.opt(), ckpt=F32_OUT.opt(),
-                         T=INT, H=INT)
+                         s_init=F32_IN.opt(), T=INT, H=INT)
 WKV7_BACKWARD = CU.kernel("wkv7_backward", **_RWKVAB, dy=X_IN, sa=F32_IN, ckpt=F32_IN,
                           dr=X_OUT, dw=F32_OUT, dk=F32_OUT, dv=F32_OUT, da=F32_OUT, db=F32_OUT,
-                          part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
+                          part=F32_OUT.opt(), s_init=F32_IN.opt(), ds_part=F32_OUT.opt(), T=INT, H=INT, n=LONG)
+WKV7_STATE_REDUCE = CU.kernel("wkv7_state_reduce", part=F32_IN, ds0=F32_OUT, n=LONG, B=INT)
 CUC = KernelFile("wkv7/chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CHUNKED_STAGES,
                                             "WKV_INTRA_THREADS": INTRA_THREADS},
                  variants={"HEAD_SIZE": CHUNKED_HEAD_SIZES, "WKV_KEY_WARPS": KEY_WARPS, "WKV_EXACT": (0, 1)},
@@ -107,9 +119,9 @@ WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=F32_IN, k=X_IN, a=X_IN, b=X_IN
                          T=INT, H=INT, mode=INT)
 INTRA_FORWARD, INTRA_BACKWARD, INTRA_BOTH = 0, 1, 2     # wkv7c_intra's modes: which records it writes
 WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),
-                                 s0=F32_OUT.opt(), T=INT, H=INT)
+                                 s0=F32_OUT.opt(), s_init=F32_IN.opt(), T=INT, H=INT)
 WKV7C_BACKWARD_STATE = CUC.kernel("wkv7c_backward_state", rec=F32_IN, dy=X_IN, dv=F32_OUT, dx=F32_OUT, ds=F32_OUT,
-                                  T=INT, H=INT)
+                                  ds_part=F32_OUT.opt(), T=INT, H=INT)
 WKV7C_BACKWARD_GRADS = CUC.kernel("wkv7c_backward_grads", **_RWKVAB, dy=X_IN, sa=F32_IN, s0=F32_IN, ds=F32_IN,
                                   dx=F32_IN, dr=X_OUT, dw=F32_OUT, dk=F32_OUT, da=F32_OUT, db=F32_OUT,
                                   T=INT, H=INT)
@@ -246,12 +258,15 @@ def _state_smem_bytes(N: int, P: int, kw: int, n_square: int, xtype: str) -> int
 
 
 def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None,
-                  method: str = "sequential", kept_records: bool = False) -> dict[str, int]:
+                  method: str = "sequential", kept_records: bool = False, ds0: bool = False) -> dict[str, int]:
     """fp32 scratch sizes in elements::
 
         sa       [B, T, H, N]               forward -> backward (sa_t of every token)
         ckpt     [B, H, ceil(T/CHUNK), N, N]  forward -> backward (state checkpoints)
         partials [5, P, B, T, H, N]         backward scratch, 0 when the backward split P == 1
+
+    and with ``ds0`` (a backward that writes the initial state's gradient) ``ds0_partials``
+    [B, H, N, N], each sequence's share of it (0 for B = 1, which writes ds0 directly).
 
     ``split`` is the backward split (default :func:`backward_split`). For the chunked methods: ckpt is
     [B, H, ceil(T/16), N, N] (the states entering the chunks) and partials the work buffer of the forward
@@ -260,6 +275,13 @@ def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | 
     see :func:`forward`), and partials holds the rest."""
     _check(B, T, H, N)
     _check_method(method, N)
+    sizes = _method_scratch(B, T, H, N, dev, split, method, kept_records)
+    return {**sizes, "ds0_partials": B * H * N * N if B > 1 else 0} if ds0 else sizes
+
+
+def _method_scratch(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None, method: str,
+                    kept_records: bool) -> dict[str, int]:
+    """:func:`scratch_elems` without the initial state's gradient."""
     if method in CHUNKED_METHODS:
         work = _chunked_work(B, T, H, N)
         sizes = {"sa": B * T * H * N, "ckpt": B * H * n_chunks(T, method) * N * N}
@@ -287,15 +309,17 @@ def _split(split: int | None, default: int, allowed: list[int], what: str, N: in
 
 
 def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo, sa=None, ckpt=None,
-            split: int | None = None, method: str = "sequential", partials=None, records=None) -> list:
-    """wkv7_forward: y = WKV(r, w, k, v, a, b), and with ``sa`` and ``ckpt`` what the backward needs
-    (see module doc). The chunked methods also need ``partials`` (the work buffer); given ``records``
-    (with sa and ckpt; scratch_elems(..., kept_records=True)), their forward also writes the backward's
-    chunk records there, computed in the same pass as its own, for a backward given the same ``records``
-    (which then skips computing them)."""
+            split: int | None = None, method: str = "sequential", partials=None, records=None, s0=None) -> list:
+    """wkv7_forward: y = WKV(r, w, k, v, a, b) from the initial state ``s0`` (f32 [H, N, N]; None: 0),
+    and with ``sa`` and ``ckpt`` what the backward needs (see module doc). The chunked methods also need
+    ``partials`` (the work buffer); given ``records`` (with sa and ckpt; scratch_elems(...,
+    kept_records=True)), their forward also writes the backward's chunk records there, computed in the
+    same pass as its own, for a backward given the same ``records`` (which then skips computing them)."""
     _check(B, T, H, N)
     _check_method(method, N)
     check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y)
+    if s0 is not None:
+        check_buffers("wkv7.forward", s0=s0)
     if (sa is None) != (ckpt is None):
         raise ValueError("wkv7.forward: pass both sa and ckpt (for a backward) or neither")
     if sa is not None:
@@ -314,31 +338,36 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
                                    brec=records, T=T, H=H,
                                    mode=INTRA_FORWARD if records is None else INTRA_BOTH),
                 WKV7C_FORWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
-                                           rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, T=T, H=H)]
+                                           rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, s_init=s0, T=T, H=H)]
     if records is not None:
         raise ValueError(f"wkv7.forward: records are kept by the chunked methods only, not {method!r}")
     P = forward_split(B, H, N, dev) if split is None else int(split)
     if P not in _forward_splits(N):
         raise ValueError(f"wkv7.forward: split {P} not allowed for N={N} (one of {_forward_splits(N)})")
     return [WKV7_FORWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant={"HEAD_SIZE": N},
-                                r=r, w=w, k=k, v=v, a=a, b=b, y=y, sa_out=sa, ckpt=ckpt, T=T, H=H)]
+                                r=r, w=w, k=k, v=v, a=a, b=b, y=y, sa_out=sa, ckpt=ckpt, s_init=s0, T=T, H=H)]
 
 
 def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
              dev: DeviceInfo, partials=None, split: int | None = None, method: str = "sequential",
-             records=None) -> list:
+             records=None, s0=None, ds0=None, ds0_partials=None) -> list:
     """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
 
-    ``sa`` and ``ckpt`` from :func:`forward` on the same inputs with the same ``method``; (P > 1 or
+    ``sa`` and ``ckpt`` from :func:`forward` on the same inputs, ``s0`` and ``method``; (P > 1 or
     a chunked method) ``partials`` is scratch of :func:`scratch_elems` with the same ``split``; ``records``
-    the chunk records that forward kept (chunked methods), or None to compute them here."""
+    the chunk records that forward kept (chunked methods), or None to compute them here. Given ``ds0``
+    (f32 [H, N, N]) it also writes the initial state's gradient, summed over the sequences in order
+    (+ wkv7_state_reduce when B > 1, through ``ds0_partials`` of :func:`scratch_elems` with ``ds0=True``)."""
     _check(B, T, H, N)
     _check_method(method, N)
     check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt,
                   dr=dr, dw=dw, dk=dk, dv=dv, da=da, db=db)
+    if s0 is not None:
+        check_buffers("wkv7.backward", s0=s0)
+    ds_part, reduce = _state_gradient(ds0, ds0_partials, B, H, N, dev, r.elem)
     if method in CHUNKED_METHODS:
         return _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
-                                 partials, split, method, records)
+                                 partials, split, method, records, ds_part) + reduce
     if records is not None:
         raise ValueError(f"wkv7.backward: records are kept by the chunked methods only, not {method!r}")
     P = backward_split(B, H, N, dev) if split is None else int(split)
@@ -351,18 +380,37 @@ def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: 
     variant = {"HEAD_SIZE": N}
     ops = [WKV7_BACKWARD.launch((P, H, B), (N * Q // P, 1, 1), xtype=r.elem, variant=variant,
                                 r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt, dv=dv, **grads,
-                                part=partials if P > 1 else None, T=T, H=H, n=n)]
+                                part=partials if P > 1 else None, s_init=s0, ds_part=ds_part, T=T, H=H, n=n)]
     if P > 1:
         grid = max(1, min(math.ceil(n // 4 / 256), REDUCE_BLOCKS_PER_SM * dev.sm_count))
         ops.append(WKV7_BACKWARD_REDUCE.launch((grid, 1, 1), (256, 1, 1), xtype=r.elem, variant=variant,
                                                part=partials, **grads, n=n, P=P))
-    return ops
+    return ops + reduce
+
+
+def _state_gradient(ds0, ds0_partials, B: int, H: int, N: int, dev: DeviceInfo, xtype: str) -> tuple:
+    """Where the backward writes each sequence's gradient of the initial state (ds0 itself when B = 1,
+    else ``ds0_partials`` [B, H, N, N]; None without ``ds0``) and the launches that add them into ds0 in
+    sequence order."""
+    if ds0 is None:
+        if ds0_partials is not None:
+            raise ValueError("wkv7.backward: ds0_partials is scratch for ds0: pass ds0 too")
+        return None, []
+    check_buffers("wkv7.backward", ds0=ds0)
+    if B == 1:
+        return ds0, []
+    check_buffers("wkv7.backward", ds0_partials=ds0_partials)
+    n = H * N * N
+    return ds0_partials, [WKV7_STATE_REDUCE.launch((grid_stride_blocks(n // 4, dev), 1, 1), (256, 1, 1),
+                                                   xtype=xtype, variant={"HEAD_SIZE": N}, part=ds0_partials,
+                                                   ds0=ds0, n=n, B=B)]
 
 
 def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev, partials,
-                      split, method, records) -> list:
+                      split, method, records, ds_part) -> list:
     """A chunked method's backward: records (unless kept by the forward), the reverse state pass (dv, dX,
-    dS), the per-chunk gradients."""
+    dS, and into ``ds_part`` the initial state's gradient per sequence), the per-chunk gradients. The
+    initial state itself comes in ``ckpt`` (the state entering chunk 0)."""
     check_buffers("wkv7.backward", partials=partials)
     _check_exact_inputs("wkv7.backward", method, r)
     P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.backward", N)
@@ -380,7 +428,7 @@ def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B,
     dx = ds.offset(work["ds"])
     block, state = _state_launch(B, H, N, P, dev, BWD_RECORD, r.elem, method)
     return ops + [WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
-                                              rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, T=T, H=H),
+                                              rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, ds_part=ds_part, T=T, H=H),
                   WKV7C_BACKWARD_GRADS.launch((nc, H, B), (4 * N, 1, 1), **x, r=r, w=w, k=k, v=v, a=a, b=b,
                                               dy=dy, sa=sa, s0=ckpt, ds=ds, dx=dx, dr=dr, dw=dw, dk=dk, da=da,
                                               db=db, T=T, H=H)]

@@ -1,7 +1,7 @@
 // rwkvx/cu/wkv7/sequential.cu -- RWKV-7 ("x070") WKV recurrence, forward and backward.
 //
 // Per sequence bb and head h (N = HEAD_SIZE), S is N x N (row i = value index, column j = key index),
-// S = 0 before t = 0:
+// S = s_init[h] before t = 0 (the initial state, shared by the B sequences; 0 when s_init is NULL):
 //     sa_t = S_{t-1} a_t
 //     S_t  = S_{t-1} diag(w_t) + sa_t b_t^T + v_t k_t^T
 //     y_t  = S_t r_t
@@ -37,6 +37,10 @@
 //   dw_t[j]   = sum_i G_t[i,j] S_{t-1}[i,j]
 //   da_t      = S_{t-1}^T dsa                  (sa_t = S_{t-1} a_t)
 //   G_{t-1}   = G_t diag(w_t) + dsa a_t^T      (+ dy_{t-1} r_{t-1}^T at the next step)
+// and G_{-1}, the gradient of the initial state: per sequence into ds_part [B,H,N,N] (the row role's
+// copy), summed over the sequences in order bb = 0..B-1 by wkv7_state_reduce.
+// With NULL s_init / ds_part the kernels read no initial state and write no G_{-1}: one pointer test per
+// block (and per chunk boundary for the backward's checkpoint loads), nothing in the per-token work.
 
 #include "common.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_Q) || !defined(WKV_CHUNK) || !defined(WKV_BWD_MAXT)
@@ -121,11 +125,13 @@ using namespace wkv7;
 // =============================================================================================
 // Forward.  grid (P, H, B), block (N/P * Q).  y [B,T,H,N]; for the backward (both or neither NULL):
 // sa [B,T,H,N] fp32 and ckpt [B,H,nC,N,N] (slot c = the state after chunk c's last token).
+// s_init [H,N,N] fp32: the state before t = 0, or NULL for 0.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(FWD_MAXT)
 wkv7_forward(const floatX* __restrict__ r, const float* __restrict__ w, const floatX* __restrict__ k,
              const floatX* __restrict__ v, const floatX* __restrict__ a, const floatX* __restrict__ b,
-             floatX* __restrict__ y, float* __restrict__ sa_out, float* __restrict__ ckpt, int T, int H)
+             floatX* __restrict__ y, float* __restrict__ sa_out, float* __restrict__ ckpt,
+             const float* __restrict__ s_init, int T, int H)
 {
     constexpr int NV = 5;                                        // r k v a b (and w)
     __shared__ __align__(16) Staging<NV> stg;
@@ -143,6 +149,11 @@ wkv7_forward(const floatX* __restrict__ r, const float* __restrict__ w, const fl
     float S[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) S[m] = 0.f;
+    if (s_init != nullptr) {
+        const float* src = s_init + ((long long)h * HN + row) * HN + j0;
+#pragma unroll
+        for (int m = 0; m < M; m += VW) ldv(src + m, S + m);
+    }
 
     const int G = (T + LS - 1) / LS;
     auto issue = [&](int g) {
@@ -173,7 +184,8 @@ wkv7_forward(const floatX* __restrict__ r, const float* __restrict__ w, const fl
 
 // =============================================================================================
 // Backward.  grid (P, H, B) with P in {1,2,4} (P <= Q), block (N/P * Q) <= BWD_MAXT.
-//   sa [B,T,H,N] and ckpt [B,H,nC,N,N] from wkv7_forward on the same inputs.
+//   sa [B,T,H,N] and ckpt [B,H,nC,N,N] from wkv7_forward on the same inputs and s_init.
+//   ds_part [B,H,N,N] fp32: each sequence's G_{-1} (NULL: not written).
 //   dv [B,T,H,N] (complete).  dr, dw, dk, da, db [B,T,H,N]: written directly when P = 1; with P > 1
 //   split p writes its fp32 partial sums to part [5][P][n] (dr dw dk da db; n = B*T*H*N) and
 //   wkv7_backward_reduce adds them in order p = 0..P-1 (P = 1: part unused, may be NULL).
@@ -184,7 +196,8 @@ wkv7_backward(const floatX* __restrict__ r, const float* __restrict__ w, const f
               const floatX* __restrict__ dy, const float* __restrict__ sa, const float* __restrict__ ckpt,
               floatX* __restrict__ dr, float* __restrict__ dw, float* __restrict__ dk,
               float* __restrict__ dv, float* __restrict__ da, float* __restrict__ db,
-              float* __restrict__ part, int T, int H, long long n)
+              float* __restrict__ part, const float* __restrict__ s_init, float* __restrict__ ds_part,
+              int T, int H, long long n)
 {
     constexpr int NV = 6;                                        // r k v a b dy (and w)
     __shared__ __align__(16) Staging<NV> stg;
@@ -216,9 +229,11 @@ wkv7_backward(const floatX* __restrict__ r, const float* __restrict__ w, const f
     float s0[M];     // the same column of the state entering the current chunk (exact, from ckpt)
 #pragma unroll
     for (int m = 0; m < M; ++m) { dSr[m] = 0.f; dSc[m] = 0.f; }
-    auto load_col = [&](float* dst, int c) {                    // c < 0: the zero initial state
+    auto load_col = [&](float* dst, int c) {                    // c < 0: the initial state (NULL: 0)
+        const float* src = c >= 0 ? ckc + (long long)c * HN * HN
+                                  : (s_init != nullptr ? s_init + ((long long)h * HN + i0 + ic0) * HN + cj : nullptr);
 #pragma unroll
-        for (int m = 0; m < M; ++m) dst[m] = c >= 0 ? ckc[(long long)c * HN * HN + (long long)m * HN] : 0.f;
+        for (int m = 0; m < M; ++m) dst[m] = src != nullptr ? src[(long long)m * HN] : 0.f;
     };
 
     auto issue = [&](int g) {                                    // stages in reverse token order
@@ -325,6 +340,11 @@ wkv7_backward(const floatX* __restrict__ r, const float* __restrict__ w, const f
             // no second barrier: the next step writes dsa_sm[(t-1)&1]; the staged inputs are read-only here
         }
     });
+    if (ds_part != nullptr) {                                    // G_{-1}, the row role's copy
+        float* dst = ds_part + ((long long)(bb * H + h) * HN + row) * HN + j0;
+#pragma unroll
+        for (int m = 0; m < M; m += VW) stv(dst + m, dSr + m);
+    }
 }
 
 // Add the splits' partials (part [5][P][n]: dr, dw, dk, da, db) into the outputs:
@@ -357,4 +377,14 @@ wkv7_backward_reduce(const float* __restrict__ part, floatX* __restrict__ dr, fl
         add_parts(da, part + 3 * xs, e, n4, P);
         add_parts(db, part + 4 * xs, e, n4, P);
     }
+}
+
+// The gradient of the shared initial state: ds0 = ((part_0 + part_1) + part_2) + ... over the B
+// sequences' G_{-1} (part [B][n], n = H*N*N, n % 4 == 0) -- a fixed order. Grid-stride.
+extern "C" __global__ void __launch_bounds__(256)
+wkv7_state_reduce(const float* __restrict__ part, float* __restrict__ ds0, long long n, int B)
+{
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n / 4;
+         e += (long long)gridDim.x * blockDim.x)
+        add_parts(ds0, part, e, n / 4, B);
 }
