@@ -11,9 +11,14 @@ import numpy as np
 
 from rwkvx.sampling import sample_rows
 
-from ._common import float64_op, shift_mix_forward
+from ._common import float64_op, matmul, shift_mix_forward
+from .channelmix import relu_sq_forward
 from .moba import moba_attention_cached, moba_block_means
+from .timemix import sigmoid_forward, tanh_forward
 from .wkv7 import wkv7_forward
+
+# dec_gemv's epilogues: the forward's activation twins
+GEMV_EPILOGUES = {"none": lambda a: a, "tanh": tanh_forward, "sigmoid": sigmoid_forward, "relu_sq": relu_sq_forward}
 
 
 @float64_op
@@ -46,6 +51,14 @@ def decode_moba(q: np.ndarray, k: np.ndarray, v: np.ndarray, kc: np.ndarray, vc:
         kmean = np.concatenate([kmean, moba_block_means(kc[:, -chunk:], chunk)], axis=2)
     o, sel = moba_attention_cached(q[:, None], kc, vc, kmean, chunk, top_k)
     return o[:, 0], sel[:, :, 0], kc, vc, kmean
+
+
+@float64_op
+def decode_gemv(x: np.ndarray, w: np.ndarray, kn: bool, epilogue: str = "none") -> np.ndarray:
+    """[B, n]: epilogue(x [B, k] @ W) with W = w as stored [k, n] (``kn``) or w [n, k] transposed (a
+    Linear's weight); ``epilogue`` one of "none", "tanh", "sigmoid", "relu_sq" (a residual job adds
+    the "none" result to its output)."""
+    return GEMV_EPILOGUES[epilogue](matmul(x, w if kn else w.T))
 
 
 def decode_sample(logits: np.ndarray, u: np.ndarray, opts: np.ndarray) -> np.ndarray:

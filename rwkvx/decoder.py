@@ -43,7 +43,8 @@ from .cu import decode, wkv7
 from .cu._common import carve, carved_bytes
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
-from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
+from .runtime.kernel import KernelFile
+from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, Launch, Memset, flatten_ops
 from .sampling import Sampling
 from .step import StepBuilder
 from .validate import check_tokens
@@ -215,6 +216,76 @@ def prefill_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], st
     return ops
 
 
+# the forward's activation kernels that a GEMM's output may go through in place, as dec_gemv's
+# epilogues: kernel -> (epilogue, input parameter, output parameter)
+ACTIVATIONS = {"tm_tanh_fwd": ("tanh", "a", "out"), "tm_sigmoid_fwd": ("sigmoid", "a", "out"),
+               "cm_relu_sq_forward": ("relu_sq", "h", "k")}
+
+
+def _as_job(g: Gemm, xtype: str) -> decode.GemvJob | None:
+    """The dec_gemv job of GEMM ``g`` (rwkvx.runtime.gemm's linear or matmul on dense operands: the
+    weight is A, the activations B), or None if dec_gemv cannot compute it."""
+    p = g.precision
+    kn = not g.transa                       # linear: A = W [n, k] transposed; matmul: A = W [k, n]
+    if g.transb or g.alpha != 1.0 or g.beta not in (0.0, 1.0) or g.ldb != g.k or g.ldc != g.m \
+            or g.lda != (g.m if kn else g.k):
+        return None
+    job = decode.GemvJob(DevPtr(g.B, p.b), DevPtr(g.A, p.a), DevPtr(g.C, p.c), g.m, g.k, kn,
+                         residual=g.beta == 1.0)
+    return job if decode.gemv_supports(job, g.n, xtype) else None
+
+
+def _activation_of(op: Any, job: decode.GemvJob, B: int) -> str | None:
+    """The epilogue ``op`` applies to ``job``'s output when it is one of :data:`ACTIVATIONS` in place on
+    exactly that output, else None."""
+    if not isinstance(op, Launch) or op.name not in ACTIVATIONS or job.residual:
+        return None
+    epilogue, src, dst = ACTIVATIONS[op.name]
+    params = KernelFile.registry[op.module].kernels[op.name].params
+    a = {name: value for (name, _), (_, value) in zip(params, op.args)}
+    whole = a["n"] == B * job.n and a[src] == a[dst] == int(job.out) and not a.get("b")
+    return epilogue if whole else None
+
+
+def _schedule(jobs: list[decode.GemvJob], B: int) -> list:
+    """dec_gemv launches of a run of ``jobs`` in program order: each job at the first level after every
+    earlier job it depends on (reads what it writes, or writes what it reads or writes), each level in
+    launches of up to GEMV_JOBS jobs."""
+    def overlap(u, v):
+        return u[0] < v[1] and v[0] < u[1]
+    spans = [job.spans(B) for job in jobs]
+    levels: list[int] = []
+    for i, (rd, wr) in enumerate(spans):
+        deps = [levels[j] for j, (rd2, wr2) in enumerate(spans[:i])
+                if overlap(rd, wr2) or overlap(wr, rd2) or overlap(wr, wr2)]
+        levels.append(1 + max(deps, default=-1))
+    ops = []
+    for level in range(max(levels, default=-1) + 1):
+        group = [job for job, lv in zip(jobs, levels) if lv == level]
+        for i in range(0, len(group), decode.GEMV_JOBS):
+            ops += decode.gemv(group[i:i + decode.GEMV_JOBS], B)
+    return ops
+
+
+def fuse_products(ops: list, B: int, xtype: str) -> list:
+    """``ops`` (a step on B <= GEMV_ROWS rows) with each run of GEMMs (and the activations applied in
+    place to their outputs) between other ops replaced by dec_gemv launches: the independent products
+    of a run share a launch, each activation becomes its product's epilogue."""
+    flat, out, run = flatten_ops(ops), [], []
+    i = 0
+    while i < len(flat):
+        job = _as_job(flat[i], xtype) if isinstance(flat[i], Gemm) else None
+        if job is None:
+            out += _schedule(run, B) + [flat[i]]
+            run = []
+            i += 1
+            continue
+        epi = _activation_of(flat[i + 1], job, B) if i + 1 < len(flat) else None
+        run.append(decode.GemvJob(**{**job.__dict__, "epilogue": epi or "none"}))
+        i += 2 if epi else 1
+    return out + _schedule(run, B)
+
+
 def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
              max_len: int, host_inputs: int, host_draws: int, host_next: int) -> list:
     """One step (needs no GPU): pinned ``host_inputs`` int32 [2B] (the tokens, then their positions) and
@@ -222,11 +293,14 @@ def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state
     int32 [B] out to pinned ``host_next``."""
     step = DecodeStepBuilder(layout, base, weights, state, max_len)
     B, V = layout.B, layout.cfg.vocab_size
+    model = step.forward() + step.head_logits(0)
+    if B <= decode.GEMV_ROWS:
+        model = fuse_products(model, B, layout.xtype)
     return [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
             CopyHtoD(state["pos"], host_inputs + 4 * B, 4 * B),
             CopyHtoD(state["u"], host_draws, 8 * B),
             CopyHtoD(state["opts"], host_draws + 8 * B, 8 * len(decode.SAMPLE_OPTS)),
-            *step.forward(), *step.head_logits(0),
+            *model,
             *decode.sample(step.buf("logits"), state["u"], state["opts"], state["next"], B, V),
             CopyDtoH(host_next, state["next"], 4 * B)]
 

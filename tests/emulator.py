@@ -239,6 +239,23 @@ def _dec_moba(mem, a, op):
         mem.write(a["sel_out"], sel, "i32")
 
 
+def _dec_gemv(mem, a, op):
+    from rwkvx.cu.decode import GEMV_EPILOGUES, GEMV_JOBS, GEMV_KN
+    B = a["B"]
+    epilogue = {code: name for name, code in GEMV_EPILOGUES.items()}
+    for j in range(GEMV_JOBS):
+        n, k, mode = a[f"n{j}"], a[f"k{j}"], a[f"mode{j}"]
+        if not n:
+            continue
+        x, w = mem.read(a[f"x{j}"], B * k, (B, k)), mem.read(a[f"w{j}"], n * k)
+        kn = bool(mode & GEMV_KN)
+        out = O.decode_gemv(x, w.reshape((k, n) if kn else (n, k)), kn, epilogue[mode & (GEMV_KN - 1)])
+        if a[f"r{j}"]:
+            mem.write(a[f"r{j}"], mem.read(a[f"r{j}"], B * n, (B, n)) + out)
+        else:
+            mem.write(a[f"y{j}"], out)
+
+
 def _dec_sample(mem, a, op):
     B, V = op.grid[0], a["V"]
     logits = mem.read(a["logits"], B * V, (B, V)).astype(np.float32)
@@ -254,4 +271,5 @@ KERNELS = {
     "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
     "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
     "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
+    "dec_gemv": _dec_gemv,
 }

@@ -19,12 +19,19 @@ Twins: ``rwkvx.oracle.decode_shift``, ``decode_wkv7``, ``decode_moba`` (built on
 :func:`sample` (rwkvx/cu/decode/sample.cu): the token of each row of logits floatX [B, V] that
 :mod:`rwkvx.sampling`'s contract chooses with the row's draw ``u`` f64 [B] and ``opts`` f64 [3]
 (temperature, top_p, top_k), into ``out`` int32 [B]. Twin: ``rwkvx.oracle.decode_sample``.
+
+:func:`gemv` (rwkvx/cu/decode/gemv.cu): up to :data:`GEMV_JOBS` independent matrix products of B <=
+:data:`GEMV_ROWS` rows (:class:`GemvJob`) in one launch, each with its activation or residual add fused.
+Twin: ``rwkvx.oracle.decode_gemv``.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+from rwkvx.runtime.dtypes import ELEM_BYTES
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, F64_IN, FLOAT, I32_IN, I32_OUT, INT, X_IN, X_OUT, KernelFile
+from rwkvx.runtime.ops import DevPtr
 
 from ... import sampling
 from .. import moba, wkv7
@@ -51,6 +58,87 @@ SAMPLE_CU = KernelFile("decode/sample", constants={
     "SMP_INV_LN2": sampling.INV_LN2, "SMP_LN2_HI": sampling.LN2_HI, "SMP_LN2_LO": sampling.LN2_LO,
     "SMP_EXP_COEFFS": ",".join(repr(c) for c in sampling.EXP_COEFFS)})
 DEC_SAMPLE = SAMPLE_CU.kernel("dec_sample", logits=X_IN, u=F64_IN, opts=F64_IN, out=I32_OUT, V=INT)
+
+GEMV_JOBS = 8            # products per dec_gemv launch (its prototype's job slots)
+GEMV_ROWS = 8            # the most rows (sequences) dec_gemv multiplies
+GEMV_WARPS = 8
+GEMV_CPW = 2             # columns per warp of a [n, k] weight's tile
+GEMV_KN_COLS = 32        # columns of a [k, n] weight's tile (one per lane)
+GEMV_EPILOGUES = {"none": 0, "tanh": 1, "sigmoid": 2, "relu_sq": 3}
+GEMV_KN = 8              # mode bit: the weight is stored [k, n]
+GEMV_CU = KernelFile("decode/gemv", constants={
+    "GEMV_JOBS": GEMV_JOBS, "GEMV_ROWS": GEMV_ROWS, "GEMV_WARPS": GEMV_WARPS, "GEMV_CPW": GEMV_CPW,
+    "GEMV_KN": GEMV_KN, **{f"GEMV_{e.upper()}": c for e, c in GEMV_EPILOGUES.items() if c}})
+DEC_GEMV = GEMV_CU.kernel("dec_gemv", **{f"x{j}": X_IN.opt() for j in range(GEMV_JOBS)},
+                          **{f"w{j}": X_IN.opt() for j in range(GEMV_JOBS)},
+                          **{f"y{j}": X_OUT.opt() for j in range(GEMV_JOBS)},
+                          **{f"r{j}": F32_OUT.opt() for j in range(GEMV_JOBS)},
+                          **{f"{p}{j}": INT for p in ("n", "k", "mode") for j in range(GEMV_JOBS)}, B=INT)
+
+
+@dataclass(frozen=True)
+class GemvJob:
+    """One product of :func:`gemv`: ``out`` [B, n] = epilogue(x [B, k] @ W), W = ``w`` stored [n, k]
+    (a Linear's weight, ``kn`` False) or [k, n] (``kn`` True); with ``residual`` out (fp32) += the
+    product instead (epilogue "none"). x and w are floatX; out is floatX, or fp32 for a residual."""
+    x: DevPtr
+    w: DevPtr
+    out: DevPtr
+    n: int
+    k: int
+    kn: bool = False
+    epilogue: str = "none"
+    residual: bool = False
+
+    def spans(self, B: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The byte ranges [start, end) of what it reads of x and what it writes of out."""
+        def span(p, count):
+            return int(p), int(p) + count * ELEM_BYTES[p.elem]
+        return span(self.x, B * self.k), span(self.out, B * self.n)
+
+
+def gemv_tiles(job: GemvJob) -> int:
+    """The blocks of dec_gemv that compute ``job``."""
+    cols = GEMV_KN_COLS if job.kn else GEMV_WARPS * GEMV_CPW
+    return -(-job.n // cols)
+
+
+def gemv_supports(job: GemvJob, B: int, xtype: str) -> bool:
+    """Whether dec_gemv computes ``job`` on B rows of element type ``xtype``: B <= GEMV_ROWS, x and w
+    floatX, out floatX (fp32 for a residual); a [n, k] weight needs 16-byte rows (k a multiple of 16
+    bytes, x and w 16-byte aligned)."""
+    want_out = "f32" if job.residual else xtype
+    if not 1 <= B <= GEMV_ROWS or job.x.elem != xtype or job.w.elem != xtype or job.out.elem != want_out:
+        return False
+    if job.n < 1 or job.k < 1 or job.epilogue not in GEMV_EPILOGUES or (job.residual and job.epilogue != "none"):
+        return False
+    return job.kn or ((job.k * ELEM_BYTES[xtype]) % 16 == 0 and int(job.x) % 16 == 0 and int(job.w) % 16 == 0)
+
+
+def gemv(jobs: list[GemvJob], B: int) -> list:
+    """dec_gemv: 1 to :data:`GEMV_JOBS` independent products of B rows in one launch (none may read
+    what another writes)."""
+    if not 1 <= len(jobs) <= GEMV_JOBS:
+        raise ValueError(f"decode.gemv: 1 to {GEMV_JOBS} jobs, got {len(jobs)}")
+    xtype = xtype_of("decode.gemv", *(p for j in jobs for p in (j.x, j.w)))
+    for i, job in enumerate(jobs):
+        if not gemv_supports(job, B, xtype):
+            raise ValueError(f"decode.gemv: job {i} ({job}) is not supported on B={B} {xtype} rows")
+    spans = [job.spans(B) for job in jobs]
+    for i, (_, out) in enumerate(spans):
+        for j, (rd, wr) in enumerate(spans):
+            if i != j and any(out[0] < e and s < out[1] for s, e in (rd, wr)):
+                raise ValueError(f"decode.gemv: job {i} writes what job {j} reads or writes")
+    pad = [None] * (GEMV_JOBS - len(jobs))
+    args = {}
+    for j, job in enumerate([*jobs, *pad]):
+        args.update({f"x{j}": job and job.x, f"w{j}": job and job.w,
+                     f"y{j}": job.out if job and not job.residual else None,
+                     f"r{j}": job.out if job and job.residual else None, f"n{j}": job.n if job else 0,
+                     f"k{j}": job.k if job else 0,
+                     f"mode{j}": GEMV_EPILOGUES[job.epilogue] | (GEMV_KN if job.kn else 0) if job else 0})
+    grid = sum(gemv_tiles(job) for job in jobs)
+    return [DEC_GEMV.launch((grid, 1, 1), (32 * GEMV_WARPS, 1, 1), xtype=xtype, **args, B=B)]
 
 
 def moba_smem_bytes(N: int, chunk: int, top_k: int, maxblk: int) -> int:
