@@ -5,7 +5,8 @@ earlier tokens."""
 import pytest
 
 from rwkvx import Config
-from rwkvx.decoder import WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len, state_sizes
+from rwkvx.decoder import (ACTIVATIONS, WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len,
+                           state_sizes, step_ops)
 from rwkvx.arena import Layout
 from rwkvx.precision import DEFAULT_PRECISION
 from rwkvx.cu import decode, layernorm
@@ -84,6 +85,45 @@ def test_step_is_one_token_per_sequence(kwargs, B, window, max_len, P):
     saving = [op for op in flatten_ops(prefill) if isinstance(op, Launch) and op.name.startswith("wkv7")
               and any(value == ckpt for _, value in op.args)]
     assert len(saving) == cfg.n_rwkv_layer
+
+
+def gemv_jobs(op):
+    """(x, w, out, n, k, mode) of each job of a dec_gemv launch."""
+    a = {name: value for (name, _), (_, value) in zip(decode.DEC_GEMV.params, op.args)}
+    return [(a[f"x{j}"], a[f"w{j}"], a[f"y{j}"] or a[f"r{j}"], a[f"n{j}"], a[f"k{j}"], a[f"mode{j}"])
+            for j in range(decode.GEMV_JOBS) if a[f"n{j}"]]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("B", [1, 8, 9])
+def test_small_batch_step_runs_its_products_in_dec_gemv(B, precision):
+    """Up to GEMV_ROWS rows the step's GEMMs and activations become dec_gemv launches: per RWKV block
+    the six (block 0) or seven products of the block input's mixes in one launch, the four LoRA
+    second layers in a second, then the output (with the residual), the key (with relu^2) and the value
+    (with the residual); per attention block r, k, v in one launch, then output, key and value; the
+    head in one. No product reads or writes the output of another of its launch. More rows keep the forward's GEMMs."""
+    cfg = Config(**CONFIGS[-1][0])
+    layout = Layout(cfg, B, 16, H200, precision, recompute=True)
+    weights_of = StepBuilder(layout, WEIGHTS, {})
+    state = carve(STATE, state_sizes(layout, 64))
+    step = [op for op in flatten_ops(step_ops(layout, BASE, {n: weights_of.buf(n) for n in WEIGHT_REGIONS}, state,
+                                              64, 1 << 46, 1 << 47, 1 << 48)) if isinstance(op, (Launch, Gemm))]
+    names = [op.name if isinstance(op, Launch) else "gemm" for op in step]
+    if B > decode.GEMV_ROWS:
+        assert "dec_gemv" not in names and "gemm" in names
+        return
+    assert "gemm" not in names and not set(ACTIVATIONS) & set(names)
+    launches = [gemv_jobs(op) for op in step if isinstance(op, Launch) and op.name == "dec_gemv"]
+    assert len(launches) == 5 * cfg.n_rwkv_layer + 4 * cfg.n_attn_layer + 1
+    assert [len(jobs) for jobs in launches[:10]] == [6, 3, 1, 1, 1, 7, 4, 1, 1, 1]    # block 0: no value LoRA
+    assert [len(jobs) for jobs in launches[-5:]] == [3, 1, 1, 1, 1]           # the last attention block, the head
+    for jobs in launches:
+        for i, (x, _, out, n, k, _) in enumerate(jobs):
+            elem = 2 if precision == "bf16" else 4
+            assert not any(x2 <= out < x2 + B * k2 * elem or out <= x2 < out + B * n * elem
+                           for j, (x2, _, _, _, k2, _) in enumerate(jobs) if j != i)
+    epilogues = {m & (decode.GEMV_KN - 1) for jobs in launches for *_, m in jobs}
+    assert epilogues == set(decode.GEMV_EPILOGUES.values())
 
 
 def test_moba_step_checks_its_shared_memory():

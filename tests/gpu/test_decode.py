@@ -16,7 +16,8 @@ import pytest
 from harness import KernelCase, check, tolerance
 from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
-from rwkvx.oracle import Oracle, decode_moba, decode_sample, decode_shift, decode_wkv7, moba_block_means, rel_err
+from rwkvx.oracle import (Oracle, decode_gemv, decode_moba, decode_sample, decode_shift, decode_wkv7, moba_block_means,
+                          rel_err)
 from rwkvx.cu import decode as D
 from rwkvx.runtime.dtypes import round_to
 from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
@@ -60,6 +61,32 @@ def test_dec_wkv7(case, dev, B, H, N):
     want_y, want_state = decode_wkv7(*(case.seen[n] for n in "rwkvab"), case.seen["state"])
     check("y", out["y"], want_y, tolerance(case.xtype, FWD_TOL))
     check("state", out["state"], want_state, FWD_TOL)       # fp32 in both element types
+
+
+# dec_gemv jobs (n, k, kn, epilogue, residual): column counts that leave partial tiles, a k range the
+# warps split unevenly, every epilogue, a residual add, a wide and a long product
+GEMV_JOBS = [(96, 64, False, "none", False), (40, 32, False, "tanh", False), (48, 64, True, "sigmoid", False),
+             (64, 20, True, "relu_sq", False), (64, 128, False, "none", True), (33, 96, True, "none", True),
+             (1000, 768, False, "none", False), (24, 3072, False, "relu_sq", False)]
+
+
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_dec_gemv(case, B):
+    """All eight jobs in one launch, each against its twin (a residual: the old output plus the product)."""
+    rng = seeded_rng()
+    jobs = []
+    for j, (n, k, kn, epi, res) in enumerate(GEMV_JOBS):
+        x = case.input(f"x{j}", rng.standard_normal((B, k)))
+        w = case.input(f"w{j}", rng.standard_normal((k, n) if kn else (n, k)) / np.sqrt(k))
+        out = (case.inout(f"o{j}", rng.standard_normal((B, n)), "f32") if res else case.output(f"o{j}", (B, n)))
+        jobs.append(D.GemvJob(x, w, out, n, k, kn, epi, res))
+    out = case.run(D.gemv(jobs, B))
+    for j, (n, k, kn, epi, res) in enumerate(GEMV_JOBS):
+        want = decode_gemv(case.seen[f"x{j}"], case.seen[f"w{j}"], kn, epi)
+        if res:                  # fp32 out in every precision: the products of the rounded inputs, summed in fp32
+            check(f"o{j}", out[f"o{j}"], case.seen[f"o{j}"] + want, FWD_TOL)
+        else:
+            check(f"o{j}", out[f"o{j}"], want, tolerance(case.xtype, FWD_TOL))
 
 
 # (B, H, N, chunk, top_k, positions): first / middle / last token of a block, fewer and more past blocks
