@@ -43,7 +43,7 @@ from .cu import decode, wkv7
 from .cu._common import carve, carved_bytes
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
-from .runtime.kernel import KernelFile
+from .runtime.kernel import XTYPE_DEFINE, KernelFile
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, Launch, Memset, flatten_ops
 from .sampling import Sampling
 from .step import StepBuilder
@@ -222,6 +222,31 @@ ACTIVATIONS = {"tm_tanh_fwd": ("tanh", "a", "out"), "tm_sigmoid_fwd": ("sigmoid"
                "cm_relu_sq_forward": ("relu_sq", "h", "k")}
 
 
+def _args(op: Launch) -> dict[str, Any]:
+    """A launch's arguments by name, pointers typed as declared (floatX: the launch's element type)."""
+    xtype = "bf16" if dict(op.defines)[XTYPE_DEFINE] == "1" else "f32"
+    out: dict[str, Any] = {}
+    for (name, arg), (_, value) in zip(KernelFile.registry[op.module].kernels[op.name].params, op.args):
+        if arg.kind == "ptr":
+            value = DevPtr(value, xtype if arg.elem == "x" else arg.elem) if value else None
+        out[name] = value
+    return out
+
+
+def _ln_shift(ln: Any, shift: Any) -> list:
+    """dec_ln_shift for a LayerNorm launch ``ln`` whose output is the row the dec_shift launch ``shift``
+    reads, else []."""
+    if not (isinstance(ln, Launch) and isinstance(shift, Launch) and ln.name == "ln_forward"
+            and shift.name == "dec_shift"):
+        return []
+    a, s = _args(ln), _args(shift)
+    if a["y"] is None or a["y"] != s["x"] or a["y"].elem != "f32" or (a["R"], a["C"]) != (s["B"], s["C"]):
+        return []
+    n = s["nmix"]
+    return decode.ln_shift(a["x"], a["w"], a["b"], a["y"], a["x_copy"], a["mean_out"], a["rstd_out"], s["prev"],
+                           [s[f"m{j}"] for j in range(n)], [s[f"o{j}"] for j in range(n)], s["B"], s["C"], a["eps"])
+
+
 def _as_job(g: Gemm, xtype: str) -> decode.GemvJob | None:
     """The dec_gemv job of GEMM ``g`` (rwkvx.runtime.gemm's linear or matmul on dense operands: the
     weight is A, the activations B), or None if dec_gemv cannot compute it."""
@@ -241,8 +266,7 @@ def _activation_of(op: Any, job: decode.GemvJob, B: int) -> str | None:
     if not isinstance(op, Launch) or op.name not in ACTIVATIONS or job.residual:
         return None
     epilogue, src, dst = ACTIVATIONS[op.name]
-    params = KernelFile.registry[op.module].kernels[op.name].params
-    a = {name: value for (name, _), (_, value) in zip(params, op.args)}
+    a = _args(op)
     whole = a["n"] == B * job.n and a[src] == a[dst] == int(job.out) and not a.get("b")
     return epilogue if whole else None
 
@@ -267,18 +291,21 @@ def _schedule(jobs: list[decode.GemvJob], B: int) -> list:
     return ops
 
 
-def fuse_products(ops: list, B: int, xtype: str) -> list:
-    """``ops`` (a step on B <= GEMV_ROWS rows) with each run of GEMMs (and the activations applied in
-    place to their outputs) between other ops replaced by dec_gemv launches: the independent products
-    of a run share a launch, each activation becomes its product's epilogue."""
+def fuse_step(ops: list, B: int, xtype: str) -> list:
+    """``ops`` (a step on B rows of element type ``xtype``) with each LayerNorm that feeds a token shift
+    fused with it (dec_ln_shift), and, for B <= GEMV_ROWS, each run of GEMMs (and the activations
+    applied in place to their outputs) between other ops replaced by dec_gemv launches: the
+    independent products of a run share a launch, each activation becomes its product's epilogue."""
     flat, out, run = flatten_ops(ops), [], []
+    gemv = B <= decode.GEMV_ROWS
     i = 0
     while i < len(flat):
-        job = _as_job(flat[i], xtype) if isinstance(flat[i], Gemm) else None
+        job = _as_job(flat[i], xtype) if gemv and isinstance(flat[i], Gemm) else None
         if job is None:
-            out += _schedule(run, B) + [flat[i]]
+            fused = _ln_shift(flat[i], flat[i + 1]) if i + 1 < len(flat) else []
+            out += _schedule(run, B) + (fused or [flat[i]])
             run = []
-            i += 1
+            i += 2 if fused else 1
             continue
         epi = _activation_of(flat[i + 1], job, B) if i + 1 < len(flat) else None
         run.append(decode.GemvJob(**{**job.__dict__, "epilogue": epi or "none"}))
@@ -293,9 +320,7 @@ def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state
     int32 [B] out to pinned ``host_next``."""
     step = DecodeStepBuilder(layout, base, weights, state, max_len)
     B, V = layout.B, layout.cfg.vocab_size
-    model = step.forward() + step.head_logits(0)
-    if B <= decode.GEMV_ROWS:
-        model = fuse_products(model, B, layout.xtype)
+    model = fuse_step(step.forward() + step.head_logits(0), B, layout.xtype)
     return [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
             CopyHtoD(state["pos"], host_inputs + 4 * B, 4 * B),
             CopyHtoD(state["u"], host_draws, 8 * B),

@@ -207,6 +207,23 @@ def _dec_shift(mem, a, op):
     mem.write(a["prev"], prev)
 
 
+def _dec_ln_shift(mem, a, op):
+    B, C, n = op.grid[0], a["C"], a["nmix"]
+    x = mem.read(a["x"], B * C, (B, C))
+    if a["x_copy"]:
+        mem.write(a["x_copy"], x)
+    y, mean, rstd = O.layernorm_forward(x, mem.read(a["w"], C), mem.read(a["b"], C), a["eps"], return_stats=True)
+    for name, v in (("mean_out", mean), ("rstd_out", rstd)):
+        if a[name]:
+            mem.write(a[name], v)
+    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(n)])
+    outs, prev = O.decode_shift(y, mem.read(a["prev"], B * C, (B, C)), mixes)
+    for j in range(n):
+        mem.write(a[f"o{j}"], outs[j])
+    mem.write(a["y"], y)
+    mem.write(a["prev"], prev)
+
+
 def _dec_wkv7(mem, a, op):
     N, H, B = _head_size(op), a["H"], op.grid[1]
     x = [mem.read(a[n], B * H * N, (B, H, N)) for n in "rwkvab"]
@@ -271,5 +288,5 @@ KERNELS = {
     "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
     "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
     "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
-    "dec_gemv": _dec_gemv,
+    "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift,
 }

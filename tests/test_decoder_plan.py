@@ -96,8 +96,8 @@ def gemv_jobs(op):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 8, 9])
-def test_small_batch_step_runs_its_products_in_dec_gemv(B, precision):
-    """Up to GEMV_ROWS rows the step's GEMMs and activations become dec_gemv launches: per RWKV block
+def test_step_fuses_its_layernorms_and_small_batch_products(B, precision):
+    """Each token shift runs with its LayerNorm (dec_ln_shift). Up to GEMV_ROWS rows the step's GEMMs and activations become dec_gemv launches: per RWKV block
     the six (block 0) or seven products of the block input's mixes in one launch, the four LoRA
     second layers in a second, then the output (with the residual), the key (with relu^2) and the value
     (with the residual); per attention block r, k, v in one launch, then output, key and value; the
@@ -109,6 +109,8 @@ def test_small_batch_step_runs_its_products_in_dec_gemv(B, precision):
     step = [op for op in flatten_ops(step_ops(layout, BASE, {n: weights_of.buf(n) for n in WEIGHT_REGIONS}, state,
                                               64, 1 << 46, 1 << 47, 1 << 48)) if isinstance(op, (Launch, Gemm))]
     names = [op.name if isinstance(op, Launch) else "gemm" for op in step]
+    # at every batch size each token shift is fused with the LayerNorm that makes its row
+    assert "dec_shift" not in names and names.count("dec_ln_shift") == 2 * cfg.n_rwkv_layer + cfg.n_attn_layer
     if B > decode.GEMV_ROWS:
         assert "dec_gemv" not in names and "gemm" in names
         return

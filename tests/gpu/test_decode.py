@@ -16,8 +16,9 @@ import pytest
 from harness import KernelCase, check, tolerance
 from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
+from rwkvx.config import LN_EPS
 from rwkvx.oracle import (Oracle, decode_gemv, decode_moba, decode_sample, decode_shift, decode_wkv7, moba_block_means,
-                          rel_err)
+                          layernorm_forward, rel_err)
 from rwkvx.cu import decode as D
 from rwkvx.runtime.dtypes import round_to
 from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
@@ -42,6 +43,30 @@ def test_dec_shift(case, dev, B, C, nmix):
     for j in range(nmix):
         check(f"o{j}", out[f"o{j}"], want[j], tolerance(case.xtype, 1e-6))
     assert np.array_equal(out["prev"], new_prev), "prev must become x exactly"
+
+
+@pytest.mark.parametrize("B, C, nmix", [(1, 768, 6), (3, 64, 6), (8, 256, 1), (2, 4, 1)])
+def test_dec_ln_shift(case, B, C, nmix):
+    """The LayerNorm's twin, then dec_shift's on its output; x_copy is x exactly."""
+    rng = seeded_rng()
+    x = case.input("x", 2 + 3 * rng.standard_normal((B, C)), "f32")      # the residual stream: f32
+    w, b = (case.input(n, rng.standard_normal(C), "f32") for n in ("w", "b"))
+    y, x_copy = case.output("y", (B, C), "f32"), case.output("x_copy", (B, C), "f32")
+    mean, rstd = case.output("mean", B, "f32"), case.output("rstd", B, "f32")
+    prev = case.inout("prev", rng.standard_normal((B, C)), "f32")
+    mixes = [case.input(f"m{j}", rng.uniform(size=C), "f32") for j in range(nmix)]
+    outs = [case.output(f"o{j}", (B, C)) for j in range(nmix)]
+    out = case.run(D.ln_shift(x, w, b, y, x_copy, mean, rstd, prev, mixes, outs, B, C, LN_EPS))
+    seen = case.seen
+    want_y, want_mean, want_rstd = layernorm_forward(seen["x"], seen["w"], seen["b"], LN_EPS, return_stats=True)
+    check("y", out["y"], want_y, FWD_TOL)
+    check("mean", out["mean"], want_mean, FWD_TOL)
+    check("rstd", out["rstd"], want_rstd, FWD_TOL)
+    want, _ = decode_shift(out["y"], seen["prev"], np.stack([seen[f"m{j}"] for j in range(nmix)]))
+    for j in range(nmix):
+        check(f"o{j}", out[f"o{j}"], want[j], tolerance(case.xtype, 1e-6))
+    assert np.array_equal(out["prev"], out["y"]), "prev must become y exactly"
+    assert np.array_equal(out["x_copy"], seen["x"]), "x_copy must be x exactly"
 
 
 @pytest.mark.parametrize("B, H, N", [(1, 12, 64), (2, 3, 16), (3, 2, 128), (2, 4, 4), (1, 2, 32), (2, 2, 8)])

@@ -2,6 +2,7 @@
 // tokens, with what they need of them carried in device memory between steps (rwkvx/decoder.py).
 //
 //   dec_shift   token shift + mixes from the carried previous row:  o_j = x + (prev - x) * m_j, prev = x
+//   dec_ln_shift  a LayerNorm whose output goes straight into dec_shift, both in one kernel
 //   dec_wkv7    one WKV7 token from the carried state                (state [B,H,N,N] fp32, in place)
 //   dec_moba    MoBA attention of the new query: appends its key and value to the cache, completes the
 //               block mean when the token ends a block, selects the past blocks by gate, attends
@@ -45,6 +46,64 @@ dec_shift(const float* __restrict__ x, float* __restrict__ prev,
         }
         store4(prev + 4 * i, cur);
     });
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1b. LayerNorm + token shift.  x, y, x_copy, prev fp32 [B, C]; w, b, m0..m5 fp32 [C]; mean, rstd fp32 [B];
+//     o0..o5 floatX [B, C]. grid (B), one warp per row. y = LN(x) with ln_forward's arithmetic (sums over
+//     the quads i = lane, lane + 32, ... then the xor butterfly), x_copy = x, mean / rstd saved when not
+//     NULL; then dec_shift on y: o_j = y + (prev - y) * m_j (j < nmix), prev = y.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(32)
+dec_ln_shift(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
+             float* __restrict__ y, float* __restrict__ x_copy, float* __restrict__ mean_out,
+             float* __restrict__ rstd_out, float* __restrict__ prev,
+             const float* m0, const float* m1, const float* m2, const float* m3, const float* m4, const float* m5,
+             floatX* o0, floatX* o1, floatX* o2, floatX* o3, floatX* o4, floatX* o5, int C, int nmix, float eps)
+{
+    const float* mp[6] = {m0, m1, m2, m3, m4, m5};
+    floatX* op[6] = {o0, o1, o2, o3, o4, o5};
+    const int lane = threadIdx.x, C4 = C >> 2;
+    const long long row = (long long)blockIdx.x * C;
+    float s = 0.f;
+    for (int i = lane; i < C4; i += 32) {
+        const f4 u = load4(x + row + 4 * i);
+        if (x_copy) store4(x_copy + row + 4 * i, u);
+        s += (u.v[0] + u.v[1]) + (u.v[2] + u.v[3]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    const float mu = s / (float)C;
+    float q = 0.f;
+    for (int i = lane; i < C4; i += 32) {
+        const f4 u = load4(x + row + 4 * i);
+        const float a = u.v[0] - mu, bb = u.v[1] - mu, c = u.v[2] - mu, d = u.v[3] - mu;
+        q += (a * a + bb * bb) + (c * c + d * d);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+    const float rs = 1.0f / sqrtf(q / (float)C + eps);
+    if (lane == 0) {
+        if (mean_out) mean_out[blockIdx.x] = mu;
+        if (rstd_out) rstd_out[blockIdx.x] = rs;
+    }
+    for (int i = lane; i < C4; i += 32) {
+        const f4 u = load4(x + row + 4 * i), ww = load4(w + 4 * i), bv = load4(b + 4 * i), p = load4(prev + row + 4 * i);
+        f4 h;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) h.v[e] = (u.v[e] - mu) * rs * ww.v[e] + bv.v[e];
+#pragma unroll
+        for (int j = 0; j < 6; ++j) {
+            if (j >= nmix) break;
+            const f4 m = load4_scalar(mp[j] + 4 * i);
+            f4 o;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o.v[e] = h.v[e] + (p.v[e] - h.v[e]) * m.v[e];
+            store4(op[j] + row + 4 * i, o);
+        }
+        store4(y + row + 4 * i, h);
+        store4(prev + row + 4 * i, h);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

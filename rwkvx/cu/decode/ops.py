@@ -4,7 +4,8 @@ One step feeds one token per sequence (B rows). The parts of a block that look a
 what they need from state carried in device memory and update it:
 
 * :func:`shift`: the token shift of the time mix (6 mixes) or the channel mix (1), from ``prev``
-  [B, C] (the previous token's input row), which becomes this token's;
+  [B, C] (the previous token's input row), which becomes this token's; :func:`ln_shift` is the
+  LayerNorm that makes that row and the shift in one kernel;
 * :func:`wkv7_step`: one WKV7 token on ``state`` fp32 [B, H, N, N] (S[i, j], row = value index), in place;
 * :func:`moba_step`: MoBA attention of each sequence's new query at its own position ``pos[b]``
   (device int32 [B]): its key and value go into the caches ``kc``, ``vc`` floatX [B, Tmax, H, N]; when
@@ -45,6 +46,10 @@ CU = KernelFile("decode/decode", constants={"WKV_Q": wkv7.Q, "DEC_MOBA_THREADS":
                 variants={"HEAD_SIZE": HEAD_SIZES})
 DEC_SHIFT = CU.kernel("dec_shift", x=F32_IN, prev=F32_OUT, **{f"m{j}": F32_IN.opt() for j in range(6)},
                       **{f"o{j}": X_OUT.opt() for j in range(6)}, B=INT, C=INT, nmix=INT)
+DEC_LN_SHIFT = CU.kernel("dec_ln_shift", x=F32_IN, w=F32_IN, b=F32_IN, y=F32_OUT, x_copy=F32_OUT.opt(),
+                         mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), prev=F32_OUT,
+                         **{f"m{j}": F32_IN.opt() for j in range(6)}, **{f"o{j}": X_OUT.opt() for j in range(6)},
+                         C=INT, nmix=INT, eps=FLOAT)
 DEC_WKV7 = CU.kernel("dec_wkv7", r=X_IN, w=F32_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN, state=F32_OUT, y=X_OUT, H=INT)
 DEC_MOBA = CU.kernel("dec_moba", q=X_IN, k=X_IN, v=X_IN, kc=X_OUT, vc=X_OUT, kmean=F32_OUT.opt(), pos=I32_IN,
                      sel_out=I32_OUT.opt(), o=X_OUT, H=INT, Tmax=INT, chunk=INT, K1=INT, maxblk=INT,
@@ -160,6 +165,21 @@ def shift(x, prev, mixes, outs, B: int, C: int, dev: DeviceInfo) -> list:
                              xtype=xtype_of("decode.shift", *outs), variant={"HEAD_SIZE": SHIFT_N},
                              x=x, prev=prev, **{f"m{j}": m for j, m in enumerate([*mixes, *pad])},
                              **{f"o{j}": o for j, o in enumerate([*outs, *pad])}, B=B, C=C, nmix=len(mixes))]
+
+
+def ln_shift(x, w, b, y, x_copy, mean, rstd, prev, mixes, outs, B: int, C: int, eps: float) -> list:
+    """dec_ln_shift: y = LayerNorm(x; w, b) (layernorm.forward's arithmetic; x_copy = x, mean and rstd
+    [B] saved when not None), then :func:`shift` of y: outs[j] = y + (prev - y) * mixes[j], prev = y.
+    x, y, x_copy, prev f32 [B, C]; outs floatX; nothing may alias."""
+    if not 1 <= len(mixes) <= 6 or len(mixes) != len(outs):
+        raise ValueError("decode.ln_shift: 1 to 6 mixes, one output each")
+    check_rows("decode.ln_shift", B, C, x, w, b, y, x_copy, prev, *outs)
+    pad = [None] * (6 - len(mixes))
+    return [DEC_LN_SHIFT.launch((B, 1, 1), (32, 1, 1), xtype=xtype_of("decode.ln_shift", *outs),
+                                variant={"HEAD_SIZE": SHIFT_N}, x=x, w=w, b=b, y=y, x_copy=x_copy, mean_out=mean,
+                                rstd_out=rstd, prev=prev, **{f"m{j}": m for j, m in enumerate([*mixes, *pad])},
+                                **{f"o{j}": o for j, o in enumerate([*outs, *pad])}, C=C, nmix=len(mixes),
+                                eps=eps)]
 
 
 def wkv7_step(r, w, k, v, a, b, state, y, B: int, H: int, N: int) -> list:
