@@ -247,6 +247,39 @@ def _ln_shift(ln: Any, shift: Any) -> list:
                            [s[f"m{j}"] for j in range(n)], [s[f"o{j}"] for j in range(n)], s["B"], s["C"], a["eps"])
 
 
+def _gemv_jobs(op: Launch) -> list[decode.GemvJob]:
+    """The jobs of a dec_gemv launch."""
+    a = _args(op)
+    return [decode.GemvJob(a[f"x{j}"], a[f"w{j}"], a[f"y{j}"] or a[f"r{j}"], a[f"n{j}"], a[f"k{j}"],
+                           bool(a[f"mode{j}"] & decode.GEMV_KN),
+                           {c: e for e, c in decode.GEMV_EPILOGUES.items()}[a[f"mode{j}"] & (decode.GEMV_KN - 1)],
+                           a[f"r{j}"] is not None)
+            for j in range(decode.GEMV_JOBS) if a[f"n{j}"]]
+
+
+def _time_mix(ops: list, B: int) -> list:
+    """dec_tmix for ``ops`` = [dec_gemv of an RWKV block's LoRA second layers, tm_prep_fwd, dec_wkv7,
+    tm_gn_fwd] of B rows, each reading what the one before wrote, else []."""
+    names = [op.name if isinstance(op, Launch) else None for op in ops]
+    if names != ["dec_gemv", "tm_prep_fwd", "dec_wkv7", "tm_gn_fwd"]:
+        return []
+    jobs = {int(job.out): job for job in _gemv_jobs(ops[0])}
+    p, w, g = (_args(op) for op in ops[1:])
+    value = p["vp"] if p["layer"] else p["v"]
+    outs = {"w": p["wl"], "a": p["al"], "v": p["vl"], "g": g["g"]}
+    lora = {q: jobs.get(int(ptr)) for q, ptr in outs.items() if ptr is not None}
+    C = w["H"] * int(dict(ops[2].defines)["HEAD_SIZE"])
+    if (len(jobs) != len(lora) or None in lora.values() or p["R"] != B
+            or any(not job.kn or job.residual or job.epilogue != "none" or job.n != C for job in lora.values())
+            or (w["w"], w["k"], w["v"], w["a"], w["b"]) != (p["decay"], p["kp"], value, p["wa"], p["wb"])
+            or (g["y"], g["r"], g["kp"], g["vp"]) != (w["y"], w["r"], p["kp"], value)):
+        return []
+    return decode.tmix_step({q: j.x for q, j in lora.items()}, {q: j.w for q, j in lora.items()},
+                            {q: j.k for q, j in lora.items()}, w["r"], p["k"], p["v"], p["vf"], p["w0"], p["a0"],
+                            p["v0"], p["k_k"], p["k_a"], w["state"], g["lnw"], g["lnb"], g["rk"], g["z"], B,
+                            w["H"], C // w["H"])
+
+
 def _as_job(g: Gemm, xtype: str) -> decode.GemvJob | None:
     """The dec_gemv job of GEMM ``g`` (rwkvx.runtime.gemm's linear or matmul on dense operands: the
     weight is A, the activations B), or None if dec_gemv cannot compute it."""
@@ -294,8 +327,9 @@ def _schedule(jobs: list[decode.GemvJob], B: int) -> list:
 def fuse_step(ops: list, B: int, xtype: str) -> list:
     """``ops`` (a step on B rows of element type ``xtype``) with each LayerNorm that feeds a token shift
     fused with it (dec_ln_shift), and, for B <= GEMV_ROWS, each run of GEMMs (and the activations
-    applied in place to their outputs) between other ops replaced by dec_gemv launches: the
-    independent products of a run share a launch, each activation becomes its product's epilogue."""
+    applied in place to their outputs) between other ops replaced by dec_gemv launches (the
+    independent products of a run share a launch, each activation becomes its product's epilogue),
+    then each RWKV block's LoRA second layers, prep, WKV7 token and GroupNorm by dec_tmix."""
     flat, out, run = flatten_ops(ops), [], []
     gemv = B <= decode.GEMV_ROWS
     i = 0
@@ -310,7 +344,13 @@ def fuse_step(ops: list, B: int, xtype: str) -> list:
         epi = _activation_of(flat[i + 1], job, B) if i + 1 < len(flat) else None
         run.append(decode.GemvJob(**{**job.__dict__, "epilogue": epi or "none"}))
         i += 2 if epi else 1
-    return out + _schedule(run, B)
+    out += _schedule(run, B)
+    fused, i = [], 0
+    while i < len(out):
+        tmix = _time_mix(out[i:i + 4], B) if gemv else []
+        fused += tmix or [out[i]]
+        i += 4 if tmix else 1
+    return fused
 
 
 def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],

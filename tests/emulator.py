@@ -232,6 +232,23 @@ def _dec_wkv7(mem, a, op):
     mem.write(a["state"], state)
 
 
+def _dec_tmix(mem, a, op):
+    from rwkvx.cu.decode import LORA2
+    N, H, B = _head_size(op), a["H"], op.grid[1]
+    C = H * N
+    ranks = {p: a[f"d{p}"] for p in LORA2 if a[f"h{p}"]}
+    hidden = {p: mem.read(a[f"h{p}"], B * d, (B, d)) for p, d in ranks.items()}
+    second = {p: mem.read(a[f"{p}2"], d * C, (d, C)) for p, d in ranks.items()}
+    rows = {n: mem.read(a[n], B * C, (B, C)) for n in ("r", "k", "v", "vf")}
+    vec = {n: mem.read(a[n], C) if a[n] else None for n in ("w0", "a0", "v0", "k_k", "k_a", "lnw", "lnb", "rk")}
+    z, state, v_first = O.decode_time_mix(
+        hidden, second, rows["r"], rows["k"], rows["v"], rows["vf"], vec["w0"], vec["a0"], vec["v0"], vec["k_k"],
+        vec["k_a"], mem.read(a["state"], B * H * N * N, (B, H, N, N)), vec["lnw"], vec["lnb"], vec["rk"], N)
+    mem.write(a["z"], z)
+    mem.write(a["state"], state)
+    mem.write(a["vf"], v_first)
+
+
 def _dec_moba(mem, a, op):
     N, H, B, Tmax, chunk, K1, maxblk = (_head_size(op), a["H"], op.grid[1], a["Tmax"], a["chunk"], a["K1"],
                                         a["maxblk"])
@@ -288,5 +305,5 @@ KERNELS = {
     "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
     "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
     "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
-    "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift,
+    "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift, "dec_tmix": _dec_tmix,
 }

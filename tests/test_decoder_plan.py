@@ -116,9 +116,12 @@ def test_step_fuses_its_layernorms_and_small_batch_products(B, precision):
         return
     assert "gemm" not in names and not set(ACTIVATIONS) & set(names)
     launches = [gemv_jobs(op) for op in step if isinstance(op, Launch) and op.name == "dec_gemv"]
-    assert len(launches) == 5 * cfg.n_rwkv_layer + 4 * cfg.n_attn_layer + 1
-    assert [len(jobs) for jobs in launches[:10]] == [6, 3, 1, 1, 1, 7, 4, 1, 1, 1]    # block 0: no value LoRA
+    assert names.count("dec_tmix") == cfg.n_rwkv_layer and "tm_prep_fwd" not in names
+    assert len(launches) == 4 * cfg.n_rwkv_layer + 4 * cfg.n_attn_layer + 1
+    assert [len(jobs) for jobs in launches[:8]] == [6, 1, 1, 1, 7, 1, 1, 1]    # block 0: no value LoRA
     assert [len(jobs) for jobs in launches[-5:]] == [3, 1, 1, 1, 1]           # the last attention block, the head
+    first = [op.name for op in step[names.index("dec_ln_shift"):names.index("dec_tmix") + 1]]
+    assert first == ["dec_ln_shift", "dec_gemv", "dec_tmix"]
     for jobs in launches:
         for i, (x, _, out, n, k, _) in enumerate(jobs):
             elem = 2 if precision == "bf16" else 4

@@ -17,8 +17,8 @@ from harness import KernelCase, check, tolerance
 from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
 from rwkvx.config import LN_EPS
-from rwkvx.oracle import (Oracle, decode_gemv, decode_moba, decode_sample, decode_shift, decode_wkv7, moba_block_means,
-                          layernorm_forward, rel_err)
+from rwkvx.oracle import (Oracle, decode_gemv, decode_moba, decode_sample, decode_shift, decode_time_mix, decode_wkv7,
+                          layernorm_forward, moba_block_means, rel_err)
 from rwkvx.cu import decode as D
 from rwkvx.runtime.dtypes import round_to
 from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
@@ -86,6 +86,43 @@ def test_dec_wkv7(case, dev, B, H, N):
     want_y, want_state = decode_wkv7(*(case.seen[n] for n in "rwkvab"), case.seen["state"])
     check("y", out["y"], want_y, tolerance(case.xtype, FWD_TOL))
     check("state", out["state"], want_state, FWD_TOL)       # fp32 in both element types
+
+
+# (B, H, N, layer, ranks w, a, v, g): the 0.1B shapes, ranks that do not split in four, layer 0 (no value LoRA)
+TMIX = [(1, 12, 64, 1, (64, 64, 32, 128)), (3, 2, 16, 0, (10, 6, 0, 7)), (2, 2, 128, 1, (8, 12, 5, 16)),
+        (2, 4, 4, 1, (4, 4, 4, 4)), (8, 3, 32, 0, (16, 16, 0, 32)), (1, 2, 8, 1, (3, 9, 2, 1))]
+
+
+@pytest.mark.parametrize("B, H, N, layer, ranks", TMIX)
+def test_dec_tmix(case, B, H, N, layer, ranks):
+    """z, the new state and v_first against the composed twins (LoRA products, prep, WKV7 token, GroupNorm)."""
+    rng = seeded_rng()
+    C = H * N
+    paths = [p for p, d in zip(D.LORA2, ranks) if d]
+    dims = dict(zip(D.LORA2, ranks))
+    hidden = {p: case.input(f"h{p}", np.tanh(rng.standard_normal((B, dims[p])))) for p in paths}
+    second = {p: case.input(f"{p}2", rng.standard_normal((dims[p], C)) / np.sqrt(dims[p])) for p in paths}
+    rows = {n: case.input(n, rng.standard_normal((B, C))) for n in ("r", "k", "v")}
+    vf = case.inout("vf", rng.standard_normal((B, C)))
+    vec = {n: case.input(n, lo + (hi - lo) * rng.uniform(size=C), "f32") for n, lo, hi in
+           (("w0", -6, -1), ("a0", -1, 1), ("v0", 0, 2), ("k_k", 0.5, 1), ("k_a", 0.5, 1.5), ("lnw", 0.5, 1.5),
+            ("lnb", -0.2, 0.2), ("rk", -0.3, 0.3)) if n != "v0" or layer}
+    state = case.inout("state", 0.3 * rng.standard_normal((B, H, N, N)), "f32")
+    z = case.output("z", (B, C))
+    out = case.run(D.tmix_step(hidden, second, dims, rows["r"], rows["k"], rows["v"], vf, vec["w0"], vec["a0"],
+                               vec.get("v0"), vec["k_k"], vec["k_a"], state, vec["lnw"], vec["lnb"], vec["rk"], z,
+                               B, H, N))
+    seen = case.seen
+    want_z, want_state, want_vf = decode_time_mix(
+        {p: seen[f"h{p}"] for p in paths}, {p: seen[f"{p}2"] for p in paths}, seen["r"], seen["k"], seen["v"],
+        seen["vf"], seen["w0"], seen["a0"], seen.get("v0"), seen["k_k"], seen["k_a"], seen["state"], seen["lnw"],
+        seen["lnb"], seen["rk"], N)
+    check("z", out["z"], want_z, tolerance(case.xtype, FWD_TOL))
+    check("state", out["state"], want_state, tolerance(case.xtype, FWD_TOL))  # from floatX intermediates
+    if layer:
+        assert np.array_equal(out["vf"], seen["vf"]), "v_first is only read after the first layer"
+    else:
+        assert np.array_equal(out["vf"], seen["v"]), "the first layer's v becomes v_first"
 
 
 # dec_gemv jobs (n, k, kn, epilogue, residual): column counts that leave partial tiles, a k range the

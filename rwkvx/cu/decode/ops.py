@@ -7,6 +7,8 @@ what they need from state carried in device memory and update it:
   [B, C] (the previous token's input row), which becomes this token's; :func:`ln_shift` is the
   LayerNorm that makes that row and the shift in one kernel;
 * :func:`wkv7_step`: one WKV7 token on ``state`` fp32 [B, H, N, N] (S[i, j], row = value index), in place;
+* :func:`tmix_step`: an RWKV block's time mix from its LoRA hidden rows to the GroupNorm's output
+  (the LoRA second layers, the prep, the WKV7 token, the GroupNorm) in one kernel per (head, row);
 * :func:`moba_step`: MoBA attention of each sequence's new query at its own position ``pos[b]``
   (device int32 [B]): its key and value go into the caches ``kc``, ``vc`` floatX [B, Tmax, H, N]; when
   the token completes a block, that block's key mean goes into ``kmean`` fp32 [B, H, Tmax // chunk, N];
@@ -15,7 +17,8 @@ what they need from state carried in device memory and update it:
 
 Activations (outputs, r, k, v, a, b, y, q, o) are floatX [B, C] (c = h*N + n), 16-byte aligned; the shift's
 input x and carried row prev (a LayerNorm's output) and the decay w are f32 in every precision.
-Twins: ``rwkvx.oracle.decode_shift``, ``decode_wkv7``, ``decode_moba`` (built on the forward twins).
+Twins: ``rwkvx.oracle.decode_shift``, ``decode_wkv7``, ``decode_time_mix``, ``decode_moba`` (built on the
+forward twins).
 
 :func:`sample` (rwkvx/cu/decode/sample.cu): the token of each row of logits floatX [B, V] that
 :mod:`rwkvx.sampling`'s contract chooses with the row's draw ``u`` f64 [B] and ``opts`` f64 [3]
@@ -35,6 +38,7 @@ from rwkvx.runtime.kernel import F32_IN, F32_OUT, F64_IN, FLOAT, I32_IN, I32_OUT
 from rwkvx.runtime.ops import DevPtr
 
 from ... import sampling
+from ...config import DECAY_SCALE, GN_EPS, L2_EPS
 from .. import moba, wkv7
 from .._common import DeviceInfo, check_buffers, check_rows, grid_stride_blocks, xtype_of
 
@@ -42,7 +46,8 @@ HEAD_SIZES = wkv7.HEAD_SIZES          # every model has RWKV blocks: their head 
 SHIFT_N = HEAD_SIZES[0]               # dec_shift ignores the head size: one build serves all
 MOBA_THREADS = moba.KM_THREADS        # dec_moba completes a block mean with moba_kmean's partition
 
-CU = KernelFile("decode/decode", constants={"WKV_Q": wkv7.Q, "DEC_MOBA_THREADS": MOBA_THREADS},
+CU = KernelFile("decode/decode", constants={"WKV_Q": wkv7.Q, "DEC_MOBA_THREADS": MOBA_THREADS,
+                                           "TM_DECAY_SCALE": DECAY_SCALE, "TM_GN_EPS": GN_EPS, "TM_L2_EPS": L2_EPS},
                 variants={"HEAD_SIZE": HEAD_SIZES})
 DEC_SHIFT = CU.kernel("dec_shift", x=F32_IN, prev=F32_OUT, **{f"m{j}": F32_IN.opt() for j in range(6)},
                       **{f"o{j}": X_OUT.opt() for j in range(6)}, B=INT, C=INT, nmix=INT)
@@ -51,6 +56,11 @@ DEC_LN_SHIFT = CU.kernel("dec_ln_shift", x=F32_IN, w=F32_IN, b=F32_IN, y=F32_OUT
                          **{f"m{j}": F32_IN.opt() for j in range(6)}, **{f"o{j}": X_OUT.opt() for j in range(6)},
                          C=INT, nmix=INT, eps=FLOAT)
 DEC_WKV7 = CU.kernel("dec_wkv7", r=X_IN, w=F32_IN, k=X_IN, v=X_IN, a=X_IN, b=X_IN, state=F32_OUT, y=X_OUT, H=INT)
+LORA2 = ("w", "a", "v", "g")          # dec_tmix's LoRA paths, in its order
+DEC_TMIX = CU.kernel("dec_tmix", hw=X_IN.opt(), ha=X_IN, hv=X_IN.opt(), hg=X_IN, w2=X_IN, a2=X_IN, v2=X_IN.opt(),
+                     g2=X_IN, dw=INT, da=INT, dv=INT, dg=INT, r=X_IN, k=X_IN, v=X_IN, vf=X_OUT,
+                     w0=F32_IN, a0=F32_IN, v0=F32_IN.opt(), k_k=F32_IN, k_a=F32_IN, state=F32_OUT,
+                     lnw=F32_IN, lnb=F32_IN, rk=F32_IN, z=X_OUT, H=INT)
 DEC_MOBA = CU.kernel("dec_moba", q=X_IN, k=X_IN, v=X_IN, kc=X_OUT, vc=X_OUT, kmean=F32_OUT.opt(), pos=I32_IN,
                      sel_out=I32_OUT.opt(), o=X_OUT, H=INT, Tmax=INT, chunk=INT, K1=INT, maxblk=INT,
                      scale=FLOAT)
@@ -190,6 +200,28 @@ def wkv7_step(r, w, k, v, a, b, state, y, B: int, H: int, N: int) -> list:
     check_buffers("decode.wkv7_step", r=r, w=w, k=k, v=v, a=a, b=b, state=state, y=y)
     return [DEC_WKV7.launch((H, B, 1), (N * wkv7.Q, 1, 1), xtype=xtype_of("decode.wkv7_step", r, k, v, a, b, y),
                             variant={"HEAD_SIZE": N}, r=r, w=w, k=k, v=v, a=a, b=b, state=state, y=y, H=H)]
+
+
+def tmix_step(hidden: dict, second: dict, ranks: dict, r, k, v, v_first, w0, a0, v0, k_k, k_a, state, ln_w, ln_b,
+              r_k, z, B: int, H: int, N: int) -> list:
+    """dec_tmix: an RWKV block's time mix of one token from its LoRA hidden rows ``hidden[p]`` floatX
+    [B, ranks[p]] (p in :data:`LORA2`; "v" absent in layer 0) and second layers ``second[p]`` [ranks[p],
+    C] to z floatX [B, C] (the output GEMM's input): timemix.prep_forward, :func:`wkv7_step` on
+    ``state`` and timemix.gn_forward in one kernel per (head, row). r, k, v floatX [B, C]; v_first
+    (layer 0: written := v; else read); the parameter vectors fp32 [C]."""
+    if N not in HEAD_SIZES or B < 1 or H < 1:
+        raise ValueError(f"decode.tmix_step: B={B}, H={H} must be >= 1 and N={N} one of {HEAD_SIZES}")
+    if set(hidden) != set(second) or set(hidden) - set(ranks) or not {"w", "a", "g"} <= set(hidden) <= set(LORA2):
+        raise ValueError(f"decode.tmix_step: LoRA paths {sorted(hidden)}, {sorted(second)}: w, a, g and in "
+                         "later layers v, each with its hidden rows, second layer and rank")
+    if ("v" in hidden) != (v0 is not None):
+        raise ValueError("decode.tmix_step: v0 goes with the value LoRA (layers after the first)")
+    check_buffers("decode.tmix_step", r=r, k=k, v=v, v_first=v_first, state=state, z=z)
+    return [DEC_TMIX.launch((H, B, 1), (N * wkv7.Q, 1, 1), xtype=xtype_of("decode.tmix_step", r, k, v, z),
+                            variant={"HEAD_SIZE": N}, **{f"h{p}": hidden.get(p) for p in LORA2},
+                            **{f"{p}2": second.get(p) for p in LORA2}, **{f"d{p}": ranks.get(p, 0) for p in LORA2},
+                            r=r, k=k, v=v, vf=v_first, w0=w0, a0=a0, v0=v0, k_k=k_k, k_a=k_a, state=state,
+                            lnw=ln_w, lnb=ln_b, rk=r_k, z=z, H=H)]
 
 
 def moba_step(q, k, v, kc, vc, kmean, pos, o, B: int, H: int, N: int, Tmax: int, chunk: int, top_k: int,
