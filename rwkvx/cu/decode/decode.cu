@@ -29,6 +29,21 @@
 //    m0..m5 fp32 [C] (unused ones NULL).
 //    o_j = x + (prev - x) * m_j for j < nmix, then prev = x.  Grid-stride over the B*C/4 quads.
 // ---------------------------------------------------------------------------------------------
+// the mixes of one quad of channels (quad c4, elements at i of the outputs): o_j = cur + (prev - cur) * m_j
+__device__ __forceinline__ void mix_quad(const f4& cur, const f4& prev, const float* const (&mp)[6],
+                                         floatX* const (&op)[6], int nmix, long long i, int c4)
+{
+#pragma unroll
+    for (int j = 0; j < 6; ++j) {
+        if (j >= nmix) break;
+        const f4 m = load4_scalar(mp[j] + 4 * c4);
+        f4 o;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o.v[e] = cur.v[e] + (prev.v[e] - cur.v[e]) * m.v[e];
+        store4(op[j] + i, o);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 dec_shift(const float* __restrict__ x, float* __restrict__ prev,
           const float* m0, const float* m1, const float* m2, const float* m3, const float* m4, const float* m5,
@@ -37,16 +52,8 @@ dec_shift(const float* __restrict__ x, float* __restrict__ prev,
     const float* mp[6] = {m0, m1, m2, m3, m4, m5};
     floatX* op[6] = {o0, o1, o2, o3, o4, o5};
     for_each_quad(B, C, [&](long long i, int r, int c4) {
-        const f4 cur = load4(x + 4 * i), p = load4(prev + 4 * i);
-#pragma unroll
-        for (int j = 0; j < 6; ++j) {
-            if (j >= nmix) break;
-            const f4 m = load4_scalar(mp[j] + 4 * c4);
-            f4 o;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o.v[e] = cur.v[e] + (p.v[e] - cur.v[e]) * m.v[e];
-            store4(op[j] + 4 * i, o);
-        }
+        const f4 cur = load4(x + 4 * i);
+        mix_quad(cur, load4(prev + 4 * i), mp, op, nmix, 4 * i, c4);
         store4(prev + 4 * i, cur);
     });
 }
@@ -95,15 +102,7 @@ dec_ln_shift(const float* __restrict__ x, const float* __restrict__ w, const flo
         f4 h;
 #pragma unroll
         for (int e = 0; e < 4; ++e) h.v[e] = (u.v[e] - mu) * rs * ww.v[e] + bv.v[e];
-#pragma unroll
-        for (int j = 0; j < 6; ++j) {
-            if (j >= nmix) break;
-            const f4 m = load4_scalar(mp[j] + 4 * i);
-            f4 o;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o.v[e] = h.v[e] + (p.v[e] - h.v[e]) * m.v[e];
-            store4(op[j] + row + 4 * i, o);
-        }
+        mix_quad(h, p, mp, op, nmix, row + 4 * i, i);
         store4(y + row + 4 * i, h);
         store4(prev + row + 4 * i, h);
     }
