@@ -241,6 +241,7 @@ def test_gpu_dec_sample(benchmark, dev, B):
         timer = EventTimer(dev)
         benchmark.pedantic(lambda: timer.time_ms(plan.run, 20), rounds=3, iterations=1)
         benchmark.extra_info["ms_per_call"] = round(timer.time_ms(plan.run, 20), 4)
+        print(f"\ndec_sample B={B}: ms_per_call {benchmark.extra_info['ms_per_call']}")
         timer.close()
     finally:
         for buf in bufs.values():
