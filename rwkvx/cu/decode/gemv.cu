@@ -10,19 +10,22 @@
 // GEMV_SIGMOID, GEMV_RELU_SQ. An activation reads the product rounded to floatX, as the forward's
 // activation kernel reads the GEMM's output buffer; a residual adds the unrounded fp32 sum.
 //
-// The grid is the jobs' tiles one after another: a [n_j, k_j] job has ceil(n_j / GEMV_LIN_COLS) tiles
-// of GEMV_LIN_COLS columns, GEMV_CPW per warp; a [k_j, n_j] job ceil(n_j / GEMV_KN_COLS) tiles of 32
-// columns, one per lane, the warps splitting k into contiguous ranges. Summation order is fixed
-// (deterministic, bitwise reproducible): [n, k] jobs add a lane's 16-byte vectors in k order and then
-// the lanes by an xor butterfly; [k, n] jobs add a warp's k range in order and then the warps in order.
+// The grid is the jobs' tiles one after another. A [n_j, k_j] job is split in S = 2^(mode_j >>
+// GEMV_KS_SHIFT) contiguous k-slices (long rows: more blocks, more loads in flight): a tile has
+// GEMV_WARPS / S column groups of GEMV_CPW columns, each group's S warps one slice each; a [k_j, n_j]
+// job has tiles of 32 columns, one per lane, the warps splitting k into contiguous ranges. Summation
+// order is fixed (deterministic, bitwise reproducible): [n, k] jobs add a lane's 16-byte vectors in k
+// order, the lanes by an xor butterfly, then the slices in order; [k, n] jobs add a warp's k range in
+// order and then the warps in order.
 // Constants (GEMV_*) come from rwkvx/cu/decode/ops.py.
 
 #include "common.cuh"
 #if !defined(GEMV_JOBS) || !defined(GEMV_ROWS) || !defined(GEMV_WARPS) || !defined(GEMV_CPW) || \
-    !defined(GEMV_KN) || !defined(GEMV_TANH) || !defined(GEMV_SIGMOID) || !defined(GEMV_RELU_SQ)
+    !defined(GEMV_KN) || !defined(GEMV_KS_SHIFT) || !defined(GEMV_TANH) || !defined(GEMV_SIGMOID) || !defined(GEMV_RELU_SQ)
 #error "decode/gemv.cu: the GEMV_* constants come from rwkvx/cu/decode/ops.py"
 #endif
 static_assert(GEMV_JOBS == 8, "dec_gemv's prototype names eight job slots");
+static_assert(GEMV_ROWS * GEMV_CPW <= 32, "a warp's lanes hold its columns' sums, one (column, row) each");
 
 namespace gemv {
 constexpr int ROWS = GEMV_ROWS, WARPS = GEMV_WARPS, CPW = GEMV_CPW;
@@ -61,17 +64,20 @@ __device__ __forceinline__ void store(floatX* y, float* res, long long i, float 
     else y[i] = from_f32(epilogue(acc, epi));
 }
 
-// columns [c0, c0 + LIN_COLS) of a [n, k] job, warp w owning c0 + w*CPW ...
+// columns [c0, c0 + cols) of a [n, k] job split in S = 1 << ks k-slices: warp w owns columns
+// c0 + (w >> ks)*CPW ... over slice w & (S-1) of the 16-byte vectors; the slices' sums add in order
 __device__ __forceinline__ void tile_nk(const floatX* __restrict__ x, const floatX* __restrict__ W, floatX* y,
-                                        float* res, int n, int K, int epi, int B, int c0) {
-    const int lane = threadIdx.x & 31, cw = c0 + (threadIdx.x >> 5) * CPW;
+                                        float* res, int n, int K, int epi, int B, int c0, int ks, float* part) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, S = 1 << ks, slice = warp & (S - 1);
+    const int cw = c0 + (warp >> ks) * CPW;
+    const int nv = K / VW, v0 = slice * nv / S, v1 = (slice + 1) * nv / S;
     float acc[CPW][ROWS];
 #pragma unroll
     for (int c = 0; c < CPW; ++c)
 #pragma unroll
         for (int b = 0; b < ROWS; ++b) acc[c][b] = 0.f;
-    const int nv = K / VW;
-    for (int v = lane; v < nv; v += 32) {
+#pragma unroll 4
+    for (int v = v0 + lane; v < v1; v += 32) {       // unrolled: several vectors' loads in flight
         float wv[CPW][VW];
 #pragma unroll
         for (int c = 0; c < CPW; ++c) {
@@ -98,12 +104,25 @@ __device__ __forceinline__ void tile_nk(const floatX* __restrict__ x, const floa
             if (b < B)                          // B is uniform: whole warps shuffle
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) acc[c][b] += __shfl_xor_sync(0xffffffffu, acc[c][b], o);
-    // every lane holds every sum: lane c*ROWS + b stores (column cw + c, row b)
+    // every lane holds every sum: lane c*ROWS + b keeps (column cw + c, row b)
+    float mine = 0.f;
 #pragma unroll
     for (int c = 0; c < CPW; ++c)
 #pragma unroll
         for (int b = 0; b < ROWS; ++b)
-            if (lane == c * ROWS + b && b < B && cw + c < n) store(y, res, (long long)b * n + cw + c, acc[c][b], epi);
+            if (lane == c * ROWS + b) mine = acc[c][b];
+    const int c = lane / ROWS, b = lane % ROWS;
+    if (S == 1) {
+        if (lane < CPW * ROWS && b < B && cw + c < n) store(y, res, (long long)b * n + cw + c, mine, epi);
+        return;
+    }
+    if (lane < CPW * ROWS) part[warp * CPW * ROWS + lane] = mine;
+    __syncthreads();
+    if (slice == 0 && lane < CPW * ROWS && b < B && cw + c < n) {
+        float sum = 0.f;
+        for (int sl = 0; sl < S; ++sl) sum += part[(warp + sl) * CPW * ROWS + lane];
+        store(y, res, (long long)b * n + cw + c, sum, epi);
+    }
 }
 
 // columns [c0, c0 + 32) of a [k, n] job: lane = column, warp w adds k in [w*ks, (w+1)*ks)
@@ -143,7 +162,8 @@ __device__ __forceinline__ T pick(int j, T a0, T a1, T a2, T a3, T a4, T a5, T a
 
 #define GEMV_PICK(j, p) gemv::pick(j, p##0, p##1, p##2, p##3, p##4, p##5, p##6, p##7)
 
-extern "C" __global__ void __launch_bounds__(gemv::THREADS)
+// at least 2 blocks an SM: without a minimum ptxas held the bf16 build to 64 registers and spilled
+extern "C" __global__ void __launch_bounds__(gemv::THREADS, 2)
 dec_gemv(const floatX* x0, const floatX* x1, const floatX* x2, const floatX* x3, const floatX* x4, const floatX* x5, const floatX* x6, const floatX* x7,
          const floatX* w0, const floatX* w1, const floatX* w2, const floatX* w3, const floatX* w4, const floatX* w5, const floatX* w6, const floatX* w7,
          floatX* y0, floatX* y1, floatX* y2, floatX* y3, floatX* y4, floatX* y5, floatX* y6, floatX* y7,
@@ -156,17 +176,18 @@ dec_gemv(const floatX* x0, const floatX* x1, const floatX* x2, const floatX* x3,
     __shared__ float part[WARPS * ROWS * 32];
     int t = blockIdx.x, j = 0;
     for (; j < GEMV_JOBS; ++j) {        // this block's job: the tiles of the jobs before it come first
-        const int nj = GEMV_PICK(j, n), cols = (GEMV_PICK(j, mode) & GEMV_KN) ? KN_COLS : LIN_COLS;
+        const int nj = GEMV_PICK(j, n), md = GEMV_PICK(j, mode);
+        const int cols = (md & GEMV_KN) ? KN_COLS : (LIN_COLS >> (md >> GEMV_KS_SHIFT));
         const int tiles = (nj + cols - 1) / cols;
         if (t < tiles) break;
         t -= tiles;
     }
     if (j == GEMV_JOBS) return;
-    const int md = GEMV_PICK(j, mode), nj = GEMV_PICK(j, n), kj = GEMV_PICK(j, k);
+    const int md = GEMV_PICK(j, mode), nj = GEMV_PICK(j, n), kj = GEMV_PICK(j, k), ks = md >> GEMV_KS_SHIFT;
     const floatX* xj = GEMV_PICK(j, x);
     const floatX* wj = GEMV_PICK(j, w);
     floatX* yj = GEMV_PICK(j, y);
     float* rj = GEMV_PICK(j, r);
     if (md & GEMV_KN) tile_kn(xj, wj, yj, rj, nj, kj, md & 7, B, t * KN_COLS, part);
-    else tile_nk(xj, wj, yj, rj, nj, kj, md & 7, B, t * LIN_COLS);
+    else tile_nk(xj, wj, yj, rj, nj, kj, md & 7, B, t * (LIN_COLS >> ks), ks, part);
 }

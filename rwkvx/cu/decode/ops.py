@@ -81,9 +81,12 @@ GEMV_CPW = 2             # columns per warp of a [n, k] weight's tile
 GEMV_KN_COLS = 32        # columns of a [k, n] weight's tile (one per lane)
 GEMV_EPILOGUES = {"none": 0, "tanh": 1, "sigmoid": 2, "relu_sq": 3}
 GEMV_KN = 8              # mode bit: the weight is stored [k, n]
+GEMV_KS_SHIFT = 4        # mode >> GEMV_KS_SHIFT: log2 of a [n, k] job's k-slices
+GEMV_SLICE_BYTES = 1024  # a [n, k] job's k-slices span at least this much of a weight row (2 vectors a lane)
 GEMV_CU = KernelFile("decode/gemv", constants={
     "GEMV_JOBS": GEMV_JOBS, "GEMV_ROWS": GEMV_ROWS, "GEMV_WARPS": GEMV_WARPS, "GEMV_CPW": GEMV_CPW,
-    "GEMV_KN": GEMV_KN, **{f"GEMV_{e.upper()}": c for e, c in GEMV_EPILOGUES.items() if c}})
+    "GEMV_KN": GEMV_KN, "GEMV_KS_SHIFT": GEMV_KS_SHIFT,
+    **{f"GEMV_{e.upper()}": c for e, c in GEMV_EPILOGUES.items() if c}})
 DEC_GEMV = GEMV_CU.kernel("dec_gemv", **{f"x{j}": X_IN.opt() for j in range(GEMV_JOBS)},
                           **{f"w{j}": X_IN.opt() for j in range(GEMV_JOBS)},
                           **{f"y{j}": X_OUT.opt() for j in range(GEMV_JOBS)},
@@ -112,9 +115,18 @@ class GemvJob:
         return span(self.x, B * self.k), span(self.out, B * self.n)
 
 
+def gemv_slices(job: GemvJob) -> int:
+    """log2 of the k-slices dec_gemv splits a [n, k] job's rows into: as many as keep each slice at least
+    GEMV_SLICE_BYTES of the row, at most GEMV_WARPS (0 for a [k, n] job)."""
+    if job.kn:
+        return 0
+    slices = min(GEMV_WARPS, max(1, job.k * ELEM_BYTES[job.w.elem] // GEMV_SLICE_BYTES))
+    return slices.bit_length() - 1
+
+
 def gemv_tiles(job: GemvJob) -> int:
     """The blocks of dec_gemv that compute ``job``."""
-    cols = GEMV_KN_COLS if job.kn else GEMV_WARPS * GEMV_CPW
+    cols = GEMV_KN_COLS if job.kn else (GEMV_WARPS * GEMV_CPW) >> gemv_slices(job)
     return -(-job.n // cols)
 
 
@@ -151,7 +163,8 @@ def gemv(jobs: list[GemvJob], B: int) -> list:
                      f"y{j}": job.out if job and not job.residual else None,
                      f"r{j}": job.out if job and job.residual else None, f"n{j}": job.n if job else 0,
                      f"k{j}": job.k if job else 0,
-                     f"mode{j}": GEMV_EPILOGUES[job.epilogue] | (GEMV_KN if job.kn else 0) if job else 0})
+                     f"mode{j}": (GEMV_EPILOGUES[job.epilogue] | (GEMV_KN if job.kn else 0)
+                                  | gemv_slices(job) << GEMV_KS_SHIFT) if job else 0})
     grid = sum(gemv_tiles(job) for job in jobs)
     return [DEC_GEMV.launch((grid, 1, 1), (32 * GEMV_WARPS, 1, 1), xtype=xtype, **args, B=B)]
 
