@@ -291,7 +291,8 @@ def _dec_gemv(mem, a, op):
 
 
 def _dec_sample(mem, a, op):
-    B, V = op.grid[0], a["V"]
+    from rwkvx.cu.decode import SAMPLE_CLUSTER
+    B, V = op.grid[0] // SAMPLE_CLUSTER, a["V"]
     logits = mem.read(a["logits"], B * V, (B, V)).astype(np.float32)
     mem.write(a["out"], O.decode_sample(logits, mem.read(a["u"], B, elem="f64"), mem.read(a["opts"], 3, elem="f64")),
               "i32")

@@ -67,9 +67,10 @@ DEC_MOBA = CU.kernel("dec_moba", q=X_IN, k=X_IN, v=X_IN, kc=X_OUT, vc=X_OUT, kme
 
 
 SAMPLE_THREADS = 512
+SAMPLE_CLUSTER = 8       # dec_sample's blocks per row (a thread block cluster: the portable maximum)
 SAMPLE_OPTS = ("temperature", "top_p", "top_k")      # opts[i] of dec_sample
 SAMPLE_CU = KernelFile("decode/sample", constants={
-    "SMP_THREADS": SAMPLE_THREADS, "SMP_WEIGHT_BITS": sampling.WEIGHT_BITS, "SMP_CUTOFF": sampling.WEIGHT_CUTOFF,
+    "SMP_THREADS": SAMPLE_THREADS, "SMP_CLUSTER": SAMPLE_CLUSTER, "SMP_WEIGHT_BITS": sampling.WEIGHT_BITS, "SMP_CUTOFF": sampling.WEIGHT_CUTOFF,
     "SMP_INV_LN2": sampling.INV_LN2, "SMP_LN2_HI": sampling.LN2_HI, "SMP_LN2_LO": sampling.LN2_LO,
     "SMP_EXP_COEFFS": ",".join(repr(c) for c in sampling.EXP_COEFFS)})
 DEC_SAMPLE = SAMPLE_CU.kernel("dec_sample", logits=X_IN, u=F64_IN, opts=F64_IN, out=I32_OUT, V=INT)
@@ -270,5 +271,5 @@ def sample(logits, u, opts, out, B: int, V: int) -> list:
         raise ValueError(f"decode.sample: B must be an int >= 1, got {B!r}")
     sampling.check_vocab(V)
     check_buffers("decode.sample", logits=logits, u=u, opts=opts, out=out)
-    return [DEC_SAMPLE.launch((B, 1, 1), (SAMPLE_THREADS, 1, 1), xtype=xtype_of("decode.sample", logits),
+    return [DEC_SAMPLE.launch((B * SAMPLE_CLUSTER, 1, 1), (SAMPLE_THREADS, 1, 1), xtype=xtype_of("decode.sample", logits),
                               logits=logits, u=u, opts=opts, out=out, V=V)]
