@@ -174,8 +174,11 @@ dec_tmix(const floatX* __restrict__ hw, const floatX* __restrict__ ha, const flo
     using tmx::G;
     __shared__ float part[Q][4][HN];                   // LoRA partial sums [quarter][path][channel]
     __shared__ float lora[4][HN];                      // wl, al, vl, g
-    __shared__ float decay[HN], vps[HN], ys[HN];
-    __shared__ __align__(16) floatX kps[HN], was[HN], wbs[HN];
+    __shared__ __align__(16) float decay[HN];
+    __shared__ float vps[HN], ys[HN];
+    __shared__ __align__(16) floatX kps[HN];            // state.cuh's vector loads: 16-byte aligned
+    __shared__ __align__(16) floatX was[HN];
+    __shared__ __align__(16) floatX wbs[HN];
     const int h = blockIdx.x, bb = blockIdx.y, t = threadIdx.x, C = H * HN;
     const long long off = ((long long)bb * H + h) * HN;        // this (row, head)'s channels in [B, C]
 
