@@ -21,7 +21,10 @@ one by one through the step.
 forward on B rows of the decoder's arena, with the parts that look at earlier tokens (token shifts,
 WKV, MoBA) replaced by rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state
 arena, then the head and rwkvx/cu/decode/sample.cu's ``dec_sample``, which chooses each sequence's next
-token from its logits by :mod:`rwkvx.sampling`'s contract. The token ids, their positions (device ints
+token from its logits by :mod:`rwkvx.sampling`'s contract. :func:`fuse_step` then fuses that op list
+into fewer launches: each LayerNorm with the token shift it feeds, and up to GEMV_ROWS = 8 sequences
+the GEMMs (with their activations and residual adds) into multi-product GEMV launches and each time
+mix's middle (LoRA second layers, prep, WKV7, GroupNorm) into one kernel (rwkvx/cu/decode/README.md). The token ids, their positions (device ints
 MoBA reads), one uniform draw per sequence and the sampling options come from pinned memory, only the B
 chosen token ids go back, and the whole step is one CUDA graph, replayed per token.
 
