@@ -286,6 +286,9 @@ DECODE = {   # name: (config, B, T, prompt length)
     "big_top_k": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
                        moba_chunk_size=4, moba_top_k=6), 3, 48, 1),
     "rwkv_only": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3), 2, 40, 7),
+    # more sequences than dec_gemv takes: the step keeps the forward's GEMMs
+    "moba_b9": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=8,
+                     moba_top_k=2), 9, 40, 30),
     "C256_N64": (dict(vocab_size=300, n_embd=256, head_size=64, n_rwkv_layer=2, n_attn_layer=1,
                       moba_chunk_size=32, moba_top_k=3), 1, 160, 40),
 }
