@@ -1,11 +1,12 @@
-"""GPU tests of stateful generation: the single-token kernels of rwkvx/cu/decode/decode.cu against their twins
-(rwkvx.oracle.decode_shift / decode_wkv7 / decode_moba) in fp32 and bf16 (harness.KernelCase), the
+"""GPU tests of stateful generation: the single-token kernels of rwkvx/cu/decode/decode.cu and gemv.cu against
+their twins (rwkvx.oracle.decode_shift / decode_wkv7 / decode_time_mix / decode_moba / decode_gemv; dec_ln_shift
+against the LayerNorm twin then decode_shift) in fp32 and bf16 (harness.KernelCase), the
 device sampler dec_sample (rwkvx/cu/decode/sample.cu) against the sampling contract's numpy
 implementation token for token (rwkvx.oracle.decode_sample) and its frequencies against the contract's
 probabilities, then the
 whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in parallel plus one graph
 replay per token gives the forward's logits at every position from the prompt's last on (fp32: <= 1e-5
-relative), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
+relative; up to 8 sequences the fused step, 9 the step with the forward's GEMMs), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
 generate reuses the decoder kept on the model (same tokens, nothing rebuilt, new weights seen).
 """
 from __future__ import annotations
