@@ -160,7 +160,8 @@ __device__ __forceinline__ float head_sum(float x) {
 }
 }  // namespace tmx
 
-extern "C" __global__ void __launch_bounds__(wkv7::HN * wkv7::Q)
+// (a minimum of 1 block an SM: without one ptxas held the fp32 build of N = 64 to 64 registers and spilled)
+extern "C" __global__ void __launch_bounds__(wkv7::HN * wkv7::Q, 1)
 dec_tmix(const floatX* __restrict__ hw, const floatX* __restrict__ ha, const floatX* __restrict__ hv,
          const floatX* __restrict__ hg, const floatX* __restrict__ w2, const floatX* __restrict__ a2,
          const floatX* __restrict__ v2, const floatX* __restrict__ g2, int dw, int da, int dv, int dg,
