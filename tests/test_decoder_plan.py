@@ -87,6 +87,16 @@ def test_step_is_one_token_per_sequence(kwargs, B, window, max_len, P):
     assert len(saving) == cfg.n_rwkv_layer
 
 
+def step_kernels(cfg, B, precision, max_len=64):
+    """The launches and GEMMs of the decoder's step (step_ops) for B sequences."""
+    layout = Layout(cfg, B, 16, H200, precision, recompute=True)
+    weights_of = StepBuilder(layout, WEIGHTS, {})
+    state = carve(STATE, state_sizes(layout, max_len))
+    ops = step_ops(layout, BASE, {n: weights_of.buf(n) for n in WEIGHT_REGIONS}, state, max_len, 1 << 46, 1 << 47,
+                   1 << 48)
+    return [op for op in flatten_ops(ops) if isinstance(op, (Launch, Gemm))]
+
+
 def gemv_jobs(op):
     """(x, w, out, n, k, mode) of each job of a dec_gemv launch."""
     a = {name: value for (name, _), (_, value) in zip(decode.DEC_GEMV.params, op.args)}
@@ -103,11 +113,7 @@ def test_step_fuses_its_layernorms_and_small_batch_products(B, precision):
     (with the residual); per attention block r, k, v in one launch, then output, key and value; the
     head in one. No product reads or writes the output of another of its launch. More rows keep the forward's GEMMs."""
     cfg = Config(**CONFIGS[-1][0])
-    layout = Layout(cfg, B, 16, H200, precision, recompute=True)
-    weights_of = StepBuilder(layout, WEIGHTS, {})
-    state = carve(STATE, state_sizes(layout, 64))
-    step = [op for op in flatten_ops(step_ops(layout, BASE, {n: weights_of.buf(n) for n in WEIGHT_REGIONS}, state,
-                                              64, 1 << 46, 1 << 47, 1 << 48)) if isinstance(op, (Launch, Gemm))]
+    step = step_kernels(cfg, B, precision)
     names = [op.name if isinstance(op, Launch) else "gemm" for op in step]
     # at every batch size each token shift is fused with the LayerNorm that makes its row
     assert "dec_shift" not in names and names.count("dec_ln_shift") == 2 * cfg.n_rwkv_layer + cfg.n_attn_layer
@@ -129,6 +135,22 @@ def test_step_fuses_its_layernorms_and_small_batch_products(B, precision):
                            for j, (x2, _, _, _, k2, _) in enumerate(jobs) if j != i)
     epilogues = {m & (decode.GEMV_KN - 1) for jobs in launches for *_, m in jobs}
     assert epilogues == set(decode.GEMV_EPILOGUES.values())
+
+
+def test_small_batch_step_keeps_the_gemms_dec_gemv_cannot_take():
+    """bf16 rows of C = 4 channels are 8 bytes (and a packed weight may sit off 16 bytes): such Linear
+    products stay cuBLAS GEMMs (with their activation kernels); the LoRA products ([k, n] weights, no
+    alignment needed) all go to dec_gemv (first layers) and dec_tmix (second layers)."""
+    cfg = Config(vocab_size=16, n_embd=4, head_size=4, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=4,
+                 moba_top_k=2)
+    step = step_kernels(cfg, 1, "bf16")
+    gemms = [op for op in step if isinstance(op, Gemm)]
+    assert gemms and all(op.transa for op in gemms)
+    names = [op.name for op in step if isinstance(op, Launch)]
+    assert names.count("dec_tmix") == cfg.n_rwkv_layer and names.count("cm_relu_sq_forward") == cfg.n_blocks
+    lora = [job for op in step if isinstance(op, Launch) and op.name == "dec_gemv" for job in gemv_jobs(op)
+            if job[-1] & decode.GEMV_KN]
+    assert len(lora) == 3 + 4 * (cfg.n_rwkv_layer - 1)          # no value LoRA in block 0
 
 
 def test_moba_step_checks_its_shared_memory():
