@@ -2,8 +2,9 @@
 
 ``Oracle`` runs the full forward, the cross-entropy loss and a hand-written backward, in float64
 (the ground truth) or float32, and the stateful forward of generation (``Oracle.stateful_forward``
-with its ``DecodeState``), optionally from tuned initial WKV states (``Oracle(..., states=...)``, whose
-gradients ``loss_and_grads`` then returns too). The op-level functions are the float64 twins of the GPU kernel
+with its ``DecodeState``), optionally from tuned initial WKV states (``Oracle(..., states=...)``) or
+with LoRA factors (``Oracle(..., lora=..., lora_scale=...)``), whose gradients ``loss_and_grads`` then
+returns too. The op-level functions are the float64 twins of the GPU kernel
 families, one module per family of ``rwkvx/cu/<family>/``, named after it; the GPU unit tests compare
 the kernels to them and ``Oracle`` is built from them. Every twin accepts float32 or float64 arrays,
 computes in float64 and returns float outputs in its inputs' dtype (float64 unless all are float32),

@@ -25,12 +25,18 @@ one call, every generated token another.
 Initial states (state tuning, :mod:`rwkvx.state_tuning`): an Oracle built with ``states`` starts the
 WKV recurrence of every RWKV block from its state s0 [H, N, N] (shared by the batch) instead of 0, in
 every forward, and :meth:`Oracle.loss_and_grads` then also returns each state's gradient.
+
+LoRA (:mod:`rwkvx.lora`): an Oracle built with ``lora`` factors computes every adapted projection as
+x·Wᵀ + s·(x·A)·B (``_proj``) and returns the factors' gradients too. It holds the factors among its
+parameters, B multiplied by s beforehand, so the block functions read them by name like any weight;
+the gradient of s·B times s is B's.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from rwkvx.config import Config
+from rwkvx.lora import check_factors, check_scale, factor_names
 from rwkvx.params import check_params
 from rwkvx.state_tuning import check_states, state_name
 from rwkvx.validate import check_targets, check_tokens
@@ -69,6 +75,31 @@ def _lora_backward(x, W, dy):
     return matmul(dy, W.T), matmul(x.T, dy)
 
 
+def _proj(P, name, x):
+    """Lin(x; P[name]) for the projection ``name``, plus its LoRA update (x·A)·(s·B) when P holds
+    factors for it (the Oracle keeps B already multiplied by the scale s)."""
+    y = _linear(x, P[name])
+    a, b = factor_names(name)
+    if a in P:
+        y = y + matmul(matmul(x, P[a]), P[b])
+    return y
+
+
+def _proj_backward(P, G, name, x, dy):
+    """Backward of :func:`_proj`: adds the gradient of W (and of A and of s·B, under the factors'
+    names) to G; returns dx."""
+    dx, dW = _linear_backward(x, P[name], dy)
+    G[name] += dW
+    a, b = factor_names(name)
+    if a in P:
+        dh, dsb = _lora_backward(matmul(x, P[a]), P[b], dy)
+        dxa, dA = _lora_backward(x, P[a], dh)
+        G[a] += dA
+        G[b] += dsb
+        dx = dx + dxa
+    return dx
+
+
 def _accumulate(G, prefix, grads):
     """G[prefix + name] += grad for each (name, grad), reshaped to the parameter's shape."""
     for name, grad in grads.items():
@@ -104,9 +135,9 @@ def channel_mix_forward(P: dict, pre: str, x: np.ndarray, T: int,
     xk = channel_mix_shift_forward(x, P[f + "x_k"], T, None if carry is None else carry["cm_x"])
     if carry is not None:
         carry["cm_x"] = last_rows(x, T)
-    h = _linear(xk, P[f + "key.weight"])
+    h = _proj(P, f + "key.weight", xk)
     k = relu_sq_forward(h)
-    return _linear(k, P[f + "value.weight"]), (x, xk, h, k)
+    return _proj(P, f + "value.weight", k), (x, xk, h, k)
 
 
 def channel_mix_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndarray,
@@ -114,10 +145,10 @@ def channel_mix_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndar
     """Backward of :func:`channel_mix_forward`; returns dx."""
     f = pre + "ffn."
     x, xk, h, k = cache
-    dk, dW_value = _linear_backward(k, P[f + "value.weight"], dout)
-    dxk, dW_key = _linear_backward(xk, P[f + "key.weight"], relu_sq_backward(dk, h))
+    dk = _proj_backward(P, G, f + "value.weight", k, dout)
+    dxk = _proj_backward(P, G, f + "key.weight", xk, relu_sq_backward(dk, h))
     dx, dmix = channel_mix_shift_backward(dxk, x, P[f + "x_k"], T)
-    _accumulate(G, f, {"value.weight": dW_value, "key.weight": dW_key, "x_k": dmix})
+    _accumulate(G, f, {"x_k": dmix})
     return dx
 
 
@@ -137,7 +168,7 @@ def time_mix_forward(P: dict, pre: str, layer: int, x: np.ndarray, v_first: np.n
     mixes = np.stack([P[a + m].reshape(C) for m in MIXES])
     xs = time_shift_forward(x, mixes, T, None if carry is None else carry["tm_x"])
     xr, xw, xk, xv, xa, xg = xs
-    r, k, v = (_linear(xi, P[a + n + ".weight"]) for xi, n in zip((xr, xk, xv), QKV))
+    r, k, v = (_proj(P, a + n + ".weight", xi) for xi, n in zip((xr, xk, xv), QKV))
     wh = tanh_forward(matmul(xw, P[a + "w1"]))          # decay LoRA hidden layer
     ah = matmul(xa, P[a + "a1"])                        # in-context rate LoRA
     gh = sigmoid_forward(matmul(xg, P[a + "g1"]))       # gate LoRA
@@ -159,7 +190,7 @@ def time_mix_forward(P: dict, pre: str, layer: int, x: np.ndarray, v_first: np.n
     z = time_mix_gn_forward(*gn_in)
     cache = dict(x=x, mixes=mixes, xs=xs, wh=wh, ah=ah, gh=gh, vh=vh, prep_in=prep_in,
                  wkv_in=wkv_in, s0=s0, gn_in=gn_in, z=z)
-    return _linear(z, P[a + "output.weight"]), pr["v_first"], cache
+    return _proj(P, a + "output.weight", z), pr["v_first"], cache
 
 
 def time_mix_backward(P: dict, G: dict, pre: str, layer: int, cache: dict, dout: np.ndarray,
@@ -170,7 +201,7 @@ def time_mix_backward(P: dict, G: dict, pre: str, layer: int, cache: dict, dout:
     a = pre + "att."
     c = cache
     xr, xw, xk, xv, xa, xg = c["xs"]
-    dz, dW_out = _linear_backward(c["z"], P[a + "output.weight"], dout)
+    dz = _proj_backward(P, G, a + "output.weight", c["z"], dout)
     gn = time_mix_gn_backward(*c["gn_in"], dz)
     wkv_grads = wkv7_backward(*c["wkv_in"], _bthn(T, N, gn["dy"]), state=c["s0"])
     dr, d_decay, dkp, dvp, dwa, dwb = (d.reshape(dout.shape) for d in wkv_grads[:6])
@@ -178,7 +209,7 @@ def time_mix_backward(P: dict, G: dict, pre: str, layer: int, cache: dict, dout:
         G[state_name(layer)] += wkv_grads[6][0]
     pb = time_mix_prep_backward(*c["prep_in"], d_decay, dkp + gn["dkp"], dvp + gn["dvp"], dwa, dwb,
                                 dv_first if layer == 0 else None)
-    grads = {"output.weight": dW_out, "ln_x.weight": gn["dln_w"], "ln_x.bias": gn["dln_b"],
+    grads = {"ln_x.weight": gn["dln_w"], "ln_x.bias": gn["dln_b"],
              "r_k": gn["dr_k"], "w0": pb["dw0"], "a0": pb["da0"], "k_k": pb["dk_k"],
              "k_a": pb["dk_a"]}
 
@@ -188,9 +219,9 @@ def time_mix_backward(P: dict, G: dict, pre: str, layer: int, cache: dict, dout:
     dxw, grads["w1"] = _lora_backward(xw, P[a + "w1"], tanh_backward(c["wh"], dwh))
     dah, grads["a2"] = _lora_backward(c["ah"], P[a + "a2"], pb["dal"])
     dxa, grads["a1"] = _lora_backward(xa, P[a + "a1"], dah)
-    dxr, grads["receptance.weight"] = _linear_backward(xr, P[a + "receptance.weight"], dr + gn["dr"])
-    dxk, grads["key.weight"] = _linear_backward(xk, P[a + "key.weight"], pb["dk"])
-    dxv, grads["value.weight"] = _linear_backward(xv, P[a + "value.weight"], pb["dv"])
+    dxr = _proj_backward(P, G, a + "receptance.weight", xr, dr + gn["dr"])
+    dxk = _proj_backward(P, G, a + "key.weight", xk, pb["dk"])
+    dxv = _proj_backward(P, G, a + "value.weight", xv, pb["dv"])
     if layer > 0:
         dv_first += pb["dvf"]
         grads["v0"] = pb["dv0"]
@@ -214,7 +245,7 @@ def attention_forward(P: dict, pre: str, x: np.ndarray, T: int, N: int, chunk: i
     before these tokens) and kmean [B, H, t0 // chunk, N] (the means of their complete blocks),
     extended by these tokens."""
     a = pre + "att."
-    q, k, v = (_linear(x, P[a + n + ".weight"]) for n in QKV)
+    q, k, v = (_proj(P, a + n + ".weight", x) for n in QKV)
     if carry is None:
         o, sel = moba_attention_forward(_bthn(T, N, q), _bthn(T, N, k), _bthn(T, N, v), chunk, top_k,
                                         selection=selection)
@@ -227,7 +258,7 @@ def attention_forward(P: dict, pre: str, x: np.ndarray, T: int, N: int, chunk: i
         o, sel = moba_attention_cached(_bthn(T, N, q), k_all, v_all, kmean, chunk, top_k)
         carry.update(k=k_all, v=v_all, kmean=kmean)
     o = o.reshape(x.shape)
-    return _linear(o, P[a + "output.weight"]), sel, (x, q, k, v, o, sel)
+    return _proj(P, a + "output.weight", o), sel, (x, q, k, v, o, sel)
 
 
 def attention_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndarray, T: int, N: int,
@@ -235,15 +266,12 @@ def attention_backward(P: dict, G: dict, pre: str, cache: tuple, dout: np.ndarra
     """Backward of :func:`attention_forward` with its selection held fixed; returns dx."""
     a = pre + "att."
     x, q, k, v, o, sel = cache
-    do, dW_out = _linear_backward(o, P[a + "output.weight"], dout)
+    do = _proj_backward(P, G, a + "output.weight", o, dout)
     dqkv = moba_attention_backward(_bthn(T, N, q), _bthn(T, N, k), _bthn(T, N, v),
                                    _bthn(T, N, do), chunk, top_k, sel)
-    grads = {"output.weight": dW_out}
     dx = np.zeros_like(x)
     for n, d in zip(QKV, dqkv):
-        dxn, grads[n + ".weight"] = _linear_backward(x, P[a + n + ".weight"], d.reshape(x.shape))
-        dx += dxn
-    _accumulate(G, a, grads)
+        dx += _proj_backward(P, G, a + n + ".weight", x, d.reshape(x.shape))
     return dx
 
 
@@ -275,9 +303,14 @@ class Oracle:
     ``states``: the initial WKV state of every RWKV block (``{"blocks.{i}.att.state": [H, N, N]}``,
     :mod:`rwkvx.state_tuning`), copied in the oracle's dtype; None: zero. They start every forward
     (and :meth:`initial_state`), and :meth:`loss_and_grads` returns their gradients too.
+
+    ``lora``: LoRA factors (``{"<matrix>.lora_A": [in, r], "<matrix>.lora_B": [r, out]}``,
+    :mod:`rwkvx.lora`) and ``lora_scale`` their s = alpha / r, copied in the oracle's dtype; the
+    adapted model runs everywhere and :meth:`loss_and_grads` returns the factors' gradients too.
     """
 
-    def __init__(self, cfg: Config, params: dict, dtype=np.float64, states: dict | None = None) -> None:
+    def __init__(self, cfg: Config, params: dict, dtype=np.float64, states: dict | None = None,
+                 lora: dict | None = None, lora_scale: float = 1.0) -> None:
         if not isinstance(cfg, Config):
             raise TypeError(f"cfg must be an rwkvx.Config, got {type(cfg).__name__}")
         dtype = np.dtype(dtype)
@@ -289,6 +322,10 @@ class Oracle:
         self.params = {n: np.array(p, dtype=dtype, order="C", copy=True) for n, p in params.items()}
         self.states = None if states is None else {
             n: s.astype(dtype) for n, s in check_states(cfg, states).items()}
+        self.lora_scale = check_scale(lora_scale)
+        for name, f in check_factors(cfg, {} if lora is None else lora).items():
+            scale = self.lora_scale if name.endswith(".lora_B") else 1.0
+            self.params[name] = np.array(f.astype(np.float64) * scale, dtype=dtype, order="C")
 
     def _s0(self, layer):
         """RWKV block ``layer``'s initial state as [1, H, N, N], or None (zero)."""
@@ -458,7 +495,8 @@ class Oracle:
                        selection: list | None = None) -> tuple[float, dict]:
         """(loss, grads): mean cross-entropy over targets != ignore_index (float64) and the
         gradient of every parameter (same names and shapes as the params, oracle dtype), plus, for
-        an oracle with initial states, of every state (under the states' names).
+        an oracle with initial states or LoRA factors, of every state and factor (under their names;
+        a weight's gradient is then the adapted model's, dL/dW at W + s·(A·B)ᵀ).
         If every target is ignored the loss is 0 and every gradient is 0."""
         cfg, P = self.cfg, self.params
         tokens = check_tokens(tokens, cfg.vocab_size)
@@ -485,4 +523,7 @@ class Oracle:
         if cfg.ln0:
             dx = _layernorm_backward(P, G, "rwkv.blocks.0.ln0", state["emb"], dx)
         _accumulate(G, "rwkv.emb.", {"weight": embedding_backward(tokens, dx, cfg.vocab_size)})
+        for name in G:
+            if name.endswith(".lora_B"):      # P holds s·B
+                G[name] *= self.lora_scale
         return float(loss), G

@@ -79,14 +79,14 @@ cdef struct OpRec:
     void* func
     unsigned int gx, gy, gz, bx, by, bz, smem
     void** params
-    # gemm (C = D)
+    # gemm (D = alpha A B + beta C; D and C share the layout lc)
     void* desc
     void* la
     void* lb
     void* lc
     void* algo
     float alpha, beta
-    uint64_t a, b, c
+    uint64_t a, b, c, d
     # memset / copies
     uint64_t dst, src
     size_t nbytes
@@ -233,7 +233,7 @@ cdef class Plan:
                 r.lc = <void*><uintptr_t>int(p.layouts[2])
                 r.algo = <void*><uintptr_t>int(p.algo_ptr)
                 r.alpha, r.beta = op.alpha, op.beta
-                r.a, r.b, r.c = op.A, op.B, op.C
+                r.a, r.b, r.c, r.d = op.A, op.B, op.C, op.D
                 self._arg_offsets.append(None)
                 self._names.append(f"cublasLtMatmul op #{i}")
             elif type(op) in MEMORY_OPS:
@@ -304,7 +304,7 @@ cdef class Plan:
                     status = self.lt_matmul(self.cublas_handle, r.desc, &r.alpha,
                                             <const void*><uintptr_t>r.a, r.la, <const void*><uintptr_t>r.b, r.lb,
                                             &r.beta, <const void*><uintptr_t>r.c, r.lc,
-                                            <void*><uintptr_t>r.c, r.lc, r.algo,
+                                            <void*><uintptr_t>r.d, r.lc, r.algo,
                                             self.workspace, self.workspace_bytes, self.stream)
                 elif r.nbytes == 0:   # empty memset/copy: nothing to enqueue
                     pass

@@ -12,6 +12,7 @@ import numpy as np
 
 from .config import Config
 from .cu import adamw, channelmix, layernorm, moba, timemix, wkv7
+from .oracle.adamw import MOMENT_TYPES
 from .params import param_shapes
 from .precision import Precision, resolve_precision
 from .runtime.device import DeviceInfo
@@ -68,7 +69,8 @@ class Layout:
     """Every device buffer of a (config, B, T, precision, recompute) model: name -> (offset, element type,
     count) in one arena.
 
-    Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat f32, same offsets per tensor), the per-step
+    Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat, same offsets per tensor; f32, the moments
+    of type ``moments``: "f32" or "bf16", the lean moments of :mod:`rwkvx.oracle.adamw`), the per-step
     inputs, one saved input per block, and one block's worth of transients shared by all blocks (with
     ``recompute=False``, also every other block's :data:`FORWARD_STATE`, as ``name@position``).
     Activations have the element type ``xtype`` of ``precision`` (a :class:`~rwkvx.precision.Precision`
@@ -81,7 +83,7 @@ class Layout:
 
     def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: Precision | str,
                  recompute: bool, methods: dict[str, str] | None = None, *,
-                 head_chunk_bytes: int = HEAD_CHUNK_BYTES):
+                 head_chunk_bytes: int = HEAD_CHUNK_BYTES, moments: str = "f32"):
         if isinstance(head_chunk_bytes, bool) or not isinstance(head_chunk_bytes, int) or head_chunk_bytes < 1:
             raise ValueError(f"head_chunk_bytes must be a positive int, got {head_chunk_bytes!r}")
         precision = resolve_precision(precision)
@@ -105,8 +107,10 @@ class Layout:
         # name -> (offset, size) in floats; the same offsets in params, grads, adam_m and adam_v
         self.param_offsets = {seg[0]: (seg[1], seg[2]) for seg in self.param_segments}
         self.param_shapes = shapes
+        if moments not in MOMENT_TYPES:
+            raise ValueError(f"moments must be one of {', '.join(MOMENT_TYPES)}, got {moments!r}")
         for region in ("params", "grads", "adam_m", "adam_v"):
-            self._add(region, n_flat, "f32")
+            self._add(region, n_flat, moments if region.startswith("adam_") else "f32")
         # the weights as bf16 GEMM operands (refreshed by AdamW); empty where the GEMMs read the f32 weights
         self._add("params_x", n_flat if precision.gemm.bf16_operands else 0, xtype)
         self.adam_table, self.adam_lrmul = adamw.build_table(self.param_segments)

@@ -17,7 +17,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -66,19 +66,95 @@ def save_checkpoint(path: str | os.PathLike, cfg: Config, params: ParamDict,
     (a JSON-serialisable dict, e.g. the step count); both come back from :func:`load_checkpoint`.
     """
     check_params(cfg, params)
-    extra = extra or {}
+    _write_with_extra(path, "rwkvx", cfg, {n: np.asarray(params[n], np.float32) for n in param_shapes(cfg)},
+                      extra)
+
+
+def _write_with_extra(path: str | os.PathLike, fmt: str, cfg: Config, tensors: dict[str, np.ndarray],
+                      extra: Mapping[str, Any] | None, **metadata: str) -> None:
+    """Write ``tensors`` plus ``extra`` (``"tensors"`` stored under ``extra.``, ``"meta"`` as JSON) with
+    the metadata every rwkvx file has (``format``, ``format_version``, ``config``, ``extra_meta``) and
+    ``metadata``, atomically."""
+    extra = dict(extra or {})
     unknown = set(extra) - {"tensors", "meta"}
     if unknown:
         raise ValueError(f"extra accepts keys 'tensors' and 'meta', got {sorted(unknown)}")
-    tensors: dict[str, np.ndarray] = {n: np.asarray(params[n], np.float32) for n in param_shapes(cfg)}
+    tensors = dict(tensors)
     for name, value in (extra.get("tensors") or {}).items():
         if not isinstance(value, np.ndarray):
             raise TypeError(f"extra tensor {name} must be a numpy array")
         tensors[_EXTRA_PREFIX + name] = value
-    metadata = {"format": "rwkvx", "format_version": str(FORMAT_VERSION),
-                "config": json.dumps(cfg.to_dict()),
-                "extra_meta": json.dumps(extra.get("meta") or {})}
-    write_safetensors(path, tensors, metadata)
+    write_safetensors(path, tensors, {"format": fmt, "format_version": str(FORMAT_VERSION),
+                                      "config": json.dumps(cfg.to_dict()),
+                                      "extra_meta": json.dumps(extra.get("meta") or {}), **metadata})
+
+
+def check_tensors(shapes: Mapping[str, tuple[int, ...]], tensors: Any, where: str, what: str
+                  ) -> dict[str, np.ndarray]:
+    """Copies of ``tensors`` (their dtype kept) in the order of ``shapes``; ``TypeError`` /
+    ``ValueError`` naming ``where`` unless they are exactly the names and shapes of ``shapes``, finite
+    float arrays. ``what`` says what the model expects (``"states (one per RWKV block, 2)"``)."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"{where} must be a dict of name -> numpy array, got {type(tensors).__name__}")
+    missing = [n for n in shapes if n not in tensors]
+    unexpected = sorted(set(tensors) - set(shapes))
+    if missing or unexpected:
+        problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
+            [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else [])
+        raise ValueError(f"{where}: not this model's {what}: " + "; ".join(problems))
+    out = {}
+    for name, shape in shapes.items():
+        value = tensors[name]
+        if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
+            raise TypeError(f"{where}: {name} must be a float numpy array")
+        if value.shape != tuple(shape):
+            raise ValueError(f"{where}: {name} has shape {value.shape}, but this model's {what} need "
+                             f"{tuple(shape)} there")
+        if not np.isfinite(value).all():
+            raise ValueError(f"{where}: {name} is not finite")
+        out[name] = value.copy()
+    return out
+
+
+def save_adapter(path: str | os.PathLike, fmt: str, cfg: Config, tensors: dict[str, np.ndarray],
+                 extra: Mapping[str, Any] | None = None, info: Mapping[str, Any] | None = None) -> None:
+    """Write an *adapter file* atomically: what a tuning run trains beside a frozen model (the tuned
+    ``tensors``, stored as float32), the model's Config, the metadata ``format = fmt`` and, given
+    ``info`` (JSON-able), ``adapter``: the adapter's own settings. ``extra`` as for
+    :func:`save_checkpoint` (a trainer's optimizer moments and metadata)."""
+    tensors = {n: np.asarray(t, np.float32) for n, t in tensors.items()}
+    _write_with_extra(path, fmt, cfg, tensors, extra,
+                      **({} if info is None else {"adapter": json.dumps(dict(info))}))
+
+
+def file_format(path: str | os.PathLike) -> str | None:
+    """The ``format`` an rwkvx safetensors file records (``"rwkvx"`` for a model, an adapter's format),
+    read from the header alone; None for anything else, unreadable included (the reader of the
+    intended format then reports the problem)."""
+    try:
+        return safetensors_metadata(path).get("format")
+    except (OSError, ValueError):
+        return None
+
+
+def load_adapter(path: str | os.PathLike, fmt: str, what: str
+                 ) -> tuple[Config, dict[str, np.ndarray], dict[str, Any], dict[str, Any]]:
+    """``(Config, tensors, extra, info)`` of an adapter file of format ``fmt`` (see
+    :func:`save_adapter`; ``extra`` as :func:`load_checkpoint` returns it, ``info`` the adapter's
+    settings, ``{}`` when none). ``what`` names such a file in the ``ValueError`` for another file
+    or corrupt metadata."""
+    tensors, _, metadata = read_safetensors(path)
+    if metadata.get("format") != fmt:
+        raise ValueError(f"{path}: not a {what}")
+    try:
+        cfg = Config.from_dict(json.loads(metadata["config"]))
+        meta = json.loads(metadata.get("extra_meta", "{}"))
+        info = json.loads(metadata.get("adapter", "{}"))
+    except (KeyError, json.JSONDecodeError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: corrupt {what} metadata ({exc})") from None
+    extra = {"tensors": {k[len(_EXTRA_PREFIX):]: v for k, v in tensors.items() if k.startswith(_EXTRA_PREFIX)},
+             "meta": meta}
+    return cfg, {k: v for k, v in tensors.items() if not k.startswith(_EXTRA_PREFIX)}, extra, info
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray],

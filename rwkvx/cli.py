@@ -101,7 +101,8 @@ MODEL_FLAGS = {
 # TrainConfig fields set by a flag of the same name
 TRAIN_FLAGS = ("batch_size", "seq_len", "steps", "lr", "lr_min", "warmup", "weight_decay", "grad_clip",
                "eval_every", "eval_batches", "ckpt_every", "val_fraction", "seed", "precision", "recompute",
-               "cpu_dtype", "tune")
+               "cpu_dtype", "tune", "lora_rank", "lora_alpha", "lora_targets",
+               "optimizer_memory")
 
 
 def _flag(dest: str) -> str:
@@ -118,10 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``python -m rwkvx`` parser: the ``train``, ``sample``, ``prepare`` and ``export`` subcommands."""
     from .dist.world import DEFAULT_TIMEOUT_S
     from .precision import PRECISION_NAMES as PRECISIONS
+    from .lora import DEFAULT_ALPHA, DEFAULT_RANK, DEFAULT_TARGETS, TARGETS
     from .presets import DEFAULT_PRESET, PRESETS, get_preset
     from .pth import WRITE_DTYPES
     from .tokenizer import TOKENIZERS
-    from .training.config import CPU_DTYPES, RECOMPUTE_AUTO, TUNES
+    from .training.config import CPU_DTYPES, OPTIMIZER_MEMORY, RECOMPUTE_AUTO, TUNES
 
     parser = argparse.ArgumentParser(
         prog="python -m rwkvx",
@@ -181,7 +183,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tune", choices=TUNES, default=None,
                    help="full (default): train every parameter; state: train only the initial WKV "
                         "state of every RWKV block, the model frozen (usually with --init-from; CPU "
-                        "only for now). The checkpoint is then a state file, state.safetensors")
+                        "only for now). The checkpoint is then a state file, state.safetensors; lora: "
+                        "train only low-rank factors of the --lora-targets matrices, the model frozen "
+                        "(CPU only for now); the checkpoint is then a LoRA file, lora.safetensors")
+    g.add_argument("--lora-rank", type=_positive_int, metavar="R",
+                   help=f"--tune lora: the factors' rank r (default {DEFAULT_RANK}); smaller than both "
+                        "sides of every adapted matrix")
+    g.add_argument("--lora-alpha", type=_positive_float, metavar="ALPHA",
+                   help=f"--tune lora: the update is scaled by alpha / r (default {DEFAULT_ALPHA:g})")
+    g.add_argument("--lora-targets", metavar="T1,T2",
+                   help="--tune lora: the matrices to adapt, comma-separated, from " + ", ".join(TARGETS)
+                        + f" (default {','.join(DEFAULT_TARGETS)}; the moba.* targets need MoBA blocks)")
+    g.add_argument("--optimizer-memory", choices=tuple(OPTIMIZER_MEMORY), default=None,
+                   help="standard (default): AdamW moments in float32; lean: in bf16, stochastically "
+                        "rounded (4 bytes a parameter less; a standard run cannot resume lean)")
     g.add_argument("--batch-size", type=_positive_int, help="B, sequences per step")
     g.add_argument("--seq-len", type=_positive_int, help="T, tokens per sequence")
     n = g.add_mutually_exclusive_group()
@@ -226,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--state", metavar="FILE",
                     help="start every RWKV block from the tuned initial WKV states of this state file "
                          "(a state-tuning run's state.safetensors or its run directory; CPU only for now)")
+    sp.add_argument("--lora", metavar="FILE",
+                    help="adapt the model with this LoRA file (a LoRA run's lora.safetensors or its run "
+                         "directory), merged into the weights on load: W + alpha/r * (A B)^T")
     sp.add_argument("--tokenizer", choices=TOKENIZERS, default=None,
                     help="encode the prompt and decode the output with this tokenizer (default: the "
                          "one the checkpoint was trained with; a checkpoint that records none: bytes "
@@ -255,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="the .pth file to write (must not exist)")
     ex.add_argument("--dtype", choices=tuple(WRITE_DTYPES), default="bf16",
                     help="storage type (default: %(default)s, as BlinkDL's released models)")
+    ex.add_argument("--lora", metavar="FILE",
+                    help="merge this LoRA file (a LoRA run's lora.safetensors or its run directory) into "
+                         "the weights before exporting: W + alpha/r * (A B)^T")
     ex.add_argument("--drop-attention", action="store_true",
                     help="export an RWKV-X model's RWKV-7 blocks alone (RWKV-LM has no MoBA blocks; "
                          "without this flag such a model is refused). The result is a different model: "
@@ -359,6 +380,11 @@ def _recompute_note(run: Run) -> str:
     return note
 
 
+# what a fresh model's zero output matrices (att.output, ffn.value) mean for a tuning run, by tune
+_FRESH_MODEL = {"state": "its states get no gradient",
+                "lora": "only the factors of output matrices get a gradient until those have trained"}
+
+
 def _print_run(run: Run) -> None:
     """The header: the fallback note, device, model, data and the training plan."""
     prep, trainer, cfg, tr = run.prep, run.trainer, run.prep.cfg, run.train
@@ -377,9 +403,14 @@ def _print_run(run: Run) -> None:
     if trainer.states is not None:
         print(f"state tuning: {sum(s.size for s in trainer.states.values()):,} state values trained "
               f"({len(trainer.states)} RWKV blocks x [H, N, N]), the model frozen")
-        if prep.init_from is None:
-            print("note: a fresh model's output matrices are zero, so its states get no gradient: "
-                  "state tuning adapts a trained model (--init-from)")
+    if trainer.lora is not None:
+        r, alpha, targets = tr.lora
+        print(f"LoRA: {sum(f.size for f in trainer.lora.values()):,} factor values trained "
+              f"({len(trainer.lora) // 2} matrices of {','.join(targets)}; rank {r}, alpha {alpha:g}, "
+              f"scale {tr.lora.scale:g}), the model frozen")
+    if tr.tune != "full" and prep.init_from is None:
+        print(f"note: a fresh model's output matrices are zero, so {_FRESH_MODEL[tr.tune]}: tuning adapts "
+              "a trained model (--init-from)")
     fmt = prep.data.format + (f", {prep.tokenizer} tokenizer" if prep.tokenizer else "")
     held = 0 if prep.val_tokens is None else len(prep.val_tokens)
     val = (f"{held:,} held out for validation, {prep.val_scored:,} of them scored" if held
@@ -417,10 +448,11 @@ def _print_outcome(run: Run, outcome: Outcome) -> None:
         print(f"resume:     python -m rwkvx train --resume {run.out}")
         return
     prompt = DEFAULT_CORPUS_PROMPT if run.prep.data_arg is None else ""
-    if tr.tune == "state":
+    if tr.tune != "full":
         if run.prep.init_from is None:    # a fresh model, which no file holds
             return
-        source = f"--ckpt {run.prep.init_from} --state {run.ckpt_path} --device cpu"
+        source = (f"--ckpt {run.prep.init_from} --state {run.ckpt_path} --device cpu" if tr.tune == "state"
+                  else f"--ckpt {run.prep.init_from} --lora {run.ckpt_path}")
     else:
         source = f"--ckpt {run.ckpt_path}"
     print(f"sample:     python -m rwkvx sample {source}" + (f" --prompt {prompt!r}" if prompt else ""))
@@ -610,23 +642,44 @@ class TokenEcho:
         self.out.flush()
 
 
-def cmd_sample(args: argparse.Namespace) -> int:
-    """``python -m rwkvx sample``: stream ``--tokens`` tokens after the prompt to stdout; returns 0."""
-    from .checkpoint import load_checkpoint
-    from .precision import DEFAULT_PRECISION
+# an adapter file given as a model -> (what it is, the option that takes it)
+_ADAPTER_OPTIONS = {"state": ("a state file (tuned states, no model)", "--state"),
+                    "lora": ("a LoRA file (tuned factors, no model)", "--lora")}
 
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    from .state_tuning import is_state_file
+
+def _load_model(args: argparse.Namespace) -> tuple[Path, Config, ParamDict, dict[str, Any]]:
+    """``(path, cfg, params, extra)`` of the model ``--ckpt`` names, with the ``--lora`` file merged
+    into its weights when given (:func:`rwkvx.lora.merge`)."""
+    from .checkpoint import file_format, load_checkpoint
+    from .training.trainer import ADAPTER_FORMATS
 
     path = _checkpoint(args.ckpt)
-    if is_state_file(path):
-        raise UsageError(f"--ckpt {path} is a state file (tuned states, no model): give the model as "
-                         "--ckpt and the state file as --state")
+    tune = ADAPTER_FORMATS.get(file_format(path))
+    if tune is not None:
+        what, option = _ADAPTER_OPTIONS[tune]
+        use = f" and this file as {option}" if hasattr(args, option[2:]) else ""
+        raise UsageError(f"--ckpt {path} is {what}: give the model as --ckpt{use}")
     try:
         cfg, params, extra = load_checkpoint(path)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.lora is not None:
+        from .lora import load_lora, merge
+        try:
+            _, factors, settings, _ = load_lora(_checkpoint(args.lora, "--lora"), cfg)
+        except ValueError as exc:
+            raise UsageError(f"--lora: {exc}") from None
+        params = merge(cfg, params, factors, settings.scale)
+    return path, cfg, params, extra
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """``python -m rwkvx sample``: stream ``--tokens`` tokens after the prompt to stdout; returns 0."""
+    from .precision import DEFAULT_PRECISION
+
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
+    path, cfg, params, extra = _load_model(args)
     meta = extra.get("meta") or {}
     run = (meta.get("user") or {}).get("run") or {}
     tokenizer = _sample_tokenizer(args.tokenizer, run, cfg.vocab_size)
@@ -690,21 +743,21 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``python -m rwkvx export``: the checkpoint's model as an RWKV-LM .pth (atomic); returns 0."""
-    from .checkpoint import export_rwkv7_pth, load_checkpoint
+    from .checkpoint import export_rwkv7_pth
 
-    path = _checkpoint(args.ckpt)
     out = Path(args.out)
     if out.exists():
         raise UsageError(f"--out {out} exists; choose another path or remove it first")
     _check_writable(out)
+    path, cfg, params, _ = _load_model(args)
     try:
-        cfg, params, _ = load_checkpoint(path)
         export_rwkv7_pth(out, cfg, params, dtype=args.dtype, drop_attention=args.drop_attention)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    dropped = (f", without its {cfg.n_attn_layer} attention block(s)" if cfg.n_attn_layer else "")
+    notes = (f", without its {cfg.n_attn_layer} attention block(s)" if cfg.n_attn_layer else "")
+    notes += f", the LoRA file {args.lora} merged" if args.lora else ""
     print(f"exported {path} -> {out} ({args.dtype}, RWKV-LM x070: V={cfg.vocab_size} C={cfg.n_embd} "
-          f"L={cfg.n_rwkv_layer} N={cfg.head_size}{dropped})")
+          f"L={cfg.n_rwkv_layer} N={cfg.head_size}{notes})")
     return 0
 
 

@@ -20,7 +20,7 @@ from . import validate
 from .arena import HEAD_CHUNK_BYTES, Layout
 from .config import Config
 from .cu import adamw, embedding, loss
-from .optim import Schedule
+from .optim import Schedule, bf16_moment_bits
 from .params import ParamDict, check_params
 from .precision import DEFAULT_PRECISION, Precision, resolve_precision
 from .runtime.event import Event
@@ -123,11 +123,14 @@ class Model:
     ``methods`` overrides the precision's kernel methods (e.g. ``{"wkv7": "sequential"}``).
     ``head_chunk_bytes`` (default :data:`rwkvx.arena.HEAD_CHUNK_BYTES`): the most bytes of logits the head
     computes at once (the head and the cross entropy run over the rows in chunks of at least 64 rows).
+    ``moments``: how AdamW keeps its moments, "f32" or "bf16" (stochastically rounded,
+    :mod:`rwkvx.oracle.adamw`: 4 bytes a parameter less).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
                  precision: Precision | str = DEFAULT_PRECISION, recompute: bool | str = DEFAULT_RECOMPUTE,
-                 methods: dict[str, str] | None = None, *, head_chunk_bytes: int = HEAD_CHUNK_BYTES):
+                 methods: dict[str, str] | None = None, *, head_chunk_bytes: int = HEAD_CHUNK_BYTES,
+                 moments: str = "f32"):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -144,7 +147,7 @@ class Model:
 
         def layout(recompute: bool) -> Layout:
             return Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods,
-                          head_chunk_bytes=head_chunk_bytes)
+                          head_chunk_bytes=head_chunk_bytes, moments=moments)
 
         if recompute == RECOMPUTE_AUTO:
             keep = layout(False)
@@ -178,16 +181,20 @@ class Model:
 
     # -- parameters ------------------------------------------------------------------------------
     def _region(self, region: str) -> dict[str, np.ndarray]:
-        flat = self.dev.download(self.builder.buf(region), (self.layout.counts[region],), np.float32)
+        elem = self.layout.elems[region]
+        flat = from_storage(elem, self.dev.download(self.builder.buf(region), (self.layout.counts[region],),
+                                                    storage_dtype(elem)))
         return {n: flat[off:off + size].reshape(self.layout.param_shapes[n]).copy()
                 for n, (off, size) in self.layout.param_offsets.items()}
 
     def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        """Inverse of :meth:`_region`: one name-keyed tensor per parameter, packed and uploaded."""
+        """Inverse of :meth:`_region`: one name-keyed tensor per parameter, packed and uploaded (float32
+        values; a bf16 region takes only bf16 values, :func:`rwkvx.optim.bf16_moment_bits`)."""
         flat = np.zeros(self.layout.counts[region], np.float32)
         for n, (off, size) in self.layout.param_offsets.items():
             flat[off:off + size] = np.asarray(tensors[n], np.float32).ravel()
-        self.dev.upload(self.builder.buf(region), flat)
+        stored = bf16_moment_bits(flat, region) if self.layout.elems[region] == "bf16" else flat
+        self.dev.upload(self.builder.buf(region), stored)
         return flat
 
     def load_params(self, params: ParamDict) -> None:
@@ -300,7 +307,7 @@ class Model:
         self.dev.upload(b("adam_table"), self.layout.adam_table)
         self.dev.upload(b("adam_lrmul"), self.layout.adam_lrmul)
         self.dev.upload(b("adam_state"), adamw.state_from_schedule(schedule, grad_clip))
-        zeros = np.zeros(self.layout.counts["adam_m"], np.float32)
+        zeros = np.zeros(self.layout.counts["adam_m"], storage_dtype(self.layout.elems["adam_m"]))
         self.dev.upload(b("adam_m"), zeros)
         self.dev.upload(b("adam_v"), zeros)
         self.schedule, self.weight_decay, self.grad_clip = schedule, weight_decay, grad_clip

@@ -11,8 +11,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from rwkvx.oracle.adamw import (BETAS, EPS, adamw_update, clip_coefficient, global_grad_norm, learning_rate,
-                                lr_multiplier, uses_weight_decay)
+from rwkvx.cu.adamw import flat_layout
+from rwkvx.oracle.adamw import (BETAS, EPS, MOMENT_TYPES, adamw_update, bf16_widen, clip_coefficient,
+                                global_grad_norm, learning_rate, lr_multiplier, uses_weight_decay)
 
 
 @dataclass(frozen=True)
@@ -56,18 +57,22 @@ class AdamW:
 
     ``step(grads)`` takes one gradient per parameter (any float dtype, cast to float32), computes
     the learning rate of the next step from ``schedule``, clips, updates, and returns a dict of
-    statistics (``lr``, ``grad_norm``, ``clip``).
+    statistics (``lr``, ``grad_norm``, ``clip``). ``moments``: "f32", or "bf16" (the lean moments of
+    :mod:`rwkvx.oracle.adamw`: stored as bf16 bits, stochastically rounded by a hash of each element's
+    index in the flat layout of ``params``, in their order, as the GPU arena lays them out).
     """
 
     def __init__(self, params: Mapping[str, np.ndarray], schedule: Schedule,
                  weight_decay: float = 0.0, grad_clip: float | None = None,
-                 betas: tuple[float, float] = BETAS, eps: float = EPS) -> None:
+                 betas: tuple[float, float] = BETAS, eps: float = EPS, moments: str = "f32") -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError("schedule must be an rwkvx.optim.Schedule")
         if not math.isfinite(weight_decay) or weight_decay < 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         if grad_clip is not None and (not math.isfinite(grad_clip) or grad_clip < 0):
             raise ValueError(f"grad_clip must be >= 0 or None, got {grad_clip!r}")
+        if moments not in MOMENT_TYPES:
+            raise ValueError(f"moments must be one of {', '.join(MOMENT_TYPES)}, got {moments!r}")
         for name, p in params.items():
             if not isinstance(p, np.ndarray) or p.dtype != np.float32:
                 raise TypeError(f"parameter {name} must be a float32 numpy array")
@@ -78,13 +83,16 @@ class AdamW:
         self.betas = (float(betas[0]), float(betas[1]))
         self.eps = float(eps)
         self.step_count = 0
-        self.m = {n: np.zeros_like(p, dtype=np.float32) for n, p in params.items()}
-        self.v = {n: np.zeros_like(p, dtype=np.float32) for n, p in params.items()}
+        self.moments = moments
+        self._moment_dtype = np.uint16 if moments == "bf16" else np.float32       # bf16: the bits
+        self.offsets = {seg[0]: seg[1] for seg in flat_layout({n: p.shape for n, p in params.items()})[0]}
+        self.m = {n: np.zeros_like(p, dtype=self._moment_dtype) for n, p in params.items()}
+        self.v = {n: np.zeros_like(p, dtype=self._moment_dtype) for n, p in params.items()}
 
     def hyperparameters(self) -> dict[str, Any]:
         """JSON-able settings (schedule included)."""
         return {"schedule": self.schedule.to_dict(), "weight_decay": self.weight_decay,
-                "grad_clip": self.grad_clip, "betas": list(self.betas), "eps": self.eps}
+                "grad_clip": self.grad_clip, "betas": list(self.betas), "eps": self.eps, "moments": self.moments}
 
     def step(self, grads: Mapping[str, np.ndarray]) -> dict[str, float]:
         """Apply one AdamW update to every parameter; returns ``{"lr", "grad_norm", "clip"}``."""
@@ -103,18 +111,19 @@ class AdamW:
                 raise ValueError(f"gradient {name} has shape {g.shape}, parameter has {p.shape}")
             wd_p = self.weight_decay if uses_weight_decay(name, p.shape) else 0.0
             adamw_update(p, g, self.m[name], self.v[name], t, lr * lr_multiplier(name), wd_p, clip,
-                         self.betas, self.eps)
+                         self.betas, self.eps, offset=self.offsets[name])
         self.step_count = t
         return {"lr": lr, "grad_norm": norm, "clip": clip}
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """``{"tensors": {"optim.m.<name>", "optim.v.<name>": float32}, "meta": {...}}``: the
-        shape :func:`rwkvx.checkpoint.save_checkpoint` takes as ``extra`` (merge with other state)."""
+        shape :func:`rwkvx.checkpoint.save_checkpoint` takes as ``extra`` (merge with other state);
+        bf16 moments are saved as their float32 values (exact)."""
         tensors: dict[str, np.ndarray] = {}
         for name in self.params:
-            tensors[f"optim.m.{name}"] = self.m[name].copy()
-            tensors[f"optim.v.{name}"] = self.v[name].copy()
+            tensors[f"optim.m.{name}"] = self._values(self.m[name])
+            tensors[f"optim.v.{name}"] = self._values(self.v[name])
         return {"tensors": tensors,
                 "meta": {"optim_step": self.step_count, "optim": self.hyperparameters()}}
 
@@ -135,5 +144,25 @@ class AdamW:
                 arr = np.asarray(tensors[full])
                 if arr.shape != p.shape:
                     raise ValueError(f"optimizer state {full} has shape {arr.shape}, expected {p.shape}")
-                out[name] = np.array(arr, dtype=np.float32, copy=True)
+                out[name] = self._stored(np.array(arr, dtype=np.float32, copy=True), full)
         self.m, self.v, self.step_count = m, v, step
+
+    def _values(self, moment: np.ndarray) -> np.ndarray:
+        """A moment's values as float32 (a copy)."""
+        return bf16_widen(moment) if self.moments == "bf16" else moment.copy()
+
+    def _stored(self, values: np.ndarray, name: str) -> np.ndarray:
+        """float32 moment ``values`` in this optimizer's storage."""
+        return bf16_moment_bits(values, name) if self.moments == "bf16" else values
+
+
+def bf16_moment_bits(values: np.ndarray, name: str) -> np.ndarray:
+    """The bf16 bits (uint16) of saved moment ``values`` (float32) for bf16 moments; ``ValueError`` naming
+    ``name`` unless every value is a bf16 value (the moments of a run with bf16 moments), so that resuming
+    is exact."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    if not np.array_equal(bf16_widen(bits), values, equal_nan=True):
+        raise ValueError(f"optimizer state {name} holds values that are not bf16: saved by a run with "
+                         "float32 moments, which cannot resume with bf16 moments")
+    return bits

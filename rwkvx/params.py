@@ -81,7 +81,8 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _rng(seed: int, name: str) -> np.random.Generator:
+def tensor_rng(seed: int, name: str) -> np.random.Generator:
+    """The generator of the tensor called ``name`` for ``seed``."""
     # One generator per tensor, keyed by name: the values depend neither on the order of creation nor on
     # the other tensors' sizes (docs/SPEC.md §2.4, "Determinism").
     return np.random.Generator(np.random.PCG64([seed, zlib.crc32(name.encode())]))
@@ -217,7 +218,7 @@ def init_params(cfg: Config, seed: int = 0) -> ParamDict:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     seed = int(seed)
-    emb = _rng(seed, "rwkv.emb.weight").random((cfg.vocab_size, cfg.n_embd), dtype=np.float32)
+    emb = tensor_rng(seed, "rwkv.emb.weight").random((cfg.vocab_size, cfg.n_embd), dtype=np.float32)
     emb *= np.float32(2 * EMB_INIT_RANGE)
     emb -= np.float32(EMB_INIT_RANGE)
     params: ParamDict = {"rwkv.emb.weight": emb}
@@ -228,7 +229,7 @@ def init_params(cfg: Config, seed: int = 0) -> ParamDict:
     params["rwkv.ln_out.weight"] = np.ones(cfg.n_embd, np.float32)
     params["rwkv.ln_out.bias"] = np.zeros(cfg.n_embd, np.float32)
     for name, (shape, gain) in _orthogonal_tensors(cfg).items():
-        params[name] = orthogonal(_rng(seed, name), shape, gain)
+        params[name] = orthogonal(tensor_rng(seed, name), shape, gain)
     return {name: params[name] for name in param_shapes(cfg)}
 
 

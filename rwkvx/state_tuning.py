@@ -16,17 +16,15 @@ with it says which model it was tuned on; :func:`load_states` checks the shapes 
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping
 
 import numpy as np
 
-from .checkpoint import FORMAT_VERSION, read_safetensors, safetensors_metadata, write_safetensors
+from .checkpoint import check_tensors, load_adapter, save_adapter
 from .config import Config
 
 STATE_FORMAT = "rwkvx-state"
-EXTRA_PREFIX = "extra."
 StateDict = dict[str, np.ndarray]
 
 
@@ -52,53 +50,15 @@ def zero_states(cfg: Config) -> StateDict:
 def check_states(cfg: Config, states: Mapping[str, Any], where: str = "states") -> StateDict:
     """Copies of ``states`` (their dtype kept) in block order; ``TypeError`` / ``ValueError`` naming
     ``where`` unless they are exactly ``cfg``'s names and shapes, finite floats."""
-    if not isinstance(states, Mapping):
-        raise TypeError(f"{where} must be a dict of name -> numpy array, got {type(states).__name__}")
-    shapes = state_shapes(cfg)
-    missing = [n for n in shapes if n not in states]
-    unexpected = sorted(set(states) - set(shapes))
-    if missing or unexpected:
-        problems = ([f"missing {', '.join(missing[:3])}"] if missing else []) + (
-            [f"unexpected {', '.join(unexpected[:3])}"] if unexpected else [])
-        raise ValueError(f"{where}: not this model's states (one per RWKV block, {cfg.n_rwkv_layer}): "
-                         + "; ".join(problems))
-    out = {}
-    for name, shape in shapes.items():
-        value = states[name]
-        if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
-            raise TypeError(f"{where}: {name} must be a float numpy array")
-        if value.shape != shape:
-            raise ValueError(f"{where}: {name} has shape {value.shape}, but this model's states are "
-                             f"[H, N, N] = {shape}")
-        if not np.isfinite(value).all():
-            raise ValueError(f"{where}: {name} is not finite")
-        out[name] = value.copy()
-    return out
+    return check_tensors(state_shapes(cfg), states, where,
+                         f"states (one per RWKV block, {cfg.n_rwkv_layer}; [H, N, N])")
 
 
 def save_states(path: str | os.PathLike, cfg: Config, states: Mapping[str, np.ndarray],
                 extra: Mapping[str, Any] | None = None) -> None:
     """Write a state file (see the module docstring) atomically. ``extra`` may hold ``"tensors"``
     (stored under ``extra.``) and ``"meta"`` (JSON-able), as :func:`rwkvx.checkpoint.save_checkpoint`."""
-    extra = dict(extra or {})
-    unknown = set(extra) - {"tensors", "meta"}
-    if unknown:
-        raise ValueError(f"extra accepts keys 'tensors' and 'meta', got {sorted(unknown)}")
-    tensors = {n: s.astype(np.float32) for n, s in check_states(cfg, states).items()}
-    for name, value in (extra.get("tensors") or {}).items():
-        tensors[EXTRA_PREFIX + name] = value
-    metadata = {"format": STATE_FORMAT, "format_version": str(FORMAT_VERSION),
-                "config": json.dumps(cfg.to_dict()), "extra_meta": json.dumps(extra.get("meta") or {})}
-    write_safetensors(path, tensors, metadata)
-
-
-def is_state_file(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a state file (a safetensors file whose metadata says so; only the header is
-    read). False for anything unreadable, which the reader of another format then reports."""
-    try:
-        return safetensors_metadata(path).get("format") == STATE_FORMAT
-    except (OSError, ValueError):
-        return False
+    save_adapter(path, STATE_FORMAT, cfg, check_states(cfg, states), extra)
 
 
 def load_states(path: str | os.PathLike, cfg: Config | None = None
@@ -106,20 +66,10 @@ def load_states(path: str | os.PathLike, cfg: Config | None = None
     """``(the Config it was tuned on, states, extra)`` of a state file; ``extra`` as
     :func:`rwkvx.checkpoint.load_checkpoint` returns it. Given ``cfg`` (the model the states are
     for), every state must have that model's shape; any problem raises ``ValueError``."""
-    tensors, _, metadata = read_safetensors(path)
-    if metadata.get("format") != STATE_FORMAT:
-        raise ValueError(f"{path}: not a state file (a state-tuning run's output)")
-    try:
-        saved = Config.from_dict(json.loads(metadata["config"]))
-        meta = json.loads(metadata.get("extra_meta", "{}"))
-    except (KeyError, json.JSONDecodeError, TypeError) as exc:
-        raise ValueError(f"{path}: corrupt state file metadata ({exc})") from None
-    states = {k: v for k, v in tensors.items() if not k.startswith(EXTRA_PREFIX)}
+    saved, states, extra, _ = load_adapter(path, STATE_FORMAT, "state file (a state-tuning run's output)")
     try:
         states = {n: s.astype(np.float32, copy=False)
                   for n, s in check_states(cfg or saved, states, where=f"state file {path}").items()}
     except TypeError as exc:
         raise ValueError(str(exc)) from None
-    extra = {"tensors": {k[len(EXTRA_PREFIX):]: v for k, v in tensors.items() if k.startswith(EXTRA_PREFIX)},
-             "meta": meta}
     return saved, states, extra

@@ -216,9 +216,10 @@ class StepBuilder:
         return f"rwkv.blocks.{idx}." if kind == "rwkv" else f"moba.{idx}."
 
     # -- shared block parts ---------------------------------------------------------------------
-    def _residual_add(self, act, weight, out, n_in: int) -> list:
-        """out += act @ weight^T: ``out`` holds the residual, copied there by the LayerNorm that read it."""
-        return [gemm.linear(act, weight, out, self.R, n_in, self.cfg.n_embd, beta=1.0, precision=self.mm)]
+    def _residual_add(self, act, weight, residual, out, n_in: int) -> list:
+        """out = residual + act @ weight^T, one GEMM (cuBLASLt reads C = residual and writes D = out)."""
+        return [gemm.linear(act, weight, out, self.R, n_in, self.cfg.n_embd, beta=1.0, precision=self.mm,
+                            addend=residual)]
 
     # The token shifts, the WKV recurrence and the MoBA attention are the parts of a block that look
     # at other tokens; each is one method, so that rwkvx.decoder's stateful builders can replace them.
@@ -257,12 +258,12 @@ class StepBuilder:
         R, C, F, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.dev
         b = self.buf
         ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
-                                b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C, x_copy=xout)
+                                b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
         ops += self.channel_shift(prefix)
         ops.append(gemm.linear(b("xk2"), self.w(prefix + "ffn.key.weight"), b("kf"), R, C, F, precision=self.mm))
         ops += channelmix.relu_sq(b("kf"), b("kf"), R * F, dev)
         if xout is not None:
-            ops += self._residual_add(b("kf"), self.w(prefix + "ffn.value.weight"), xout, F)
+            ops += self._residual_add(b("kf"), self.w(prefix + "ffn.value.weight"), b("x1"), xout, F)
         return ops
 
     def channel_mix_backward(self, prefix: str) -> list:
@@ -285,7 +286,7 @@ class StepBuilder:
     def _ln1_forward(self, prefix: str, xin, h1) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
         return layernorm.forward(xin, self.p(prefix + "ln1.weight"), self.p(prefix + "ln1.bias"),
-                                 h1, b("ln1_mean"), b("ln1_rstd"), R, C, x_copy=b("x1"))
+                                 h1, b("ln1_mean"), b("ln1_rstd"), R, C)
 
     def _ln1_backward(self, prefix: str, xin) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
@@ -345,7 +346,7 @@ class StepBuilder:
                                     wa=b("wa"), wb=b("wb"))
         ops += self.wkv(i, for_backward)
         ops += timemix.gn_forward(**self._gn_inputs(i), z=b("z"))
-        ops += self._residual_add(b("z"), self.w(att + "output.weight"), b("x1"), C)
+        ops += self._residual_add(b("z"), self.w(att + "output.weight"), xin, b("x1"), C)
         return ops
 
     def rwkv_backward(self, i: int, xin) -> list:
@@ -417,7 +418,7 @@ class StepBuilder:
             ops.append(gemm.linear(h1, self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
         if attend:
             ops += self.attention(j)
-        ops += self._residual_add(b("y"), self.w(pre + "att.output.weight"), b("x1"), C)
+        ops += self._residual_add(b("y"), self.w(pre + "att.output.weight"), xin, b("x1"), C)
         return ops
 
     def attn_backward(self, j: int, xin) -> list:

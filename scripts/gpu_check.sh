@@ -3,6 +3,7 @@
 # the default training run and a step profile, then print a short table. Logs go to $OUT
 # (default /tmp/rwkvx-gpu-check).
 # Usage: scripts/gpu_check.sh [pytest -k expression]
+#   TEST_JOBS=N (default 4): GPU test processes at once.
 #   SKIP_TESTS=1 / SKIP_KERNELS=1 / SKIP_STEP=1 / SKIP_TRAIN=1 / SKIP_PROFILE=1 skip parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +16,31 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 
     || { tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1; }
 KEXPR=(); [ $# -gt 0 ] && KEXPR=(-k "$1")
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest tests/gpu -q -rfE -p no:cacheprovider "${KEXPR[@]}" --junitxml="$OUT/gpu-tests.xml" \
-      -o junit_family=xunit1 >"$OUT/gpu-tests.log" 2>&1
-  grep -E "passed|failed|Error|error" "$OUT/gpu-tests.log" | tail -25
+  # TEST_JOBS pytest processes share the GPU (the tests are correctness checks, not timings): the test
+  # files, largest first, dealt to the process with the fewest bytes so far; the files in SERIAL_TESTS
+  # (they read the device's free memory) run alone afterwards. Each process writes its own junit file.
+  JOBS="${TEST_JOBS:-4}"
+  SERIAL_TESTS=(tests/gpu/test_recompute_auto.py)
+  mapfile -t FILES < <(ls -S tests/gpu/test_*.py | grep -vxF -f <(printf '%s\n' "${SERIAL_TESTS[@]}"))
+  declare -a GROUP LOAD
+  for ((j = 0; j < JOBS; j++)); do GROUP[j]=""; LOAD[j]=0; done
+  for f in "${FILES[@]}"; do
+    best=0
+    for ((j = 1; j < JOBS; j++)); do [ "${LOAD[j]}" -lt "${LOAD[best]}" ] && best=$j; done
+    GROUP[best]="${GROUP[best]} $f"; LOAD[best]=$(( LOAD[best] + $(stat -c %s "$f") ))
+  done
+  run_tests() {   # run_tests NAME FILES...: one pytest process, its log and junit file under $OUT
+    local name=$1; shift
+    python3 -m pytest "$@" -q -rfE -p no:cacheprovider "${KEXPR[@]}" --durations=15 \
+        --junitxml="$OUT/gpu-tests-$name.xml" -o junit_family=xunit1 >"$OUT/gpu-tests-$name.log" 2>&1
+  }
+  for ((j = 0; j < JOBS; j++)); do
+    # shellcheck disable=SC2086  (the group is a list of paths without spaces)
+    [ -n "${GROUP[j]}" ] && run_tests "$j" ${GROUP[j]} &
+  done
+  wait
+  run_tests serial "${SERIAL_TESTS[@]}"
+  grep -hE "^(FAILED|ERROR)|passed|failed" "$OUT"/gpu-tests-*.log | tail -40
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then   # each family's benchmarks/bench_<family>.py, and the GEMMs
   KERNEL_BENCH=(benchmarks/bench_gemm.py)

@@ -1,4 +1,4 @@
-"""Print the short table that ends scripts/gpu_check.sh: test counts per file, the per-kernel table,
+"""Print the short table that ends scripts/gpu_check.sh: test counts per file (from every test process), the per-kernel table,
 the step benchmarks, the default run and the step profiles."""
 import json
 import sys
@@ -8,10 +8,10 @@ from pathlib import Path
 
 
 def main(out: Path) -> None:
-    xml = out / "gpu-tests.xml"
-    if xml.exists():
+    xmls = sorted(out.glob("gpu-tests*.xml"))       # one per test process
+    if xmls:
         counts: dict = defaultdict(lambda: [0, 0, 0])
-        for case in ET.parse(xml).iter("testcase"):
+        for case in (c for xml in xmls for c in ET.parse(xml).iter("testcase")):
             f = case.get("file") or case.get("classname", "?")
             status = 1 if case.find("failure") is not None or case.find("error") is not None else (
                 2 if case.find("skipped") is not None else 0)

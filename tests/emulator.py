@@ -93,11 +93,10 @@ def _gemm(mem, g: Gemm) -> None:
         raise NotImplementedError("emulated GEMMs are fp32")
     A = _colmajor(mem, g.A, g.k, g.m, g.lda).T if g.transa else _colmajor(mem, g.A, g.m, g.k, g.lda)
     B = _colmajor(mem, g.B, g.n, g.k, g.ldb).T if g.transb else _colmajor(mem, g.B, g.k, g.n, g.ldb)
-    C = _colmajor(mem, g.C, g.m, g.n, g.ldc)
     out = g.alpha * (A.astype(np.float64) @ B.astype(np.float64))
     if g.beta:
-        out += g.beta * C
-    C[...] = out
+        out += g.beta * _colmajor(mem, g.C, g.m, g.n, g.ldc)
+    _colmajor(mem, g.D, g.m, g.n, g.ldc)[...] = out
 
 
 # ---------------------------------------------------------------- kernels, by name
@@ -111,8 +110,6 @@ def _embedding_forward(mem, a, op):
 def _ln_forward(mem, a, op):
     R, C = a["R"], a["C"]
     x = mem.read(a["x"], R * C, (R, C))
-    if a["x_copy"]:
-        mem.write(a["x_copy"], x)
     if a["y"]:
         mem.write(a["y"], O.layernorm_forward(x, mem.read(a["w"], C), mem.read(a["b"], C), a["eps"]))
 

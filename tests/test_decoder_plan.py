@@ -9,7 +9,7 @@ from rwkvx.decoder import (ACTIVATIONS, WEIGHT_REGIONS, DecodeStepBuilder, Prefi
                            state_sizes, step_ops)
 from rwkvx.arena import Layout
 from rwkvx.precision import DEFAULT_PRECISION
-from rwkvx.cu import decode, layernorm
+from rwkvx.cu import decode
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.runtime.device import H200
 from rwkvx.step import StepBuilder
@@ -46,7 +46,7 @@ def pointers(op):
     if isinstance(op, Launch):
         return [(v, 0) for kind, v in op.args if kind == "p" and v]
     if isinstance(op, Gemm):
-        return [(op.A, 0), (op.B, 0), (op.C, 0)]
+        return [(op.A, 0), (op.B, 0), (op.C, 0), (op.D, 0)]
     if isinstance(op, Copy):
         return [(op.dst, op.nbytes), (op.src, op.nbytes)]
     return []
@@ -74,12 +74,9 @@ def test_step_is_one_token_per_sequence(kwargs, B, window, max_len, P):
     assert names.count("dec_shift") == 2 * cfg.n_rwkv_layer + cfg.n_attn_layer
     assert names.count("dec_wkv7") == cfg.n_rwkv_layer and names.count("dec_moba") == cfg.n_attn_layer
     assert all(op.n == B for op in step if isinstance(op, Gemm))     # every GEMM on B rows
-    # ln1 and ln2 of every block copy the residual (B rows) for the GEMM that adds to it
-    params = [n for n, _ in layernorm.LN_FORWARD.params]
-    lns = [dict(zip(params, (v for _, v in op.args))) for op in step
-           if isinstance(op, Launch) and op.name == "ln_forward"]
-    copying = [a for a in lns if a["x_copy"]]
-    assert len(copying) == 2 * cfg.n_blocks and all(a["R"] == B for a in copying)
+    # each block adds its two outputs to the stream in the GEMMs (C = the stream read, D = the sum)
+    adding = [op for op in step if isinstance(op, Gemm) and op.beta and op.C != op.D]
+    assert len(adding) == 2 * cfg.n_blocks
     # the prompt's forward saves the WKV checkpoints (the state after its last token) for the copies
     ckpt = BASE + layout.offsets["wkv_ckpt"]
     saving = [op for op in flatten_ops(prefill) if isinstance(op, Launch) and op.name.startswith("wkv7")

@@ -26,7 +26,7 @@ def touched(op):
     if isinstance(op, Launch):
         return [(v, None) for kind, v in op.args if kind == "p" and v]
     if isinstance(op, Gemm):
-        return [(op.A, None), (op.B, None), (op.C, None)]
+        return [(op.A, None), (op.B, None), (op.C, None), (op.D, None)]
     if isinstance(op, Memset):
         return [(op.ptr, op.nbytes)]
     if isinstance(op, Copy):

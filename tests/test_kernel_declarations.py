@@ -13,7 +13,7 @@ from rwkvx.runtime.nvrtc import CU_DIR
 _PROTO = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__launch_bounds__|__cluster_dims__)\s*\([^)]*\)\s*)*'
                     r'(\w+)\s*\(([^)]*)\)', re.S)
 _C_TYPES = {"const floatX*": X_IN, "floatX*": X_OUT}
-for _elem, _c in (("f32", "float"), ("f64", "double"), ("i32", "int")):
+for _elem, _c in (("bf16", "__nv_bfloat16"), ("f32", "float"), ("f64", "double"), ("i32", "int")):
     _C_TYPES[f"const {_c}*"] = Arg("ptr", _elem)
     _C_TYPES[f"{_c}*"] = Arg("ptr", _elem, const=False)
 _C_TYPES.update({"int": Arg("int"), "long long": Arg("long"), "float": Arg("float"), "double": Arg("double")})

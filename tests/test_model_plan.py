@@ -47,7 +47,7 @@ def test_step_plan_builds_inside_the_arena(kwargs, B, T, precision):
         if isinstance(op, Launch):
             pointers += [v for kind, v in op.args if kind == "p" and v]
         elif isinstance(op, Gemm):
-            pointers += [op.A, op.B, op.C]
+            pointers += [op.A, op.B, op.C, op.D]
         elif isinstance(op, (CopyHtoD, CopyDtoH)):
             pointers.append(op.dst if isinstance(op, CopyHtoD) else op.src)
     assert pointers and all(BASE <= p < end for p in pointers)
@@ -67,15 +67,15 @@ def test_step_plan_builds_inside_the_arena(kwargs, B, T, precision):
                    if n.split("@")[0].split(".")[0] in FP32_ALWAYS} - bf16_starts   # not where shared buffers meet
     into_fp32 = 0
     for op in gemms:
-        under = [n for n, off in layout.offsets.items() if BASE + off <= op.C < BASE + off + layout.nbytes(n)]
+        under = [n for n, off in layout.offsets.items() if BASE + off <= op.D < BASE + off + layout.nbytes(n)]
         assert op.precision.c in {layout.elems[n] for n in under}, under     # the type of a buffer it writes
-        if grads[0] <= op.C < grads[1] or op.C in fp32_starts:
+        if grads[0] <= op.D < grads[1] or op.D in fp32_starts:
             assert op.precision.c == "f32", under
-            into_fp32 += op.C in fp32_starts
+            into_fp32 += op.D in fp32_starts
     assert into_fp32 >= 2 * n_blocks       # the residual adds (x1, the block outputs), dlnout, attention's dh1
     weights = BASE + layout.offsets["params_x"], BASE + layout.offsets["params_x"] + layout.nbytes("params_x")
     assert all(weights[0] <= op.A < weights[1] or weights[0] <= op.B < weights[1]
-               for op in gemms if not grads[0] <= op.C < grads[1])      # forward and dx GEMMs read the bf16 copy
+               for op in gemms if not grads[0] <= op.D < grads[1])      # forward and dx GEMMs read the bf16 copy
 
 
 def test_kernel_methods_of_each_precision():
@@ -159,7 +159,7 @@ def _accesses(op) -> tuple[list[int], list[int]]:
         ptrs = [(arg.const, v) for (_, arg), (_, v) in zip(params, op.args) if arg.kind == "ptr" and v]
         return [v for const, v in ptrs if const], [v for const, v in ptrs if not const]
     if isinstance(op, Gemm):
-        return [op.A, op.B] + ([op.C] if op.beta else []), [op.C]
+        return [op.A, op.B] + ([op.C] if op.beta else []), [op.D]
     if isinstance(op, Copy):
         return [op.src], [op.dst]
     if isinstance(op, CopyDtoH):
@@ -213,7 +213,7 @@ def test_head_and_loss_run_in_row_chunks():
         firsts = sorted(v for op in ce for k, v in op.args if k == "p" and loss_ptr <= v < loss_ptr + 8 * R)
         assert firsts == [loss_ptr + 8 * r0 for r0 in range(0, R, rows)]
         head_dw = [op for op in flatten_ops(ops.loss) if isinstance(op, Gemm)
-                   and op.C == BASE + layout.offsets["grads"] + 4 * layout.param_offsets["rwkv.head.weight"][0]]
+                   and op.D == BASE + layout.offsets["grads"] + 4 * layout.param_offsets["rwkv.head.weight"][0]]
         assert [op.beta for op in head_dw] == [0.0] + [1.0] * (len(ce) - 1)   # accumulated in a fixed order
 
 

@@ -95,6 +95,11 @@ def test_gemm_validation():
                 bf).precision.codes() == (14, 14, 0, 68)
     with pytest.raises(TypeError):      # an f32 buffer where the precision says bf16
         Gemm("N", "N", 3, 4, 5, 1.0, DevPtr(8, "f32"), 3, DevPtr(16, "bf16"), 5, 0.0, DevPtr(24, "f32"), 3, bf)
+    assert g.D == g.C == 24                                      # in place unless D is given
+    assert Gemm("N", "T", 3, 4, 5, 1.0, 8, 3, 16, 4, 1.0, 24, 3, D=32).D == 32
+    with pytest.raises(TypeError):      # D has C's element type
+        Gemm("N", "N", 3, 4, 5, 1.0, DevPtr(8, "bf16"), 3, DevPtr(16, "bf16"), 5, 0.0, DevPtr(24, "f32"), 3, bf,
+             DevPtr(32, "bf16"))
 
 
 @pytest.mark.parametrize("kwargs", [dict(a="f64"), dict(c="f16"), dict(compute="fp16"),
@@ -166,11 +171,11 @@ def _cm_index(rows, cols, ld):
 
 def emulate_sgemm(g: Gemm, mem: dict):
     """Column-major cuBLAS GEMM on flat float64 numpy arrays keyed by pointer."""
-    A, B, C = mem[g.A], mem[g.B], mem[g.C]
+    A, B, C, D = mem[g.A], mem[g.B], mem[g.C], mem[g.D]
     opA = A[_cm_index(g.k, g.m, g.lda)].T if g.transa else A[_cm_index(g.m, g.k, g.lda)]
     opB = B[_cm_index(g.n, g.k, g.ldb)].T if g.transb else B[_cm_index(g.k, g.n, g.ldb)]
     idx = _cm_index(g.m, g.n, g.ldc)
-    C[idx] = g.alpha * (opA @ opB) + g.beta * C[idx]
+    D[idx] = g.alpha * (opA @ opB) + g.beta * C[idx]
 
 
 def _rowmajor_buffer(arr, ld):
@@ -212,6 +217,19 @@ def test_gemm_helper_mapping(helper, beta, pad):
     np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     if pad:   # padding columns untouched
         assert np.isnan(mem[Y].reshape(ref.shape[0], out_ld)[:, ref.shape[1]:]).all()
+
+
+def test_linear_with_an_addend_leaves_it_unchanged():
+    """linear(..., addend=Z): Y = alpha * X @ W^T + beta * Z, Z as it was (cuBLASLt's C != D)."""
+    rng = seeded_rng(0)
+    x, w, z = rng.normal(size=(7, 5)), rng.normal(size=(6, 5)), rng.normal(size=(7, 6))
+    Z = 0x4000
+    g = G.linear(X, W, Y, 7, 5, 6, beta=1.0, addend=Z)
+    assert (g.C, g.D) == (Z, Y)
+    mem = {X: x.ravel().copy(), W: w.ravel().copy(), Y: np.full(42, np.nan), Z: z.ravel().copy()}
+    emulate_sgemm(g, mem)
+    np.testing.assert_allclose(mem[Y].reshape(7, 6), x @ w.T + z, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(mem[Z], z.ravel())
 
 
 def test_gemm_helper_defaults_dense():
@@ -385,7 +403,7 @@ def test_plan_run_dispatch_with_fake_driver():
                                  "cuMemcpyDtoHAsync", "cuCtxGetCurrent", "cuCtxSetCurrent")
     dev = Dev()
     ops = [Launch("m", "ka", grid=(3, 2), block=(64,), smem=128, args=(("p", 0x1234), ("f", 2.5))),
-           G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, beta=0.5, precision=G.TF32),
+           G.linear(0x10, 0x20, 0x30, rows=6, n_in=4, n_out=5, beta=0.5, precision=G.TF32, addend=0x38),
            Memset(0x40, 16), Memset(0x40, 0), Copy(0x50, 0x60, 8), CopyHtoD(0x70, 0x80, 4), CopyDtoH(0x90, 0xA0, 4),
            Launch("m", "kb")]
     plan = core.Plan(dev, ops)
@@ -394,7 +412,7 @@ def test_plan_run_dispatch_with_fake_driver():
     assert calls == [
         ("ctx_set", 0xC0),
         ("launch", 0x1001, (3, 2, 1), (64, 1, 1), 128, S, 0x1234, 2.5),
-        ("gemm", 0xAB, 0xD00, 1.0, 0x20, 0xA00, 0x10, 0xB00, 0.5, 0x30, 0xC00, 0x30, 0xC00, 0xE00, 0x9000, 4096, S),
+        ("gemm", 0xAB, 0xD00, 1.0, 0x20, 0xA00, 0x10, 0xB00, 0.5, 0x38, 0xC00, 0x30, 0xC00, 0xE00, 0x9000, 4096, S),
         ("memset", 0x40, 0, 16, S),                       # the empty memset is skipped
         ("dtod", 0x50, 0x60, 8, S), ("htod", 0x70, 0x80, 4, S), ("dtoh", 0x90, 0xA0, 4, S),
         ("launch", 0x1002, (1, 1, 1), (1, 1, 1), 0, S, None, None),

@@ -47,28 +47,35 @@ def test_only_the_states_train_with_adamw(random_params):
         np.testing.assert_array_equal(p, params[n].astype(np.float32), err_msg=n)
 
 
-def test_state_file_resumes_exactly(tmp_path, random_params):
-    params = random_params(CFG, 2)
+def check_exact_resume(tmp_path, cfg, params, settings, tuned):
+    """4 steps straight == 2 steps, save, :meth:`Trainer.load` given the frozen model, 2 steps: what
+    ``tuned(trainer)`` returns, bit for bit. Returns the file the trainer wrote at step 2 (with meta
+    ``{"note": 1}``)."""
     batches = _batches(4, seed=1)
-    straight = Trainer(CFG, params, **SETTINGS)
+    straight = Trainer(cfg, params, **settings)
     for x, y in batches:
         straight.step(x, y)
-    half = Trainer(CFG, params, **SETTINGS)
+    half = Trainer(cfg, params, **settings)
     for x, y in batches[:2]:
         half.step(x, y)
-    path = tmp_path / "state.safetensors"
+    path = tmp_path / "adapter.safetensors"
     half.save(path, meta={"note": 1})
-    saved_cfg, saved, extra = load_states(path)
-    assert saved_cfg == CFG and extra["meta"]["step"] == 2
-    assert set(saved) == {"blocks.0.att.state", "blocks.1.att.state"}
     with pytest.raises(ValueError, match="pass the model's parameters"):
         Trainer.load(path, backend="cpu")
     resumed = Trainer.load(path, backend="cpu", params=params)
     assert resumed.step_count == 2 and resumed.meta == {"note": 1}
     for x, y in batches[2:]:
         resumed.step(x, y)
-    for n, s in straight.states.items():
-        np.testing.assert_array_equal(resumed.states[n], s, err_msg=n)
+    for n, value in tuned(straight).items():
+        np.testing.assert_array_equal(tuned(resumed)[n], value, err_msg=n)
+    return path
+
+
+def test_state_file_resumes_exactly(tmp_path, random_params):
+    path = check_exact_resume(tmp_path, CFG, random_params(CFG, 2), SETTINGS, lambda t: t.states)
+    saved_cfg, saved, extra = load_states(path)
+    assert saved_cfg == CFG and extra["meta"]["step"] == 2
+    assert set(saved) == {"blocks.0.att.state", "blocks.1.att.state"}
 
 
 def test_generation_starts_from_a_loaded_state(tmp_path, random_params):
@@ -108,7 +115,7 @@ def test_gpu_and_misuse_are_clear_errors():
     with pytest.raises(ValueError, match="only when state tuning"):
         Trainer(CFG, params, backend="cpu", states=zero_states(CFG))
     with pytest.raises(ValueError, match="tune"):
-        TrainConfig(tune="lora")
+        TrainConfig(tune="prefix")
     assert Trainer(CFG, params, **dict(SETTINGS, backend="auto")).device == "cpu"
 
 

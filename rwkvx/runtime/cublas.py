@@ -178,13 +178,14 @@ class CublasLt:
         return algos
 
     def matmul(self, shape: GemmShape, algo: Algo, op, c: int | None = None) -> None:
-        """Enqueue ``op`` (an ops.Gemm of this shape) with ``algo`` on the device stream through ctypes,
-        writing C (and reading it when beta != 0) at ``c`` instead of op.C when given."""
+        """Enqueue ``op`` (an ops.Gemm of this shape) with ``algo`` on the device stream through ctypes;
+        with ``c`` given, the GEMM reads C (when beta != 0) and writes D there instead of op.C / op.D."""
         desc, (la, lb, lc) = self.descriptors(shape)
         alpha, beta = ctypes.c_float(op.alpha), ctypes.c_float(op.beta)
-        out = ctypes.c_void_p(op.C if c is None else c)
+        src, out = (op.C, op.D) if c is None else (c, c)
+        src, out = ctypes.c_void_p(src), ctypes.c_void_p(out)
         check_cublas(self._lib.cublasLtMatmul(self.handle, desc, ctypes.byref(alpha), op.A, la, op.B, lb,
-                                              ctypes.byref(beta), out, lc, out, lc, ctypes.byref(algo),
+                                              ctypes.byref(beta), src, lc, out, lc, ctypes.byref(algo),
                                               self.workspace_ptr, self.workspace_bytes, self.dev.stream_handle),
                      "cublasLtMatmul", shape.key())
 

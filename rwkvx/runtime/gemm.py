@@ -15,7 +15,8 @@ matmul_dx      dx = dy @ W^T       dy [R,out]  [in,out]    dx [R,in]
 matmul_dw      dW = x^T @ dy       x  [R,in]   (dy [R,out]) dW [in,out]
 =============  ==================  ==========  ==========  ===========
 
-Every helper computes ``out = alpha * product + beta * out`` with the element and compute types of its
+Every helper computes ``out = alpha * product + beta * out`` (``linear`` may read the term it adds from
+another buffer, ``addend``, leaving that buffer as it is) with the element and compute types of its
 ``precision``, given per GEMM so that one plan can mix them: a :class:`~rwkvx.runtime.ops.GemmPrecision`
 (the presets below), or a :class:`GemmMode` (how a model precision runs its GEMMs), which gives the types
 from the element types of the typed operands (bf16 operands: an fp32 or bf16 output, fp32 accumulation).
@@ -97,22 +98,25 @@ _COLUMN_MAJOR = {helper: _column_major(*shapes) for helper, shapes in _SHAPES.it
 
 
 def _product(helper: str, operands: tuple, lds: tuple, rows: int, n_in: int, n_out: int, alpha: float,
-             beta: float, precision: GemmPrecision | GemmMode) -> Gemm:
+             beta: float, precision: GemmPrecision | GemmMode, addend=None) -> Gemm:
     """The Gemm of ``helper`` on ``operands`` (first, second, output) with leading dimensions ``lds``
-    (None: the dense row length of the operand as stored)."""
+    (None: the dense row length of the operand as stored); ``addend`` (like the output): the buffer
+    beta scales, when it is not the output itself."""
     size = {"rows": rows, "n_in": n_in, "n_out": n_out}
     cm = _COLUMN_MAJOR[helper]
     ld = [size[shape[1]] if given is None else given for shape, given in zip(_SHAPES[helper], lds)]
-    A, B, C = operands[cm.a], operands[1 - cm.a], operands[2]
+    A, B, D = operands[cm.a], operands[1 - cm.a], operands[2]
+    C = D if addend is None else addend
     return Gemm(cm.transa, cm.transb, size[cm.m], size[cm.n], size[cm.k], alpha, A, ld[cm.a], B, ld[1 - cm.a],
-                beta, C, ld[2], resolve(precision, A, B, C))
+                beta, C, ld[2], resolve(precision, A, B, D), D)
 
 
 def linear(x: int, W: int, y: int, rows: int, n_in: int, n_out: int, beta: float = 0.0, *, alpha: float = 1.0,
            ld_x: int | None = None, ld_w: int | None = None, ld_y: int | None = None,
-           precision: GemmPrecision | GemmMode = FP32) -> Gemm:
-    """y [rows,n_out] = alpha * x [rows,n_in] @ W[n_out,n_in]^T + beta * y."""
-    return _product("linear", (x, W, y), (ld_x, ld_w, ld_y), rows, n_in, n_out, alpha, beta, precision)
+           precision: GemmPrecision | GemmMode = FP32, addend: int | None = None) -> Gemm:
+    """y [rows,n_out] = alpha * x [rows,n_in] @ W[n_out,n_in]^T + beta * y, or ``+ beta * addend`` (a
+    buffer like y, left unchanged) when given."""
+    return _product("linear", (x, W, y), (ld_x, ld_w, ld_y), rows, n_in, n_out, alpha, beta, precision, addend)
 
 
 def linear_dx(dy: int, W: int, dx: int, rows: int, n_in: int, n_out: int, beta: float = 0.0, *,

@@ -36,13 +36,13 @@ class GemmShape:
     ldc: int
     types: tuple                # (A, B, C, compute) enum values (GemmPrecision.codes)
     reads_c: bool
-    align: tuple                # bytes, of A, B, C
+    align: tuple                # bytes, of A, B and the output (the lesser of C's and D's)
 
     @classmethod
     def of(cls, op) -> "GemmShape":
         """The shape of ops.Gemm ``op``."""
         return cls(op.transa, op.transb, op.m, op.n, op.k, op.lda, op.ldb, op.ldc, op.precision.codes(),
-                   op.beta != 0.0, tuple(alignment(p) for p in (op.A, op.B, op.C)))
+                   op.beta != 0.0, (alignment(op.A), alignment(op.B), min(alignment(op.C), alignment(op.D))))
 
     def key(self) -> str:
         """A stable text form (the algorithm cache's key)."""

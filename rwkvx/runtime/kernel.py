@@ -8,7 +8,7 @@ mistyped argument is an error when the op list is built. tests/test_kernel_decla
 prototype in rwkvx/cu/<family>/*.cu and checks it against these declarations.
 
 Parameter types (``Arg``): pointers to the activation element type ``floatX`` (``X_IN`` = ``const
-floatX*``, ``X_OUT`` = ``floatX*``), to fp32 (``F32_IN``/``F32_OUT``), fp64, int32, and the scalars
+floatX*``, ``X_OUT`` = ``floatX*``), to bf16 in every precision (``BF16_IN``/``BF16_OUT``), to fp32 (``F32_IN``/``F32_OUT``), fp64, int32, and the scalars
 ``INT`` (int), ``LONG`` (long long), ``FLOAT``, ``DOUBLE``. ``.opt()`` marks a pointer that may be NULL
 (``None``). A pointer argument must be a :class:`~rwkvx.runtime.ops.DevPtr` of the declared element
 type (``floatX`` resolves to the launch's ``xtype``).
@@ -24,7 +24,7 @@ from .ops import DevPtr, Launch, normalize_defines
 
 _SCALAR_KINDS = {"int": "i", "long": "l", "float": "f", "double": "d"}
 # C spellings of each declared type, for messages and the prototype check
-_C_ELEM = {"x": "floatX", "f32": "float", "f64": "double", "i32": "int"}
+_C_ELEM = {"x": "floatX", "bf16": "__nv_bfloat16", "f32": "float", "f64": "double", "i32": "int"}
 _C_SCALAR = {"int": "int", "long": "long long", "float": "float", "double": "double"}
 
 
@@ -32,7 +32,7 @@ _C_SCALAR = {"int": "int", "long": "long long", "float": "float", "double": "dou
 class Arg:
     """The declared type of one kernel parameter."""
     kind: str                 # "ptr" or a scalar kind: "int", "long", "float", "double"
-    elem: str = ""            # pointers: "x" (floatX), "f32", "f64", "i32"
+    elem: str = ""            # pointers: "x" (floatX), "bf16" (always bf16), "f32", "f64", "i32"
     const: bool = True        # pointers: const (read-only) or not
     optional: bool = False    # pointers: NULL allowed
 
@@ -50,6 +50,7 @@ class Arg:
 
 
 X_IN, X_OUT = Arg("ptr", "x"), Arg("ptr", "x", const=False)
+BF16_IN, BF16_OUT = Arg("ptr", "bf16"), Arg("ptr", "bf16", const=False)
 F32_IN, F32_OUT = Arg("ptr", "f32"), Arg("ptr", "f32", const=False)
 F64_IN, F64_OUT = Arg("ptr", "f64"), Arg("ptr", "f64", const=False)
 I32_IN, I32_OUT = Arg("ptr", "i32"), Arg("ptr", "i32", const=False)

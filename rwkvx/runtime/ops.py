@@ -196,11 +196,13 @@ def _as_trans(v, what: str) -> bool:
 
 @dataclass(frozen=True)
 class Gemm:
-    """C = alpha * op(A) @ op(B) + beta * C in column-major cuBLAS conventions (run by cublasLtMatmul).
+    """D = alpha * op(A) @ op(B) + beta * C in column-major cuBLAS conventions (run by cublasLtMatmul).
 
-    op(A) is m x k, op(B) is k x n, C is m x n; trans* = True/'T' means the stored matrix is transposed.
-    ``precision``: the element types of A, B, C and the compute type; typed pointers (:class:`DevPtr`)
-    must match them.
+    op(A) is m x k, op(B) is k x n, C and D are m x n with the leading dimension ``ldc`` and C's element
+    type; trans* = True/'T' means the stored matrix is transposed. ``D`` defaults to C (the product
+    accumulated in place); another buffer leaves C as it is, e.g. a residual stream that is added to
+    and kept. ``precision``: the element types of A, B, C and the compute type; typed pointers
+    (:class:`DevPtr`) must match them.
     """
     transa: bool
     transb: bool
@@ -216,6 +218,7 @@ class Gemm:
     C: int
     ldc: int
     precision: GemmPrecision = field(default=GemmPrecision())
+    D: int | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__
@@ -232,9 +235,11 @@ class Gemm:
             set_(self, f, float(v))
         if not isinstance(self.precision, GemmPrecision):
             raise TypeError(f"Gemm.precision: expected a GemmPrecision, got {type(self.precision).__name__}")
-        for f in ("A", "B", "C"):
+        if self.D is None:
+            set_(self, "D", self.C)
+        for f in ("A", "B", "C", "D"):
             v = getattr(self, f)
-            want = getattr(self.precision, f.lower())
+            want = getattr(self.precision, "c" if f == "D" else f.lower())
             if isinstance(v, DevPtr) and v.elem != want:
                 raise TypeError(f"Gemm.{f}: a {v.elem} buffer where the precision says {want}")
             set_(self, f, as_ptr(v, f"Gemm.{f}"))

@@ -12,13 +12,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ..config import Config
+from ..lora import DEFAULT_ALPHA, DEFAULT_RANK, DEFAULT_TARGETS, LoraSettings, check_settings, lora_shapes
 from ..model import DEFAULT_RECOMPUTE, RECOMPUTE_AUTO, check_recompute  # noqa: F401 (RECOMPUTE_AUTO: the CLI's)
 from ..optim import Schedule
 from ..precision import DEFAULT_PRECISION, resolve_precision
 from ..validate import FieldError, require_int
 
 CPU_DTYPES = ("float32", "float64")
-TUNES = ("full", "state")   # what a run trains: every parameter, or the initial WKV states alone
+TUNES = ("full", "state", "lora")   # what a run trains: every parameter, the initial WKV states, LoRA factors
+# How the AdamW moments are stored, by TrainConfig.optimizer_memory: float32, or bf16 stochastically
+# rounded (rwkvx.oracle.adamw, "lean moments": 4 bytes a parameter less)
+OPTIMIZER_MEMORY = {"standard": "f32", "lean": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,12 @@ class TrainConfig:
     (:class:`rwkvx.optim.Schedule`). ``precision`` and ``recompute`` apply to the GPU backend, ``cpu_dtype``
     to the CPU oracle backend. ``batch_size`` is per rank when training data parallel. ``tune``:
     ``"full"`` trains every parameter; ``"state"`` trains only the initial WKV state of every RWKV
-    block, the model frozen (:mod:`rwkvx.state_tuning`; CPU backend only for now).
+    block, the model frozen (:mod:`rwkvx.state_tuning`); ``"lora"`` trains only low-rank factors of
+    the ``lora_targets`` matrices, rank ``lora_rank``, scale ``lora_alpha / lora_rank``, the model
+    frozen (:mod:`rwkvx.lora`). Both tunings run on the CPU backend only for now. What depends on the
+    model (a target it lacks, a rank too large for a matrix) :meth:`check_model` checks.
+    ``optimizer_memory``: ``"standard"`` keeps the AdamW moments in float32; ``"lean"`` in bf16,
+    stochastically rounded (:data:`OPTIMIZER_MEMORY`; a run with float32 moments cannot resume lean).
     """
 
     batch_size: int = 8
@@ -52,6 +62,10 @@ class TrainConfig:
     recompute: bool | str = DEFAULT_RECOMPUTE   # True, False or "auto" (rwkvx.model.Model)
     cpu_dtype: str = "float32"
     tune: str = "full"
+    lora_rank: int = DEFAULT_RANK
+    lora_alpha: float = DEFAULT_ALPHA
+    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
+    optimizer_memory: str = "standard"
 
     def __post_init__(self) -> None:
         for name, minimum in (("batch_size", 1), ("seq_len", 1), ("steps", 1), ("warmup", 0),
@@ -83,6 +97,28 @@ class TrainConfig:
         object.__setattr__(self, "cpu_dtype", dtype)
         if self.tune not in TUNES:
             raise FieldError("TrainConfig", f"{{tune}} must be one of {', '.join(TUNES)}", tune=self.tune)
+        if self.optimizer_memory not in OPTIMIZER_MEMORY:
+            raise FieldError("TrainConfig", f"{{optimizer_memory}} must be one of {', '.join(OPTIMIZER_MEMORY)}",
+                             optimizer_memory=self.optimizer_memory)
+        lora = check_settings(self.lora_rank, self.lora_alpha, self.lora_targets)
+        for name, value in zip(("lora_rank", "lora_alpha", "lora_targets"), lora):
+            object.__setattr__(self, name, value)
+
+    @property
+    def lora(self) -> LoraSettings:
+        """The LoRA settings (used when ``tune == "lora"``)."""
+        return LoraSettings(self.lora_rank, self.lora_alpha, self.lora_targets)
+
+    def check_model(self, cfg: Config) -> None:
+        """FieldError when these settings cannot train ``cfg``: LoRA targets the model has no matrix
+        for, or a rank not smaller than both sides of every adapted matrix."""
+        if self.tune == "lora":
+            lora_shapes(cfg, self.lora)
+
+    @property
+    def moments(self) -> str:
+        """The AdamW moments' element type ("f32" or "bf16") for :attr:`optimizer_memory`."""
+        return OPTIMIZER_MEMORY[self.optimizer_memory]
 
     @property
     def schedule(self) -> Schedule:

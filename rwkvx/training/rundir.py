@@ -17,7 +17,8 @@ from ..atomic_io import atomic_write
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 STATE_NAME = "state.safetensors"          # a state-tuning run's checkpoint: the tuned state file
-CHECKPOINT_NAMES = {"full": CHECKPOINT_NAME, "state": STATE_NAME}   # by TrainConfig.tune
+LORA_NAME = "lora.safetensors"            # a LoRA run's checkpoint: the LoRA file
+CHECKPOINT_NAMES = {"full": CHECKPOINT_NAME, "state": STATE_NAME, "lora": LORA_NAME}   # by TrainConfig.tune
 LOG_NAME = "log.csv"
 PLOT_NAME = "loss.png"
 RUN_NAME = "run.json"
@@ -26,7 +27,7 @@ LOG_FIELDS = ["step", "tokens", "lr", "train_loss", "val_loss", "grad_norm", "el
 
 def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint file ``path`` names: the file itself, or a run directory's checkpoint (a
-    state-tuning run's state file); ``ValueError`` when there is none."""
+    state-tuning run's state file, a LoRA run's LoRA file); ``ValueError`` when there is none."""
     p = Path(path)
     if p.is_dir():
         p = next((p / n for n in CHECKPOINT_NAMES.values() if (p / n).is_file()), p / CHECKPOINT_NAME)

@@ -23,9 +23,13 @@ from ..validate import FieldError
 from . import trainer as _trainer
 from .config import TrainConfig
 from .rundir import CHECKPOINT_NAMES, LOG_NAME, PLOT_NAME, default_out, find_checkpoint
-from .trainer import CHECKPOINT_KIND, Trainer, saved_train_config
+from .trainer import (ADAPTER_FORMATS, CHECKPOINT_KIND, CPU_ONLY, TUNED, Trainer, read_checkpoint,
+                      saved_train_config)
 
 ENTROPY_MAX_TOKENS = 50_000_000   # the unigram entropy is computed for training data up to this size
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets")   # TrainConfig fields that only --tune lora uses
+LORA_OPTIONS = "--lora-rank, --lora-alpha and --lora-targets"
+RUN_TRAINS = {"full": "every parameter", **TUNED}   # by TrainConfig.tune
 
 
 class RunError(ValueError):
@@ -152,30 +156,30 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
 
     ``rank`` of ``ranks``: this process's place in a data-parallel job; ``kind``: the backend, when the
     caller has resolved it (the ``--gpus`` launcher, which must not open a GPU itself)."""
-    from ..checkpoint import load_checkpoint
+    from ..checkpoint import file_format
     from ..data import TEXT_FORMATS, default_corpus_path, eval_batches, load_tokens, scored_tokens, split_train_val
     from ..presets import DEFAULT_PRESET, get_preset
-    from ..state_tuning import is_state_file, load_states
     from ..tokenizer import tokenizer_class
 
     note = None
     if req.resume and req.init_from:
         raise RunError("--init-from starts a new run from a model, --resume continues a run: give one")
     resume_path = checkpoint_option(req.resume, "--resume") if req.resume else None
-    resumes_states = resume_path is not None and is_state_file(resume_path)
-    tune = "state" if resumes_states else "full"
+    tune = "full" if resume_path is None else ADAPTER_FORMATS.get(file_format(resume_path), "full")
     if req.train.get("tune") not in (None, tune) and resume_path is not None:
-        raise RunError(f"--resume: the run tunes {'the states' if resumes_states else 'every parameter'}; "
-                       "--tune cannot change a resumed run")
+        raise RunError(f"--resume: the run trains {RUN_TRAINS[tune]}; --tune cannot change a resumed run")
     tune = req.train.get("tune") or tune
+    lora_given = {f: req.train[f] for f in LORA_FIELDS if req.train.get(f) is not None}
+    if lora_given and tune != "lora":
+        raise RunError(f"{LORA_OPTIONS} are LoRA settings: they need --tune lora")
     if kind is None:
         kind, note = check_device(req.device, "training", tune)
-    elif tune == "state" and kind == "gpu":
-        raise RunError(f"--tune state: {_trainer.STATE_ON_GPU}")
+    elif tune in CPU_ONLY and kind == "gpu":
+        raise RunError(f"--tune {tune}: {CPU_ONLY[tune]}")
     saved_run, saved, ckpt_cfg = None, None, None
     if resume_path is not None:
         try:
-            ckpt_cfg, _, extra = (load_states if resumes_states else load_checkpoint)(resume_path)
+            _, ckpt_cfg, _, extra = read_checkpoint(resume_path)
         except ValueError as exc:
             raise RunError(str(exc)) from None
         meta = extra.get("meta") or {}
@@ -192,6 +196,15 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
                            "model flags cannot change a resumed run")
         if req.preset and req.preset != saved_run.get("preset"):
             raise RunError("--resume: --preset cannot change a resumed run")
+        if lora_given:
+            try:
+                same = saved.replace(**lora_given).lora == saved.lora
+            except (ValueError, TypeError):   # a bad value differs from the run's too
+                same = False
+            if not same:
+                r, alpha, targets = saved.lora
+                raise RunError(f"--resume: the run's LoRA factors have rank {r}, alpha {alpha:g}, targets "
+                               f"{','.join(targets)}; {LORA_OPTIONS} cannot change a resumed run")
 
     run_opts = saved_run or {}
     preset_name = run_opts.get("preset") or req.preset or DEFAULT_PRESET
@@ -217,12 +230,13 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
     start_params, init_from = None, run_opts.get("init_from")
     if ckpt_cfg is not None:
         cfg = ckpt_cfg
-        if resumes_states and init_from:   # the frozen model the states were tuned on
+        if tune != "full" and init_from:   # the frozen model the states or LoRA factors were tuned on
             cfg, start_params, _ = _init_model(replace(req, init_from=init_from, model={
                 k: getattr(ckpt_cfg, k) for k in ("moba_chunk_size", "moba_top_k", "n_attn_layer")}),
                 preset["model"])
             if cfg != ckpt_cfg:
-                raise RunError(f"--resume: the run's model {init_from} no longer fits its state file")
+                raise RunError(f"--resume: the run's model {init_from} no longer fits its "
+                               f"{CHECKPOINT_NAMES[tune]}")
     elif req.init_from:
         cfg, start_params, init_from = _init_model(req, preset["model"])
     else:
@@ -241,6 +255,7 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
                        + (" (pass --tokenizer world for a World model)" if tokenizer == "bytes" else ""))
     if hi is not None and hi >= cfg.vocab_size:
         raise RunError(f"{data.source}: token id {hi} is out of range for vocab_size {cfg.vocab_size}")
+    train.check_model(cfg)
     B, T = train.batch_size, train.seq_len
     try:
         train_tokens, val_tokens = split_train_val(data.tokens, T, train.val_fraction)
@@ -317,7 +332,7 @@ class Run:
 
     @property
     def ckpt_path(self) -> Path:
-        """The run's checkpoint (a state-tuning run's: its state file)."""
+        """The run's checkpoint (a state-tuning run's: its state file; a LoRA run's: its LoRA file)."""
         return self.out / CHECKPOINT_NAMES[self.train.tune]
 
     @property
@@ -363,7 +378,7 @@ def resolve_run(req: RunRequest, world: Any = None) -> Run:
     try:
         if prep.resume is not None and tr.tune == "full":
             trainer = Trainer.load(prep.resume, backend=prep.kind, world=world, config=tr)
-        else:   # a new run, or a state-tuning run's frozen model (a fresh one: the run's first seed)
+        else:   # a new run, or a tuning run's frozen model (a fresh one: the run's first seed)
             seed = (prep.saved or tr).seed
             params = prep.start_params if prep.start_params is not None else init_params(cfg, seed)
             trainer = (Trainer(cfg, params, tr, backend=prep.kind, world=world) if prep.resume is None else

@@ -26,7 +26,9 @@ step with the same parameters. Without a world (the default) nothing of this run
 State tuning (``TrainConfig.tune = "state"``, CPU backend only): the backend trains the initial WKV
 states of the RWKV blocks (:mod:`rwkvx.state_tuning`) with the same AdamW, the parameters stay as
 they were, and the checkpoint is a state file (the states, their moments and the same metadata; no
-weights), which :meth:`Trainer.load` resumes given the model's parameters.
+weights), which :meth:`Trainer.load` resumes given the model's parameters. LoRA
+(``TrainConfig.tune = "lora"``, CPU backend only) is the same with the LoRA factors of :mod:`rwkvx.lora`
+in place of the states: they train, the parameters stay, the checkpoint is a LoRA file.
 
 Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
 parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
@@ -45,19 +47,25 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import file_format, load_checkpoint, save_checkpoint
 from ..config import Config
+from ..lora import LORA_FORMAT, FactorDict, check_factors, check_scale, init_factors, load_lora, save_lora
 from ..optim import AdamW, Schedule
-from ..params import ParamDict, check_params
-from ..state_tuning import StateDict, check_states, is_state_file, load_states, save_states, zero_states
+from ..params import ParamDict, check_params, param_shapes
+from ..state_tuning import STATE_FORMAT, StateDict, check_states, load_states, save_states, zero_states
 from ..validate import IGNORE_INDEX, check_targets, check_tokens
 from .config import TrainConfig
 
 BACKENDS = ("auto", "cpu", "gpu")
 CHECKPOINT_KIND = "rwkvx-trainer"
 STATS = ("lr", "grad_norm", "clip")      # the optimizer statistics of a step
-STATE_ON_GPU = ("initial WKV states (state tuning, tune='state') are not available on the GPU backend "
-                "yet: use the CPU backend (backend='cpu', CLI --device cpu)")
+# what a tuning run trains in place of the parameters (TrainConfig.tune -> its name in messages)
+TUNED = {"state": "initial WKV states", "lora": "LoRA factors"}
+ADAPTER_FORMATS = {STATE_FORMAT: "state", LORA_FORMAT: "lora"}   # an adapter file's format -> its tune
+_USE_CPU = "use the CPU backend (backend='cpu', CLI --device cpu)"
+CPU_ONLY = {"state": f"initial WKV states (state tuning, tune='state') are not available on the GPU backend "
+                     f"yet: {_USE_CPU}",
+            "lora": f"LoRA fine-tuning (tune='lora') is not available on the GPU backend yet: {_USE_CPU}"}
 
 
 def check_loss(loss: float, step: int) -> float:
@@ -142,14 +150,16 @@ def cross_entropy_mean(logits: np.ndarray, targets: np.ndarray, ignore_index: in
 
 class CPUBackend(Backend):
     """Oracle forward/backward (``dtype`` float32 or float64 math) + numpy AdamW on float32 params,
-    or, with ``tune="state"``, on the float32 initial WKV ``states`` (None: zeros), the parameters
+    or, with ``tune="state"``, on the float32 initial WKV ``states`` (None: zeros), or, with
+    ``tune="lora"``, on the float32 ``lora`` factors (scaled by ``lora_scale``), the parameters
     frozen."""
 
     name = "cpu"
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, dtype: Any = np.float32, world: Any = None, tune: str = "full",
-                 states: StateDict | None = None) -> None:
+                 states: StateDict | None = None, lora: FactorDict | None = None,
+                 lora_scale: float = 1.0, moments: str = "f32") -> None:
         try:
             from ..oracle import Oracle
         except ImportError as exc:  # the Cython extension is not built
@@ -162,15 +172,23 @@ class CPUBackend(Backend):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise ValueError(f"CPU backend dtype must be float32 or float64, got {self.dtype}")
-        self.params = {n: np.array(p, dtype=np.float32, copy=True) for n, p in params.items()}
+        # in param_shapes' order: the flat layout the GPU arena uses (the lean moments' rounding reads it)
+        self.params = {n: np.array(params[n], dtype=np.float32, copy=True) for n in param_shapes(cfg)}
         self.states = None
         if tune == "state":
             self.states = {n: s.astype(np.float32) for n, s in
                            check_states(cfg, zero_states(cfg) if states is None else states).items()}
         elif states is not None:
             raise ValueError("initial states are trained only when state tuning (tune='state')")
-        trainable = self.params if self.states is None else self.states
-        self.opt = AdamW(trainable, schedule, weight_decay=weight_decay, grad_clip=grad_clip)
+        self.lora, self.lora_scale = None, check_scale(lora_scale)
+        if tune == "lora":
+            if lora is None:
+                raise ValueError("LoRA tuning (tune='lora') needs the factors to train")
+            self.lora = {n: f.astype(np.float32) for n, f in check_factors(cfg, lora).items()}
+        elif lora is not None:
+            raise ValueError("LoRA factors are trained only when LoRA tuning (tune='lora')")
+        trainable = {"state": self.states, "lora": self.lora}.get(tune, self.params)
+        self.opt = AdamW(trainable, schedule, weight_decay=weight_decay, grad_clip=grad_clip, moments=moments)
         self.world = world
 
     @property
@@ -178,11 +196,12 @@ class CPUBackend(Backend):
         return self.opt.step_count
 
     def oracle(self) -> Any:
-        """An :class:`rwkvx.oracle.Oracle` of the parameters (and states) as they are now."""
+        """An :class:`rwkvx.oracle.Oracle` of the parameters (and states or LoRA factors) as they are now."""
         # A fresh Oracle per call sees the parameters exactly as they are now (the optimizer
         # updates them in place); building one costs a dtype conversion of the weights, which is
         # small next to a forward/backward.
-        return self._Oracle(self.cfg, self.params, dtype=self.dtype, states=self.states)
+        return self._Oracle(self.cfg, self.params, dtype=self.dtype, states=self.states, lora=self.lora,
+                            lora_scale=self.lora_scale)
 
     def submit_step(self, tokens: np.ndarray, targets: np.ndarray, stop: bool = False) -> FinishedStep:
         loss, grads = self.oracle().loss_and_grads(tokens, targets)
@@ -265,13 +284,14 @@ class GPUBackend(Backend):
 
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
-                 recompute: bool, world: Any = None) -> None:
+                 recompute: bool, world: Any = None, moments: str = "f32") -> None:
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
                                "(the oracle) or 'auto'.")
         from ..model import Model
-        self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute)
+        self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute,
+                           moments=moments)
         self.model.configure_optimizer(schedule, weight_decay, grad_clip)
         self.dist_step = None
         if world is not None:
@@ -323,13 +343,13 @@ def resolve_device(device: str, task: str = "training", tune: str = "full") -> t
     """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a
     one-line note saying that ``task`` runs there (:func:`gpu_unavailable_reason` says why). ``gpu`` is
     not checked here: building the GPU model fails with the reason. State tuning (``tune="state"``)
-    runs on the CPU: ``auto`` picks it, ``gpu`` is a ValueError."""
+    runs on the CPU, and so does LoRA (``tune="lora"``): ``auto`` picks it, ``gpu`` is a ValueError."""
     if device not in BACKENDS:
         raise ValueError(f"device must be one of {', '.join(BACKENDS)}, got {device!r}")
-    if tune == "state":
+    if tune in CPU_ONLY:
         if device == "gpu":
-            raise ValueError(STATE_ON_GPU)
-        return "cpu", (f"{task} with initial WKV states runs on the CPU (the oracle): the GPU backend "
+            raise ValueError(CPU_ONLY[tune])
+        return "cpu", (f"{task} with {TUNED[tune]} runs on the CPU (the oracle): the GPU backend "
                        "does not have them yet" if device == "auto" else None)
     if device == "cpu":
         return "cpu", None
@@ -379,12 +399,14 @@ class Trainer:
     rwkvx.model) or "auto" (GPU when usable, else CPU). ``world`` (a :class:`rwkvx.dist.World`):
     data-parallel training, ``config.batch_size`` rows per rank. State tuning (``config.tune ==
     "state"``) runs on the CPU ("auto" picks it; "gpu" is a ValueError) from ``states`` (the initial
-    WKV states, :mod:`rwkvx.state_tuning`; None: zeros).
+    WKV states, :mod:`rwkvx.state_tuning`; None: zeros); so does LoRA (``config.tune == "lora"``) from
+    ``lora`` (the factors of ``config.lora``, :mod:`rwkvx.lora`; None: :func:`rwkvx.lora.init_factors`
+    of ``config.seed``).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, config: TrainConfig | None = None,
                  backend: str = "auto", world: Any = None, states: StateDict | None = None,
-                 **settings: Any) -> None:
+                 lora: FactorDict | None = None, **settings: Any) -> None:
         if not isinstance(cfg, Config):
             raise TypeError("cfg must be an rwkvx.Config")
         if config is not None and not isinstance(config, TrainConfig):
@@ -392,6 +414,7 @@ class Trainer:
         check_params(cfg, params)
         self.cfg = cfg
         self.config = (config or TrainConfig()).replace(**settings)
+        self.config.check_model(cfg)
         self.schedule = self.config.schedule
         self.world = world
         self._stop_requested = False
@@ -400,10 +423,13 @@ class Trainer:
         c, clip = self.config, self.config.grad_clip or None
         if kind == "gpu":
             self.backend: Backend = GPUBackend(cfg, params, self.schedule, c.weight_decay, clip, c.batch_size,
-                                               c.seq_len, c.precision, c.recompute, world=world)
+                                               c.seq_len, c.precision, c.recompute, world=world, moments=c.moments)
         else:
+            if c.tune == "lora":
+                lora = init_factors(cfg, c.lora, c.seed) if lora is None else check_factors(cfg, lora, c.lora)
             self.backend = CPUBackend(cfg, params, self.schedule, c.weight_decay, clip,
-                                      dtype=np.dtype(c.cpu_dtype), world=world, tune=c.tune, states=states)
+                                      dtype=np.dtype(c.cpu_dtype), world=world, tune=c.tune, states=states,
+                                      lora=lora, lora_scale=c.lora.scale, moments=c.moments)
         # what Trainer.load reads back of the caller's save(meta=..., tensors=...)
         self.meta: dict[str, Any] = {}
         self.extra_tensors: dict[str, np.ndarray] = {}
@@ -429,6 +455,12 @@ class Trainer:
         """Float32 copies of the initial WKV states being tuned (None unless state tuning)."""
         states = getattr(self.backend, "states", None)
         return None if states is None else {n: s.copy() for n, s in states.items()}
+
+    @property
+    def lora(self) -> FactorDict | None:
+        """Float32 copies of the LoRA factors being tuned (None unless LoRA tuning)."""
+        factors = getattr(self.backend, "lora", None)
+        return None if factors is None else {n: f.copy() for n, f in factors.items()}
 
     @property
     def last_stats(self) -> dict[str, float]:
@@ -493,7 +525,7 @@ class Trainer:
         """Write an atomic checkpoint: parameters, AdamW state, step, the TrainConfig, plus ``meta``
         (JSON-able) and ``tensors`` (extra arrays) of the caller. It holds every submitted step, read
         or not (reading the device state waits for them). State tuning: a state file (the states in
-        place of the parameters)."""
+        place of the parameters); LoRA: a LoRA file (the factors)."""
         state = self.backend.optimizer_state()
         all_tensors = dict(state["tensors"])
         for name, value in (tensors or {}).items():
@@ -505,6 +537,8 @@ class Trainer:
         extra = {"tensors": all_tensors, "meta": full_meta}
         if self.config.tune == "state":
             save_states(path, self.cfg, self.backend.states, extra=extra)
+        elif self.config.tune == "lora":
+            save_lora(path, self.cfg, self.backend.lora, self.config.lora, extra=extra)
         else:
             save_checkpoint(path, self.cfg, self.backend.get_params(), extra=extra)
 
@@ -518,18 +552,19 @@ class Trainer:
         names; None values are ignored) as :meth:`TrainConfig.resumed` makes them: a new ``steps``
         keeps the cosine's length unless ``stretch_schedule``. The caller's ``meta`` is ``trainer.meta``,
         its extra tensors ``trainer.extra_tensors``. ``world``: as for the constructor (the checkpoint
-        may come from a job with another number of ranks). A state-tuning checkpoint (a state file)
-        holds no weights: ``params`` are the frozen model's (required then, refused otherwise)."""
-        states = None
-        if is_state_file(path):
-            if params is None:
-                raise ValueError(f"{path}: a state-tuning checkpoint holds the tuned states, not the "
-                                 "model: pass the model's parameters (params=...)")
-            cfg, states, extra = load_states(path)
-        elif params is not None:
-            raise ValueError(f"{path}: holds the model's parameters; params=... is for state files only")
-        else:
-            cfg, params, extra = load_checkpoint(path)
+        may come from a job with another number of ranks). A state-tuning or LoRA checkpoint (a state
+        or LoRA file) holds no weights: ``params`` are the frozen model's (required then, refused
+        otherwise)."""
+        tune, cfg, held, extra = read_checkpoint(path)
+        if tune == "full":
+            if params is not None:
+                raise ValueError(f"{path}: holds the model's parameters; params=... is for state and "
+                                 "LoRA files only")
+            params = held
+        elif params is None:
+            raise ValueError(f"{path}: this checkpoint holds the tuned {TUNED[tune]}, not the model: "
+                             "pass the model's parameters (params=...)")
+        states, lora = (held if tune == "state" else None), (held if tune == "lora" else None)
         meta = extra.get("meta") or {}
         if meta.get("kind") != CHECKPOINT_KIND:
             raise ValueError(f"{path}: not a trainer checkpoint (no optimizer state); it holds weights "
@@ -537,7 +572,7 @@ class Trainer:
         if config is None:
             config = saved_train_config(meta).resumed(
                 stretch_schedule, **{k: v for k, v in overrides.items() if v is not None})
-        trainer = cls(cfg, params, config, backend=backend, world=world, states=states)
+        trainer = cls(cfg, params, config, backend=backend, world=world, states=states, lora=lora)
         tensors = extra.get("tensors") or {}
         trainer.backend.load_optimizer_state(
             {"tensors": {k: v for k, v in tensors.items() if k.startswith("optim.")},
@@ -547,6 +582,20 @@ class Trainer:
         trainer.meta = dict(meta.get("user") or {})
         trainer.extra_tensors = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
         return trainer
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[str, Config, dict[str, np.ndarray], dict[str, Any]]:
+    """``(tune, Config, the tensors it holds, extra)`` of a file :meth:`Trainer.save` writes: a model
+    checkpoint (tune ``"full"``, the parameters), a state file (``"state"``, the states) or a LoRA file
+    (``"lora"``, the factors); ``extra`` as :func:`rwkvx.checkpoint.load_checkpoint` returns it.
+    Every problem raises ``ValueError``."""
+    tune = ADAPTER_FORMATS.get(file_format(path), "full")
+    if tune == "state":
+        return (tune, *load_states(path))
+    if tune == "lora":
+        cfg, factors, _, extra = load_lora(path)
+        return tune, cfg, factors, extra
+    return (tune, *load_checkpoint(path))
 
 
 def saved_train_config(meta: Mapping[str, Any]) -> TrainConfig:

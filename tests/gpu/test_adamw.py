@@ -4,7 +4,10 @@ runs it.
 
 Several steps with fresh random gradients: warm-up, cosine, lr_min after total_steps, weight decay only on
 2-D *.weight tensors, 2x lr for att.w0, global-norm clipping (active, inactive, off), tensors split across
-several chunks and unaligned (scalar path) offsets. Every step runs twice from the same state and must be
+several chunks and unaligned (scalar path) offsets; float32 moments and the lean bf16 ones (stochastically
+rounded by a hash of the flat index: the twin rounds the same bits, so its moments agree to a bf16 place
+wherever the kernel's float32 moment is the twin's; a fused multiply-add that moves it by one float32 ulp
+can move the rounding by one bf16 place). Every step runs twice from the same state and must be
 bit-identical (harness.KernelCase); a captured CUDA graph replays the same steps (step count / lr in
 device memory). The optimizer has no activation type: these tests run once, in fp32.
 """
@@ -16,6 +19,7 @@ import pytest
 from harness import KernelCase, check
 from rwkvx import optim
 from rwkvx.cu import adamw as aw
+from rwkvx.oracle.adamw import bf16_widen
 
 from seeding import seeded_rng
 
@@ -49,35 +53,47 @@ def grads_for(rng, big):
     return {k: (rng.standard_normal(s) * (3.0 if big else 0.01)).astype(np.float32) for k, s in SHAPES.items()}
 
 
-def setup(dev, rng, align, chunk, schedule, clip, wd):
-    """A KernelCase holding the flat buffers, the step's ops, and the numpy twin at the same start."""
+def setup(dev, rng, align, chunk, schedule, clip, wd, moments="f32"):
+    """A KernelCase holding the flat buffers, the step's ops, and the numpy twin at the same start
+    (``moments``: the element type of m and v)."""
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
     segs, n = aw.flat_layout(SHAPES, align=align)
     table, lrmul = aw.build_table(segs, chunk)
     case = KernelCase(dev)
     zeros = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     b = dict(p=case.inout("p", flat(segs, n, params), "f32"), g=case.input("g", np.zeros(n), "f32"),
-             m=case.inout("m", flat(segs, n, zeros), "f32"), v=case.inout("v", flat(segs, n, zeros), "f32"),
+             m=case.inout("m", flat(segs, n, zeros), moments), v=case.inout("v", flat(segs, n, zeros), moments),
              table=case.input("table", table, "i32"), lrmul=case.input("lrmul", lrmul, "f32"),
              st=case.inout("st", aw.state_from_schedule(schedule, clip), "f64"),
              part=case.scratch("part", aw.scratch_elems(len(table)), "f64"))
     ops = aw.step(b["p"], b["g"], b["m"], b["v"], b["table"], b["lrmul"], b["st"], len(table),
                   partials=b["part"], weight_decay=wd, clip=True)
-    twin = optim.AdamW({k: v.copy() for k, v in params.items()}, schedule, weight_decay=wd, grad_clip=clip)
+    twin = optim.AdamW({k: v.copy() for k, v in params.items()}, schedule, weight_decay=wd, grad_clip=clip,
+                       moments=moments)
     return case, segs, n, b, ops, twin
 
 
 # (align, chunk, clip, big grads): clipping active with big grads, inactive with small ones, off
 CONFIGS = [(4, 1024, 1.0, True), (4, 8192, 1.0, False), (1, 1024, 0.5, True), (1, 64, None, True),
            (4, 4, None, False)]
+# the lean moments' twin lays the tensors out as the arena does (aligned to 4 floats): its hash reads
+# the flat index
+RUNS = [(*c, "f32") for c in CONFIGS] + [(*c, "bf16") for c in CONFIGS if c[0] == 4]
 
 
-@pytest.mark.parametrize("align,chunk,clip,big", CONFIGS)
-def test_adamw_steps(dev, align, chunk, clip, big):
+def check_bf16_moment(name, got, want_bits):
+    """The lean moment ``got`` (float64 values) is the twin's to one bf16 place (see the module docstring)."""
+    want = bf16_widen(want_bits).astype(np.float64)
+    far = np.abs(got - want) > 2.0 ** -7 * np.maximum(np.abs(got), np.abs(want))
+    assert not far.any(), f"{name}: {int(far.sum())} values more than one bf16 place from the twin's"
+
+
+@pytest.mark.parametrize("align,chunk,clip,big,moments", RUNS)
+def test_adamw_steps(dev, align, chunk, clip, big, moments):
     from rwkvx._core import Plan
     rng = seeded_rng()
     schedule = optim.Schedule(lr_max=0.05, lr_min=0.005, warmup=3, total_steps=6)
-    case, segs, n, b, ops, twin = setup(dev, rng, align, chunk, schedule, clip, 0.1)
+    case, segs, n, b, ops, twin = setup(dev, rng, align, chunk, schedule, clip, 0.1, moments)
     plan = Plan(dev, ops)
     p0 = {k: v.astype(np.float64) for k, v in twin.params.items()}
     for t in range(1, NSTEPS + 1):                 # t = 1,2 warm-up, 3..6 cosine, 7 after total
@@ -96,8 +112,12 @@ def test_adamw_steps(dev, align, chunk, clip, big):
         for k in SHAPES:
             check(f"{k} p", got["p"][k], twin.params[k], TOL)
             check(f"{k} update", got["p"][k] - p0[k], twin.params[k] - p0[k], 1e-4)   # the update itself
-            check(f"{k} m", got["m"][k], twin.m[k], TOL)
-            check(f"{k} v", got["v"][k], twin.v[k], TOL)
+            if moments == "bf16":
+                check_bf16_moment(f"{k} m", got["m"][k], twin.m[k])
+                check_bf16_moment(f"{k} v", got["v"][k], twin.v[k])
+            else:
+                check(f"{k} m", got["m"][k], twin.m[k], TOL)
+                check(f"{k} v", got["v"][k], twin.v[k], TOL)
         for name in ("p", "m", "v", "st"):           # the next step starts from this one's result
             case.set(name, out[name])
     assert stats["lr"] == schedule.lr_min

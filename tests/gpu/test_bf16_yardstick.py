@@ -67,15 +67,16 @@ def _append_table(case: str, seed: int, rows: list[tuple[str, float, float]]) ->
     atomic_write(path, lambda f: f.write((old + new).encode()))
 
 
-# (case, seeds) measured over the bound on the H200 with the bf16 plan of docs/SPEC.md §4 (fp32 decay,
-# residual stream and LayerNorm gradients): 1 to 4 tensors each at 1.26-1.54x the yardstick's error, all
-# with medians below the yardstick's — the time mix's decay-path and key vectors (w0, w1, w2, k_k, k_a;
-# the chunked WKV7 takes one TF32 pass for its chunk products in bf16) and the MoBA blocks' query and key
-# projections (MoBA's bf16 probabilities). Strict: a case leaves this list when it passes.
-OVER_THE_BOUND = {("hybrid-N32-T1024", 0), ("hybrid-N32-T1024", 1), ("hybrid-N32-T1024", 2),
-                  ("hybrid-N64-T64", 0), ("hybrid-N64-T64", 1), ("hybrid-N64-T1024", 0),
-                  ("hybrid-N64-T4096", 0), ("hybrid-N64-T4096", 1), ("hybrid-N64-T4096", 2),
-                  ("rwkv7-N64-T4096", 1)}
+# (case, seeds) that fail on the H200 (two runs, the same cases) with the bf16 plan of docs/SPEC.md §4 (fp32
+# decay, residual stream and LayerNorm gradients) and the forward state kept (recompute=False, what
+# recompute="auto" chooses at these sizes): where the tensors were printed, 1 to 4 of them at 1.26-1.54x
+# the yardstick's error with the median below the yardstick's — the time mix's decay-path and key vectors
+# (w0, w1, w2, k_k, k_a; the chunked WKV7 takes one TF32 pass for its chunk products in bf16), ln_x, and
+# the MoBA blocks' query and key projections (MoBA's bf16 probabilities). Strict: a case leaves this list
+# when it passes.
+OVER_THE_BOUND = {("hybrid-N32-T1024", 0), ("hybrid-N32-T1024", 1), ("hybrid-N64-T64", 0),
+                  ("hybrid-N64-T1024", 0), ("hybrid-N64-T4096", 1), ("rwkv7-N32-T4096", 2),
+                  ("rwkv7-N64-T64", 2), ("rwkv7-N64-T1024", 0), ("rwkv7-N64-T1024", 1)}
 OVER = pytest.mark.xfail(strict=True, reason="measured over the yardstick's bound on the H200")
 CASES = [pytest.param(kind, N, T, seed, id=f"{kind}-N{N}-T{T}-seed{seed}",
                       marks=[OVER] if (f"{kind}-N{N}-T{T}", seed) in OVER_THE_BOUND else [])
@@ -87,7 +88,10 @@ def test_bf16_gradients_within_the_pytorch_yardstick(kind, N, T, seed, training_
     cfg, params, tokens, targets = _inputs(kind, N, T, seed, training_like)
     B = tokens.shape[0]
     case = f"{kind}-N{N}-T{T}"
-    model = Model(cfg, params, B, T, precision="bf16")
+    # the forward state kept, as recompute="auto" does at these sizes: fixed here so that the measured
+    # errors (the recompute's WKV7 records are made by the forward pass, not the backward) do not depend on
+    # the memory free on the machine
+    model = Model(cfg, params, B, T, precision="bf16", recompute=False)
     model.poison()
     loss, grads = model.loss_and_grads(tokens, targets)
     selection = model.moba_selection() if cfg.n_attn_layer else None

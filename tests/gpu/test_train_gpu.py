@@ -41,10 +41,11 @@ def test_graph_replay_is_bit_identical_to_eager(dev, random_params, precision):
     assert replay.optimizer_stats() == eager.optimizer_stats()
 
 
-def test_gpu_adamw_matches_cpu_twin(random_params):
+@pytest.mark.parametrize("memory", ["standard", "lean"])
+def test_gpu_adamw_matches_cpu_twin(random_params, memory):
     params = {k: v.astype(np.float32) for k, v in random_params(CFG, 12).items()}
     kw = dict(batch_size=B, seq_len=T, lr=1e-3, lr_min=1e-4, warmup=2, steps=6,
-              weight_decay=0.1, grad_clip=1.0)
+              weight_decay=0.1, grad_clip=1.0, optimizer_memory=memory)
     gpu = Trainer(CFG, params, backend="gpu", **kw)
     cpu = Trainer(CFG, params, backend="cpu", cpu_dtype=np.float64, **kw)
     for tokens, targets in batches(4, 2):
@@ -58,11 +59,11 @@ def test_gpu_adamw_matches_cpu_twin(random_params):
     assert gpu.last_stats["grad_norm"] == pytest.approx(cpu.last_stats["grad_norm"], rel=1e-4)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_gpu_resume_is_exact(tmp_path, precision):
+@pytest.mark.parametrize("precision, memory", [("fp32", "standard"), ("bf16", "standard"), ("bf16", "lean")])
+def test_gpu_resume_is_exact(tmp_path, precision, memory):
     params = init_params(CFG, 3)
     kw = dict(batch_size=B, seq_len=T, lr=3e-3, lr_min=3e-4, warmup=2, steps=6, grad_clip=1.0,
-              precision=precision)
+              precision=precision, optimizer_memory=memory)
     data = batches(6, 3)
     straight = Trainer(CFG, params, backend="gpu", **kw)
     losses = [straight.step(*d) for d in data]

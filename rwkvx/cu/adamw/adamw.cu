@@ -6,6 +6,7 @@
 //   [adamw_sumsq_partial(g, table, part, n_chunks)  <<<n_chunks, ADAMW_THREADS>>>   only with clipping
 //    adamw_clip_finalize(part, n_chunks, st)         <<<1, ADAMW_FIN_THREADS>>>]
 //   adamw_update(p, g, m, v, table, lrmul, st, b1, b2, eps, wd, n_chunks, px)   <<<n_chunks, ADAMW_THREADS>>>
+//     or adamw_update_lean(...): the same with m and v stored as bf16 (bits), stochastically rounded
 //
 // px (may be NULL): a floatX copy of p at the same offsets, rewritten with the updated weights (the bf16
 // operands of the GEMMs in bf16 mode).
@@ -129,16 +130,80 @@ static __device__ __forceinline__ void adamw_elem(float& p, float g, float& m, f
     p = p - (k.step * m) / denom;
 }
 
-extern "C" __global__ void __launch_bounds__(ADAMW_THREADS)
-adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
-             const int* __restrict__ table, const float* __restrict__ lrmul, const double* __restrict__ st,
-             double b1, double b2, double eps, double wd, int n_chunks, floatX* __restrict__ px)
+// Stochastic rounding of the bf16 moments (adamw_update_lean): the bits below bf16's are replaced by the
+// carry of adding 16 pseudo-random bits, a hash of (step, flat element index, m or v), so that E[stored] =
+// the fp32 value and a rerun stores the same bits. Rounding to nearest would drop every update of v
+// smaller than half a bf16 step: (1 - b2) = 0.01 of v's value is below it whenever g*g is within 20% of v.
+static __device__ __forceinline__ unsigned int adamw_fmix32(unsigned int h)
+{
+    h ^= h >> 16; h *= 0x85ebca6bu; h ^= h >> 13; h *= 0xc2b2ae35u; h ^= h >> 16;
+    return h;
+}
+
+static __device__ __forceinline__ unsigned int adamw_round_bits(unsigned int t, unsigned long long i, unsigned int which)
+{
+    unsigned int h = adamw_fmix32(2u * t + which);
+    h = adamw_fmix32(h ^ (unsigned int)(i >> 32));
+    return adamw_fmix32(h ^ (unsigned int)i);
+}
+
+static __device__ __forceinline__ unsigned short adamw_bf16_bits(float x, unsigned int r)
+{
+    const unsigned int u = __float_as_uint(x);
+    if ((u & 0x7f800000u) == 0x7f800000u)              // inf stays inf, NaN becomes the quiet NaN
+        return (u & 0x007fffffu) ? (unsigned short)0x7fc0u : (unsigned short)(u >> 16);
+    return (unsigned short)((u + (r & 0xffffu)) >> 16);  // a carry out of the low 16 bits rounds the magnitude up
+}
+
+// The moments as stored: float (adamw_update) or stochastically rounded bf16 (adamw_update_lean).
+struct MomentsF32 {
+    float* m; float* v;
+    __device__ float4 load_m4(long long i) const { return reinterpret_cast<const float4*>(m)[i]; }
+    __device__ float4 load_v4(long long i) const { return reinterpret_cast<const float4*>(v)[i]; }
+    __device__ float load_m(long long i) const { return m[i]; }
+    __device__ float load_v(long long i) const { return v[i]; }
+    __device__ void store4(long long i, const float4& mm, const float4& vv, unsigned int, unsigned long long) const {
+        reinterpret_cast<float4*>(m)[i] = mm; reinterpret_cast<float4*>(v)[i] = vv;
+    }
+    __device__ void store(long long i, float mm, float vv, unsigned int, unsigned long long) const { m[i] = mm; v[i] = vv; }
+    __device__ bool aligned() const { return ((((unsigned long long)m) | ((unsigned long long)v)) & 15ull) == 0; }
+};
+
+struct MomentsBF16 {
+    unsigned short* m; unsigned short* v;    // bf16 bits
+    static __device__ float4 widen4(const unsigned short* a, long long i) {
+        const uint2 u = reinterpret_cast<const uint2*>(a)[i];
+        return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u),
+                           __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xffff0000u));
+    }
+    __device__ float4 load_m4(long long i) const { return widen4(m, i); }
+    __device__ float4 load_v4(long long i) const { return widen4(v, i); }
+    __device__ float load_m(long long i) const { return __uint_as_float((unsigned int)m[i] << 16); }
+    __device__ float load_v(long long i) const { return __uint_as_float((unsigned int)v[i] << 16); }
+    // t: the step; e: the flat index of element i (the hash's input)
+    __device__ void store(long long i, float mm, float vv, unsigned int t, unsigned long long e) const {
+        m[i] = adamw_bf16_bits(mm, adamw_round_bits(t, e, 0u));
+        v[i] = adamw_bf16_bits(vv, adamw_round_bits(t, e, 1u));
+    }
+    __device__ void store4(long long i, const float4& mm, const float4& vv, unsigned int t, unsigned long long e) const {
+        store(4 * i, mm.x, vv.x, t, e); store(4 * i + 1, mm.y, vv.y, t, e + 1);
+        store(4 * i + 2, mm.z, vv.z, t, e + 2); store(4 * i + 3, mm.w, vv.w, t, e + 3);
+    }
+    __device__ bool aligned() const { return ((((unsigned long long)m) | ((unsigned long long)v)) & 7ull) == 0; }
+};
+
+template <typename Moments>
+static __device__ __forceinline__ void adamw_update_chunk(
+    float* __restrict__ p, const float* __restrict__ g, Moments mo, const int* __restrict__ table,
+    const float* __restrict__ lrmul, const double* __restrict__ st, double b1, double b2, double eps, double wd,
+    int n_chunks, floatX* __restrict__ px)
 {
     const int c = blockIdx.x;
     if (c >= n_chunks) return;
     long long off; int len, wdf;
     adamw_chunk(table, c, off, len, wdf);
     const double lr = st[ST_LR] * (double)lrmul[c];
+    const unsigned int t = (unsigned int)st[ST_STEP];
     AdamwK k;
     k.gs = (float)st[ST_SCALE];
     k.decay = wdf ? (float)(1.0 - lr * wd) : 1.0f;
@@ -151,25 +216,24 @@ adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restri
     k.step = (float)(lr / st[ST_BC1]);
     float* pc = p + off;
     const float* gc = g + off;
-    float* mc = m + off;
-    float* vc = v + off;
+    mo.m += off;
+    mo.v += off;
     floatX* pxc = px ? px + off : nullptr;  // the GEMMs' copy of the weights (bf16 mode), refreshed here
     int done = 0;
-    if (((((unsigned long long)pc) | ((unsigned long long)gc) | ((unsigned long long)mc) |
-          ((unsigned long long)vc)) & 15ull) == 0 && (((unsigned long long)pxc) & (4 * sizeof(floatX) - 1)) == 0) {
+    if (((((unsigned long long)pc) | ((unsigned long long)gc)) & 15ull) == 0 && mo.aligned()
+        && (((unsigned long long)pxc) & (4 * sizeof(floatX) - 1)) == 0) {
         const int n4 = len >> 2;
         float4* p4 = reinterpret_cast<float4*>(pc);
         const float4* g4 = reinterpret_cast<const float4*>(gc);
-        float4* m4 = reinterpret_cast<float4*>(mc);
-        float4* v4 = reinterpret_cast<float4*>(vc);
         for (int i = threadIdx.x; i < n4; i += ADAMW_THREADS) {
-            float4 pp = p4[i], mm = m4[i], vv = v4[i];
+            float4 pp = p4[i], mm = mo.load_m4(i), vv = mo.load_v4(i);
             const float4 gg = g4[i];
             adamw_elem(pp.x, gg.x, mm.x, vv.x, k);
             adamw_elem(pp.y, gg.y, mm.y, vv.y, k);
             adamw_elem(pp.z, gg.z, mm.z, vv.z, k);
             adamw_elem(pp.w, gg.w, mm.w, vv.w, k);
-            p4[i] = pp; m4[i] = mm; v4[i] = vv;
+            p4[i] = pp;
+            mo.store4(i, mm, vv, t, (unsigned long long)(off + 4 * i));
             if (pxc) {
                 f4 r; r.v[0] = pp.x; r.v[1] = pp.y; r.v[2] = pp.z; r.v[3] = pp.w;
                 store4(pxc + 4 * i, r);
@@ -178,9 +242,28 @@ adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restri
         done = n4 << 2;
     }
     for (int i = done + threadIdx.x; i < len; i += ADAMW_THREADS) {
-        float pp = pc[i], mm = mc[i], vv = vc[i];
+        float pp = pc[i], mm = mo.load_m(i), vv = mo.load_v(i);
         adamw_elem(pp, gc[i], mm, vv, k);
-        pc[i] = pp; mc[i] = mm; vc[i] = vv;
+        pc[i] = pp;
+        mo.store(i, mm, vv, t, (unsigned long long)(off + i));
         if (pxc) pxc[i] = from_f32(pp);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ADAMW_THREADS)
+adamw_update(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+             const int* __restrict__ table, const float* __restrict__ lrmul, const double* __restrict__ st,
+             double b1, double b2, double eps, double wd, int n_chunks, floatX* __restrict__ px)
+{
+    adamw_update_chunk(p, g, MomentsF32{m, v}, table, lrmul, st, b1, b2, eps, wd, n_chunks, px);
+}
+
+extern "C" __global__ void __launch_bounds__(ADAMW_THREADS)
+adamw_update_lean(float* __restrict__ p, const float* __restrict__ g, __nv_bfloat16* __restrict__ m,
+                  __nv_bfloat16* __restrict__ v, const int* __restrict__ table, const float* __restrict__ lrmul,
+                  const double* __restrict__ st, double b1, double b2, double eps, double wd, int n_chunks,
+                  floatX* __restrict__ px)
+{
+    adamw_update_chunk(p, g, MomentsBF16{reinterpret_cast<unsigned short*>(m), reinterpret_cast<unsigned short*>(v)},
+                       table, lrmul, st, b1, b2, eps, wd, n_chunks, px);
 }

@@ -54,7 +54,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from rwkvx.oracle.adamw import BETAS, CLIP_EPS, EPS, lr_multiplier, uses_weight_decay
-from rwkvx.runtime.kernel import DOUBLE, F32_IN, F32_OUT, F64_IN, F64_OUT, I32_IN, INT, X_OUT, KernelFile
+from rwkvx.runtime.kernel import BF16_OUT, DOUBLE, F32_IN, F32_OUT, F64_IN, F64_OUT, I32_IN, INT, X_OUT, KernelFile
 
 THREADS = 256            # threads of the per-chunk kernels
 FIN_THREADS = 1024       # threads of the norm's final reduction
@@ -72,9 +72,12 @@ CU = KernelFile("adamw/adamw", constants={**_STATE_INDICES, "ADAMW_THREADS": THR
 ADAMW_STEP_BEGIN = CU.kernel("adamw_step_begin", st=F64_OUT, b1=DOUBLE, b2=DOUBLE)
 ADAMW_SUMSQ_PARTIAL = CU.kernel("adamw_sumsq_partial", g=F32_IN, table=I32_IN, part=F64_OUT, n_chunks=INT)
 ADAMW_CLIP_FINALIZE = CU.kernel("adamw_clip_finalize", part=F64_IN, n_parts=INT, st=F64_OUT)
-ADAMW_UPDATE = CU.kernel("adamw_update", p=F32_OUT, g=F32_IN, m=F32_OUT, v=F32_OUT, table=I32_IN,
-                         lrmul=F32_IN, st=F64_IN, b1=DOUBLE, b2=DOUBLE, eps=DOUBLE, wd=DOUBLE, n_chunks=INT,
-                         px=X_OUT.opt())
+_UPDATE_ARGS = dict(table=I32_IN, lrmul=F32_IN, st=F64_IN, b1=DOUBLE, b2=DOUBLE, eps=DOUBLE, wd=DOUBLE, n_chunks=INT,
+                    px=X_OUT.opt())
+ADAMW_UPDATE = CU.kernel("adamw_update", p=F32_OUT, g=F32_IN, m=F32_OUT, v=F32_OUT, **_UPDATE_ARGS)
+ADAMW_UPDATE_LEAN = CU.kernel("adamw_update_lean", p=F32_OUT, g=F32_IN, m=BF16_OUT, v=BF16_OUT, **_UPDATE_ARGS)
+# The update kernel by the moments' element type (oracle.adamw.MOMENT_TYPES)
+UPDATE_KERNELS = {"f32": ADAMW_UPDATE, "bf16": ADAMW_UPDATE_LEAN}
 
 
 
@@ -144,7 +147,8 @@ def step(params, grads, m, v, table, lrmul, state, n_chunks: int, partials=None,
          weight_decay: float = 0.0, betas: tuple[float, float] = BETAS, eps: float = EPS,
          clip: bool = False, params_x=None) -> list:
     """One AdamW update of the flat buffers (see the module docstring). ``clip=True`` adds the global
-    gradient-norm launches (needs ``partials``); the clip threshold itself is ``state[ST_CLIP]``.
+    gradient-norm launches (needs ``partials``); the clip threshold itself is ``state[ST_CLIP]``. ``m`` and
+    ``v`` f32 buffers run ``adamw_update``; bf16 ones ``adamw_update_lean`` (stochastically rounded moments).
     ``params_x`` (optional, bf16): a copy of ``params`` at the same offsets, refreshed with the update."""
     if n_chunks <= 0:
         raise ValueError("adamw.step: n_chunks must be positive")
@@ -157,7 +161,11 @@ def step(params, grads, m, v, table, lrmul, state, n_chunks: int, partials=None,
                                               part=partials, n_chunks=n_chunks))
         ops.append(ADAMW_CLIP_FINALIZE.launch((1, 1, 1), (FIN_THREADS, 1, 1), part=partials, n_parts=n_chunks,
                                               st=state))
-    ops.append(ADAMW_UPDATE.launch((n_chunks, 1, 1), (THREADS, 1, 1), p=params, g=grads, m=m, v=v, table=table,
+    kernel = UPDATE_KERNELS.get(getattr(m, "elem", "f32"))
+    if kernel is None or getattr(v, "elem", "f32") != getattr(m, "elem", "f32"):
+        raise TypeError(f"adamw.step: m and v must both be f32 or both bf16 buffers, got "
+                        f"{getattr(m, 'elem', 'f32')} and {getattr(v, 'elem', 'f32')}")
+    ops.append(kernel.launch((n_chunks, 1, 1), (THREADS, 1, 1), p=params, g=grads, m=m, v=v, table=table,
                                    lrmul=lrmul, st=state, b1=b1, b2=b2, eps=float(eps),
                                    wd=float(weight_decay), n_chunks=n_chunks, px=params_x,
                                    xtype=params_x.elem if params_x is not None else "f32"))

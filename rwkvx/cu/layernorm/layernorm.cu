@@ -2,17 +2,15 @@
 //
 //   y = (x - mean) * rstd * w + b,   mean = sum(x)/C,  rstd = 1/sqrt(sum((x-mean)^2)/C + eps)
 //
-// Buffers: x, x_copy, dy, dx float32 [R, C] row-major (a LayerNorm reads the residual stream and returns its
+// Buffers: x, dy, dx float32 [R, C] row-major (a LayerNorm reads the residual stream and returns its
 // gradient, fp32 in every precision: docs/SPEC.md §4); y and dx_copy floatX [R, C]; w, b float32 [C]; mean,
 // rstd float32 [R]; part float32. Requires C % 4 == 0 and row buffers aligned to 4 elements
 // (layernorm/ops.py checks). fp32 math.
 // LN_WARPS, LN_BY, LN_NQ come from the declaration in rwkvx/cu/layernorm/ops.py.
 //
 // Kernels (one warp per row for the row-wise ones; block = (LN_WARPS*32), grid = ceil(R / LN_WARPS)):
-//   ln_forward(x, w, b, y, x_copy, mean, rstd, R, C, eps)
+//   ln_forward(x, w, b, y, mean, rstd, R, C, eps)
 //       y may be NULL (statistics only); mean / rstd may be NULL (not saved). y may alias x (fp32).
-//       x_copy (may be NULL) gets x as read: the residual a GEMM then adds to with beta = 1, written
-//       here because this pass reads x anyway (a separate copy would read it again).
 //   ln_backward_dx(x, w, dy, mean, rstd, dx, dx_copy, R, C, accumulate)
 //       dx = rstd * (g - mean_c(g) - xhat * mean_c(g * xhat)),  g = dy * w,  xhat = (x - mean) * rstd
 //       accumulate = 0: dx = ...; 1: dx += ... . mean / rstd are required (from ln_forward).
@@ -45,7 +43,7 @@ static __device__ __forceinline__ float ln_warp_sum(float v)
 // No __launch_bounds__: with one, ptxas squeezed some LN_NQ builds to 32 registers and spilled.
 extern "C" __global__ void
 ln_forward(const float* x, const float* __restrict__ w, const float* __restrict__ b,
-           floatX* y, float* __restrict__ x_copy, float* __restrict__ mean_out,
+           floatX* y, float* __restrict__ mean_out,
            float* __restrict__ rstd_out, int R, int C, float eps)
 {
     const int lane = threadIdx.x & 31;
@@ -53,16 +51,9 @@ ln_forward(const float* x, const float* __restrict__ w, const float* __restrict_
     if (r >= R) return;
     const int C4 = C >> 2;
     const float* xr = x + (long long)r * C;
-    float* cr = x_copy ? x_copy + (long long)r * C : nullptr;
     float4 v[LN_NQ];
 #pragma unroll
     for (int k = 0; k < LN_NQ; ++k) v[k] = lane + 32 * k < C4 ? load_quad(xr + 4 * (lane + 32 * k)) : float4{};
-    if (cr) {                                   // the copy is exact: the loaded bits are stored
-#pragma unroll
-        for (int k = 0; k < LN_NQ; ++k)
-            if (lane + 32 * k < C4) store_quad(cr + 4 * (lane + 32 * k), v[k]);
-        for (int i = lane + 32 * LN_NQ; i < C4; i += 32) store_quad(cr + 4 * i, load_quad(xr + 4 * i));
-    }
     float s = 0.0f;
     auto add = [&](const f4& u) { s += (u.v[0] + u.v[1]) + (u.v[2] + u.v[3]); };
 #pragma unroll

@@ -2,7 +2,7 @@
 
     y = (x - mean) * rstd * w + b,  mean = sum_c x / C,  rstd = 1 / sqrt(sum_c (x - mean)^2 / C + eps)
 
-Buffers (row-major, aligned to 4 elements, C % 4 == 0): x, x_copy, dy, dx ``f32 [R, C]`` in every precision
+Buffers (row-major, aligned to 4 elements, C % 4 == 0): x, dy, dx ``f32 [R, C]`` in every precision
 (the residual stream and its gradient, docs/SPEC.md §4); y ``floatX [R, C]`` — its element type selects
 the kernels' ``floatX`` (fp32 where a token shift reads it, bf16 where only GEMMs do); dx_copy ``floatX``;
 w, b, dw, db ``f32 [C]``; mean, rstd ``f32 [R]`` (saved statistics). Rows up to a few million (tiles <= 65535).
@@ -11,10 +11,8 @@ Twin: ``rwkvx.oracle.layernorm_forward`` / ``layernorm_backward``.
 Forward::
 
     ops += layernorm.forward(x, w, b, y, mean, rstd, R, C)      # mean/rstd None: not saved
-    ops += layernorm.forward(x, w, b, y, mean, rstd, R, C, x_copy=out)   # also out = x
 
-``y`` may alias ``x`` (in place). ``x_copy`` (another buffer like ``x``) receives ``x`` as read: the
-residual a following GEMM accumulates into (beta = 1) without a separate device copy.
+``y`` may alias ``x`` (in place).
 
 Backward (one call: statistics if needed, dweight/dbias partials, their reduction, dx)::
 
@@ -51,7 +49,7 @@ REDUCE_BY = 16       # reduce_partials rows (its summation order)
 NQS = (1, 2, 4, 6, 8)  # LN_NQ variants: quads per lane the row kernels keep in registers (see _nq)
 
 CU = KernelFile("layernorm/layernorm", constants={"LN_WARPS": WARPS, "LN_BY": BY}, variants={"LN_NQ": NQS})
-LN_FORWARD = CU.kernel("ln_forward", x=F32_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(), x_copy=F32_OUT.opt(),
+LN_FORWARD = CU.kernel("ln_forward", x=F32_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(),
                        mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), R=INT, C=INT, eps=FLOAT)
 LN_BACKWARD_DX = CU.kernel("ln_backward_dx", x=F32_IN, w=F32_IN, dy=F32_IN, mean=F32_IN, rstd=F32_IN,
                            dx=F32_OUT, dx_copy=X_OUT.opt(), R=INT, C=INT, accumulate=INT)
@@ -76,15 +74,12 @@ def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = N
     return 2 * _reduce.scratch_elems(R, C, dev, rows_per_tile)
 
 
-def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS, x_copy=None) -> list:
-    """ln_forward: y [R,C] = LN(x [R,C]; w, b [C]); mean, rstd [R] saved when not None; ``x_copy``
-    [R,C] = x when not None. ``y=None`` computes only the statistics (used by :func:`backward` with
-    stats_valid=False)."""
-    check_rows("layernorm.forward", R, C, x, w, b, y, x_copy)
-    if x_copy is not None and int(x_copy) in (int(x), int(y) if y is not None else -1):
-        raise ValueError("layernorm.forward: x_copy must not alias x or y")
+def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS) -> list:
+    """ln_forward: y [R,C] = LN(x [R,C]; w, b [C]); mean, rstd [R] saved when not None. ``y=None``
+    computes only the statistics (used by :func:`backward` with stats_valid=False)."""
+    check_rows("layernorm.forward", R, C, x, w, b, y)
     return [LN_FORWARD.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=_xtype(y),
-                              variant={"LN_NQ": _nq(C)}, x=x, w=w, b=b, y=y, x_copy=x_copy,
+                              variant={"LN_NQ": _nq(C)}, x=x, w=w, b=b, y=y,
                               mean_out=mean, rstd_out=rstd, R=R, C=C, eps=eps)]
 
 
