@@ -246,7 +246,7 @@ def _ln_shift(ln: Any, shift: Any) -> list:
     if a["y"] is None or a["y"] != s["x"] or a["y"].elem != "f32" or (a["R"], a["C"]) != (s["B"], s["C"]):
         return []
     n = s["nmix"]
-    return decode.ln_shift(a["x"], a["w"], a["b"], a["y"], a["x_copy"], a["mean_out"], a["rstd_out"], s["prev"],
+    return decode.ln_shift(a["x"], a["w"], a["b"], a["y"], a["mean_out"], a["rstd_out"], s["prev"],
                            [s[f"m{j}"] for j in range(n)], [s[f"o{j}"] for j in range(n)], s["B"], s["C"], a["eps"])
 
 
@@ -256,7 +256,7 @@ def _gemv_jobs(op: Launch) -> list[decode.GemvJob]:
     return [decode.GemvJob(a[f"x{j}"], a[f"w{j}"], a[f"y{j}"] or a[f"r{j}"], a[f"n{j}"], a[f"k{j}"],
                            bool(a[f"mode{j}"] & decode.GEMV_KN),
                            {c: e for e, c in decode.GEMV_EPILOGUES.items()}[a[f"mode{j}"] & (decode.GEMV_KN - 1)],
-                           a[f"r{j}"] is not None)
+                           a[f"r{j}"] is not None, a[f"a{j}"])
             for j in range(decode.GEMV_JOBS) if a[f"n{j}"]]
 
 
@@ -291,8 +291,9 @@ def _as_job(g: Gemm, xtype: str) -> decode.GemvJob | None:
     if g.transb or g.alpha != 1.0 or g.beta not in (0.0, 1.0) or g.ldb != g.k or g.ldc != g.m \
             or g.lda != (g.m if kn else g.k):
         return None
-    job = decode.GemvJob(DevPtr(g.B, p.b), DevPtr(g.A, p.a), DevPtr(g.C, p.c), g.m, g.k, kn,
-                         residual=g.beta == 1.0)
+    residual = g.beta == 1.0                # D = C + product (C: the residual stream)
+    job = decode.GemvJob(DevPtr(g.B, p.b), DevPtr(g.A, p.a), DevPtr(g.D, p.c), g.m, g.k, kn, residual=residual,
+                         addend=DevPtr(g.C, p.c) if residual else None)
     return job if decode.gemv_supports(job, g.n, xtype) else None
 
 
@@ -315,9 +316,10 @@ def _schedule(jobs: list[decode.GemvJob], B: int) -> list:
         return u[0] < v[1] and v[0] < u[1]
     spans = [job.spans(B) for job in jobs]
     levels: list[int] = []
-    for i, (rd, wr) in enumerate(spans):
-        deps = [levels[j] for j, (rd2, wr2) in enumerate(spans[:i])
-                if overlap(rd, wr2) or overlap(wr, rd2) or overlap(wr, wr2)]
+    for i, (reads, wr) in enumerate(spans):
+        deps = [levels[j] for j, (reads2, wr2) in enumerate(spans[:i])
+                if any(overlap(rd, wr2) for rd in reads) or any(overlap(wr, rd2) for rd2 in reads2)
+                or overlap(wr, wr2)]
         levels.append(1 + max(deps, default=-1))
     ops = []
     for level in range(max(levels, default=-1) + 1):

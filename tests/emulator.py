@@ -207,8 +207,6 @@ def _dec_shift(mem, a, op):
 def _dec_ln_shift(mem, a, op):
     B, C, n = op.grid[0], a["C"], a["nmix"]
     x = mem.read(a["x"], B * C, (B, C))
-    if a["x_copy"]:
-        mem.write(a["x_copy"], x)
     y, mean, rstd = O.layernorm_forward(x, mem.read(a["w"], C), mem.read(a["b"], C), a["eps"], return_stats=True)
     for name, v in (("mean_out", mean), ("rstd_out", rstd)):
         if a[name]:
@@ -282,7 +280,7 @@ def _dec_gemv(mem, a, op):
         kn = bool(mode & GEMV_KN)
         out = O.decode_gemv(x, w.reshape((k, n) if kn else (n, k)), kn, epilogue[mode & (GEMV_KN - 1)])
         if a[f"r{j}"]:
-            mem.write(a[f"r{j}"], mem.read(a[f"r{j}"], B * n, (B, n)) + out)
+            mem.write(a[f"r{j}"], mem.read(a[f"a{j}"], B * n, (B, n)) + out)
         else:
             mem.write(a[f"y{j}"], out)
 

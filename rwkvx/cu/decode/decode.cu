@@ -59,15 +59,15 @@ dec_shift(const float* __restrict__ x, float* __restrict__ prev,
 }
 
 // ---------------------------------------------------------------------------------------------
-// 1b. LayerNorm + token shift.  x, y, x_copy, prev fp32 [B, C]; w, b, m0..m5 fp32 [C]; mean, rstd fp32 [B];
+// 1b. LayerNorm + token shift.  x, y, prev fp32 [B, C]; w, b, m0..m5 fp32 [C]; mean, rstd fp32 [B];
 //     o0..o5 floatX [B, C]. grid (B), one warp per row. y = LN(x) with ln_forward's arithmetic (sums over
-//     the quads i = lane, lane + 32, ... then the xor butterfly), x_copy = x, mean / rstd saved when not
-//     NULL; then dec_shift on y: o_j = y + (prev - y) * m_j (j < nmix), prev = y.
+//     the quads i = lane, lane + 32, ... then the xor butterfly), mean / rstd saved when not NULL; then
+//     dec_shift on y: o_j = y + (prev - y) * m_j (j < nmix), prev = y.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(32)
 dec_ln_shift(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
-             float* __restrict__ y, float* __restrict__ x_copy, float* __restrict__ mean_out,
-             float* __restrict__ rstd_out, float* __restrict__ prev,
+             float* __restrict__ y, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+             float* __restrict__ prev,
              const float* m0, const float* m1, const float* m2, const float* m3, const float* m4, const float* m5,
              floatX* o0, floatX* o1, floatX* o2, floatX* o3, floatX* o4, floatX* o5, int C, int nmix, float eps)
 {
@@ -78,7 +78,6 @@ dec_ln_shift(const float* __restrict__ x, const float* __restrict__ w, const flo
     float s = 0.f;
     for (int i = lane; i < C4; i += 32) {
         const f4 u = load4(x + row + 4 * i);
-        if (x_copy) store4(x_copy + row + 4 * i, u);
         s += (u.v[0] + u.v[1]) + (u.v[2] + u.v[3]);
     }
 #pragma unroll

@@ -2,7 +2,8 @@
 // B <= GEMV_ROWS rows in one launch (rwkvx/decoder.py groups the step's GEMMs into launches of this kernel).
 //
 //   dec_gemv   job j:  acc[b, n] = sum_k x_j[b, k] * W_j(k, n)     b < B, n < n_j, k < k_j
-//              then y_j[b, n] = epi_j(acc)  (floatX)   or   r_j[b, n] += acc  (fp32 residual, y_j NULL)
+//              then y_j[b, n] = epi_j(acc)  (floatX)   or   r_j[b, n] = a_j[b, n] + acc  (fp32 residual,
+//              y_j NULL; the addend a_j may be r_j itself)
 //
 // x_j floatX [B, k_j]; W_j floatX (the GEMM operand type: bf16 in bf16, fp32 otherwise), stored
 // [n_j, k_j] (a Linear's weight: mode_j & GEMV_KN clear) or [k_j, n_j] (a LoRA matrix: GEMV_KN set);
@@ -59,15 +60,18 @@ __device__ __forceinline__ float epilogue(float acc, int epi) {
     return r * r;
 }
 
-__device__ __forceinline__ void store(floatX* y, float* res, long long i, float acc, int epi) {
-    if (res) res[i] += acc;
-    else y[i] = from_f32(epilogue(acc, epi));
+// (res, add): the residual's output and addend, NULL for a floatX output y
+struct Out { floatX* y; float* res; const float* add; };
+
+__device__ __forceinline__ void store(const Out& o, long long i, float acc, int epi) {
+    if (o.res) o.res[i] = o.add[i] + acc;
+    else o.y[i] = from_f32(epilogue(acc, epi));
 }
 
 // columns [c0, c0 + cols) of a [n, k] job split in S = 1 << ks k-slices: warp w owns columns
 // c0 + (w >> ks)*CPW ... over slice w & (S-1) of the 16-byte vectors; the slices' sums add in order
-__device__ __forceinline__ void tile_nk(const floatX* __restrict__ x, const floatX* __restrict__ W, floatX* y,
-                                        float* res, int n, int K, int epi, int B, int c0, int ks, float* part) {
+__device__ __forceinline__ void tile_nk(const floatX* __restrict__ x, const floatX* __restrict__ W, const Out& o,
+                                        int n, int K, int epi, int B, int c0, int ks, float* part) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, S = 1 << ks, slice = warp & (S - 1);
     const int cw = c0 + (warp >> ks) * CPW;
     const int nv = K / VW, v0 = slice * nv / S, v1 = (slice + 1) * nv / S;
@@ -113,7 +117,7 @@ __device__ __forceinline__ void tile_nk(const floatX* __restrict__ x, const floa
             if (lane == c * ROWS + b) mine = acc[c][b];
     const int c = lane / ROWS, b = lane % ROWS;
     if (S == 1) {
-        if (lane < CPW * ROWS && b < B && cw + c < n) store(y, res, (long long)b * n + cw + c, mine, epi);
+        if (lane < CPW * ROWS && b < B && cw + c < n) store(o, (long long)b * n + cw + c, mine, epi);
         return;
     }
     if (lane < CPW * ROWS) part[warp * CPW * ROWS + lane] = mine;
@@ -121,13 +125,13 @@ __device__ __forceinline__ void tile_nk(const floatX* __restrict__ x, const floa
     if (slice == 0 && lane < CPW * ROWS && b < B && cw + c < n) {
         float sum = 0.f;
         for (int sl = 0; sl < S; ++sl) sum += part[(warp + sl) * CPW * ROWS + lane];
-        store(y, res, (long long)b * n + cw + c, sum, epi);
+        store(o, (long long)b * n + cw + c, sum, epi);
     }
 }
 
 // columns [c0, c0 + 32) of a [k, n] job: lane = column, warp w adds k in [w*ks, (w+1)*ks)
-__device__ __forceinline__ void tile_kn(const floatX* __restrict__ x, const floatX* __restrict__ W, floatX* y,
-                                        float* res, int n, int K, int epi, int B, int c0, float* part) {
+__device__ __forceinline__ void tile_kn(const floatX* __restrict__ x, const floatX* __restrict__ W, const Out& o,
+                                        int n, int K, int epi, int B, int c0, float* part) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, col = c0 + lane;
     const int ks = (K + WARPS - 1) / WARPS, k0 = warp * ks, k1 = min(K, k0 + ks);
     float acc[ROWS];
@@ -150,7 +154,7 @@ __device__ __forceinline__ void tile_kn(const floatX* __restrict__ x, const floa
             float s = 0.f;
 #pragma unroll
             for (int w = 0; w < WARPS; ++w) s += part[(w * ROWS + b) * 32 + lane];
-            store(y, res, (long long)b * n + col, s, epi);
+            store(o, (long long)b * n + col, s, epi);
         }
 }
 
@@ -168,6 +172,7 @@ dec_gemv(const floatX* x0, const floatX* x1, const floatX* x2, const floatX* x3,
          const floatX* w0, const floatX* w1, const floatX* w2, const floatX* w3, const floatX* w4, const floatX* w5, const floatX* w6, const floatX* w7,
          floatX* y0, floatX* y1, floatX* y2, floatX* y3, floatX* y4, floatX* y5, floatX* y6, floatX* y7,
          float* r0, float* r1, float* r2, float* r3, float* r4, float* r5, float* r6, float* r7,
+         const float* a0, const float* a1, const float* a2, const float* a3, const float* a4, const float* a5, const float* a6, const float* a7,
          int n0, int n1, int n2, int n3, int n4, int n5, int n6, int n7,
          int k0, int k1, int k2, int k3, int k4, int k5, int k6, int k7,
          int mode0, int mode1, int mode2, int mode3, int mode4, int mode5, int mode6, int mode7, int B)
@@ -186,8 +191,7 @@ dec_gemv(const floatX* x0, const floatX* x1, const floatX* x2, const floatX* x3,
     const int md = GEMV_PICK(j, mode), nj = GEMV_PICK(j, n), kj = GEMV_PICK(j, k), ks = md >> GEMV_KS_SHIFT;
     const floatX* xj = GEMV_PICK(j, x);
     const floatX* wj = GEMV_PICK(j, w);
-    floatX* yj = GEMV_PICK(j, y);
-    float* rj = GEMV_PICK(j, r);
-    if (md & GEMV_KN) tile_kn(xj, wj, yj, rj, nj, kj, md & 7, B, t * KN_COLS, part);
-    else tile_nk(xj, wj, yj, rj, nj, kj, md & 7, B, t * (LIN_COLS >> ks), ks, part);
+    const Out o = {GEMV_PICK(j, y), GEMV_PICK(j, r), GEMV_PICK(j, a)};
+    if (md & GEMV_KN) tile_kn(xj, wj, o, nj, kj, md & 7, B, t * KN_COLS, part);
+    else tile_nk(xj, wj, o, nj, kj, md & 7, B, t * (LIN_COLS >> ks), ks, part);
 }

@@ -51,7 +51,7 @@ CU = KernelFile("decode/decode", constants={"WKV_Q": wkv7.Q, "DEC_MOBA_THREADS":
                 variants={"HEAD_SIZE": HEAD_SIZES})
 DEC_SHIFT = CU.kernel("dec_shift", x=F32_IN, prev=F32_OUT, **{f"m{j}": F32_IN.opt() for j in range(6)},
                       **{f"o{j}": X_OUT.opt() for j in range(6)}, B=INT, C=INT, nmix=INT)
-DEC_LN_SHIFT = CU.kernel("dec_ln_shift", x=F32_IN, w=F32_IN, b=F32_IN, y=F32_OUT, x_copy=F32_OUT.opt(),
+DEC_LN_SHIFT = CU.kernel("dec_ln_shift", x=F32_IN, w=F32_IN, b=F32_IN, y=F32_OUT,
                          mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), prev=F32_OUT,
                          **{f"m{j}": F32_IN.opt() for j in range(6)}, **{f"o{j}": X_OUT.opt() for j in range(6)},
                          C=INT, nmix=INT, eps=FLOAT)
@@ -92,14 +92,16 @@ DEC_GEMV = GEMV_CU.kernel("dec_gemv", **{f"x{j}": X_IN.opt() for j in range(GEMV
                           **{f"w{j}": X_IN.opt() for j in range(GEMV_JOBS)},
                           **{f"y{j}": X_OUT.opt() for j in range(GEMV_JOBS)},
                           **{f"r{j}": F32_OUT.opt() for j in range(GEMV_JOBS)},
+                          **{f"a{j}": F32_IN.opt() for j in range(GEMV_JOBS)},
                           **{f"{p}{j}": INT for p in ("n", "k", "mode") for j in range(GEMV_JOBS)}, B=INT)
 
 
 @dataclass(frozen=True)
 class GemvJob:
     """One product of :func:`gemv`: ``out`` [B, n] = epilogue(x [B, k] @ W), W = ``w`` stored [n, k]
-    (a Linear's weight, ``kn`` False) or [k, n] (``kn`` True); with ``residual`` out (fp32) += the
-    product instead (epilogue "none"). x and w are floatX; out is floatX, or fp32 for a residual."""
+    (a Linear's weight, ``kn`` False) or [k, n] (``kn`` True); with ``residual`` out (fp32) = the
+    product + ``addend`` (fp32 [B, n]; None: out itself) instead (epilogue "none"). x and w are floatX;
+    out is floatX, or fp32 for a residual."""
     x: DevPtr
     w: DevPtr
     out: DevPtr
@@ -108,12 +110,16 @@ class GemvJob:
     kn: bool = False
     epilogue: str = "none"
     residual: bool = False
+    addend: DevPtr | None = None
 
-    def spans(self, B: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The byte ranges [start, end) of what it reads of x and what it writes of out."""
+    def spans(self, B: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+        """The byte ranges [start, end) it reads (of x, and of the addend) and the one it writes (out)."""
         def span(p, count):
             return int(p), int(p) + count * ELEM_BYTES[p.elem]
-        return span(self.x, B * self.k), span(self.out, B * self.n)
+        reads = [span(self.x, B * self.k)]
+        if self.residual:
+            reads.append(span(self.out if self.addend is None else self.addend, B * self.n))
+        return reads, span(self.out, B * self.n)
 
 
 def gemv_slices(job: GemvJob) -> int:
@@ -140,6 +146,8 @@ def gemv_supports(job: GemvJob, B: int, xtype: str) -> bool:
         return False
     if job.n < 1 or job.k < 1 or job.epilogue not in GEMV_EPILOGUES or (job.residual and job.epilogue != "none"):
         return False
+    if job.addend is not None and (not job.residual or job.addend.elem != "f32"):
+        return False
     return job.kn or ((job.k * ELEM_BYTES[xtype]) % 16 == 0 and int(job.x) % 16 == 0 and int(job.w) % 16 == 0)
 
 
@@ -154,15 +162,17 @@ def gemv(jobs: list[GemvJob], B: int) -> list:
             raise ValueError(f"decode.gemv: job {i} ({job}) is not supported on B={B} {xtype} rows")
     spans = [job.spans(B) for job in jobs]
     for i, (_, out) in enumerate(spans):
-        for j, (rd, wr) in enumerate(spans):
-            if i != j and any(out[0] < e and s < out[1] for s, e in (rd, wr)):
+        for j, (reads, wr) in enumerate(spans):
+            if i != j and any(out[0] < e and s < out[1] for s, e in (*reads, wr)):
                 raise ValueError(f"decode.gemv: job {i} writes what job {j} reads or writes")
     pad = [None] * (GEMV_JOBS - len(jobs))
     args = {}
     for j, job in enumerate([*jobs, *pad]):
         args.update({f"x{j}": job and job.x, f"w{j}": job and job.w,
                      f"y{j}": job.out if job and not job.residual else None,
-                     f"r{j}": job.out if job and job.residual else None, f"n{j}": job.n if job else 0,
+                     f"r{j}": job.out if job and job.residual else None,
+                     f"a{j}": (job.out if job.addend is None else job.addend) if job and job.residual else None,
+                     f"n{j}": job.n if job else 0,
                      f"k{j}": job.k if job else 0,
                      f"mode{j}": (GEMV_EPILOGUES[job.epilogue] | (GEMV_KN if job.kn else 0)
                                   | gemv_slices(job) << GEMV_KS_SHIFT) if job else 0})
@@ -191,16 +201,16 @@ def shift(x, prev, mixes, outs, B: int, C: int, dev: DeviceInfo) -> list:
                              **{f"o{j}": o for j, o in enumerate([*outs, *pad])}, B=B, C=C, nmix=len(mixes))]
 
 
-def ln_shift(x, w, b, y, x_copy, mean, rstd, prev, mixes, outs, B: int, C: int, eps: float) -> list:
-    """dec_ln_shift: y = LayerNorm(x; w, b) (layernorm.forward's arithmetic; x_copy = x, mean and rstd
-    [B] saved when not None), then :func:`shift` of y: outs[j] = y + (prev - y) * mixes[j], prev = y.
-    x, y, x_copy, prev f32 [B, C]; outs floatX; nothing may alias."""
+def ln_shift(x, w, b, y, mean, rstd, prev, mixes, outs, B: int, C: int, eps: float) -> list:
+    """dec_ln_shift: y = LayerNorm(x; w, b) (layernorm.forward's arithmetic; mean and rstd [B] saved
+    when not None), then :func:`shift` of y: outs[j] = y + (prev - y) * mixes[j], prev = y.
+    x, y, prev f32 [B, C]; outs floatX; nothing may alias."""
     if not 1 <= len(mixes) <= 6 or len(mixes) != len(outs):
         raise ValueError("decode.ln_shift: 1 to 6 mixes, one output each")
-    check_rows("decode.ln_shift", B, C, x, w, b, y, x_copy, prev, *outs)
+    check_rows("decode.ln_shift", B, C, x, w, b, y, prev, *outs)
     pad = [None] * (6 - len(mixes))
     return [DEC_LN_SHIFT.launch((B, 1, 1), (32, 1, 1), xtype=xtype_of("decode.ln_shift", *outs),
-                                variant={"HEAD_SIZE": SHIFT_N}, x=x, w=w, b=b, y=y, x_copy=x_copy, mean_out=mean,
+                                variant={"HEAD_SIZE": SHIFT_N}, x=x, w=w, b=b, y=y, mean_out=mean,
                                 rstd_out=rstd, prev=prev, **{f"m{j}": m for j, m in enumerate([*mixes, *pad])},
                                 **{f"o{j}": o for j, o in enumerate([*outs, *pad])}, C=C, nmix=len(mixes),
                                 eps=eps)]
