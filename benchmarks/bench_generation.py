@@ -13,6 +13,13 @@ fed are a fixed random sequence, so every row does the same work.
   time to the first token of a ``generate`` call after a first one (the decoder kept on the model:
   nothing built, the prompt's prefill and one step); and the device sampler ``dec_sample`` alone on
   V = 65536 logits (CUDA-event time per call, B = 1 and 256 rows).
+* GPU, the decode step at small batch (``test_gpu_decode_step``): the RWKV-7 0.1B (``rwkv7-0.1b``) and
+  the 0.22B RWKV-X (``base``) models in bf16 and tf32 at B = 1 and 8, the step's products in dec_gemv
+  (the small-batch path) and, for comparison, in the forward's GEMMs (the large-batch path): tokens/s
+  (B per ``step``, wall clock), the graph's CUDA-event time per step (with the rows' sampling, and
+  greedy: ``dec_sample``'s one pass), and the memory floor of a step: the bytes it must read (every
+  weight but the embedding's, in the GEMM operand type, and the WKV state read and written, fp32) at
+  4.3 TB/s, with the share of it the greedy graph reaches.
 
 Run: ``python -m pytest benchmarks/bench_generation.py --benchmark-columns=mean,rounds`` (GPU rows skip
 without a GPU).
@@ -132,6 +139,62 @@ def test_gpu_stateful(benchmark, dev, base_params, precision):
         decoder.free()
 
 
+HBM_BYTES_PER_S = 4.3e12          # the H200's memory bandwidth
+DECODE_PROMPT = 64                # the small-batch rows' prompt (the step's cost hardly depends on it)
+
+
+@pytest.fixture(scope="module", params=["rwkv7-0.1b", "base"])
+def preset_params(request):
+    cfg = Config(**get_preset(request.param)["model"])
+    return request.param, cfg, init_params(cfg, 0)
+
+
+def step_floor_bytes(cfg: Config, params: dict, B: int, precision: str) -> int:
+    """The bytes a decode step must move: every weight but the embedding's (bf16 operands in bf16, fp32
+    otherwise) and the WKV state of the B sequences, read and written (fp32)."""
+    weights = sum(p.size for n, p in params.items() if n != "rwkv.emb.weight")
+    state = B * cfg.n_rwkv_layer * cfg.n_head * cfg.head_size ** 2
+    return weights * (2 if precision == "bf16" else 4) + 2 * 4 * state
+
+
+@pytest.mark.parametrize("path", ["dec_gemv", "gemm"])
+@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_gpu_decode_step(benchmark, dev, preset_params, precision, B, path, monkeypatch):
+    from rwkvx.cu import decode
+    from rwkvx.decoder import Decoder
+    from rwkvx.model import Model
+    from rwkvx.runtime import EventTimer
+    if path == "gemm":            # the step as at large batch: the forward's GEMMs and activation kernels
+        monkeypatch.setattr(decode, "GEMV_ROWS", 0)
+    name, cfg, params = preset_params
+    n = 96
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (B, DECODE_PROMPT + n))
+    decoder = Decoder(Model(cfg, params, B, 1, precision=precision), B, DECODE_PROMPT, DECODE_PROMPT + n)
+    try:
+        fed = int(decoder.prefill(tokens[:, :DECODE_PROMPT], SAMPLING)[0])
+        for t in range(fed, DECODE_PROMPT):
+            decoder.step(tokens[:, t], RNG.random(B))
+        steps = iter(range(DECODE_PROMPT, DECODE_PROMPT + n))
+        benchmark.pedantic(lambda: decoder.step(tokens[:, next(steps)], RNG.random(B)), rounds=n - 8,
+                           iterations=1, warmup_rounds=4)
+        timer = EventTimer(dev)
+        graph_ms = timer.time_ms(decoder.graph.launch, 50)
+        decoder.prefill(tokens[:, :DECODE_PROMPT], Sampling(temperature=0.0))   # greedy: dec_sample's one pass
+        greedy_ms = timer.time_ms(decoder.graph.launch, 50)
+        timer.close()
+        floor_ms = 1e3 * step_floor_bytes(cfg, params, B, precision) / HBM_BYTES_PER_S
+        benchmark.extra_info.update(model=name, path=path, tokens_per_s=round(B / benchmark.stats.stats.mean, 1),
+                                    graph_ms_per_step=round(graph_ms, 4), greedy_graph_ms=round(greedy_ms, 4),
+                                    graph_tokens_per_s=round(B * 1e3 / graph_ms, 1),
+                                    floor_ms=round(floor_ms, 4), floor_share=round(floor_ms / greedy_ms, 3))
+        print(f"\n{name} {precision} B={B} {path}: {B / benchmark.stats.stats.mean:.0f} tokens/s, graph "
+              f"{graph_ms:.4f} ms/step ({B * 1e3 / graph_ms:.0f} tokens/s), greedy {greedy_ms:.4f} ms/step "
+              f"({B * 1e3 / greedy_ms:.0f} tokens/s), floor {floor_ms:.4f} ms ({floor_ms / greedy_ms:.0%} of greedy)")
+    finally:
+        decoder.free()
+
+
 @pytest.mark.parametrize("precision", ["tf32", "bf16", "fp32"])
 def test_gpu_first_token_of_a_second_generate(benchmark, dev, base_params, precision):
     import rwkvx
@@ -178,6 +241,7 @@ def test_gpu_dec_sample(benchmark, dev, B):
         timer = EventTimer(dev)
         benchmark.pedantic(lambda: timer.time_ms(plan.run, 20), rounds=3, iterations=1)
         benchmark.extra_info["ms_per_call"] = round(timer.time_ms(plan.run, 20), 4)
+        print(f"\ndec_sample B={B}: ms_per_call {benchmark.extra_info['ms_per_call']}")
         timer.close()
     finally:
         for buf in bufs.values():

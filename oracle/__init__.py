@@ -17,7 +17,7 @@ from ._common import DECAY_SCALE, GN_EPS, L2_EPS, LN_EPS, rel_err
 from .adamw import adamw_update, clip_coefficient, global_grad_norm, learning_rate
 from .channelmix import (channel_mix_shift_backward, channel_mix_shift_forward, relu_sq_backward,
                          relu_sq_forward)
-from .decode import decode_moba, decode_sample, decode_shift, decode_wkv7
+from .decode import decode_gemv, decode_moba, decode_sample, decode_shift, decode_time_mix, decode_wkv7
 from .embedding import embedding_backward, embedding_forward
 from .layernorm import layernorm_backward, layernorm_forward
 from .loss import cross_entropy, cross_entropy_rows
@@ -46,6 +46,7 @@ __all__ = [
     "channel_mix_shift_forward", "channel_mix_shift_backward", "relu_sq_forward", "relu_sq_backward",
     "cross_entropy_rows", "cross_entropy",
     "column_sums",
-    "decode_shift", "decode_wkv7", "decode_moba", "decode_sample",
+    "decode_shift", "decode_wkv7", "decode_moba", "decode_sample", "decode_gemv",
+    "decode_time_mix",
     "learning_rate", "global_grad_norm", "clip_coefficient", "adamw_update",
 ]

@@ -11,9 +11,14 @@ import numpy as np
 
 from rwkvx.sampling import sample_rows
 
-from ._common import float64_op, shift_mix_forward
+from ._common import float64_op, matmul, shift_mix_forward
+from .channelmix import relu_sq_forward
 from .moba import moba_attention_cached, moba_block_means
+from .timemix import sigmoid_forward, tanh_forward, time_mix_gn_forward, time_mix_prep_forward
 from .wkv7 import wkv7_forward
+
+# dec_gemv's epilogues: the forward's activation twins
+GEMV_EPILOGUES = {"none": lambda a: a, "tanh": tanh_forward, "sigmoid": sigmoid_forward, "relu_sq": relu_sq_forward}
 
 
 @float64_op
@@ -28,6 +33,25 @@ def decode_wkv7(r: np.ndarray, w: np.ndarray, k: np.ndarray, v: np.ndarray, a: n
     """(y [B, H, N], new state [B, H, N, N]): one token of WKV7 (inputs [B, H, N]) from ``state``."""
     y, new = wkv7_forward(*(t[:, None] for t in (r, w, k, v, a, b)), state=state, return_state=True)
     return y[:, 0], new
+
+
+def decode_time_mix(hidden: dict, second: dict, r: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    v_first: np.ndarray, w0: np.ndarray, a0: np.ndarray, v0: np.ndarray | None,
+                    k_k: np.ndarray, k_a: np.ndarray, state: np.ndarray, ln_w: np.ndarray, ln_b: np.ndarray,
+                    r_k: np.ndarray, N: int) -> tuple[np.ndarray, ...]:
+    """(z [B, C], new state [B, H, N, N], v_first [B, C]): an RWKV block's time mix of one token from its
+    LoRA hidden rows ``hidden[p]`` [B, d_p] and second layers ``second[p]`` [d_p, C] (p in w, a, g and,
+    after the first layer, v): the LoRA products, the prep, one WKV7 token on ``state`` and the
+    GroupNorm with bonus and gate. v_first is read after the first layer, else it becomes v."""
+    lora = {p: matmul(hidden[p], second[p]) for p in hidden}
+    layer = int("v" in hidden)
+    prep = time_mix_prep_forward(k, v, lora["w"], lora["a"], lora.get("v"), v_first if layer else None, w0, a0,
+                                 v0, k_k, k_a, N, layer)
+    B, C = r.shape
+    rows = (r, prep["decay"], prep["kp"], prep["vp"], prep["wa"], prep["wb"])
+    y, new = decode_wkv7(*(np.reshape(t, (B, C // N, N)) for t in rows), state)
+    z = time_mix_gn_forward(y.reshape(B, C), r, prep["kp"], prep["vp"], lora["g"], ln_w, ln_b, r_k, N)
+    return z, new, prep["v_first"]
 
 
 def decode_moba(q: np.ndarray, k: np.ndarray, v: np.ndarray, kc: np.ndarray, vc: np.ndarray, kmean: np.ndarray,
@@ -46,6 +70,14 @@ def decode_moba(q: np.ndarray, k: np.ndarray, v: np.ndarray, kc: np.ndarray, vc:
         kmean = np.concatenate([kmean, moba_block_means(kc[:, -chunk:], chunk)], axis=2)
     o, sel = moba_attention_cached(q[:, None], kc, vc, kmean, chunk, top_k)
     return o[:, 0], sel[:, :, 0], kc, vc, kmean
+
+
+@float64_op
+def decode_gemv(x: np.ndarray, w: np.ndarray, kn: bool, epilogue: str = "none") -> np.ndarray:
+    """[B, n]: epilogue(x [B, k] @ W) with W = w as stored [k, n] (``kn``) or w [n, k] transposed (a
+    Linear's weight); ``epilogue`` one of "none", "tanh", "sigmoid", "relu_sq" (a residual job adds
+    the "none" result to its output)."""
+    return GEMV_EPILOGUES[epilogue](matmul(x, w if kn else w.T))
 
 
 def decode_sample(logits: np.ndarray, u: np.ndarray, opts: np.ndarray) -> np.ndarray:

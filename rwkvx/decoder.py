@@ -21,7 +21,10 @@ one by one through the step.
 forward on B rows of the decoder's arena, with the parts that look at earlier tokens (token shifts,
 WKV, MoBA) replaced by rwkvx/cu/decode/decode.cu's single-token kernels reading and updating the state
 arena, then the head and rwkvx/cu/decode/sample.cu's ``dec_sample``, which chooses each sequence's next
-token from its logits by :mod:`rwkvx.sampling`'s contract. The token ids, their positions (device ints
+token from its logits by :mod:`rwkvx.sampling`'s contract. :func:`fuse_step` then fuses that op list
+into fewer launches: each LayerNorm with the token shift it feeds, and up to GEMV_ROWS = 8 sequences
+the GEMMs (with their activations and residual adds) into multi-product GEMV launches and each time
+mix's middle (LoRA second layers, prep, WKV7, GroupNorm) into one kernel (rwkvx/cu/decode/README.md). The token ids, their positions (device ints
 MoBA reads), one uniform draw per sequence and the sampling options come from pinned memory, only the B
 chosen token ids go back, and the whole step is one CUDA graph, replayed per token.
 
@@ -44,7 +47,8 @@ from .cu._common import carve, carved_bytes
 from .generation import STATES_ON_GPU
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
-from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Memset
+from .runtime.kernel import XTYPE_DEFINE, KernelFile
+from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, Launch, Memset, flatten_ops
 from .sampling import Sampling
 from .step import StepBuilder
 from .validate import check_tokens
@@ -216,6 +220,145 @@ def prefill_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], st
     return ops
 
 
+# the forward's activation kernels that a GEMM's output may go through in place, as dec_gemv's
+# epilogues: kernel -> (epilogue, input parameter, output parameter)
+ACTIVATIONS = {"tm_tanh_fwd": ("tanh", "a", "out"), "tm_sigmoid_fwd": ("sigmoid", "a", "out"),
+               "cm_relu_sq_forward": ("relu_sq", "h", "k")}
+
+
+def _args(op: Launch) -> dict[str, Any]:
+    """A launch's arguments by name, pointers typed as declared (floatX: the launch's element type)."""
+    xtype = "bf16" if dict(op.defines)[XTYPE_DEFINE] == "1" else "f32"
+    out: dict[str, Any] = {}
+    for (name, arg), (_, value) in zip(KernelFile.registry[op.module].kernels[op.name].params, op.args):
+        if arg.kind == "ptr":
+            value = DevPtr(value, xtype if arg.elem == "x" else arg.elem) if value else None
+        out[name] = value
+    return out
+
+
+def _ln_shift(ln: Any, shift: Any) -> list:
+    """dec_ln_shift for a LayerNorm launch ``ln`` whose output is the row the dec_shift launch ``shift``
+    reads, else []."""
+    if not (isinstance(ln, Launch) and isinstance(shift, Launch) and ln.name == "ln_forward"
+            and shift.name == "dec_shift"):
+        return []
+    a, s = _args(ln), _args(shift)
+    if a["y"] is None or a["y"] != s["x"] or a["y"].elem != "f32" or (a["R"], a["C"]) != (s["B"], s["C"]):
+        return []
+    n = s["nmix"]
+    return decode.ln_shift(a["x"], a["w"], a["b"], a["y"], a["mean_out"], a["rstd_out"], s["prev"],
+                           [s[f"m{j}"] for j in range(n)], [s[f"o{j}"] for j in range(n)], s["B"], s["C"], a["eps"])
+
+
+def _gemv_jobs(op: Launch) -> list[decode.GemvJob]:
+    """The jobs of a dec_gemv launch."""
+    a = _args(op)
+    return [decode.GemvJob(a[f"x{j}"], a[f"w{j}"], a[f"y{j}"] or a[f"r{j}"], a[f"n{j}"], a[f"k{j}"],
+                           bool(a[f"mode{j}"] & decode.GEMV_KN),
+                           {c: e for e, c in decode.GEMV_EPILOGUES.items()}[a[f"mode{j}"] & (decode.GEMV_KN - 1)],
+                           a[f"r{j}"] is not None, a[f"a{j}"])
+            for j in range(decode.GEMV_JOBS) if a[f"n{j}"]]
+
+
+def _time_mix(ops: list, B: int) -> list:
+    """dec_tmix for ``ops`` = [dec_gemv of an RWKV block's LoRA second layers, tm_prep_fwd, dec_wkv7,
+    tm_gn_fwd] of B rows, each reading what the one before wrote, else []."""
+    names = [op.name if isinstance(op, Launch) else None for op in ops]
+    if names != ["dec_gemv", "tm_prep_fwd", "dec_wkv7", "tm_gn_fwd"]:
+        return []
+    jobs = {int(job.out): job for job in _gemv_jobs(ops[0])}
+    p, w, g = (_args(op) for op in ops[1:])
+    value = p["vp"] if p["layer"] else p["v"]
+    outs = {"w": p["wl"], "a": p["al"], "v": p["vl"], "g": g["g"]}
+    lora = {q: jobs.get(int(ptr)) for q, ptr in outs.items() if ptr is not None}
+    C = w["H"] * int(dict(ops[2].defines)["HEAD_SIZE"])
+    if (len(jobs) != len(lora) or None in lora.values() or p["R"] != B
+            or any(not job.kn or job.residual or job.epilogue != "none" or job.n != C for job in lora.values())
+            or (w["w"], w["k"], w["v"], w["a"], w["b"]) != (p["decay"], p["kp"], value, p["wa"], p["wb"])
+            or (g["y"], g["r"], g["kp"], g["vp"]) != (w["y"], w["r"], p["kp"], value)):
+        return []
+    return decode.tmix_step({q: j.x for q, j in lora.items()}, {q: j.w for q, j in lora.items()},
+                            {q: j.k for q, j in lora.items()}, w["r"], p["k"], p["v"], p["vf"], p["w0"], p["a0"],
+                            p["v0"], p["k_k"], p["k_a"], w["state"], g["lnw"], g["lnb"], g["rk"], g["z"], B,
+                            w["H"], C // w["H"])
+
+
+def _as_job(g: Gemm, xtype: str) -> decode.GemvJob | None:
+    """The dec_gemv job of GEMM ``g`` (rwkvx.runtime.gemm's linear or matmul on dense operands: the
+    weight is A, the activations B), or None if dec_gemv cannot compute it."""
+    p = g.precision
+    kn = not g.transa                       # linear: A = W [n, k] transposed; matmul: A = W [k, n]
+    if g.transb or g.alpha != 1.0 or g.beta not in (0.0, 1.0) or g.ldb != g.k or g.ldc != g.m \
+            or g.lda != (g.m if kn else g.k):
+        return None
+    residual = g.beta == 1.0                # D = C + product (C: the residual stream)
+    job = decode.GemvJob(DevPtr(g.B, p.b), DevPtr(g.A, p.a), DevPtr(g.D, p.c), g.m, g.k, kn, residual=residual,
+                         addend=DevPtr(g.C, p.c) if residual else None)
+    return job if decode.gemv_supports(job, g.n, xtype) else None
+
+
+def _activation_of(op: Any, job: decode.GemvJob, B: int) -> str | None:
+    """The epilogue ``op`` applies to ``job``'s output when it is one of :data:`ACTIVATIONS` in place on
+    exactly that output, else None."""
+    if not isinstance(op, Launch) or op.name not in ACTIVATIONS or job.residual:
+        return None
+    epilogue, src, dst = ACTIVATIONS[op.name]
+    a = _args(op)
+    whole = a["n"] == B * job.n and a[src] == a[dst] == int(job.out) and not a.get("b")
+    return epilogue if whole else None
+
+
+def _schedule(jobs: list[decode.GemvJob], B: int) -> list:
+    """dec_gemv launches of a run of ``jobs`` in program order: each job at the first level after every
+    earlier job it depends on (reads what it writes, or writes what it reads or writes), each level in
+    launches of up to GEMV_JOBS jobs."""
+    def overlap(u, v):
+        return u[0] < v[1] and v[0] < u[1]
+    spans = [job.spans(B) for job in jobs]
+    levels: list[int] = []
+    for i, (reads, wr) in enumerate(spans):
+        deps = [levels[j] for j, (reads2, wr2) in enumerate(spans[:i])
+                if any(overlap(rd, wr2) for rd in reads) or any(overlap(wr, rd2) for rd2 in reads2)
+                or overlap(wr, wr2)]
+        levels.append(1 + max(deps, default=-1))
+    ops = []
+    for level in range(max(levels, default=-1) + 1):
+        group = [job for job, lv in zip(jobs, levels) if lv == level]
+        for i in range(0, len(group), decode.GEMV_JOBS):
+            ops += decode.gemv(group[i:i + decode.GEMV_JOBS], B)
+    return ops
+
+
+def fuse_step(ops: list, B: int, xtype: str) -> list:
+    """``ops`` (a step on B rows of element type ``xtype``) with each LayerNorm that feeds a token shift
+    fused with it (dec_ln_shift), and, for B <= GEMV_ROWS, each run of GEMMs (and the activations
+    applied in place to their outputs) between other ops replaced by dec_gemv launches (the
+    independent products of a run share a launch, each activation becomes its product's epilogue),
+    then each RWKV block's LoRA second layers, prep, WKV7 token and GroupNorm by dec_tmix."""
+    flat, out, run = flatten_ops(ops), [], []
+    gemv = B <= decode.GEMV_ROWS
+    i = 0
+    while i < len(flat):
+        job = _as_job(flat[i], xtype) if gemv and isinstance(flat[i], Gemm) else None
+        if job is None:
+            fused = _ln_shift(flat[i], flat[i + 1]) if i + 1 < len(flat) else []
+            out += _schedule(run, B) + (fused or [flat[i]])
+            run = []
+            i += 2 if fused else 1
+            continue
+        epi = _activation_of(flat[i + 1], job, B) if i + 1 < len(flat) else None
+        run.append(decode.GemvJob(**{**job.__dict__, "epilogue": epi or "none"}))
+        i += 2 if epi else 1
+    out += _schedule(run, B)
+    fused, i = [], 0
+    while i < len(out):
+        tmix = _time_mix(out[i:i + 4], B) if gemv else []
+        fused += tmix or [out[i]]
+        i += 4 if tmix else 1
+    return fused
+
+
 def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
              max_len: int, host_inputs: int, host_draws: int, host_next: int) -> list:
     """One step (needs no GPU): pinned ``host_inputs`` int32 [2B] (the tokens, then their positions) and
@@ -223,11 +366,12 @@ def step_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state
     int32 [B] out to pinned ``host_next``."""
     step = DecodeStepBuilder(layout, base, weights, state, max_len)
     B, V = layout.B, layout.cfg.vocab_size
+    model = fuse_step(step.forward() + step.head_logits(0), B, layout.xtype)
     return [CopyHtoD(step.buf("tokens"), host_inputs, 4 * B),
             CopyHtoD(state["pos"], host_inputs + 4 * B, 4 * B),
             CopyHtoD(state["u"], host_draws, 8 * B),
             CopyHtoD(state["opts"], host_draws + 8 * B, 8 * len(decode.SAMPLE_OPTS)),
-            *step.forward(), *step.head_logits(0),
+            *model,
             *decode.sample(step.buf("logits"), state["u"], state["opts"], state["next"], B, V),
             CopyDtoH(host_next, state["next"], 4 * B)]
 

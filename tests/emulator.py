@@ -205,12 +205,44 @@ def _dec_shift(mem, a, op):
     mem.write(a["prev"], prev)
 
 
+def _dec_ln_shift(mem, a, op):
+    B, C, n = op.grid[0], a["C"], a["nmix"]
+    x = mem.read(a["x"], B * C, (B, C))
+    y, mean, rstd = O.layernorm_forward(x, mem.read(a["w"], C), mem.read(a["b"], C), a["eps"], return_stats=True)
+    for name, v in (("mean_out", mean), ("rstd_out", rstd)):
+        if a[name]:
+            mem.write(a[name], v)
+    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(n)])
+    outs, prev = O.decode_shift(y, mem.read(a["prev"], B * C, (B, C)), mixes)
+    for j in range(n):
+        mem.write(a[f"o{j}"], outs[j])
+    mem.write(a["y"], y)
+    mem.write(a["prev"], prev)
+
+
 def _dec_wkv7(mem, a, op):
     N, H, B = _head_size(op), a["H"], op.grid[1]
     x = [mem.read(a[n], B * H * N, (B, H, N)) for n in "rwkvab"]
     y, state = O.decode_wkv7(*x, mem.read(a["state"], B * H * N * N, (B, H, N, N)))
     mem.write(a["y"], y)
     mem.write(a["state"], state)
+
+
+def _dec_tmix(mem, a, op):
+    from rwkvx.cu.decode import LORA2
+    N, H, B = _head_size(op), a["H"], op.grid[1]
+    C = H * N
+    ranks = {p: a[f"d{p}"] for p in LORA2 if a[f"h{p}"]}
+    hidden = {p: mem.read(a[f"h{p}"], B * d, (B, d)) for p, d in ranks.items()}
+    second = {p: mem.read(a[f"{p}2"], d * C, (d, C)) for p, d in ranks.items()}
+    rows = {n: mem.read(a[n], B * C, (B, C)) for n in ("r", "k", "v", "vf")}
+    vec = {n: mem.read(a[n], C) if a[n] else None for n in ("w0", "a0", "v0", "k_k", "k_a", "lnw", "lnb", "rk")}
+    z, state, v_first = O.decode_time_mix(
+        hidden, second, rows["r"], rows["k"], rows["v"], rows["vf"], vec["w0"], vec["a0"], vec["v0"], vec["k_k"],
+        vec["k_a"], mem.read(a["state"], B * H * N * N, (B, H, N, N)), vec["lnw"], vec["lnb"], vec["rk"], N)
+    mem.write(a["z"], z)
+    mem.write(a["state"], state)
+    mem.write(a["vf"], v_first)
 
 
 def _dec_moba(mem, a, op):
@@ -237,8 +269,26 @@ def _dec_moba(mem, a, op):
         mem.write(a["sel_out"], sel, "i32")
 
 
+def _dec_gemv(mem, a, op):
+    from rwkvx.cu.decode import GEMV_EPILOGUES, GEMV_JOBS, GEMV_KN
+    B = a["B"]
+    epilogue = {code: name for name, code in GEMV_EPILOGUES.items()}
+    for j in range(GEMV_JOBS):
+        n, k, mode = a[f"n{j}"], a[f"k{j}"], a[f"mode{j}"]
+        if not n:
+            continue
+        x, w = mem.read(a[f"x{j}"], B * k, (B, k)), mem.read(a[f"w{j}"], n * k)
+        kn = bool(mode & GEMV_KN)
+        out = O.decode_gemv(x, w.reshape((k, n) if kn else (n, k)), kn, epilogue[mode & (GEMV_KN - 1)])
+        if a[f"r{j}"]:
+            mem.write(a[f"r{j}"], mem.read(a[f"a{j}"], B * n, (B, n)) + out)
+        else:
+            mem.write(a[f"y{j}"], out)
+
+
 def _dec_sample(mem, a, op):
-    B, V = op.grid[0], a["V"]
+    from rwkvx.cu.decode import SAMPLE_CLUSTER
+    B, V = op.grid[0] // SAMPLE_CLUSTER, a["V"]
     logits = mem.read(a["logits"], B * V, (B, V)).astype(np.float32)
     mem.write(a["out"], O.decode_sample(logits, mem.read(a["u"], B, elem="f64"), mem.read(a["opts"], 3, elem="f64")),
               "i32")
@@ -252,4 +302,5 @@ KERNELS = {
     "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
     "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
     "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
+    "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift, "dec_tmix": _dec_tmix,
 }

@@ -31,6 +31,8 @@ CASES = {   # name: (config, B, T, prompt length of each sequence, prompt window
     "top_k_1_no_ln0": (dict(MOBA, moba_top_k=1, ln0=False), 2, 15, (13, 13), 16),
     "big_top_k_leftover": (dict(MOBA, n_rwkv_layer=5, moba_top_k=7, moba_chunk_size=2), 1, 19, (17,), 20),
     "rwkv_only": (dict(vocab_size=40, n_embd=32, head_size=16, n_rwkv_layer=2), 3, 12, (9, 2, 12), 12),
+    # more sequences than dec_gemv takes: the step with the forward's GEMMs (and dec_ln_shift)
+    "moba_b9": (dict(MOBA, n_rwkv_layer=2, n_attn_layer=1), 9, 12, (9, 2, 12, 5, 1, 8, 10, 3, 11), 12),
 }
 
 

@@ -5,7 +5,8 @@ earlier tokens."""
 import pytest
 
 from rwkvx import Config
-from rwkvx.decoder import WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len, state_sizes
+from rwkvx.decoder import (ACTIVATIONS, WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len,
+                           state_sizes, step_ops)
 from rwkvx.arena import Layout
 from rwkvx.precision import DEFAULT_PRECISION
 from rwkvx.cu import decode
@@ -81,6 +82,72 @@ def test_step_is_one_token_per_sequence(kwargs, B, window, max_len, P):
     saving = [op for op in flatten_ops(prefill) if isinstance(op, Launch) and op.name.startswith("wkv7")
               and any(value == ckpt for _, value in op.args)]
     assert len(saving) == cfg.n_rwkv_layer
+
+
+def step_kernels(cfg, B, precision, max_len=64):
+    """The launches and GEMMs of the decoder's step (step_ops) for B sequences."""
+    layout = Layout(cfg, B, 16, H200, precision, recompute=True)
+    weights_of = StepBuilder(layout, WEIGHTS, {})
+    state = carve(STATE, state_sizes(layout, max_len))
+    ops = step_ops(layout, BASE, {n: weights_of.buf(n) for n in WEIGHT_REGIONS}, state, max_len, 1 << 46, 1 << 47,
+                   1 << 48)
+    return [op for op in flatten_ops(ops) if isinstance(op, (Launch, Gemm))]
+
+
+def gemv_jobs(op):
+    """(x, w, out, n, k, mode) of each job of a dec_gemv launch."""
+    a = {name: value for (name, _), (_, value) in zip(decode.DEC_GEMV.params, op.args)}
+    return [(a[f"x{j}"], a[f"w{j}"], a[f"y{j}"] or a[f"r{j}"], a[f"n{j}"], a[f"k{j}"], a[f"mode{j}"])
+            for j in range(decode.GEMV_JOBS) if a[f"n{j}"]]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("B", [1, 8, 9])
+def test_step_fuses_its_layernorms_and_small_batch_products(B, precision):
+    """Each token shift runs with its LayerNorm (dec_ln_shift). Up to GEMV_ROWS rows the step's GEMMs and activations become dec_gemv launches: per RWKV block
+    the six (block 0) or seven products of the block input's mixes in one launch, the four LoRA
+    second layers in a second, then the output (with the residual), the key (with relu^2) and the value
+    (with the residual); per attention block r, k, v in one launch, then output, key and value; the
+    head in one. No product reads or writes the output of another of its launch. More rows keep the forward's GEMMs."""
+    cfg = Config(**CONFIGS[-1][0])
+    step = step_kernels(cfg, B, precision)
+    names = [op.name if isinstance(op, Launch) else "gemm" for op in step]
+    # at every batch size each token shift is fused with the LayerNorm that makes its row
+    assert "dec_shift" not in names and names.count("dec_ln_shift") == 2 * cfg.n_rwkv_layer + cfg.n_attn_layer
+    if B > decode.GEMV_ROWS:
+        assert "dec_gemv" not in names and "gemm" in names
+        return
+    assert "gemm" not in names and not set(ACTIVATIONS) & set(names)
+    launches = [gemv_jobs(op) for op in step if isinstance(op, Launch) and op.name == "dec_gemv"]
+    assert names.count("dec_tmix") == cfg.n_rwkv_layer and "tm_prep_fwd" not in names
+    assert len(launches) == 4 * cfg.n_rwkv_layer + 4 * cfg.n_attn_layer + 1
+    assert [len(jobs) for jobs in launches[:8]] == [6, 1, 1, 1, 7, 1, 1, 1]    # block 0: no value LoRA
+    assert [len(jobs) for jobs in launches[-5:]] == [3, 1, 1, 1, 1]           # the last attention block, the head
+    first = [op.name for op in step[names.index("dec_ln_shift"):names.index("dec_tmix") + 1]]
+    assert first == ["dec_ln_shift", "dec_gemv", "dec_tmix"]
+    for jobs in launches:
+        for i, (x, _, out, n, k, _) in enumerate(jobs):
+            elem = 2 if precision == "bf16" else 4
+            assert not any(x2 <= out < x2 + B * k2 * elem or out <= x2 < out + B * n * elem
+                           for j, (x2, _, _, _, k2, _) in enumerate(jobs) if j != i)
+    epilogues = {m & (decode.GEMV_KN - 1) for jobs in launches for *_, m in jobs}
+    assert epilogues == set(decode.GEMV_EPILOGUES.values())
+
+
+def test_small_batch_step_keeps_the_gemms_dec_gemv_cannot_take():
+    """bf16 rows of C = 4 channels are 8 bytes (and a packed weight may sit off 16 bytes): such Linear
+    products stay cuBLAS GEMMs (with their activation kernels); the LoRA products ([k, n] weights, no
+    alignment needed) all go to dec_gemv (first layers) and dec_tmix (second layers)."""
+    cfg = Config(vocab_size=16, n_embd=4, head_size=4, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=4,
+                 moba_top_k=2)
+    step = step_kernels(cfg, 1, "bf16")
+    gemms = [op for op in step if isinstance(op, Gemm)]
+    assert gemms and all(op.transa for op in gemms)
+    names = [op.name for op in step if isinstance(op, Launch)]
+    assert names.count("dec_tmix") == cfg.n_rwkv_layer and names.count("cm_relu_sq_forward") == cfg.n_blocks
+    lora = [job for op in step if isinstance(op, Launch) and op.name == "dec_gemv" for job in gemv_jobs(op)
+            if job[-1] & decode.GEMV_KN]
+    assert len(lora) == 3 + 4 * (cfg.n_rwkv_layer - 1)          # no value LoRA in block 0
 
 
 def test_moba_step_checks_its_shared_memory():

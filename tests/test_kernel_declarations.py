@@ -10,7 +10,7 @@ from rwkvx.runtime import DevPtr
 from rwkvx.runtime.kernel import F32_IN, INT, X_IN, X_OUT, Arg, KernelFile
 from rwkvx.runtime.nvrtc import CU_DIR
 
-_PROTO = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?'
+_PROTO = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:(?:__launch_bounds__|__cluster_dims__)\s*\([^)]*\)\s*)*'
                     r'(\w+)\s*\(([^)]*)\)', re.S)
 _C_TYPES = {"const floatX*": X_IN, "floatX*": X_OUT}
 for _elem, _c in (("bf16", "__nv_bfloat16"), ("f32", "float"), ("f64", "double"), ("i32", "int")):

@@ -1,11 +1,12 @@
-"""GPU tests of stateful generation: the single-token kernels of rwkvx/cu/decode/decode.cu against their twins
-(rwkvx.oracle.decode_shift / decode_wkv7 / decode_moba) in fp32 and bf16 (harness.KernelCase), the
+"""GPU tests of stateful generation: the single-token kernels of rwkvx/cu/decode/decode.cu and gemv.cu against
+their twins (rwkvx.oracle.decode_shift / decode_wkv7 / decode_time_mix / decode_moba / decode_gemv; dec_ln_shift
+against the LayerNorm twin then decode_shift) in fp32 and bf16 (harness.KernelCase), the
 device sampler dec_sample (rwkvx/cu/decode/sample.cu) against the sampling contract's numpy
 implementation token for token (rwkvx.oracle.decode_sample) and its frequencies against the contract's
 probabilities, then the
 whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in parallel plus one graph
 replay per token gives the forward's logits at every position from the prompt's last on (fp32: <= 1e-5
-relative), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
+relative; up to 8 sequences the fused step, 9 the step with the forward's GEMMs), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
 generate reuses the decoder kept on the model (same tokens, nothing rebuilt, new weights seen).
 """
 from __future__ import annotations
@@ -16,7 +17,9 @@ import pytest
 from harness import KernelCase, check, tolerance
 from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
-from rwkvx.oracle import Oracle, decode_moba, decode_sample, decode_shift, decode_wkv7, moba_block_means, rel_err
+from rwkvx.config import LN_EPS
+from rwkvx.oracle import (Oracle, decode_gemv, decode_moba, decode_sample, decode_shift, decode_time_mix, decode_wkv7,
+                          layernorm_forward, moba_block_means, rel_err)
 from rwkvx.cu import decode as D
 from rwkvx.runtime.dtypes import round_to
 from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
@@ -43,6 +46,29 @@ def test_dec_shift(case, dev, B, C, nmix):
     assert np.array_equal(out["prev"], new_prev), "prev must become x exactly"
 
 
+@pytest.mark.parametrize("B, C, nmix", [(1, 768, 6), (3, 64, 6), (8, 256, 1), (2, 4, 1)])
+def test_dec_ln_shift(case, B, C, nmix):
+    """The LayerNorm's twin, then dec_shift's on its output."""
+    rng = seeded_rng()
+    x = case.input("x", 2 + 3 * rng.standard_normal((B, C)), "f32")      # the residual stream: f32
+    w, b = (case.input(n, rng.standard_normal(C), "f32") for n in ("w", "b"))
+    y = case.output("y", (B, C), "f32")
+    mean, rstd = case.output("mean", B, "f32"), case.output("rstd", B, "f32")
+    prev = case.inout("prev", rng.standard_normal((B, C)), "f32")
+    mixes = [case.input(f"m{j}", rng.uniform(size=C), "f32") for j in range(nmix)]
+    outs = [case.output(f"o{j}", (B, C)) for j in range(nmix)]
+    out = case.run(D.ln_shift(x, w, b, y, mean, rstd, prev, mixes, outs, B, C, LN_EPS))
+    seen = case.seen
+    want_y, want_mean, want_rstd = layernorm_forward(seen["x"], seen["w"], seen["b"], LN_EPS, return_stats=True)
+    check("y", out["y"], want_y, FWD_TOL)
+    check("mean", out["mean"], want_mean, FWD_TOL)
+    check("rstd", out["rstd"], want_rstd, FWD_TOL)
+    want, _ = decode_shift(out["y"], seen["prev"], np.stack([seen[f"m{j}"] for j in range(nmix)]))
+    for j in range(nmix):
+        check(f"o{j}", out[f"o{j}"], want[j], tolerance(case.xtype, 1e-6))
+    assert np.array_equal(out["prev"], out["y"]), "prev must become y exactly"
+
+
 @pytest.mark.parametrize("B, H, N", [(1, 12, 64), (2, 3, 16), (3, 2, 128), (2, 4, 4), (1, 2, 32), (2, 2, 8)])
 def test_dec_wkv7(case, dev, B, H, N):
     rng = seeded_rng()
@@ -60,6 +86,78 @@ def test_dec_wkv7(case, dev, B, H, N):
     want_y, want_state = decode_wkv7(*(case.seen[n] for n in "rwkvab"), case.seen["state"])
     check("y", out["y"], want_y, tolerance(case.xtype, FWD_TOL))
     check("state", out["state"], want_state, FWD_TOL)       # fp32 in both element types
+
+
+# (B, H, N, layer, ranks w, a, v, g): the 0.1B shapes, ranks that do not split in four, layer 0 (no value LoRA)
+TMIX = [(1, 12, 64, 1, (64, 64, 32, 128)), (3, 2, 16, 0, (10, 6, 0, 7)), (2, 2, 128, 1, (8, 12, 5, 16)),
+        (2, 4, 4, 1, (4, 4, 4, 4)), (8, 3, 32, 0, (16, 16, 0, 32)), (1, 2, 8, 1, (3, 9, 2, 1))]
+
+
+@pytest.mark.parametrize("B, H, N, layer, ranks", TMIX)
+def test_dec_tmix(case, B, H, N, layer, ranks):
+    """z, the new state and v_first against the composed twins (LoRA products, prep, WKV7 token, GroupNorm)."""
+    rng = seeded_rng()
+    C = H * N
+    paths = [p for p, d in zip(D.LORA2, ranks) if d]
+    dims = dict(zip(D.LORA2, ranks))
+    hidden = {p: case.input(f"h{p}", np.tanh(rng.standard_normal((B, dims[p])))) for p in paths}
+    second = {p: case.input(f"{p}2", rng.standard_normal((dims[p], C)) / np.sqrt(dims[p])) for p in paths}
+    rows = {n: case.input(n, rng.standard_normal((B, C))) for n in ("r", "k", "v")}
+    vf = case.inout("vf", rng.standard_normal((B, C)))
+    vec = {n: case.input(n, lo + (hi - lo) * rng.uniform(size=C), "f32") for n, lo, hi in
+           (("w0", -6, -1), ("a0", -1, 1), ("v0", 0, 2), ("k_k", 0.5, 1), ("k_a", 0.5, 1.5), ("lnw", 0.5, 1.5),
+            ("lnb", -0.2, 0.2), ("rk", -0.3, 0.3)) if n != "v0" or layer}
+    state = case.inout("state", 0.3 * rng.standard_normal((B, H, N, N)), "f32")
+    z = case.output("z", (B, C))
+    out = case.run(D.tmix_step(hidden, second, dims, rows["r"], rows["k"], rows["v"], vf, vec["w0"], vec["a0"],
+                               vec.get("v0"), vec["k_k"], vec["k_a"], state, vec["lnw"], vec["lnb"], vec["rk"], z,
+                               B, H, N))
+    seen = case.seen
+    want_z, want_state, want_vf = decode_time_mix(
+        {p: seen[f"h{p}"] for p in paths}, {p: seen[f"{p}2"] for p in paths}, seen["r"], seen["k"], seen["v"],
+        seen["vf"], seen["w0"], seen["a0"], seen.get("v0"), seen["k_k"], seen["k_a"], seen["state"], seen["lnw"],
+        seen["lnb"], seen["rk"], N)
+    check("z", out["z"], want_z, tolerance(case.xtype, FWD_TOL))
+    check("state", out["state"], want_state, tolerance(case.xtype, FWD_TOL))  # from floatX intermediates
+    if layer:
+        assert np.array_equal(out["vf"], seen["vf"]), "v_first is only read after the first layer"
+    else:
+        assert np.array_equal(out["vf"], seen["v"]), "the first layer's v becomes v_first"
+
+
+# dec_gemv jobs (n, k, kn, epilogue, residual): column counts that leave partial tiles, a k range the
+# warps split unevenly, every epilogue, a residual add, a wide and a long product
+GEMV_JOBS = [(96, 64, False, "none", False), (40, 32, False, "tanh", False), (48, 64, True, "sigmoid", False),
+             (64, 20, True, "relu_sq", False), (64, 128, False, "none", True), (33, 96, True, "none", True),
+             (1000, 768, False, "none", False), (23, 3072, False, "relu_sq", False)]
+
+
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_dec_gemv(case, B):
+    """All eight jobs in one launch, each against its twin (a residual: its addend plus the product; the
+    first residual job adds another buffer, left as it was, the second adds to its output in place)."""
+    rng = seeded_rng()
+    jobs, addends = [], {}
+    for j, (n, k, kn, epi, res) in enumerate(GEMV_JOBS):
+        x = case.input(f"x{j}", rng.standard_normal((B, k)))
+        w = case.input(f"w{j}", rng.standard_normal((k, n) if kn else (n, k)) / np.sqrt(k))
+        if not res:
+            jobs.append(D.GemvJob(x, w, case.output(f"o{j}", (B, n)), n, k, kn, epi))
+        elif not addends:
+            addends[j] = f"a{j}"
+            addend = case.input(f"a{j}", rng.standard_normal((B, n)), "f32")
+            jobs.append(D.GemvJob(x, w, case.output(f"o{j}", (B, n), "f32"), n, k, kn, residual=True, addend=addend))
+        else:
+            addends[j] = f"o{j}"
+            jobs.append(D.GemvJob(x, w, case.inout(f"o{j}", rng.standard_normal((B, n)), "f32"), n, k, kn,
+                                  residual=True))
+    out = case.run(D.gemv(jobs, B))
+    for j, (n, k, kn, epi, res) in enumerate(GEMV_JOBS):
+        want = decode_gemv(case.seen[f"x{j}"], case.seen[f"w{j}"], kn, epi)
+        if res:                  # fp32 out in every precision: the products of the rounded inputs, summed in fp32
+            check(f"o{j}", out[f"o{j}"], case.seen[addends[j]] + want, FWD_TOL)
+        else:
+            check(f"o{j}", out[f"o{j}"], want, tolerance(case.xtype, FWD_TOL))
 
 
 # (B, H, N, chunk, top_k, positions): first / middle / last token of a block, fewer and more past blocks
@@ -197,6 +295,9 @@ DECODE = {   # name: (config, B, T, prompt length)
     "big_top_k": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1,
                        moba_chunk_size=4, moba_top_k=6), 3, 48, 1),
     "rwkv_only": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3), 2, 40, 7),
+    # more sequences than dec_gemv takes: the step keeps the forward's GEMMs
+    "moba_b9": (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=8,
+                     moba_top_k=2), 9, 40, 30),
     "C256_N64": (dict(vocab_size=300, n_embd=256, head_size=64, n_rwkv_layer=2, n_attn_layer=1,
                       moba_chunk_size=32, moba_top_k=3), 1, 160, 40),
 }

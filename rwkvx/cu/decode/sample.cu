@@ -13,10 +13,17 @@
 // mass (from the top) reaches the target.
 // Three descents: the top-k cut (mass 1 per token), the nucleus (the contract's weights), the draw.
 //
+// A row is read by a cluster of SMP_CLUSTER blocks (one per SM, the passes over the row shared out:
+// a single block's passes over V = 65536 logits made the kernel a third of a batch-1 generation step):
+// each block takes every SMP_CLUSTER-th run of SMP_THREADS logits, and every block combines the
+// blocks' partial results (a maximum, integer sums, the 256 bucket masses of a descent's level) from
+// their shared memory (distributed shared memory, between cluster barriers), so each takes the same
+// decisions. Integer sums do not depend on the order, so the result is the single block's.
+//
 // SMP_* constants come from rwkvx/cu/decode/ops.py (which takes them from rwkvx/sampling.py).
 
 #include "common.cuh"
-#if !defined(SMP_THREADS) || !defined(SMP_WEIGHT_BITS) || !defined(SMP_EXP_COEFFS)
+#if !defined(SMP_THREADS) || !defined(SMP_WEIGHT_BITS) || !defined(SMP_EXP_COEFFS) || !defined(SMP_CLUSTER)
 #error "decode/sample.cu: the SMP_* constants come from rwkvx/cu/decode/ops.py"
 #endif
 
@@ -24,6 +31,7 @@ namespace smp {
 typedef unsigned long long u64;
 constexpr int NT = SMP_THREADS;
 constexpr int NW = NT / 32;
+constexpr int CL = SMP_CLUSTER;
 __constant__ double EXP_C[] = {SMP_EXP_COEFFS};
 constexpr int DEGREE = sizeof(EXP_C) / sizeof(EXP_C[0]) - 1;
 static_assert(NT % 32 == 0, "SMP_THREADS: whole warps");
@@ -58,36 +66,59 @@ __device__ __forceinline__ u64 weight(float zf, double m, double T) {
 
 struct Shared {
     u64 hist[NW * 256];        // one histogram per warp: same-bucket atomics contend within a warp only
+    u64 local[256];            // this block's bucket masses (read by the cluster's blocks)
+    u64 total[256];            // the cluster's bucket masses
     u64 warp[NW];
+    u64 part;                  // this block's partial max / sum (read by the cluster's blocks)
     u64 prefix, above, through;
 };
 
-// the mass of bucket b over every warp's histogram
-__device__ __forceinline__ u64 bucket(const Shared& sh, int b) {
-    u64 m = 0;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) m += sh.hist[w * 256 + b];
-    return m;
+// every block of the cluster has arrived: its shared-memory writes before are seen by the others'
+// reads after (release / acquire), and its reads before are done
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 
-// an integer sum over the block (exact, so any order gives it); every thread gets it
-__device__ __forceinline__ u64 block_sum(u64 v, Shared& sh) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) sh.warp[threadIdx.x >> 5] = v;
-    __syncthreads();
-    u64 s = 0;
-    for (int w = 0; w < NW; ++w) s += sh.warp[w];
-    __syncthreads();
-    return s;
+// the u64 at p (in this block's shared memory) in the shared memory of the cluster's block `rank`
+__device__ __forceinline__ u64 remote(const u64* p, unsigned rank) {
+    unsigned addr;
+    u64 v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
+    return v;
 }
 
-__device__ __forceinline__ u64 block_max(u64 v, Shared& sh) {
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// this thread's logits: run rank, rank + CL, ... of SMP_THREADS consecutive logits
+template <class F>
+__device__ __forceinline__ void for_my_logits(const floatX* row, int V, F f) {
+    for (int i = cluster_rank() * NT + threadIdx.x; i < V; i += CL * NT) f(to_f32(row[i]), i);
+}
+
+// an integer sum (MAX: a maximum) over the cluster's threads (exact, so any order gives it); every
+// thread gets it
+template <bool MAX>
+__device__ __forceinline__ u64 cluster_reduce(u64 v, Shared& sh) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? max(v, u) : v + u;
+    }
     if ((threadIdx.x & 31) == 0) sh.warp[threadIdx.x >> 5] = v;
     __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 s = 0;
+        for (int w = 0; w < NW; ++w) s = MAX ? max(s, sh.warp[w]) : s + sh.warp[w];
+        sh.part = s;
+    }
+    cluster_sync();
     u64 s = 0;
-    for (int w = 0; w < NW; ++w) s = max(s, sh.warp[w]);
-    __syncthreads();
+    for (int r = 0; r < CL; ++r) s = MAX ? max(s, remote(&sh.part, r)) : s + remote(&sh.part, r);
+    cluster_sync();
     return s;
 }
 
@@ -102,18 +133,30 @@ __device__ u64 descend(const floatX* row, int V, double m, double T, u64 target,
         __syncthreads();
         const u64 prefix = sh.prefix;
         const u64 hi = shift == 56 ? 0ull : ~0ull << (shift + 8);     // the bytes chosen so far
-        for (int i = tid; i < V; i += NT) {
-            const float z = to_f32(row[i]);
+        for_my_logits(row, V, [&](float z, int i) {
             const u64 key = order_key(z, i);
-            if ((key & hi) != prefix) continue;
+            if ((key & hi) != prefix) return;
             const u64 mass = COUNT ? 1ull : weight(z, m, T);
             if (mass) atomicAdd(&sh.hist[(tid >> 5) * 256 + (int)((key >> shift) & 255)], mass);
-        }
+        });
         __syncthreads();
+        for (int b = tid; b < 256; b += NT) {
+            u64 own = 0;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) own += sh.hist[w * 256 + b];
+            sh.local[b] = own;
+        }
+        cluster_sync();
+        for (int b = tid; b < 256; b += NT) {
+            u64 all = 0;
+            for (int r = 0; r < CL; ++r) all += remote(&sh.local[b], r);
+            sh.total[b] = all;
+        }
+        cluster_sync();    // every block has read the others' masses (and its own totals are written)
         if (tid < 32) {    // warp 0: lane l holds buckets 255-8l .. 248-8l; the running mass from the top
             u64 own = 0;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) own += bucket(sh, 255 - 8 * tid - j);
+            for (int j = 0; j < 8; ++j) own += sh.total[255 - 8 * tid - j];
             u64 run = own;
             for (int o = 1; o < 32; o <<= 1) {
                 const u64 up = __shfl_up_sync(0xffffffffu, run, o);
@@ -125,9 +168,9 @@ __device__ u64 descend(const floatX* row, int V, double m, double T, u64 target,
             if (tid == lane) {
                 u64 acc = sh.above + run - own;
                 int b = 255 - 8 * tid;
-                while (acc + bucket(sh, b) < target) acc += bucket(sh, b--);
+                while (acc + sh.total[b] < target) acc += sh.total[b--];
                 sh.above = acc;
-                sh.through = acc + bucket(sh, b);
+                sh.through = acc + sh.total[b];
                 sh.prefix = prefix | ((u64)b << shift);
             }
         }
@@ -138,24 +181,28 @@ __device__ u64 descend(const floatX* row, int V, double m, double T, u64 target,
 }  // namespace smp
 
 // ---------------------------------------------------------------------------------------------
-// grid (B), block SMP_THREADS.  logits floatX [B, V]; u double [B] in [0, 1); opts double [3]:
-// temperature, top_p, top_k (0: no limit); out int [B]: the chosen token of each row.
+// grid (B * SMP_CLUSTER), clusters of SMP_CLUSTER blocks (one row each), block SMP_THREADS.
+// logits floatX [B, V]; u double [B] in [0, 1); opts double [3]: temperature, top_p, top_k (0: no
+// limit); out int [B]: the chosen token of each row.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+// (the minimum of 1 block an SM: without it ptxas held the build to 40 registers and spilled)
+extern "C" __global__ void __cluster_dims__(SMP_CLUSTER, 1, 1) __launch_bounds__(SMP_THREADS, 1)
 dec_sample(const floatX* __restrict__ logits, const double* __restrict__ u, const double* __restrict__ opts,
            int* __restrict__ out, int V)
 {
     using namespace smp;
     __shared__ Shared sh;
-    const floatX* row = logits + (size_t)blockIdx.x * V;
+    const int rowi = blockIdx.x / CL;
+    const bool writer = cluster_rank() == 0 && threadIdx.x == 0;
+    const floatX* row = logits + (size_t)rowi * V;
     const double T = opts[0], top_p = opts[1];
     const long long top_k = (long long)opts[2];
 
     u64 best = 0;                                       // the first token of the order
-    for (int i = threadIdx.x; i < V; i += NT) best = max(best, order_key(to_f32(row[i]), i));
-    best = block_max(best, sh);
+    for_my_logits(row, V, [&](float z, int i) { best = max(best, order_key(z, i)); });
+    best = cluster_reduce<true>(best, sh);
     if (T == 0.0 || top_k == 1) {
-        if (threadIdx.x == 0) out[blockIdx.x] = key_token(best);
+        if (writer) out[rowi] = key_token(best);
         return;
     }
     const double m = (double)clean(to_f32(row[key_token(best)]));
@@ -163,16 +210,15 @@ dec_sample(const floatX* __restrict__ logits, const double* __restrict__ u, cons
     u64 cut = 0;                                        // keys >= cut are kept (top-k)
     if (top_k > 1 && top_k < V) cut = descend<true>(row, V, m, T, (u64)top_k, sh);
     u64 mine = 0;
-    for (int i = threadIdx.x; i < V; i += NT) {
-        const float z = to_f32(row[i]);
+    for_my_logits(row, V, [&](float z, int i) {
         if (order_key(z, i) >= cut) mine += weight(z, m, T);
-    }
-    const u64 S = block_sum(mine, sh);
+    });
+    const u64 S = cluster_reduce<false>(mine, sh);
     const u64 target = max(1ull, (u64)ceil(__dmul_rn(top_p, (double)S)));
     descend<false>(row, V, m, T, target, sh);
     const u64 N = sh.through;                           // the nucleus's mass
-    u64 t = (u64)floor(__dmul_rn(u[blockIdx.x], (double)N));
+    u64 t = (u64)floor(__dmul_rn(u[rowi], (double)N));
     if (t >= N) t = N - 1;
     const u64 chosen = descend<false>(row, V, m, T, t + 1, sh);
-    if (threadIdx.x == 0) out[blockIdx.x] = key_token(chosen);
+    if (writer) out[rowi] = key_token(chosen);
 }
