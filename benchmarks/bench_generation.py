@@ -20,6 +20,10 @@ fed are a fixed random sequence, so every row does the same work.
   greedy: ``dec_sample``'s one pass), and the memory floor of a step: the bytes it must read (every
   weight but the embedding's, in the GEMM operand type, and the WKV state read and written, fp32) at
   4.3 TB/s, with the share of it the greedy graph reaches.
+* GPU, against an outside reference (``test_gpu_generate_against_the_rwkv_package``): ``generate`` on the
+  rwkv7-0.1b weights beside the ``rwkv`` pip package (ChatRWKV's engine) on the same weights exported
+  as an RWKV-LM ``.pth``: tokens/s of each by wall clock and their ratio; skipped without PyTorch (CUDA)
+  or the package.
 
 Run: ``python -m pytest benchmarks/bench_generation.py --benchmark-columns=mean,rounds`` (GPU rows skip
 without a GPU).
@@ -246,3 +250,57 @@ def test_gpu_dec_sample(benchmark, dev, B):
     finally:
         for buf in bufs.values():
             buf.close()
+
+
+# ------------------------------------------------------------------ GPU: the rwkv package, an outside reference
+RWKV_PACKAGE_NEW = 256            # tokens generated after the 512-token prompt
+
+
+def test_gpu_generate_against_the_rwkv_package(benchmark, dev, tmp_path, monkeypatch):
+    """Generation at batch 1 by wall clock, rwkvx against the ``rwkv`` pip package (ChatRWKV's engine:
+    ``RWKV_V7_ON=1``, strategy "cuda bf16", PyTorch ops per token, no graph) on the same weights: the
+    rwkv7-0.1b preset's random initialisation, exported by rwkvx as an RWKV-LM ``.pth``. Each generates
+    RWKV_PACKAGE_NEW tokens after a PROMPT-token prompt, temperature 0.8 and top-p 0.9, the package with
+    its own sampler (``PIPELINE.sample_logits``), rwkvx with ``generate`` on a built model (its decoder
+    kept). Skipped where PyTorch with CUDA or the ``rwkv`` package is missing (the package is an outside
+    reference only)."""
+    import rwkvx
+    from rwkvx.checkpoint import export_rwkv7_pth
+    from rwkvx.model import Model
+    torch = pytest.importorskip("torch", reason="the rwkv package runs on PyTorch, which is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch sees no CUDA device")
+    monkeypatch.setenv("RWKV_V7_ON", "1")              # read when rwkv.model is imported
+    monkeypatch.setenv("RWKV_CUDA_ON", "0")
+    rwkv_model = pytest.importorskip("rwkv.model", reason="the rwkv package is not installed")
+    rwkv_utils = pytest.importorskip("rwkv.utils", reason="the rwkv package is not installed")
+    cfg = Config(**get_preset("rwkv7-0.1b")["model"])
+    params = init_params(cfg, 0)
+    export_rwkv7_pth(tmp_path / "model.pth", cfg, params, dtype="bf16")
+    prompt = np.random.default_rng(2).integers(0, cfg.vocab_size, PROMPT)
+    package = rwkv_model.RWKV(model=str(tmp_path / "model"), strategy="cuda bf16")
+
+    def package_generate():
+        logits, state = package.forward(prompt.tolist(), None)
+        for _ in range(RWKV_PACKAGE_NEW):
+            token = rwkv_utils.PIPELINE.sample_logits(None, logits, temperature=0.8, top_p=0.9)
+            logits, state = package.forward(token, state)
+        torch.cuda.synchronize()
+
+    model = Model(cfg, params, 1, 1, precision="bf16")
+    rwkvx.generate(model, prompt, 1)                   # builds the decoder kept on the model
+
+    def rwkvx_generate():
+        rwkvx.generate(model, prompt, RWKV_PACKAGE_NEW, temperature=0.8, top_p=0.9)
+
+    rates = {}
+    for name, fn in (("rwkv_package", package_generate), ("rwkvx", rwkvx_generate)):
+        fn()                                           # warm-up: kernels, caches
+        t0 = time.perf_counter()
+        fn()
+        rates[name] = RWKV_PACKAGE_NEW / (time.perf_counter() - t0)
+    benchmark.pedantic(rwkvx_generate, rounds=1, iterations=1)
+    benchmark.extra_info.update({f"{k}_tokens_per_s": round(v, 1) for k, v in rates.items()})
+    benchmark.extra_info["ratio"] = round(rates["rwkvx"] / rates["rwkv_package"], 2)
+    print(f"\nrwkv7-0.1b bf16 batch 1, {PROMPT}-token prompt + {RWKV_PACKAGE_NEW}: rwkvx {rates['rwkvx']:.0f} "
+          f"tokens/s, rwkv package {rates['rwkv_package']:.0f} tokens/s ({rates['rwkvx'] / rates['rwkv_package']:.1f}x)")
