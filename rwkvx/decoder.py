@@ -246,6 +246,9 @@ def _ln_shift(ln: Any, shift: Any) -> list:
     a, s = _args(ln), _args(shift)
     if a["y"] is None or a["y"] != s["x"] or a["y"].elem != "f32" or (a["R"], a["C"]) != (s["B"], s["C"]):
         return []
+    written = [s["prev"]] + [s[f"o{j}"] for j in range(s["nmix"])]
+    if a["x"] == a["y"] or any(p in (a["x"], a["y"]) for p in written):   # dec_ln_shift: nothing aliases
+        return []
     n = s["nmix"]
     return decode.ln_shift(a["x"], a["w"], a["b"], a["y"], a["mean_out"], a["rstd_out"], s["prev"],
                            [s[f"m{j}"] for j in range(n)], [s[f"o{j}"] for j in range(n)], s["B"], s["C"], a["eps"])
@@ -284,12 +287,12 @@ def _time_mix(ops: list, B: int) -> list:
                             w["H"], C // w["H"])
 
 
-def _as_job(g: Gemm, xtype: str) -> decode.GemvJob | None:
-    """The dec_gemv job of GEMM ``g`` (rwkvx.runtime.gemm's linear or matmul on dense operands: the
-    weight is A, the activations B), or None if dec_gemv cannot compute it."""
+def _as_job(g: Gemm, B: int, xtype: str) -> decode.GemvJob | None:
+    """The dec_gemv job of GEMM ``g`` on B rows (rwkvx.runtime.gemm's linear or matmul on dense operands:
+    the weight is A, the activations B), or None if dec_gemv cannot compute it."""
     p = g.precision
     kn = not g.transa                       # linear: A = W [n, k] transposed; matmul: A = W [k, n]
-    if g.transb or g.alpha != 1.0 or g.beta not in (0.0, 1.0) or g.ldb != g.k or g.ldc != g.m \
+    if g.n != B or g.transb or g.alpha != 1.0 or g.beta not in (0.0, 1.0) or g.ldb != g.k or g.ldc != g.m \
             or g.lda != (g.m if kn else g.k):
         return None
     residual = g.beta == 1.0                # D = C + product (C: the residual stream)
@@ -340,7 +343,7 @@ def fuse_step(ops: list, B: int, xtype: str) -> list:
     gemv = B <= decode.GEMV_ROWS
     i = 0
     while i < len(flat):
-        job = _as_job(flat[i], xtype) if gemv and isinstance(flat[i], Gemm) else None
+        job = _as_job(flat[i], B, xtype) if gemv and isinstance(flat[i], Gemm) else None
         if job is None:
             fused = _ln_shift(flat[i], flat[i + 1]) if i + 1 < len(flat) else []
             out += _schedule(run, B) + (fused or [flat[i]])

@@ -69,13 +69,13 @@ def rebased(ops, moves: dict[int, int]) -> list:
 
 
 def without_weight_gradients(ops: StepOps, grads: tuple[int, int]) -> StepOps:
-    """``ops`` without the GEMMs whose output lies in ``grads`` (the address range of the parameters'
+    """``ops`` without the GEMMs whose output (D) lies in ``grads`` (the address range of the parameters'
     gradients): under state tuning nothing reads them. The kernels that compute a parameter gradient
     together with an input gradient (LayerNorm, time mix, channel mix) still run."""
     lo, hi = grads
 
     def keep(lst: list) -> list:
-        return [op for op in flatten_ops(lst) if not (isinstance(op, Gemm) and lo <= op.C < hi)]
+        return [op for op in flatten_ops(lst) if not (isinstance(op, Gemm) and lo <= op.D < hi)]
 
     return dataclasses.replace(ops, loss=keep(ops.loss), backward=keep(ops.backward), grad_ready=[])
 

@@ -110,3 +110,18 @@ def test_trainer_config_and_lean_trajectory():
     apart = np.sqrt(sum(np.sum((pl[n] - pf[n]).astype(np.float64) ** 2) for n in p0))
     assert 0 < apart <= PARAM_BOUND * moved, (apart / moved, PARAM_BOUND)
     assert max(abs(a - b) for a, b in zip(loss_f, loss_l)) <= LOSS_BOUND
+
+
+def test_cli_lean_run_resumes_and_a_standard_run_cannot_turn_lean(tmp_path, capsys):
+    from rwkvx.cli import main
+    from test_cli import TINY
+    lean, standard = tmp_path / "lean", tmp_path / "standard"
+    assert main(["train", *TINY, "--steps", "2", "--optimizer-memory", "lean", "--out", str(lean)]) == 0
+    assert main(["train", "--resume", str(lean), "--steps", "3", "--no-progress"]) == 0
+    assert main(["train", *TINY, "--steps", "2", "--out", str(standard)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--resume", str(standard), "--steps", "3", "--optimizer-memory", "lean"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot resume with bf16 moments" in err[0]

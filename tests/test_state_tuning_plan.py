@@ -59,7 +59,7 @@ def test_state_tuning_step_plan(precision, recompute, B):
     frozen = without_weight_gradients(ops, (lo, hi))
     gemms = [op for op in flatten_ops(ops.step) if isinstance(op, Gemm)]
     kept = [op for op in flatten_ops(frozen.step) if isinstance(op, Gemm)]
-    assert kept == [op for op in gemms if not lo <= op.C < hi] and len(kept) < len(gemms)
+    assert kept == [op for op in gemms if not lo <= op.D < hi] and len(kept) < len(gemms)
     assert [op for op in flatten_ops(frozen.step) if not isinstance(op, Gemm)] == \
         [op for op in flatten_ops(ops.step) if not isinstance(op, Gemm)]
 
