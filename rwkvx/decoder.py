@@ -260,7 +260,7 @@ def _gemv_jobs(op: Launch) -> list[decode.GemvJob]:
     return [decode.GemvJob(a[f"x{j}"], a[f"w{j}"], a[f"y{j}"] or a[f"r{j}"], a[f"n{j}"], a[f"k{j}"],
                            bool(a[f"mode{j}"] & decode.GEMV_KN),
                            {c: e for e, c in decode.GEMV_EPILOGUES.items()}[a[f"mode{j}"] & (decode.GEMV_KN - 1)],
-                           a[f"r{j}"] is not None, a[f"a{j}"])
+                           a[f"r{j}"] is not None, a[f"a{j}"], dict(op.defines).get("GEMV_TF32") == "1")
             for j in range(decode.GEMV_JOBS) if a[f"n{j}"]]
 
 
@@ -297,7 +297,7 @@ def _as_job(g: Gemm, B: int, xtype: str) -> decode.GemvJob | None:
         return None
     residual = g.beta == 1.0                # D = C + product (C: the residual stream)
     job = decode.GemvJob(DevPtr(g.B, p.b), DevPtr(g.A, p.a), DevPtr(g.D, p.c), g.m, g.k, kn, residual=residual,
-                         addend=DevPtr(g.C, p.c) if residual else None)
+                         addend=DevPtr(g.C, p.c) if residual else None, tf32=p.compute == "tf32")
     return job if decode.gemv_supports(job, g.n, xtype) else None
 
 

@@ -101,7 +101,7 @@ def gemv_jobs(op):
             for j in range(decode.GEMV_JOBS) if a[f"n{j}"]]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 @pytest.mark.parametrize("B", [1, 8, 9])
 def test_step_fuses_its_layernorms_and_small_batch_products(B, precision):
     """Each token shift runs with its LayerNorm (dec_ln_shift). Up to GEMV_ROWS rows the step's GEMMs and activations become dec_gemv launches: per RWKV block
@@ -118,7 +118,10 @@ def test_step_fuses_its_layernorms_and_small_batch_products(B, precision):
         assert "dec_gemv" not in names and "gemm" in names
         return
     assert "gemm" not in names and not set(ACTIVATIONS) & set(names)
-    launches = [gemv_jobs(op) for op in step if isinstance(op, Launch) and op.name == "dec_gemv"]
+    gemvs = [op for op in step if isinstance(op, Launch) and op.name == "dec_gemv"]
+    # the tf32 precision's products round their operands to TF32, as its GEMMs do
+    assert {dict(op.defines)["GEMV_TF32"] for op in gemvs} == {"1" if precision == "tf32" else "0"}
+    launches = [gemv_jobs(op) for op in gemvs]
     assert names.count("dec_tmix") == cfg.n_rwkv_layer and "tm_prep_fwd" not in names
     assert len(launches) == 4 * cfg.n_rwkv_layer + 4 * cfg.n_attn_layer + 1
     assert [len(jobs) for jobs in launches[:8]] == [6, 1, 1, 1, 7, 1, 1, 1]    # block 0: no value LoRA

@@ -1,5 +1,6 @@
 // rwkvx/cu/mma.cuh -- tensor-core pieces that MoBA's moba/mma.cu and WKV7's wkv7/chunked.cu share: rounding
-// fp32 to tf32, the mma.sync m16n8k8 tf32 product and the lanes of its accumulator (C) fragments.
+// fp32 to tf32 (also the decode GEMV's operands in tf32), the mma.sync m16n8k8 tf32 product and the lanes of
+// its accumulator (C) fragments.
 //
 // Fragments (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32), g = lane / 4, q = lane % 4:
 //   A 16x8 (row): a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4);  B 8x8 (col): b0 (q, g), b1 (q+4, g);

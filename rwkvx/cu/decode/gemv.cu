@@ -9,7 +9,9 @@
 // [n_j, k_j] (a Linear's weight: mode_j & GEMV_KN clear) or [k_j, n_j] (a LoRA matrix: GEMV_KN set);
 // rows 16-byte aligned, k_j a multiple of 16 bytes of floatX. epi_j = mode_j & 7: none, GEMV_TANH,
 // GEMV_SIGMOID, GEMV_RELU_SQ. An activation reads the product rounded to floatX, as the forward's
-// activation kernel reads the GEMM's output buffer; a residual adds the unrounded fp32 sum.
+// activation kernel reads the GEMM's output buffer; a residual adds the unrounded fp32 sum. With the
+// variant GEMV_TF32 = 1 (the tf32 precision) both operands are rounded to TF32 as the forward's tensor-core
+// GEMMs round them (cvt.rna), so the decode step multiplies what the forward multiplies.
 //
 // The grid is the jobs' tiles one after another. A [n_j, k_j] job is split in S = 2^(mode_j >>
 // GEMV_KS_SHIFT) contiguous k-slices (long rows: more blocks, more loads in flight): a tile has
@@ -21,7 +23,8 @@
 // Constants (GEMV_*) come from rwkvx/cu/decode/ops.py.
 
 #include "common.cuh"
-#if !defined(GEMV_JOBS) || !defined(GEMV_ROWS) || !defined(GEMV_WARPS) || !defined(GEMV_CPW) || \
+#include "mma.cuh"
+#if !defined(GEMV_TF32) || !defined(GEMV_JOBS) || !defined(GEMV_ROWS) || !defined(GEMV_WARPS) || !defined(GEMV_CPW) || \
     !defined(GEMV_KN) || !defined(GEMV_KS_SHIFT) || !defined(GEMV_TANH) || !defined(GEMV_SIGMOID) || !defined(GEMV_RELU_SQ)
 #error "decode/gemv.cu: the GEMV_* constants come from rwkvx/cu/decode/ops.py"
 #endif
@@ -35,6 +38,9 @@ constexpr int VW = 16 / (int)sizeof(floatX);      // floatX elements per 16-byte
 constexpr int LIN_COLS = WARPS * CPW;              // columns of a [n, k] tile
 constexpr int KN_COLS = 32;                        // columns of a [k, n] tile
 
+// an operand as the product takes it: TF32-rounded in the tf32 precision, else as stored
+__device__ __forceinline__ float operand(float v) { return GEMV_TF32 ? round_tf32(v) : v; }
+
 // the 16-byte vector at p, widened to fp32 (p 16-byte aligned); weights are streamed (read once a step)
 template <bool STREAM>
 __device__ __forceinline__ void load_vec(const floatX* p, float* out) {
@@ -46,7 +52,7 @@ __device__ __forceinline__ void load_vec(const floatX* p, float* out) {
         out[2 * i] = __uint_as_float(w[i] << 16);
         out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
 #else
-        out[i] = __uint_as_float(w[i]);
+        out[i] = operand(__uint_as_float(w[i]));
 #endif
     }
 }
@@ -140,10 +146,10 @@ __device__ __forceinline__ void tile_kn(const floatX* __restrict__ x, const floa
     if (col < n) {
 #pragma unroll 4
         for (int k = k0; k < k1; ++k) {
-            const float w = to_f32(W[(long long)k * n + col]);
+            const float w = operand(to_f32(W[(long long)k * n + col]));
 #pragma unroll
             for (int b = 0; b < ROWS; ++b)
-                if (b < B) acc[b] = fmaf(w, to_f32(x[(long long)b * K + k]), acc[b]);
+                if (b < B) acc[b] = fmaf(w, operand(to_f32(x[(long long)b * K + k])), acc[b]);
         }
     }
 #pragma unroll

@@ -84,7 +84,7 @@ GEMV_EPILOGUES = {"none": 0, "tanh": 1, "sigmoid": 2, "relu_sq": 3}
 GEMV_KN = 8              # mode bit: the weight is stored [k, n]
 GEMV_KS_SHIFT = 4        # mode >> GEMV_KS_SHIFT: log2 of a [n, k] job's k-slices
 GEMV_SLICE_BYTES = 1024  # a [n, k] job's k-slices span at least this much of a weight row (2 vectors a lane)
-GEMV_CU = KernelFile("decode/gemv", constants={
+GEMV_CU = KernelFile("decode/gemv", variants={"GEMV_TF32": (0, 1)}, constants={
     "GEMV_JOBS": GEMV_JOBS, "GEMV_ROWS": GEMV_ROWS, "GEMV_WARPS": GEMV_WARPS, "GEMV_CPW": GEMV_CPW,
     "GEMV_KN": GEMV_KN, "GEMV_KS_SHIFT": GEMV_KS_SHIFT,
     **{f"GEMV_{e.upper()}": c for e, c in GEMV_EPILOGUES.items() if c}})
@@ -101,7 +101,8 @@ class GemvJob:
     """One product of :func:`gemv`: ``out`` [B, n] = epilogue(x [B, k] @ W), W = ``w`` stored [n, k]
     (a Linear's weight, ``kn`` False) or [k, n] (``kn`` True); with ``residual`` out (fp32) = the
     product + ``addend`` (fp32 [B, n]; None: out itself) instead (epilogue "none"). x and w are floatX;
-    out is floatX, or fp32 for a residual."""
+    out is floatX, or fp32 for a residual. ``tf32``: the operands are rounded to TF32 first (fp32 operands
+    of the tf32 precision, as its GEMMs take them)."""
     x: DevPtr
     w: DevPtr
     out: DevPtr
@@ -111,6 +112,7 @@ class GemvJob:
     epilogue: str = "none"
     residual: bool = False
     addend: DevPtr | None = None
+    tf32: bool = False
 
     def spans(self, B: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
         """The byte ranges [start, end) it reads (of x, and of the addend) and the one it writes (out)."""
@@ -148,6 +150,8 @@ def gemv_supports(job: GemvJob, B: int, xtype: str) -> bool:
         return False
     if job.addend is not None and (not job.residual or job.addend.elem != "f32"):
         return False
+    if job.tf32 and xtype != "f32":
+        return False
     return job.kn or ((job.k * ELEM_BYTES[xtype]) % 16 == 0 and int(job.x) % 16 == 0 and int(job.w) % 16 == 0)
 
 
@@ -160,6 +164,8 @@ def gemv(jobs: list[GemvJob], B: int) -> list:
     for i, job in enumerate(jobs):
         if not gemv_supports(job, B, xtype):
             raise ValueError(f"decode.gemv: job {i} ({job}) is not supported on B={B} {xtype} rows")
+    if len({job.tf32 for job in jobs}) > 1:
+        raise ValueError("decode.gemv: the jobs of one launch all round to TF32 or none does")
     spans = [job.spans(B) for job in jobs]
     for i, (_, out) in enumerate(spans):
         for j, (reads, wr) in enumerate(spans):
@@ -177,7 +183,8 @@ def gemv(jobs: list[GemvJob], B: int) -> list:
                      f"mode{j}": (GEMV_EPILOGUES[job.epilogue] | (GEMV_KN if job.kn else 0)
                                   | gemv_slices(job) << GEMV_KS_SHIFT) if job else 0})
     grid = sum(gemv_tiles(job) for job in jobs)
-    return [DEC_GEMV.launch((grid, 1, 1), (32 * GEMV_WARPS, 1, 1), xtype=xtype, **args, B=B)]
+    return [DEC_GEMV.launch((grid, 1, 1), (32 * GEMV_WARPS, 1, 1), xtype=xtype,
+                            variant={"GEMV_TF32": int(jobs[0].tf32)}, **args, B=B)]
 
 
 def moba_smem_bytes(N: int, chunk: int, top_k: int, maxblk: int) -> int:
