@@ -3,7 +3,10 @@ the buffers its arguments point at, GEMMs are column-major float64 products, cop
 
 What this checks is the plumbing of a plan (which buffer each op reads and writes, offsets, strides,
 sizes, the order of ops), not the CUDA code: the kernels' own tests (tests/gpu) compare them to the same
-twins. Only the kernels the forward and the decoder's step use are emulated; an unknown kernel raises.
+twins. The kernels the forward and the decoder's step use are emulated, and of the backward those down
+to a block's time mix output: the loss, LayerNorm's and the channel mix's input gradients. The parameter
+gradients' partial sums (ln_backward_dwdb, cm_mix_backward's, reduce_partials) are not: their outputs
+become NaN, so a result that reads them shows it. An unknown kernel raises.
 """
 from __future__ import annotations
 
@@ -179,6 +182,54 @@ def _cm_relu_sq_forward(mem, a, op):
     mem.write(a["k"], O.relu_sq_forward(mem.read(a["h"], a["n"])))
 
 
+def _cross_entropy_loss(mem, a, op):
+    R, V = a["R"], a["V"]
+    loss, dlogits = O.cross_entropy_rows(mem.read(a["logits"], R * V, (R, V)), mem.read(a["targets"], R, elem="i32"),
+                                         a["ignore_index"])
+    mem.write(a["loss"], loss, "f64")
+    if a["dlogits"]:
+        mem.write(a["dlogits"], dlogits * mem.read(a["inv_count"], 1, elem="f64")[0])
+
+
+def _write_or_add(mem, ptr, values, accumulate) -> None:
+    mem.write(ptr, values + (mem.read(ptr, values.size, values.shape) if accumulate else 0))
+
+
+def _ln_backward_dx(mem, a, op):
+    R, C = a["R"], a["C"]
+    x, dy = mem.read(a["x"], R * C, (R, C)), mem.read(a["dy"], R * C, (R, C))
+    _write_or_add(mem, a["dx"], O.layernorm_backward(x, mem.read(a["w"], C), dy)[0], a["accumulate"])
+    if a["dx_copy"]:
+        raise NotImplementedError("emulated LayerNorm backwards are fp32 (no GEMM-operand copy)")
+
+
+def _cm_relu_sq_backward(mem, a, op):
+    src = mem.read(a["src"], a["n"])
+    h = np.sqrt(src) if a["src_is_k"] else src            # k = relu(h)^2: relu(h) = sqrt(k)
+    mem.write(a["dh"], O.relu_sq_backward(mem.read(a["dk"], a["n"]), h))
+
+
+def _cm_mix_backward(mem, a, op):
+    R, C, T = a["R"], a["C"], a["T"]
+    dx, _ = O.channel_mix_shift_backward(mem.read(a["dxk"], R * C, (R, C)), mem.read(a["x"], R * C, (R, C)),
+                                         mem.read(a["mix"], C), T)
+    _write_or_add(mem, a["dx"], dx, a["accumulate"])
+    _not_emulated(mem, a["part"], op.grid[1] * C)
+
+
+def _not_emulated(mem, ptr, count):
+    mem.write(ptr, np.full(count, np.nan))
+
+
+def _ln_backward_dwdb(mem, a, op):
+    _not_emulated(mem, a["part"], 2 * op.grid[1] * a["C"])
+
+
+def _reduce_partials(mem, a, op):
+    for j in range(a["nout"]):
+        _not_emulated(mem, a[f"o{j}"], a["C"])
+
+
 def _moba_kmean(mem, a, op):
     T, H, chunk, N, B = a["T"], a["H"], a["chunk"], _head_size(op), op.grid[2]
     mem.write(a["kmean"], O.moba_block_means(_bthn(mem, a["k"], B, T, H, N), chunk))
@@ -303,4 +354,7 @@ KERNELS = {
     "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
     "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
     "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift, "dec_tmix": _dec_tmix,
+    "cross_entropy_loss": _cross_entropy_loss, "ln_backward_dx": _ln_backward_dx, "ln_backward_dwdb": _ln_backward_dwdb,
+    "reduce_partials": _reduce_partials, "cm_relu_sq_backward": _cm_relu_sq_backward,
+    "cm_mix_backward": _cm_mix_backward,
 }
