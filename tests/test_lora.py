@@ -1,6 +1,7 @@
 """LoRA on the CPU backend: only the factors train (AdamW), the model stays bit for bit, the LoRA file
 round-trips and resumes exactly, merging gives the adapted model; the CLI trains, resumes, samples and
-exports with it; clear errors for the GPU, settings that cannot work and files that do not fit."""
+exports with it; clear errors for data-parallel GPU tuning, settings that cannot work and files that
+do not fit."""
 import dataclasses
 import json
 

@@ -16,7 +16,7 @@ from rwkvx.model import without_weight_gradients
 from rwkvx.oracle import Oracle, rel_err
 from rwkvx.runtime.device import H200
 from rwkvx.runtime.dtypes import ELEM_BYTES
-from rwkvx.runtime.ops import Gemm, Launch, flatten_ops
+from rwkvx.runtime.ops import Gemm, flatten_ops
 from rwkvx.step import StepBuilder
 
 from seeding import seeded_rng
