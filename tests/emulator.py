@@ -51,6 +51,21 @@ class Memory:
         self.array(addr, elem, values.size)[:] = values.ravel()
 
 
+def arena_memory(layout, base: int, host: dict[str, int], tensors: dict[str, dict[str, np.ndarray]]) -> Memory:
+    """Memory holding the arena of ``layout`` at ``base`` (zeros) and the pinned buffers ``host`` (name ->
+    address), with name-keyed float32 ``tensors`` written into their flat regions ("params", "states",
+    "lora": at the layout's offsets of that region)."""
+    mem = Memory()
+    mem.add(base, layout.total)
+    for name, ptr in host.items():
+        mem.add(ptr, layout.nbytes(name))
+    offsets = {"params": layout.param_offsets, "states": layout.state_offsets, "lora": layout.lora_offsets}
+    for region, values in tensors.items():
+        for n, (off, _) in offsets[region].items():
+            mem.write(base + layout.offsets[region] + 4 * off, values[n])
+    return mem
+
+
 def _args(op: Launch) -> dict:
     kernel = KernelFile.registry[op.module].kernels[op.name]
     return {name: value for (name, _), (_, value) in zip(kernel.params, op.args)}

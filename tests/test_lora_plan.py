@@ -7,7 +7,7 @@ gradients of the last block's channel-mix and time-mix output factors."""
 import numpy as np
 import pytest
 
-from emulator import Memory, run
+from emulator import arena_memory, run
 from rwkvx import Config
 from rwkvx.arena import Layout
 from rwkvx.cu import adamw
@@ -117,13 +117,7 @@ def test_emulated_lora_step_matches_the_oracle(random_params, recompute):
     host = host_buffers(B, T)
     builder = StepBuilder(L, BASE, host)
     ops = builder.build()
-    mem = Memory()
-    mem.add(BASE, L.total)
-    for name, ptr in host.items():
-        mem.add(ptr, L.nbytes(name))
-    for region, offsets, values in (("params", L.param_offsets, params), ("lora", L.lora_offsets, factors)):
-        for n, (off, size) in offsets.items():
-            mem.write(BASE + L.offsets[region] + 4 * off, values[n])
+    mem = arena_memory(L, BASE, host, {"params": params, "lora": factors})
     mem.write(host["tokens"], tokens, "i32")
     mem.write(host["targets"], targets, "i32")
     mem.write(host["inv_count"], [1.0 / targets.size], "f64")
