@@ -12,12 +12,12 @@ import numpy as np
 
 from .config import Config
 from .cu import adamw, channelmix, layernorm, moba, timemix, wkv7
+from .lora import LoraSettings, lora_shapes
 from .oracle.adamw import MOMENT_TYPES
 from .params import param_shapes
 from .precision import Precision, resolve_precision
 from .runtime.device import DeviceInfo
 from .runtime.dtypes import ELEM_BYTES, poison_bits
-from .lora import LoraSettings, lora_shapes
 from .state_tuning import state_shapes
 
 HEAD_CHUNK_BYTES = 512 << 20  # the logits of one row chunk of the head: [rows, V] activations
