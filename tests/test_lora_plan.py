@@ -2,8 +2,7 @@
 and AdamW moments are regions of their own (the parameters get no moments), every adapted projection adds
 its two factor GEMMs in the forward (and in the recompute) and its five in the backward, AdamW updates
 the factors alone, and the step leaves out the GEMMs of the frozen parameters' gradients. Executed by
-tests/emulator.py, the fp32 step gives the oracle's logits and loss from the factors, and the oracle's
-gradients of the last block's channel-mix and time-mix output factors."""
+tests/emulator.py, the fp32 step gives the oracle's logits, loss and factor gradients."""
 import numpy as np
 import pytest
 
