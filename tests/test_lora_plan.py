@@ -65,6 +65,12 @@ def test_lora_step_plan(precision, recompute):
         assert len(uses_b) == 1 + again + 1 and uses_b[0].alpha == ALL.scale and uses_b[0].beta == 1.0, weight
         assert len(gemms_on(step, at("lora_grads", a), "D")) == 1 == len(gemms_on(step, at("lora_grads", b), "D"))
         assert gemms_on(step, at("lora_grads", b), "D")[0].alpha == ALL.scale
+    if precision == "bf16":     # bf16 operands (the factors' copy), fp32 accumulation and factor gradients
+        gemms = [op for op in step if isinstance(op, Gemm)]
+        assert {(op.precision.a, op.precision.b, op.precision.compute) for op in gemms} == {("bf16", "bf16", "fp32")}
+        grads = BASE + L.offsets["lora_grads"]
+        assert all(op.precision.c == "f32" for op in gemms if grads <= op.D < grads + L.nbytes("lora_grads"))
+        assert all(op.precision.c == L.xtype for op in gemms if op.D == BASE + L.offsets["lora_h"])
     update = [launch_args(op) for op in flatten_ops(builder.optimizer(0.1, True)) if op.name == "adamw_update"]
     copy = BASE + L.offsets["lora_x"] if precision == "bf16" else 0
     assert [(u["p"], u["g"], u["m"], u["v"], u["px"]) for u in update] == [
