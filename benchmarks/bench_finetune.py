@@ -6,9 +6,11 @@ and -7.2b, and state tuning also at T = 1024 beside RWKV-PEFT's published peak m
 * ``full``: every parameter trains, AdamW moments in float32 (18 bytes a parameter);
 * ``full-lean``: the same with the lean moments (bf16, stochastically rounded: 14 bytes a parameter);
 * ``state``: state tuning, only the initial WKV states train (no moments, no weight-gradient GEMMs for
-  the frozen parameters).
+  the frozen parameters);
+* ``lora``: LoRA with the default rank, alpha and targets (:mod:`rwkvx.lora`), only the factors train
+  (likewise no moments and no weight-gradient GEMMs for the frozen parameters).
 
-LoRA trains on the CPU backend only for now: no row. The parameters are random, not ``init_params``'s:
+The parameters are random, not ``init_params``'s:
 its orthogonal matrices take hours at 7.2B on a small host and neither time nor memory depends on the
 values, so each orthogonal matrix is a seeded block of Gaussian values of its scale, tiled. Each row
 builds the model (its peak is the arena plus cuBLASLt's workspace), runs one step (graph capture,
@@ -28,12 +30,15 @@ import pytest
 import rwkvx.params
 from rwkvx import Config, init_params
 from rwkvx.arena import Layout
+from rwkvx.lora import DEFAULT_ALPHA, DEFAULT_RANK, DEFAULT_TARGETS, LoraSettings, init_factors
 from rwkvx.optim import Schedule
 from rwkvx.presets import get_preset
 from rwkvx.state_tuning import zero_states
 
 SIZES = ("rwkv7-1.5b", "rwkv7-2.9b", "rwkv7-7.2b")
-MODES = {"full": dict(moments="f32"), "full-lean": dict(moments="bf16"), "state": dict(moments="f32", states=True)}
+LORA = LoraSettings(DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_TARGETS)
+MODES = {"full": dict(moments="f32"), "full-lean": dict(moments="bf16"), "state": dict(moments="f32", states=True),
+         "lora": dict(moments="f32", lora=True)}
 RWKV_PEFT_GB = {"rwkv7-1.5b": 5.3, "rwkv7-2.9b": 8.2}     # state tuning, ctx 1024, batch 1 (published)
 RUNS = ([(preset, mode, 4096) for preset in SIZES for mode in MODES]
         + [(preset, "state", 1024) for preset in RWKV_PEFT_GB])
@@ -52,8 +57,9 @@ def test_finetune_step(benchmark, dev, monkeypatch, preset, mode, T):
     from rwkvx.model import Model
     cfg = Config(**get_preset(preset)["model"])
     opts = MODES[mode]
+    lora = LORA if opts.get("lora") else None
     need = Layout(cfg, B, T, dev.info, "bf16", True, tune_states=bool(opts.get("states")),
-                  moments=opts["moments"]).total
+                  moments=opts["moments"], lora=lora).total
     free = dev.memory_info()["free"]
     if need > free:
         pytest.skip(f"{preset} {mode}: the arena takes {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
@@ -61,7 +67,8 @@ def test_finetune_step(benchmark, dev, monkeypatch, preset, mode, T):
     params = init_params(cfg, 0)
     dev.reset_peak()
     model = Model(cfg, params, B, T, precision="bf16", recompute=True, moments=opts["moments"],
-                  states=zero_states(cfg) if opts.get("states") else None)
+                  states=zero_states(cfg) if opts.get("states") else None,
+                  lora=init_factors(cfg, lora) if lora else None, lora_scale=LORA.scale)
     del params
     model.configure_optimizer(Schedule(lr_max=1e-5, lr_min=1e-6, total_steps=100), 0.0, 1.0)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))

@@ -12,6 +12,7 @@ import numpy as np
 
 from .config import Config
 from .cu import adamw, channelmix, layernorm, moba, timemix, wkv7
+from .lora import LoraSettings, lora_shapes
 from .oracle.adamw import MOMENT_TYPES
 from .params import param_shapes
 from .precision import Precision, resolve_precision
@@ -57,9 +58,12 @@ WKV_F32_GRADS = ("ddecay", "dkp", "dvp", "dwa", "dwb")
 AFTER_WKV_GRADS = ("dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1")
 # MoBA scratch that lives inside one attention block's forward or backward (shares the logits' region)
 SHARED_MOBA_SCRATCH = ("part", "lpart")
-# What AdamW updates: its values, gradients and two moments, flat f32 regions with the same offsets — every
-# parameter, or under state tuning the RWKV blocks' initial WKV states alone (the parameters frozen)
-TRAINED = {False: ("params", "grads", "adam_m", "adam_v"), True: ("states", "state_grads", "state_m", "state_v")}
+# What AdamW updates (Layout.trains -> its values, gradients and two moments, flat regions with the same
+# offsets): every parameter, or under state tuning the RWKV blocks' initial WKV states alone, or under LoRA
+# the adapters' factors alone (the parameters frozen in both)
+TRAINED = {"params": ("params", "grads", "adam_m", "adam_v"),
+           "states": ("states", "state_grads", "state_m", "state_v"),
+           "lora": ("lora", "lora_grads", "lora_m", "lora_v")}
 
 
 def head_chunk_rows(R: int, V: int, xtype: str, chunk_bytes: int) -> int:
@@ -85,18 +89,28 @@ class Layout:
     (:func:`head_chunk_rows`). ``tune_states``: the RWKV blocks start their WKV recurrence from initial
     states (``states``, flat f32 at :attr:`state_offsets`, :mod:`rwkvx.state_tuning`) and AdamW trains those
     alone (:data:`TRAINED`: ``state_grads``, ``state_m``, ``state_v``; the parameters get no moments).
+    ``lora`` (:class:`rwkvx.lora.LoraSettings`): every adapted projection adds s·(x·A)·B; the factors
+    (``lora``, flat f32 at :attr:`lora_offsets`, with their bf16 copy ``lora_x`` where the GEMMs read bf16
+    operands) are what AdamW trains (``lora_grads``, ``lora_m``, ``lora_v``; the parameters get no
+    moments); ``lora_h`` [B*T, r] holds one projection's hidden x·A (then, in the backward, its gradient).
     """
 
     def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: Precision | str,
                  recompute: bool, methods: dict[str, str] | None = None, *,
                  head_chunk_bytes: int = HEAD_CHUNK_BYTES, tune_states: bool = False,
-                 moments: str = "f32"):
+                 moments: str = "f32", lora: LoraSettings | None = None):
         if isinstance(head_chunk_bytes, bool) or not isinstance(head_chunk_bytes, int) or head_chunk_bytes < 1:
             raise ValueError(f"head_chunk_bytes must be a positive int, got {head_chunk_bytes!r}")
         precision = resolve_precision(precision)
         xtype = precision.xtype
         self.cfg, self.B, self.T, self.dev, self.xtype = cfg, B, T, dev, xtype
-        self.precision, self.recompute, self.tune_states = precision, recompute, tune_states
+        if tune_states and lora is not None:
+            raise ValueError("Layout: state tuning and LoRA train different tensors; choose one")
+        if lora is not None and not isinstance(lora, LoraSettings):
+            raise TypeError(f"Layout: lora must be an rwkvx.lora.LoraSettings, got {type(lora).__name__}")
+        self.precision, self.recompute, self.tune_states, self.lora = precision, recompute, tune_states, lora
+        # the regions AdamW updates (TRAINED's key)
+        self.trains = "states" if tune_states else "lora" if lora is not None else "params"
         self.methods = precision.kernel_methods(cfg)
         if methods is not None:
             if set(methods) - set(self.methods):
@@ -116,18 +130,26 @@ class Layout:
         self.param_shapes = shapes
         if moments not in MOMENT_TYPES:
             raise ValueError(f"moments must be one of {', '.join(MOMENT_TYPES)}, got {moments!r}")
-        for region in TRAINED[False]:      # frozen parameters (state tuning) have no moments
+        for region in TRAINED["params"]:      # frozen parameters (state tuning, LoRA) have no moments
             moment = region.startswith("adam_")
-            self._add(region, 0 if tune_states and moment else n_flat, moments if moment else "f32")
+            self._add(region, 0 if self.trains != "params" and moment else n_flat, moments if moment else "f32")
         # the weights as bf16 GEMM operands (refreshed by AdamW); empty where the GEMMs read the f32 weights
         self._add("params_x", n_flat if precision.gemm.bf16_operands else 0, xtype)
         self.state_offsets: dict[str, tuple[int, int]] = {}
+        self.lora_offsets: dict[str, tuple[int, int]] = {}
         trained_segments = self.param_segments
-        if tune_states:
-            trained_segments, n_states = adamw.flat_layout(state_shapes(cfg))
-            self.state_offsets = {seg[0]: (seg[1], seg[2]) for seg in trained_segments}
-            for region in TRAINED[True]:
-                self._add(region, n_states, moments if region.endswith(("_m", "_v")) else "f32")
+        if self.trains != "params":
+            shapes = state_shapes(cfg) if tune_states else lora_shapes(cfg, lora)
+            trained_segments, n_trained = adamw.flat_layout(shapes)
+            offsets = {seg[0]: (seg[1], seg[2]) for seg in trained_segments}
+            if tune_states:
+                self.state_offsets = offsets
+            else:
+                self.lora_offsets = offsets
+            for region in TRAINED[self.trains]:
+                self._add(region, n_trained, moments if region.endswith(("_m", "_v")) else "f32")
+            if lora is not None:
+                self._add("lora_x", n_trained if precision.gemm.bf16_operands else 0, xtype)
         self.adam_table, self.adam_lrmul = adamw.build_table(trained_segments)
         self.adam_chunks = len(self.adam_lrmul)
         self._add("adam_table", self.adam_table.size, "i32")
@@ -178,6 +200,8 @@ class Layout:
             self._add(name, R * d, X)
             self._add("d" + name, R * d, X)
         self._add("kf", R * F, X)
+        if lora is not None:
+            self._add("lora_h", R * lora.rank, X)
         for name in ("ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "ln0_mean", "ln0_rstd"):
             self._add(name, R, "f32")
         # with recompute the chunked WKV7's recomputed forward also writes the backward's chunk records

@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "state of every RWKV block, the model frozen (usually with --init-from; one GPU "
                         "or the CPU). The checkpoint is then a state file, state.safetensors; lora: "
                         "train only low-rank factors of the --lora-targets matrices, the model frozen "
-                        "(CPU only for now); the checkpoint is then a LoRA file, lora.safetensors")
+                        "(one GPU or the CPU); the checkpoint is then a LoRA file, lora.safetensors")
     g.add_argument("--lora-rank", type=_positive_int, metavar="R",
                    help=f"--tune lora: the factors' rank r (default {DEFAULT_RANK}); smaller than both "
                         "sides of every adapted matrix")

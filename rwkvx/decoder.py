@@ -44,7 +44,7 @@ import numpy as np
 from .arena import Layout
 from .cu import decode, wkv7
 from .cu._common import carve, carved_bytes
-from .generation import STATES_ON_GPU
+from .generation import LORA_ON_GPU, STATES_ON_GPU
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
 from .runtime.kernel import XTYPE_DEFINE, KernelFile
@@ -402,6 +402,8 @@ class Decoder:
             raise TypeError(f"Decoder expects an rwkvx.Model, got {type(model).__name__}")
         if model.layout.tune_states:       # the prefill starts every sequence from zero WKV states
             raise ValueError(STATES_ON_GPU)
+        if model.layout.lora is not None:  # the decode kernels apply no low-rank updates
+            raise ValueError(LORA_ON_GPU)
         self.B, self.prompt_cap = _positive_int("batch", batch), _positive_int("prompt_cap", prompt_cap)
         self.max_len = _positive_int("max_len", max_len)
         # no reference back to the model, which keeps this decoder (decoder_for): dropping the model frees

@@ -175,6 +175,20 @@ def check_factors(cfg: Config, factors: Mapping[str, Any], settings: LoraSetting
     return check_tensors(shapes, factors, where, "LoRA factors (A [in, r], B [r, out], one rank r)")
 
 
+def settings_of(cfg: Config, factors: Mapping[str, Any], scale: float) -> LoraSettings:
+    """The settings of ``factors`` (checked as :func:`check_factors` does) with update factor ``scale``:
+    their rank, alpha = scale·r and the targets whose matrices they adapt; ValueError unless they adapt
+    exactly the matrices of some targets."""
+    factors, scale = check_factors(cfg, factors), check_scale(scale)
+    adapted = {n.removesuffix(".lora_A") + ".weight" for n in factors if n.endswith(".lora_A")}
+    targets = tuple(t for t in TARGETS if _matrices(cfg, t) and _matrices(cfg, t) <= adapted)
+    if not adapted or set().union(*(_matrices(cfg, t) for t in targets)) != adapted:
+        raise ValueError("LoRA factors must adapt every matrix of the targets they name (e.g. att.key in "
+                         "every RWKV block), got factors for " + ", ".join(sorted(adapted)))
+    rank = int(np.shape(factors[next(iter(factors))])[1])
+    return LoraSettings(rank, scale * rank, targets)
+
+
 def check_scale(scale: Any) -> float:
     """``scale`` as a float; ValueError unless it is a finite number."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):

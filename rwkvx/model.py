@@ -20,6 +20,7 @@ from . import validate
 from .arena import HEAD_CHUNK_BYTES, TRAINED, Layout
 from .config import Config
 from .cu import adamw, embedding, loss
+from .lora import FactorDict, check_factors, lora_shapes, settings_of
 from .optim import Schedule, bf16_moment_bits
 from .params import ParamDict, check_params
 from .precision import DEFAULT_PRECISION, Precision, resolve_precision
@@ -142,12 +143,17 @@ class Model:
     its initial state there (shared by the batch), and the states are what the model trains: gradients
     and AdamW update the states alone (clipping over their gradients), the parameters stay bit for bit
     (the GEMMs of their weight gradients are left out of the step).
+    ``lora`` (LoRA, :mod:`rwkvx.lora`: factors adapting every matrix of some targets, one rank r) and
+    ``lora_scale`` (s = alpha / r): every adapted projection adds s·(x·A)·B, and the factors are what the
+    model trains, the parameters frozen as under state tuning (:meth:`lora_factors`; :meth:`grads` gives
+    the factors' gradients).
     """
 
     def __init__(self, cfg: Config, params: ParamDict, batch_size: int, seq_len: int,
                  precision: Precision | str = DEFAULT_PRECISION, recompute: bool | str = DEFAULT_RECOMPUTE,
                  methods: dict[str, str] | None = None, *, head_chunk_bytes: int = HEAD_CHUNK_BYTES,
-                 moments: str = "f32", states: StateDict | None = None):
+                 moments: str = "f32", states: StateDict | None = None, lora: FactorDict | None = None,
+                 lora_scale: float = 1.0):
         if not isinstance(cfg, Config):
             raise TypeError("Model expects an rwkvx.Config")
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
@@ -158,6 +164,9 @@ class Model:
         check_params(cfg, params)
         if states is not None:
             states = check_states(cfg, states)
+        settings = None if lora is None else settings_of(cfg, lora, lora_scale)
+        if states is not None and settings is not None:
+            raise ValueError("Model: states (state tuning) and lora (LoRA) train different tensors; give one")
         from ._core import Plan
         from .runtime import Device  # raises RuntimeError without a GPU
         self.cfg, self.B, self.T, self.precision = cfg, batch_size, seq_len, precision
@@ -166,7 +175,8 @@ class Model:
 
         def layout(recompute: bool) -> Layout:
             return Layout(cfg, batch_size, seq_len, self.dev.info, precision, recompute, methods,
-                          head_chunk_bytes=head_chunk_bytes, tune_states=states is not None, moments=moments)
+                          head_chunk_bytes=head_chunk_bytes, tune_states=states is not None, moments=moments,
+                          lora=settings)
 
         if recompute == RECOMPUTE_AUTO:
             keep = layout(False)
@@ -188,7 +198,7 @@ class Model:
         self._next_slot = 0
         self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
         self.ops = self.builder.build()
-        if self.layout.tune_states:
+        if self.layout.trains != "params":       # frozen parameters: nothing reads their gradients
             grads = self.arena.ptr + self.layout.offsets["grads"]
             self.ops = without_weight_gradients(self.ops, (grads, grads + self.layout.nbytes("grads")))
         # every GEMM's algorithm, chosen before anything in the arena past the per-step inputs is live:
@@ -202,13 +212,17 @@ class Model:
         self.load_params(params)
         if states is not None:
             self.load_states(states)
+        if lora is not None:
+            self.load_lora_factors(lora)
 
     # -- parameters ------------------------------------------------------------------------------
     def _tensors(self, region: str) -> tuple[dict[str, tuple[int, int]], dict[str, tuple]]:
         """Name -> (offset, size) and name -> shape of the tensors of flat region ``region``: the
-        parameters', or the initial states' (:data:`rwkvx.arena.TRAINED`)."""
-        if region in TRAINED[True]:
+        parameters', the initial states' or the LoRA factors' (:data:`rwkvx.arena.TRAINED`)."""
+        if region in TRAINED["states"]:
             return self.layout.state_offsets, state_shapes(self.cfg)
+        if region in TRAINED["lora"]:
+            return self.layout.lora_offsets, lora_shapes(self.cfg, self.layout.lora)
         return self.layout.param_offsets, self.layout.param_shapes
 
     def _region(self, region: str) -> dict[str, np.ndarray]:
@@ -242,8 +256,9 @@ class Model:
 
     def grads(self) -> ParamDict:
         """The gradients of the last :meth:`loss_and_grads`, downloaded, name-keyed: of every parameter,
-        or under state tuning of every initial state (the parameters' are not computed)."""
-        return self._region(TRAINED[self.layout.tune_states][1])
+        or under state tuning of every initial state, or under LoRA of every factor (the parameters' are
+        not computed in either)."""
+        return self._region(TRAINED[self.layout.trains][1])
 
     def load_states(self, states: StateDict) -> None:
         """Upload the initial WKV states (state tuning: the model was built with ``states``)."""
@@ -254,6 +269,19 @@ class Model:
     def states(self) -> StateDict | None:
         """The current initial WKV states, downloaded (float32 [H, N, N] each); None without them."""
         return self._region("states") if self.layout.tune_states else None
+
+    def load_lora_factors(self, factors: FactorDict) -> None:
+        """Upload the LoRA factors (the model was built with ``lora``; the same targets and rank), and
+        their bf16 copy where the GEMMs read bf16 operands."""
+        if self.layout.lora is None:
+            raise ValueError("this Model has no LoRA factors: build it with lora=... (LoRA)")
+        flat = self._upload_region("lora", check_factors(self.cfg, factors, self.layout.lora))
+        if self.layout.counts["lora_x"]:
+            self.dev.upload(self.builder.buf("lora_x"), to_storage(self.layout.elems["lora_x"], flat))
+
+    def lora_factors(self) -> FactorDict | None:
+        """The current LoRA factors, downloaded (float32 A [in, r], B [r, out]); None without them."""
+        return self._region("lora") if self.layout.lora is not None else None
 
     # -- steps ---------------------------------------------------------------------------------
     def _claim(self, slot: int) -> dict:
@@ -349,7 +377,7 @@ class Model:
         self.dev.upload(b("adam_table"), self.layout.adam_table)
         self.dev.upload(b("adam_lrmul"), self.layout.adam_lrmul)
         self.dev.upload(b("adam_state"), adamw.state_from_schedule(schedule, grad_clip))
-        _, _, m, v = TRAINED[self.layout.tune_states]
+        _, _, m, v = TRAINED[self.layout.trains]
         zeros = np.zeros(self.layout.counts[m], storage_dtype(self.layout.elems[m]))
         self.dev.upload(b(m), zeros)
         self.dev.upload(b(v), zeros)
@@ -431,11 +459,11 @@ class Model:
 
     def _moments(self) -> tuple[tuple[str, str], ...]:
         """(key, region) of AdamW's two moments of what the model trains."""
-        return tuple(zip(("m", "v"), TRAINED[self.layout.tune_states][2:]))
+        return tuple(zip(("m", "v"), TRAINED[self.layout.trains][2:]))
 
     def optimizer_state(self) -> dict:
         """AdamW moments and step, in :meth:`rwkvx.optim.AdamW.state_dict`'s format (the states'
-        moments under state tuning)."""
+        moments under state tuning, the factors' under LoRA)."""
         tensors = {}
         for key, region in self._moments():
             for name, value in self._region(region).items():
@@ -475,7 +503,7 @@ class Model:
         """Fill gradients and every activation with NaN (tests: whatever a step leaves unwritten shows)."""
         L = self.layout
         self.dev.upload(self.arena.ptr + L.offsets["tokens"], L.poison_image())
-        for grads in {"grads", TRAINED[L.tune_states][1]}:
+        for grads in {"grads", TRAINED[L.trains][1]}:
             self.dev.upload(self.builder.buf(grads), poison_bits(L.elems[grads], L.counts[grads]))
 
     def memory_bytes(self) -> int:

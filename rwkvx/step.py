@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .arena import GEMM_COPIES, TRAINED, Layout
 from .cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
+from .lora import factor_names
 from .runtime import gemm
 from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
 from .state_tuning import state_name
@@ -82,6 +83,15 @@ class StepBuilder:
     def gp(self, name: str) -> DevPtr:
         """Device address of the gradient of parameter ``name``."""
         return self.buf("grads").offset(self.L.param_offsets[name][0])
+
+    def factor(self, name: str) -> DevPtr:
+        """LoRA factor ``name`` as a GEMM operand: its bf16 copy where the GEMMs read bf16, else the fp32
+        factor."""
+        return self.buf("lora_x" if self.L.counts.get("lora_x") else "lora").offset(self.L.lora_offsets[name][0])
+
+    def factor_grad(self, name: str) -> DevPtr:
+        """Device address of the gradient of LoRA factor ``name``."""
+        return self.buf("lora_grads").offset(self.L.lora_offsets[name][0])
 
     def operand(self, name: str) -> DevPtr:
         """Buffer ``name`` as a GEMM operand: its copy in the activation type (:data:`rwkvx.arena.GEMM_COPIES`)."""
@@ -206,24 +216,70 @@ class StepBuilder:
         self.grad_ready.append((len(ops), names))
 
     def optimizer(self, weight_decay: float, clip: bool) -> list:
-        """One fused AdamW update of every parameter, or of the initial states alone under state tuning
-        (:data:`rwkvx.arena.TRAINED`; oracle/adamw.py's formulas; state on device)."""
+        """One fused AdamW update of every parameter, or of the initial states alone under state tuning, or
+        of the LoRA factors alone (:data:`rwkvx.arena.TRAINED`; oracle/adamw.py's formulas; state on
+        device); the bf16 copy of what it updates (``params_x``, ``lora_x``) refreshed where there is one."""
         b = self.buf
-        values, grads, m, v = TRAINED[self.L.tune_states]
+        values, grads, m, v = TRAINED[self.L.trains]
+        copy = {"params": "params_x", "lora": "lora_x"}.get(self.L.trains)
         return adamw.step(b(values), b(grads), b(m), b(v), b("adam_table"),
                           b("adam_lrmul"), b("adam_state"), self.L.adam_chunks, b("adam_partials"),
-                          weight_decay=weight_decay, clip=clip,
-                          params_x=None if self.L.tune_states else self.buf("params_x"))
+                          weight_decay=weight_decay, clip=clip, params_x=b(copy) if copy else None)
 
     @staticmethod
     def _prefix(kind: str, idx: int) -> str:
         return f"rwkv.blocks.{idx}." if kind == "rwkv" else f"moba.{idx}."
 
     # -- shared block parts ---------------------------------------------------------------------
-    def _residual_add(self, act, weight, residual, out, n_in: int) -> list:
-        """out = residual + act @ weight^T, one GEMM (cuBLASLt reads C = residual and writes D = out)."""
-        return [gemm.linear(act, weight, out, self.R, n_in, self.cfg.n_embd, beta=1.0, precision=self.mm,
-                            addend=residual)]
+    def _residual_add(self, act, name: str, residual, out, n_in: int) -> list:
+        """out = residual + act @ W^T (+ its LoRA update) for parameter ``name``, one GEMM (cuBLASLt reads
+        C = residual and writes D = out)."""
+        return [gemm.linear(act, self.w(name), out, self.R, n_in, self.cfg.n_embd, beta=1.0, precision=self.mm,
+                            addend=residual)] + self.lora_forward(act, name, out, n_in, self.cfg.n_embd)
+
+    def project(self, x, name: str, y, n_in: int, n_out: int) -> list:
+        """y [R, n_out] = x @ W^T for projection ``name`` (W [n_out, n_in]), plus its LoRA update."""
+        return ([gemm.linear(x, self.w(name), y, self.R, n_in, n_out, precision=self.mm)]
+                + self.lora_forward(x, name, y, n_in, n_out))
+
+    def project_backward(self, x, dy, name: str, dx, n_in: int, n_out: int, beta: float = 0.0) -> list:
+        """Backward of :meth:`project`: dW = dy^T x, dx = dy @ W (+ ``beta`` * dx), and the LoRA update's
+        gradients."""
+        mm = self.mm
+        return [gemm.linear_dw(x, dy, self.gp(name), self.R, n_in, n_out, precision=mm),
+                gemm.linear_dx(dy, self.w(name), dx, self.R, n_in, n_out, beta=beta, precision=mm)
+                ] + self.lora_backward(x, dy, name, dx, n_in, n_out)
+
+    def _adapter(self, name: str) -> tuple[str, str] | None:
+        """The factors (A, B) of projection ``name`` when the layout adapts it, else None."""
+        factors = factor_names(name)
+        return factors if factors[0] in self.L.lora_offsets else None
+
+    def lora_forward(self, x, name: str, y, n_in: int, n_out: int) -> list:
+        """y += s·(x·A)·B for projection ``name`` when it is adapted (h = x·A into ``lora_h``), else nothing."""
+        adapter = self._adapter(name)
+        if adapter is None:
+            return []
+        a, b = adapter
+        r, h, mm = self.L.lora.rank, self.buf("lora_h"), self.mm
+        return [gemm.matmul(x, self.factor(a), h, self.R, n_in, r, precision=mm),
+                gemm.matmul(h, self.factor(b), y, self.R, r, n_out, beta=1.0, alpha=self.L.lora.scale,
+                            precision=mm)]
+
+    def lora_backward(self, x, dy, name: str, dx, n_in: int, n_out: int) -> list:
+        """The LoRA gradients of projection ``name`` when it is adapted, else nothing: h = x·A again (one
+        [R, r] buffer serves every projection, so the forward's is gone), dB = s·hᵀ·dy, then
+        dh = s·dy·Bᵀ in h's place, dA = xᵀ·dh and dx += dh·Aᵀ."""
+        adapter = self._adapter(name)
+        if adapter is None:
+            return []
+        a, b = adapter
+        R, r, h, s, mm = self.R, self.L.lora.rank, self.buf("lora_h"), self.L.lora.scale, self.mm
+        return [gemm.matmul(x, self.factor(a), h, R, n_in, r, precision=mm),
+                gemm.matmul_dw(h, dy, self.factor_grad(b), R, r, n_out, alpha=s, precision=mm),
+                gemm.matmul_dx(dy, self.factor(b), h, R, r, n_out, alpha=s, precision=mm),
+                gemm.matmul_dw(x, h, self.factor_grad(a), R, n_in, r, precision=mm),
+                gemm.matmul_dx(h, self.factor(a), dx, R, n_in, r, beta=1.0, precision=mm)]
 
     # The token shifts, the WKV recurrence and the MoBA attention are the parts of a block that look
     # at other tokens; each is one method, so that rwkvx.decoder's stateful builders can replace them.
@@ -275,21 +331,19 @@ class StepBuilder:
         ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
                                 b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
         ops += self.channel_shift(prefix)
-        ops.append(gemm.linear(b("xk2"), self.w(prefix + "ffn.key.weight"), b("kf"), R, C, F, precision=self.mm))
+        ops += self.project(b("xk2"), prefix + "ffn.key.weight", b("kf"), C, F)
         ops += channelmix.relu_sq(b("kf"), b("kf"), R * F, dev)
         if xout is not None:
-            ops += self._residual_add(b("kf"), self.w(prefix + "ffn.value.weight"), b("x1"), xout, F)
+            ops += self._residual_add(b("kf"), prefix + "ffn.value.weight", b("x1"), xout, F)
         return ops
 
     def channel_mix_backward(self, prefix: str) -> list:
         """From dx (= d block output) to dx = d x1 (in place), with the FFN and ln2 gradients."""
-        R, C, F, T, dev, mm = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev, self.mm
-        b, dx = self.buf, self.operand("dx")
-        ops = [gemm.linear_dw(b("kf"), dx, self.gp(prefix + "ffn.value.weight"), R, F, C, precision=mm),
-               gemm.linear_dx(dx, self.w(prefix + "ffn.value.weight"), b("dkf"), R, F, C, precision=mm)]
+        R, C, F, T, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev
+        b = self.buf
+        ops = self.project_backward(b("kf"), self.operand("dx"), prefix + "ffn.value.weight", b("dkf"), F, C)
         ops += channelmix.relu_sq_backward(b("dkf"), b("kf"), b("dkf"), R * F, dev, src_is_k=True)
-        ops += [gemm.linear_dw(b("xk2"), b("dkf"), self.gp(prefix + "ffn.key.weight"), R, C, F, precision=mm),
-                gemm.linear_dx(b("dkf"), self.w(prefix + "ffn.key.weight"), b("dxk2"), R, C, F, precision=mm)]
+        ops += self.project_backward(b("xk2"), b("dkf"), prefix + "ffn.key.weight", b("dxk2"), C, F)
         ops += channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), b("dh2"),
                                        self.gp(prefix + "ffn.x_k"), b("partials"), R, T, C, dev)
         ops += layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), b("dx"),
@@ -349,7 +403,7 @@ class StepBuilder:
         ops = self._ln1_forward(pre, xin, b("h1"))
         ops += self.time_shift(i)
         for src, dst, name in (("xr", "r", "receptance"), ("xk", "k", "key"), ("xv", "v", "value")):
-            ops.append(gemm.linear(b(src), self.w(f"{att}{name}.weight"), b(dst), R, C, C, precision=mm))
+            ops += self.project(b(src), f"{att}{name}.weight", b(dst), C, C)
         for src, hid, out, letter, rank in self._lora(i):
             ops.append(gemm.matmul(b(src), self.w(f"{att}{letter}1"), b(hid), R, C, rank, precision=mm))
             if letter == "w":
@@ -361,7 +415,7 @@ class StepBuilder:
                                     wa=b("wa"), wb=b("wb"))
         ops += self.wkv(i, for_backward)
         ops += timemix.gn_forward(**self._gn_inputs(i), z=b("z"))
-        ops += self._residual_add(b("z"), self.w(att + "output.weight"), xin, b("x1"), C)
+        ops += self._residual_add(b("z"), att + "output.weight", xin, b("x1"), C)
         return ops
 
     def rwkv_backward(self, i: int, xin) -> list:
@@ -370,10 +424,8 @@ class StepBuilder:
                                   self.dev, self.mm)
         pre, b, p, gp = f"rwkv.blocks.{i}.", self.buf, self.p, self.gp
         att = pre + "att."
-        dx = self.operand("dx")
         gn = self._gn_inputs(i)
-        ops = [gemm.linear_dw(b("z"), dx, gp(att + "output.weight"), R, C, C, precision=mm),
-               gemm.linear_dx(dx, self.w(att + "output.weight"), b("dz"), R, C, C, precision=mm)]
+        ops = self.project_backward(b("z"), self.operand("dx"), att + "output.weight", b("dz"), C, C)
         ops += timemix.gn_backward(**gn, dz=b("dz"), dy=b("dy"), dg=b("dg"), dr2=b("dr2"), dkp2=b("dkp2"),
                                    dvp2=b("dvp2"), partials=b("partials"),
                                    dparams=(gp(att + "ln_x.weight"), gp(att + "ln_x.bias"), gp(att + "r_k")))
@@ -390,8 +442,7 @@ class StepBuilder:
         # projections r, k, v: dx* = d(out) @ W, dW = d(out)^T x*
         for src, dsrc, dout, name in (("xr", "dxr", "dr", "receptance"), ("xk", "dxk", "dk", "key"),
                                       ("xv", "dxv", "dv", "value")):
-            ops += [gemm.linear_dw(b(src), b(dout), gp(f"{att}{name}.weight"), R, C, C, precision=mm),
-                    gemm.linear_dx(b(dout), self.w(f"{att}{name}.weight"), b(dsrc), R, C, C, precision=mm)]
+            ops += self.project_backward(b(src), b(dout), f"{att}{name}.weight", b(dsrc), C, C)
         # LoRA paths: out = act(src @ W1) @ W2
         grads_of = {"wl": "dwl", "al": "dal", "vl": "dvl", "g": "dg"}
         for src, hid, out, letter, rank in self._lora(i):
@@ -425,29 +476,26 @@ class StepBuilder:
     def attn_forward(self, j: int, xin, attend: bool = True) -> list:
         """x1 = xin + Attn_j(LN1(xin)) (docs/SPEC.md §2.3, MoBA). Without ``attend`` (the recompute) the block's
         kept MoBA output and selection (:data:`rwkvx.arena.ATTENTION_KEPT`) stand for the attention."""
-        R, C, b = self.R, self.cfg.n_embd, self.buf
+        C, b = self.cfg.n_embd, self.buf
         pre = f"moba.{j}."
         h1 = self.operand("h1")          # only GEMMs read an attention block's LN1 output
         ops = self._ln1_forward(pre, xin, h1)
         for dst, name in (("r", "receptance"), ("k", "key"), ("v", "value")):
-            ops.append(gemm.linear(h1, self.w(f"{pre}att.{name}.weight"), b(dst), R, C, C, precision=self.mm))
+            ops += self.project(h1, f"{pre}att.{name}.weight", b(dst), C, C)
         if attend:
             ops += self.attention(j)
-        ops += self._residual_add(b("y"), self.w(pre + "att.output.weight"), xin, b("x1"), C)
+        ops += self._residual_add(b("y"), pre + "att.output.weight", xin, b("x1"), C)
         return ops
 
     def attn_backward(self, j: int, xin) -> list:
         """From dx = d x1 to dx = d xin (in place), with the attention and ln1 gradients."""
-        R, C, b, gp, mm = self.R, self.cfg.n_embd, self.buf, self.gp, self.mm
+        C, b = self.cfg.n_embd, self.buf
         pre = f"moba.{j}."
-        dx = self.operand("dx")
-        ops = [gemm.linear_dw(b("y"), dx, gp(pre + "att.output.weight"), R, C, C, precision=mm),
-               gemm.linear_dx(dx, self.w(pre + "att.output.weight"), b("dz"), R, C, C, precision=mm)]
+        ops = self.project_backward(b("y"), self.operand("dx"), pre + "att.output.weight", b("dz"), C, C)
         ops += moba.backward(b("r"), b("k"), b("v"), b("y"), b("dz"), b("dr"), b("dk"), b("dv"),
                              **self._moba_args(j))
         for n, (dsrc, name) in enumerate((("dr", "receptance"), ("dk", "key"), ("dv", "value"))):
-            ops += [gemm.linear_dw(self.operand("h1"), b(dsrc), gp(f"{pre}att.{name}.weight"), R, C, C, precision=mm),
-                    gemm.linear_dx(b(dsrc), self.w(f"{pre}att.{name}.weight"), b("dh1"), R, C, C,
-                                   beta=1.0 if n else 0.0, precision=mm)]
+            ops += self.project_backward(self.operand("h1"), b(dsrc), f"{pre}att.{name}.weight", b("dh1"), C, C,
+                                         beta=1.0 if n else 0.0)
         ops += self._ln1_backward(pre, xin)
         return ops

@@ -3,7 +3,10 @@ the buffers its arguments point at, GEMMs are column-major float64 products, cop
 
 What this checks is the plumbing of a plan (which buffer each op reads and writes, offsets, strides,
 sizes, the order of ops), not the CUDA code: the kernels' own tests (tests/gpu) compare them to the same
-twins. Only the kernels the forward and the decoder's step use are emulated; an unknown kernel raises.
+twins. The kernels of the forward, of the decoder's step and of the RWKV blocks' backward are emulated,
+the backward's for the input gradients they pass on: the parameters' gradients (the partial sums the
+kernels leave for reduce_partials, the embedding's) are not computed; reduce_partials and
+embedding_backward write NaN to them, so a result that reads them shows it. An unknown kernel raises.
 """
 from __future__ import annotations
 
@@ -46,6 +49,21 @@ class Memory:
     def write(self, addr: int, values, elem: str = "f32") -> None:
         values = np.asarray(values)
         self.array(addr, elem, values.size)[:] = values.ravel()
+
+
+def arena_memory(layout, base: int, host: dict[str, int], tensors: dict[str, dict[str, np.ndarray]]) -> Memory:
+    """Memory holding the arena of ``layout`` at ``base`` (zeros) and the pinned buffers ``host`` (name ->
+    address), with name-keyed float32 ``tensors`` written into their flat regions ("params", "states",
+    "lora": at the layout's offsets of that region)."""
+    mem = Memory()
+    mem.add(base, layout.total)
+    for name, ptr in host.items():
+        mem.add(ptr, layout.nbytes(name))
+    offsets = {"params": layout.param_offsets, "states": layout.state_offsets, "lora": layout.lora_offsets}
+    for region, values in tensors.items():
+        for n, (off, _) in offsets[region].items():
+            mem.write(base + layout.offsets[region] + 4 * off, values[n])
+    return mem
 
 
 def _args(op: Launch) -> dict:
@@ -128,6 +146,19 @@ def _elementwise(fn):
     return kernel
 
 
+def _tm_shift_bwd(mem, a, op):
+    R, C, T = a["R"], a["C"], a["T"]
+    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(6)])
+    douts = np.stack([mem.read(a[f"d{j}"], R * C, (R, C)) for j in range(6)])
+    _write_or_add(mem, a["dx"], O.time_shift_backward(mem.read(a["x"], R * C, (R, C)), mixes, douts, T)[0], a["acc"])
+
+
+def _elementwise_backward(fn):
+    def kernel(mem, a, op):
+        mem.write(a["out"], fn(mem.read(a["a"], a["n"]), mem.read(a["b"], a["n"])))
+    return kernel
+
+
 def _tm_prep_fwd(mem, a, op):
     R, C, N, layer = a["R"], a["C"], _head_size(op), a["layer"]
     rows = lambda name: mem.read(a[name], R * C, (R, C))          # noqa: E731
@@ -177,6 +208,95 @@ def _cm_shift_mix(mem, a, op):
 
 def _cm_relu_sq_forward(mem, a, op):
     mem.write(a["k"], O.relu_sq_forward(mem.read(a["h"], a["n"])))
+
+
+def _cross_entropy_loss(mem, a, op):
+    R, V = a["R"], a["V"]
+    loss, dlogits = O.cross_entropy_rows(mem.read(a["logits"], R * V, (R, V)), mem.read(a["targets"], R, elem="i32"),
+                                         a["ignore_index"])
+    mem.write(a["loss"], loss, "f64")
+    if a["dlogits"]:
+        mem.write(a["dlogits"], dlogits * mem.read(a["inv_count"], 1, elem="f64")[0])
+
+
+def _write_or_add(mem, ptr, values, accumulate) -> None:
+    mem.write(ptr, values + (mem.read(ptr, values.size, values.shape) if accumulate else 0))
+
+
+def _ln_backward_dx(mem, a, op):
+    R, C = a["R"], a["C"]
+    x, dy = mem.read(a["x"], R * C, (R, C)), mem.read(a["dy"], R * C, (R, C))
+    _write_or_add(mem, a["dx"], O.layernorm_backward(x, mem.read(a["w"], C), dy)[0], a["accumulate"])
+    if a["dx_copy"]:
+        raise NotImplementedError("emulated LayerNorm backwards are fp32 (no GEMM-operand copy)")
+
+
+def _cm_relu_sq_backward(mem, a, op):
+    src = mem.read(a["src"], a["n"])
+    h = np.sqrt(src) if a["src_is_k"] else src            # k = relu(h)^2: relu(h) = sqrt(k)
+    mem.write(a["dh"], O.relu_sq_backward(mem.read(a["dk"], a["n"]), h))
+
+
+def _cm_mix_backward(mem, a, op):
+    R, C, T = a["R"], a["C"], a["T"]
+    dx, _ = O.channel_mix_shift_backward(mem.read(a["dxk"], R * C, (R, C)), mem.read(a["x"], R * C, (R, C)),
+                                         mem.read(a["mix"], C), T)
+    _write_or_add(mem, a["dx"], dx, a["accumulate"])
+
+
+def _parameter_partials(mem, a, op):
+    """A kernel's parameter-gradient partial sums: not computed (reduce_partials' twin writes NaN)."""
+
+
+def _reduce_partials(mem, a, op):
+    for j in range(a["nout"]):
+        mem.write(a[f"o{j}"], np.full(a["C"], np.nan))
+
+
+def _embedding_backward(mem, a, op):
+    mem.write(a["demb"], np.full(a["V"] * a["C"], np.nan))
+
+
+def _tm_gn_bwd(mem, a, op):
+    R, C, N = a["R"], a["C"], _head_size(op)
+    rows = [mem.read(a[n], R * C, (R, C)) for n in ("y", "r", "kp", "vp", "g")]
+    g = O.time_mix_gn_backward(*rows, mem.read(a["lnw"], C), mem.read(a["lnb"], C), mem.read(a["rk"], C), N,
+                               mem.read(a["dz"], R * C, (R, C)))
+    for out, name in (("dy", "dy"), ("dg", "dg"), ("dr2", "dr"), ("dkp2", "dkp"), ("dvp2", "dvp")):
+        mem.write(a[out], g[name])
+
+
+def _wkv7_backward(mem, a, op):
+    """The gradients whole: the twin of the row-split kernel and its reduce (wkv7_backward_reduce) at once."""
+    N, H, T = _head_size(op), a["H"], a["T"]
+    B = op.grid[2]
+    if a["s_init"] or a["ds_part"]:
+        raise NotImplementedError("emulated WKV7 backwards start from zero states")
+    x = [_bthn(mem, a[n], B, T, H, N) for n in "rwkvab"]
+    for name, grad in zip(("dr", "dw", "dk", "dv", "da", "db"), O.wkv7_backward(*x, _bthn(mem, a["dy"], B, T, H, N))):
+        mem.write(a[name], grad)
+
+
+def _done_by_wkv7_backward(mem, a, op):
+    pass
+
+
+def _tm_prep_bwd(mem, a, op):
+    R, C, N, layer = a["R"], a["C"], _head_size(op), a["layer"]
+    rows = lambda name: mem.read(a[name], R * C, (R, C)) if a[name] else 0.0      # noqa: E731
+    vec = lambda name: mem.read(a[name], C)                                       # noqa: E731
+    g = O.time_mix_prep_backward(rows("k"), rows("v"), rows("wl"), rows("al"), rows("vl") if layer else None,
+                                 rows("vf") if layer else None, vec("w0"), vec("a0"), vec("v0") if layer else None,
+                                 vec("k_k"), vec("k_a"), N, layer, rows("dd"), rows("dkp") + rows("dkp2"),
+                                 rows("dvp") + rows("dvp2"), rows("dwa"), rows("dwb"),
+                                 dvf_in=None if layer or not a["dvf"] else rows("dvf"))
+    dr_out = rows("dr") + rows("dr2")
+    for name in ("dk", "dv", "dwl", "dal") + (("dvl",) if layer else ()):
+        mem.write(a[name], g[name])
+    if a["dr2"]:
+        mem.write(a["dr_out"], dr_out)
+    if layer:
+        _write_or_add(mem, a["dvf"], g["dvf"], a["vf_acc"])
 
 
 def _moba_kmean(mem, a, op):
@@ -303,4 +423,10 @@ KERNELS = {
     "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
     "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
     "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift, "dec_tmix": _dec_tmix,
+    "cross_entropy_loss": _cross_entropy_loss, "ln_backward_dx": _ln_backward_dx,
+    "ln_backward_dwdb": _parameter_partials, "reduce_partials": _reduce_partials,
+    "cm_relu_sq_backward": _cm_relu_sq_backward, "cm_mix_backward": _cm_mix_backward, "tm_gn_bwd": _tm_gn_bwd,
+    "wkv7_backward": _wkv7_backward, "wkv7_backward_reduce": _done_by_wkv7_backward, "tm_prep_bwd": _tm_prep_bwd,
+    "tm_tanh_bwd": _elementwise_backward(O.tanh_backward), "tm_sigmoid_bwd": _elementwise_backward(O.sigmoid_backward),
+    "tm_shift_bwd": _tm_shift_bwd, "embedding_backward": _embedding_backward,
 }

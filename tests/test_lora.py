@@ -1,6 +1,7 @@
 """LoRA on the CPU backend: only the factors train (AdamW), the model stays bit for bit, the LoRA file
 round-trips and resumes exactly, merging gives the adapted model; the CLI trains, resumes, samples and
-exports with it; clear errors for the GPU, settings that cannot work and files that do not fit."""
+exports with it; clear errors for data-parallel GPU tuning, settings that cannot work and files that
+do not fit."""
 import dataclasses
 import json
 
@@ -15,6 +16,7 @@ from rwkvx.lora import (DEFAULT_TARGETS, LoraSettings, init_factors, load_lora, 
 from rwkvx.optim import AdamW, Schedule
 from rwkvx.oracle import Oracle
 from rwkvx.training import TrainConfig, Trainer
+from rwkvx.training.trainer import gpu_unavailable_reason
 from rwkvx.validate import FieldError
 
 from seeding import seeded_rng
@@ -146,15 +148,16 @@ def test_settings_are_checked():
 
 def test_gpu_and_misuse_are_clear_errors():
     params = init_params(CFG)
-    with pytest.raises(ValueError, match="LoRA fine-tuning .* is not available on the GPU backend yet"):
-        Trainer(CFG, params, **dict(SETTINGS, backend="gpu"))
+    with pytest.raises(ValueError, match="data-parallel tuning is not built"):
+        Trainer(CFG, params, **dict(SETTINGS, backend="gpu"), world=object())   # refused before any GPU work
     factors = init_factors(CFG, LoraSettings(2, 4.0, DEFAULT_TARGETS + ("moba.key",)))
     with pytest.raises(ValueError, match="only when LoRA tuning"):
         Trainer(CFG, params, backend="cpu", lora=factors)
     with pytest.raises(ValueError, match="missing rwkv.blocks.0.att.key.lora_A"):
         Trainer(CFG, params, **dict(SETTINGS, lora_targets=("att.key",)),
                 lora={n: f for n, f in factors.items() if ".att.key." not in n})
-    assert Trainer(CFG, params, **dict(SETTINGS, backend="auto")).device == "cpu"
+    assert Trainer(CFG, params, **dict(SETTINGS, backend="auto")).device == (
+        "cpu" if gpu_unavailable_reason() else "gpu")
 
 
 def test_cli_lora_from_a_model(tmp_path, capsys, random_params):
@@ -226,8 +229,6 @@ def test_cli_errors_write_nothing(tmp_path, capsys):
     for argv, message in [
         (["--lora-rank", "4", *TINY], "--lora-rank, --lora-alpha and --lora-targets are LoRA settings: "
                                       "they need --tune lora"),
-        (["--tune", "lora", "--device", "gpu"], "LoRA fine-tuning (tune='lora') is not available on the "
-                                                "GPU backend yet"),
         (["--tune", "lora", *TINY, "--lora-rank", "32"], "--lora-rank 32 must be smaller than both sides"),
         (["--tune", "lora", *TINY, "--lora-targets", "att.key,att.gate"], "--lora-targets att.key,att.gate: "
                                                                           "unknown target 'att.gate'"),

@@ -113,7 +113,7 @@ def test_a_state_that_does_not_fit_is_refused(tmp_path):
 
 def test_gpu_and_misuse_are_clear_errors():
     params = init_params(CFG)
-    with pytest.raises(ValueError, match="data-parallel state tuning is not built"):
+    with pytest.raises(ValueError, match="data-parallel tuning is not built"):
         Trainer(CFG, params, **dict(SETTINGS, backend="gpu"), world=object())   # refused before any GPU work
     with pytest.raises(ValueError, match="only when state tuning"):
         Trainer(CFG, params, backend="cpu", states=zero_states(CFG))

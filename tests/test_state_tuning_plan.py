@@ -6,7 +6,7 @@ gives the oracle's logits from the states."""
 import numpy as np
 import pytest
 
-from emulator import Memory, run
+from emulator import arena_memory, run
 from rwkvx import Config
 from rwkvx.arena import Layout
 from rwkvx.model import without_weight_gradients
@@ -77,13 +77,7 @@ def test_state_tuned_forward_gives_the_oracles_logits(random_params, B):
     L = Layout(cfg, B, T, H200, "fp32", recompute=True, methods={"wkv7": "sequential"}, tune_states=True)
     host = host_buffers(B, T)
     ops = StepBuilder(L, BASE, host).build()
-    mem = Memory()
-    mem.add(BASE, L.total)
-    for name, ptr in host.items():
-        mem.add(ptr, L.nbytes(name))
-    for region, offsets, values in (("params", L.param_offsets, params), ("states", L.state_offsets, states)):
-        for n, (off, size) in offsets.items():
-            mem.write(BASE + L.offsets[region] + 4 * off, values[n])
+    mem = arena_memory(L, BASE, host, {"params": params, "states": states})
     mem.write(host["tokens"], tokens, "i32")
     run(mem, ops.stage_tokens + ops.forward + ops.head[0])
     assert L.head_rows == B * T

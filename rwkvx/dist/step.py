@@ -123,9 +123,9 @@ class DistributedStep:
         from .._core import Plan
         if not hasattr(model, "schedule"):
             raise RuntimeError("DistributedStep: call model.configure_optimizer() first")
-        if model.layout.tune_states:     # its all-reduces cover the parameters' gradients only
-            from ..training.trainer import STATE_DATA_PARALLEL
-            raise ValueError(f"DistributedStep: {STATE_DATA_PARALLEL}")
+        if model.layout.trains != "params":     # its all-reduces cover the parameters' gradients only
+            from ..training.trainer import TUNING_DATA_PARALLEL
+            raise ValueError(f"DistributedStep: {TUNING_DATA_PARALLEL}")
         self.model, self.comm, self.dev = model, comm, model.dev
         L, b = model.layout, model.builder.buf
         self.R = model.B * model.T

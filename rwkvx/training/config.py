@@ -38,9 +38,8 @@ class TrainConfig:
     ``"full"`` trains every parameter; ``"state"`` trains only the initial WKV state of every RWKV
     block, the model frozen (:mod:`rwkvx.state_tuning`); ``"lora"`` trains only low-rank factors of
     the ``lora_targets`` matrices, rank ``lora_rank``, scale ``lora_alpha / lora_rank``, the model
-    frozen (:mod:`rwkvx.lora`). State tuning runs on the GPU backend (one GPU) or the CPU, LoRA on the
-    CPU backend only for now. What depends on the
-    model (a target it lacks, a rank too large for a matrix) :meth:`check_model` checks.
+    frozen (:mod:`rwkvx.lora`). State tuning and LoRA run on the GPU backend (one GPU) or the CPU.
+    What depends on the model (a target it lacks, a rank too large for a matrix) :meth:`check_model` checks.
     ``optimizer_memory``: ``"standard"`` keeps the AdamW moments in float32; ``"lean"`` in bf16,
     stochastically rounded (:data:`OPTIMIZER_MEMORY`; a run with float32 moments cannot resume lean).
     """

@@ -23,7 +23,7 @@ from ..validate import FieldError
 from . import trainer as _trainer
 from .config import TrainConfig
 from .rundir import CHECKPOINT_NAMES, LOG_NAME, PLOT_NAME, default_out, find_checkpoint
-from .trainer import (ADAPTER_FORMATS, CHECKPOINT_KIND, CPU_ONLY, TUNED, Trainer, read_checkpoint,
+from .trainer import (ADAPTER_FORMATS, CHECKPOINT_KIND, TUNED, Trainer, read_checkpoint,
                       saved_train_config)
 
 ENTROPY_MAX_TOKENS = 50_000_000   # the unigram entropy is computed for training data up to this size
@@ -174,11 +174,9 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
     if lora_given and tune != "lora":
         raise RunError(f"{LORA_OPTIONS} are LoRA settings: they need --tune lora")
     if kind is None:
-        kind, note = check_device(req.device, "training", CPU_ONLY.get(tune))
-    elif tune in CPU_ONLY and kind == "gpu":
-        raise RunError(f"--tune {tune}: {CPU_ONLY[tune]}")
-    if tune == "state" and kind == "gpu" and ranks > 1:
-        raise RunError(f"--tune state: {_trainer.STATE_DATA_PARALLEL}")
+        kind, note = check_device(req.device, "training")
+    if tune in TUNED and kind == "gpu" and ranks > 1:
+        raise RunError(f"--tune {tune}: {_trainer.TUNING_DATA_PARALLEL}")
     saved_run, saved, ckpt_cfg = None, None, None
     if resume_path is not None:
         try:

@@ -27,8 +27,9 @@ State tuning (``TrainConfig.tune = "state"``, either backend; on the GPU without
 backend trains the initial WKV states of the RWKV blocks (:mod:`rwkvx.state_tuning`) with the same
 AdamW, the parameters stay as they were, and the checkpoint is a state file (the states, their moments
 and the same metadata; no weights), which :meth:`Trainer.load` resumes given the model's parameters. LoRA
-(``TrainConfig.tune = "lora"``, CPU backend only) is the same with the LoRA factors of :mod:`rwkvx.lora`
-in place of the states: they train, the parameters stay, the checkpoint is a LoRA file.
+(``TrainConfig.tune = "lora"``, likewise either backend, on the GPU without data parallel) is the same with
+the LoRA factors of :mod:`rwkvx.lora` in place of the states: they train, the parameters stay, the
+checkpoint is a LoRA file.
 
 Checkpoints (:meth:`Trainer.save`) are safetensors files (:mod:`rwkvx.checkpoint`) holding the
 parameters, the AdamW moments (``extra.optim.m.<name>`` / ``extra.optim.v.<name>``, float32), and JSON
@@ -62,12 +63,10 @@ STATS = ("lr", "grad_norm", "clip")      # the optimizer statistics of a step
 # what a tuning run trains in place of the parameters (TrainConfig.tune -> its name in messages)
 TUNED = {"state": "initial WKV states", "lora": "LoRA factors"}
 ADAPTER_FORMATS = {STATE_FORMAT: "state", LORA_FORMAT: "lora"}   # an adapter file's format -> its tune
-# why a tuning cannot run on the GPU backend (TrainConfig.tune -> the reason)
-CPU_ONLY = {"lora": "LoRA fine-tuning (tune='lora') is not available on the GPU backend yet: use the CPU "
-                    "backend (backend='cpu', CLI --device cpu)"}
 STATES_WITHOUT_TUNING = "initial states are trained only when state tuning (tune='state')"
-STATE_DATA_PARALLEL = ("state tuning (tune='state') on the GPU backend runs on one GPU: data-parallel "
-                       "state tuning is not built; use one rank, or the CPU backend")
+LORA_WITHOUT_TUNING = "LoRA factors are trained only when LoRA tuning (tune='lora')"
+TUNING_DATA_PARALLEL = ("state tuning and LoRA (tune='state', 'lora') on the GPU backend run on one GPU: "
+                        "data-parallel tuning is not built; use one rank, or the CPU backend")
 
 
 def check_loss(loss: float, step: int) -> float:
@@ -188,7 +187,7 @@ class CPUBackend(Backend):
                 raise ValueError("LoRA tuning (tune='lora') needs the factors to train")
             self.lora = {n: f.astype(np.float32) for n, f in check_factors(cfg, lora).items()}
         elif lora is not None:
-            raise ValueError("LoRA factors are trained only when LoRA tuning (tune='lora')")
+            raise ValueError(LORA_WITHOUT_TUNING)
         trainable = {"state": self.states, "lora": self.lora}.get(tune, self.params)
         self.opt = AdamW(trainable, schedule, weight_decay=weight_decay, grad_clip=grad_clip, moments=moments)
         self.world = world
@@ -280,8 +279,9 @@ class GPUBackend(Backend):
     Training batches are exactly ``[batch_size, seq_len]``; ``evaluate``/``forward`` take any
     ``[B, T]`` with B <= batch_size and T <= seq_len, padded by :func:`pad_batch`. With a ``world``
     the step is :class:`rwkvx.dist.step.DistributedStep` (NCCL all-reduces inside the graph).
-    With ``tune="state"`` the model trains the float32 initial WKV ``states`` (None: zeros) and the
-    parameters stay frozen (one GPU: no ``world``).
+    With ``tune="state"`` the model trains the float32 initial WKV ``states`` (None: zeros), with
+    ``tune="lora"`` the float32 ``lora`` factors (scaled by ``lora_scale``); the parameters stay frozen
+    (one GPU: no ``world``).
     """
 
     name = "gpu"
@@ -289,20 +289,24 @@ class GPUBackend(Backend):
     def __init__(self, cfg: Config, params: ParamDict, schedule: Schedule, weight_decay: float,
                  grad_clip: float | None, batch_size: int, seq_len: int, precision: str,
                  recompute: bool, world: Any = None, tune: str = "full", states: StateDict | None = None,
-                 moments: str = "f32") -> None:
+                 lora: FactorDict | None = None, lora_scale: float = 1.0, moments: str = "f32") -> None:
+        if tune in TUNED and world is not None:
+            raise ValueError(TUNING_DATA_PARALLEL)
         if tune == "state":
-            if world is not None:
-                raise ValueError(STATE_DATA_PARALLEL)
             states = zero_states(cfg) if states is None else states
         elif states is not None:
             raise ValueError(STATES_WITHOUT_TUNING)
+        if tune == "lora" and lora is None:
+            raise ValueError("LoRA tuning (tune='lora') needs the factors to train")
+        if tune != "lora" and lora is not None:
+            raise ValueError(LORA_WITHOUT_TUNING)
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"the GPU backend cannot be used: {reason}. Use the CPU backend "
                                "(the oracle) or 'auto'.")
         from ..model import Model
         self.model = Model(cfg, params, batch_size, seq_len, precision=precision, recompute=recompute,
-                           moments=moments, states=states)
+                           moments=moments, states=states, lora=lora, lora_scale=lora_scale)
         self.model.configure_optimizer(schedule, weight_decay, grad_clip)
         self.dist_step = None
         if world is not None:
@@ -333,6 +337,11 @@ class GPUBackend(Backend):
     def states(self) -> StateDict | None:
         """The initial WKV states being tuned, downloaded (None unless state tuning)."""
         return self.model.states()
+
+    @property
+    def lora(self) -> FactorDict | None:
+        """The LoRA factors being tuned, downloaded (None unless LoRA tuning)."""
+        return self.model.lora_factors()
 
     def get_params(self) -> ParamDict:
         return self.model.params()
@@ -414,7 +423,7 @@ class Trainer:
     rwkvx.model) or "auto" (GPU when usable, else CPU). ``world`` (a :class:`rwkvx.dist.World`):
     data-parallel training, ``config.batch_size`` rows per rank. State tuning (``config.tune ==
     "state"``) trains ``states`` (the initial WKV states, :mod:`rwkvx.state_tuning`; None: zeros) on
-    either backend (the GPU's without a ``world``); LoRA (``config.tune == "lora"``) runs on the CPU ("auto" picks it; "gpu" is a ValueError) from
+    either backend (the GPU's without a ``world``); LoRA (``config.tune == "lora"``) likewise trains
     ``lora`` (the factors of ``config.lora``, :mod:`rwkvx.lora`; None: :func:`rwkvx.lora.init_factors`
     of ``config.seed``).
     """
@@ -434,15 +443,16 @@ class Trainer:
         self.world = world
         self._stop_requested = False
         self._stats_step, self._last_stats = 0, {name: float("nan") for name in STATS}
-        kind, self.device_note = resolve_device(backend, cpu_only=CPU_ONLY.get(self.config.tune))
+        kind, self.device_note = resolve_device(backend)
         c, clip = self.config, self.config.grad_clip or None
+        if c.tune == "lora":
+            lora = init_factors(cfg, c.lora, c.seed) if lora is None else check_factors(cfg, lora, c.lora)
         if kind == "gpu":
             self.backend: Backend = GPUBackend(cfg, params, self.schedule, c.weight_decay, clip, c.batch_size,
                                                c.seq_len, c.precision, c.recompute, world=world, tune=c.tune,
-                                               states=states, moments=c.moments)
+                                               states=states, lora=lora, lora_scale=c.lora.scale,
+                                               moments=c.moments)
         else:
-            if c.tune == "lora":
-                lora = init_factors(cfg, c.lora, c.seed) if lora is None else check_factors(cfg, lora, c.lora)
             self.backend = CPUBackend(cfg, params, self.schedule, c.weight_decay, clip,
                                       dtype=np.dtype(c.cpu_dtype), world=world, tune=c.tune, states=states,
                                       lora=lora, lora_scale=c.lora.scale, moments=c.moments)

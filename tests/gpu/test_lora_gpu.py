@@ -1,38 +1,107 @@
-"""LoRA with a GPU present: training refuses the GPU backend before any device work, and a trained
-adapter merged into the weights (what ``sample --lora`` / ``export --lora`` do) gives the GPU model the
-loss the CPU backend computes for the adapted model."""
+"""LoRA on the GPU backend: the model's factor gradients against the float64 oracle's (docs/SPEC.md §4's
+model-level limits of tests/gpu/test_model_parity.py), a GPU LoRA run against the CPU backend's (the
+AdamW parity bounds of tests/gpu/test_train_gpu.py), every parameter bit for bit unchanged; exact resume
+from the LoRA file, graph replay == eager, the GPU decoder's refusal, the CLI; and a trained adapter
+merged into the weights gives the GPU model the loss the CPU backend computes for the adapted model."""
 import numpy as np
 import pytest
 
-from rwkvx.lora import merge
+from rwkvx import generate
+from rwkvx.lora import TARGETS, LoraSettings, init_factors, lora_shapes, merge
 from rwkvx.model import Model
 from rwkvx.training.trainer import Trainer
 
-from test_train_gpu import B, CFG, T, batches
+from seeding import seeded_batches
+from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
+from test_state_tuning_gpu import (CFG, CFG64, T, check_tuned_grads, check_tuning_matches_cpu,
+                                   check_tuning_resumes_exactly, fp32_cases)
 
-LORA = dict(tune="lora", lora_rank=4, lora_alpha=8.0, batch_size=B, seq_len=T, lr=1e-2, lr_min=1e-3,
-            warmup=0, steps=3, lora_targets=("att.key", "att.output", "ffn.value", "moba.value"))
-
-
-def test_lora_training_refuses_the_gpu_before_any_device_work(dev, random_params):
-    params = {k: v.astype(np.float32) for k, v in random_params(CFG, 30).items()}
-    allocated = dev.allocated_bytes
-    with pytest.raises(ValueError, match=r"LoRA fine-tuning \(tune='lora'\) is not available on the GPU"):
-        Trainer(CFG, params, backend="gpu", **LORA)
-    assert dev.allocated_bytes == allocated
-    assert Trainer(CFG, params, backend="auto", **LORA).device == "cpu"
+SETTINGS = LoraSettings(4, 8.0, tuple(TARGETS))     # every projection of both block kinds
+LORA = dict(tune="lora", lora_rank=4, lora_alpha=8.0, seq_len=T, lr=1e-2, lr_min=1e-3, warmup=1, steps=6,
+            grad_clip=1.0, weight_decay=0.1, lora_targets=("att.key", "att.output", "ffn.value", "moba.value"))
 
 
-def test_merged_adapter_on_the_gpu_matches_the_cpu_adapter(random_params):
-    """fp32 loss within 1e-5 of the float64 oracle's for any parameters (docs/SPEC.md §4); the adapter
-    moves the loss by far more than that."""
-    params = {k: v.astype(np.float32) for k, v in random_params(CFG, 31).items()}
-    cpu = Trainer(CFG, params, backend="cpu", cpu_dtype="float64", **LORA)
-    for tokens, targets in batches(3, 30):
-        cpu.step(tokens, targets)
-    base = Trainer(CFG, params, backend="cpu", cpu_dtype="float64", **dict(LORA, tune="full"))
-    model = Model(CFG, merge(CFG, params, cpu.lora, cpu.config.lora.scale), B, T, precision="fp32")
-    for tokens, targets in batches(2, 31):
+def with_factors(cfg, rng):
+    """Factors of a trained adapter's scale (B not zero, so every factor gets a gradient), float32."""
+    factors = {n: (0.3 * rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)
+               for n, s in lora_shapes(cfg, SETTINGS).items()}
+    return dict(lora=factors, lora_scale=SETTINGS.scale)
+
+
+@fp32_cases
+def test_lora_gradients_match_oracle_fp32(random_params, cfg, wkv7, recompute, B):
+    params = {k: v.astype(np.float32) for k, v in random_params(cfg, 41).items()}
+    check_tuned_grads(cfg, params, B, "fp32", *TOLERANCES["fp32"], with_factors, methods={"wkv7": wkv7},
+                      recompute=recompute)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_lora_gradients_match_oracle_reduced_precision(training_like, precision):
+    check_tuned_grads(CFG64, training_like(CFG64, 42), 3, precision, *TRAINING_LIKE_TOLERANCES[precision],
+                      with_factors)
+
+
+def test_gpu_lora_matches_cpu(random_params):
+    """Warm-up, clipping over the factor gradients, weight decay (which the factors do not get)."""
+    check_tuning_matches_cpu({k: v.astype(np.float32) for k, v in random_params(CFG, 43).items()}, LORA, "lora")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_lora_resumes_exactly(tmp_path, random_params, precision):
+    def untrained(trainer):
+        settings = trainer.config.lora
+        return dict(lora=init_factors(CFG, settings, trainer.config.seed), lora_scale=settings.scale)
+
+    check_tuning_resumes_exactly(tmp_path / "lora.safetensors",
+                                 {k: v.astype(np.float32) for k, v in random_params(CFG, 44).items()},
+                                 dict(LORA, precision=precision), "lora", untrained)
+
+
+def test_generation_from_a_lora_model_is_refused_on_the_gpu(random_params):
+    trainer = Trainer(CFG, random_params(CFG, 45), backend="gpu", batch_size=2, **LORA)
+    with pytest.raises(ValueError, match="not LoRA factors"):
+        generate(trainer, np.array([1, 2, 3]), 2)
+
+
+def test_merged_adapter_on_the_gpu_matches_the_gpu_adapter(random_params):
+    """A GPU-trained adapter: the adapted model's fp32 loss equals, within 1e-5, the merged weights'
+    (what ``sample --lora`` / ``export --lora`` compute) and the CPU backend's for the same factors;
+    the adapter moves the loss by far more than that."""
+    params = {k: v.astype(np.float32) for k, v in random_params(CFG, 46).items()}
+    gpu = Trainer(CFG, params, backend="gpu", batch_size=2, precision="fp32", **LORA)
+    for tokens, targets in seeded_batches(3, CFG.vocab_size, 2, T):
+        gpu.step(tokens, targets)
+    scale = gpu.config.lora.scale
+    cpu = Trainer(CFG, params, backend="cpu", cpu_dtype="float64", batch_size=2, lora=gpu.lora, **LORA)
+    base = Trainer(CFG, params, backend="cpu", cpu_dtype="float64", batch_size=2, **dict(LORA, tune="full"))
+    merged = Model(CFG, merge(CFG, params, gpu.lora, scale), 2, T, precision="fp32")
+    for tokens, targets in seeded_batches(2, CFG.vocab_size, 2, T, 47):
         expected = cpu.evaluate(tokens, targets)
-        assert abs(model.evaluate(tokens, targets) - expected) <= 1e-5 * abs(expected)
+        assert abs(gpu.evaluate(tokens, targets) - expected) <= 1e-5 * abs(expected)
+        assert abs(merged.evaluate(tokens, targets) - expected) <= 1e-5 * abs(expected)
         assert abs(base.evaluate(tokens, targets) - expected) > 1e-4 * abs(expected)
+
+
+def test_cli_lora_on_the_gpu(tmp_path, capsys, random_params):
+    """train --tune lora --device gpu from a model: the LoRA file, an exact --resume on the GPU, and
+    sampling with the adapter merged."""
+    from rwkvx import Config, save_checkpoint
+    from rwkvx.cli import main
+    from rwkvx.lora import load_lora
+
+    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16,
+                 moba_chunk_size=8, moba_top_k=2)
+    model = tmp_path / "m.safetensors"
+    save_checkpoint(model, cfg, random_params(cfg, 48))
+    tune = ["train", "--tune", "lora", "--init-from", str(model), "--device", "gpu", "--batch-size", "2",
+            "--seq-len", "32", "--no-progress", "--lr", "1e-2", "--lr-min", "1e-2", "--warmup", "0",
+            "--ckpt-every", "2", "--lora-rank", "4"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main([*tune, "--steps", "4", "--out", str(a)]) == 0
+    assert main([*tune, "--steps", "2", "--out", str(b)]) == 0
+    assert main(["train", "--resume", str(b), "--steps", "4", "--device", "gpu", "--no-progress"]) == 0
+    assert "LoRA:" in capsys.readouterr().out
+    _, fa, _, _ = load_lora(a / "lora.safetensors")
+    _, fb, _, _ = load_lora(b / "lora.safetensors")
+    assert all(np.array_equal(fa[n], fb[n]) for n in fa) and any(fa[n].any() for n in fa if n.endswith("_B"))
+    assert main(["sample", "--ckpt", str(model), "--lora", str(a), "--tokens", "3", "--temperature", "0"]) == 0

@@ -30,80 +30,112 @@ def random_states(cfg, rng):
     return {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
 
 
-def check_state_grads(cfg, params, B, precision, loss_tol, tol, methods=None, recompute=True):
-    """Loss and state gradients of a Model with random initial states against the float64 oracle's."""
+def check_tuned_grads(cfg, params, B, precision, loss_tol, tol, tuned, methods=None, recompute=True):
+    """Loss and gradients of a Model with the random tensors to tune ``tuned(cfg, rng)`` (keyword
+    arguments of both Model and Oracle: ``states=...`` or ``lora=..., lora_scale=...``) against the
+    float64 oracle's; the tensors and the parameters unchanged."""
     rng = seeded_rng()
-    states = random_states(cfg, rng)
+    kwargs = tuned(cfg, rng)
+    tensors = kwargs.get("states") or kwargs["lora"]
     tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
-    model = Model(cfg, params, B, T, precision=precision, methods=methods, recompute=recompute, states=states)
+    model = Model(cfg, params, B, T, precision=precision, methods=methods, recompute=recompute, **kwargs)
     model.poison()
     loss, grads = model.loss_and_grads(tokens, targets)
-    ref_loss, ref = Oracle(cfg, params, dtype=np.float64, states=states).loss_and_grads(tokens, targets)
-    errors = {n: rel_err(grads[n], ref[n]) for n in states}
-    print(f"\n{precision} {methods or ''} B={B}: loss {abs(loss - ref_loss) / abs(ref_loss):.2e}, "
-          + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
-    assert set(grads) == set(states) and all(np.isfinite(g).all() for g in grads.values())
+    ref_loss, ref = Oracle(cfg, params, dtype=np.float64, **kwargs).loss_and_grads(tokens, targets)
+    errors = {n: rel_err(grads[n], ref[n]) for n in tensors}
+    print(f"\n{precision} {methods or ''} B={B}: loss {abs(loss - ref_loss) / abs(ref_loss):.2e}, worst "
+          + ", ".join(f"{n} {e:.2e}" for n, e in sorted(errors.items(), key=lambda e: -e[1])[:4]))
+    assert set(grads) == set(tensors) and all(np.isfinite(g).all() for g in grads.values())
     assert abs(loss - ref_loss) <= loss_tol * abs(ref_loss)
     assert all(e <= tol for e in errors.values()), errors
     after = model.params()
     assert all(np.array_equal(after[n], params[n]) for n in params), "a frozen parameter changed"
 
 
-@pytest.mark.parametrize("B", [1, 3])
-@pytest.mark.parametrize("recompute", [True, False])
-@pytest.mark.parametrize("cfg, wkv7", [(CFG, "sequential"), (CFG64, "sequential"), (CFG64, "chunked_exact")],
-                         ids=["N16-sequential", "N64-sequential", "N64-chunked_exact"])
+def fp32_cases(test):
+    """``test`` parametrized over the fp32 gradient cases: head sizes 16 and 64, the sequential and the
+    chunked WKV7, recompute or not, B 1 and 3."""
+    for mark in (pytest.mark.parametrize("B", [1, 3]), pytest.mark.parametrize("recompute", [True, False]),
+                 pytest.mark.parametrize("cfg, wkv7", [(CFG, "sequential"), (CFG64, "sequential"),
+                                                       (CFG64, "chunked_exact")],
+                                         ids=["N16-sequential", "N64-sequential", "N64-chunked_exact"])):
+        test = mark(test)
+    return test
+
+
+def with_states(cfg, rng):
+    return dict(states=random_states(cfg, rng))
+
+
+@fp32_cases
 def test_state_gradients_match_oracle_fp32(random_params, cfg, wkv7, recompute, B):
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, 21).items()}
-    check_state_grads(cfg, params, B, "fp32", *TOLERANCES["fp32"], methods={"wkv7": wkv7}, recompute=recompute)
+    check_tuned_grads(cfg, params, B, "fp32", *TOLERANCES["fp32"], with_states, methods={"wkv7": wkv7},
+                      recompute=recompute)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 def test_state_gradients_match_oracle_reduced_precision(training_like, precision):
-    check_state_grads(CFG64, training_like(CFG64, 22), 3, precision, *TRAINING_LIKE_TOLERANCES[precision])
+    check_tuned_grads(CFG64, training_like(CFG64, 22), 3, precision, *TRAINING_LIKE_TOLERANCES[precision],
+                      with_states)
 
 
-def test_gpu_state_tuning_matches_cpu(random_params):
-    """Six steps (warm-up, clipping over the state gradients, weight decay that must not touch them): the
-    states within the AdamW parity bound of the CPU backend's (float64), the model bit for bit as it was."""
-    params = {k: v.astype(np.float32) for k, v in random_params(CFG, 23).items()}
-    gpu = Trainer(CFG, params, backend="gpu", batch_size=3, **SETTINGS)
-    cpu = Trainer(CFG, params, backend="cpu", cpu_dtype=np.float64, batch_size=3, **SETTINGS)
+def check_tuning_matches_cpu(params, settings, tuned: str) -> None:
+    """Six GPU steps of a tuning run (``settings``: TrainConfig fields) against the CPU backend's
+    (float64): every loss within 1e-5, the tuned tensors (the Trainer's attribute ``tuned``) within the
+    AdamW parity bound, the optimizer statistics alike, the model bit for bit as it was."""
+    gpu = Trainer(CFG, params, backend="gpu", batch_size=3, **settings)
+    cpu = Trainer(CFG, params, backend="cpu", cpu_dtype=np.float64, batch_size=3, **settings)
     for tokens, targets in seeded_batches(6, CFG.vocab_size, 3, T):
         lg, lc = gpu.step(tokens, targets), cpu.step(tokens, targets)
         assert abs(lg - lc) <= 1e-5 * abs(lc)
-    sg, sc = gpu.states, cpu.states
-    errors = {n: rel_err(sg[n], sc[n]) for n in sc}
-    print("\nstates after 6 steps: " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()))
-    assert all(sc[n].any() for n in sc) and all(e <= 1e-4 for e in errors.values()), errors
+    tg, tc = getattr(gpu, tuned), getattr(cpu, tuned)
+    errors = {n: rel_err(tg[n], tc[n]) for n in tc}
+    print(f"\n{tuned} after 6 steps, worst: " + ", ".join(
+        f"{n} {e:.2e}" for n, e in sorted(errors.items(), key=lambda e: -e[1])[:4]))
+    assert all(tc[n].any() for n in tc) and all(e <= 1e-4 for e in errors.values()), errors
     assert gpu.last_stats["grad_norm"] == pytest.approx(cpu.last_stats["grad_norm"], rel=1e-4)
     assert gpu.last_stats["lr"] == pytest.approx(cpu.last_stats["lr"], rel=1e-12)
     after = gpu.params
     assert all(np.array_equal(after[n], params[n]) for n in params), "a frozen parameter changed"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_gpu_state_tuning_resumes_exactly(tmp_path, random_params, precision):
-    """N steps straight == N/2, save (a state file), load, N/2 — bit for bit; graph replay == eager."""
-    params = {k: v.astype(np.float32) for k, v in random_params(CFG, 24).items()}
-    kw = dict(SETTINGS, batch_size=2, precision=precision)
+def check_tuning_resumes_exactly(path, params, settings, tuned: str, eager_tuned) -> None:
+    """A GPU tuning run: N steps straight == N/2, save (the adapter file ``path``), load, N/2 — bit for
+    bit; graph replay == eager. ``eager_tuned(trainer)``: the Model keyword arguments of the run's
+    untrained tensors; the Trainer's attribute ``tuned`` ("states" or "lora") reads them back."""
     data = seeded_batches(6, CFG.vocab_size, 2, T)
-    straight = Trainer(CFG, params, backend="gpu", **kw)
+    straight = Trainer(CFG, params, backend="gpu", batch_size=2, **settings)
     losses = [straight.step(*d) for d in data]
-    half = Trainer(CFG, params, backend="gpu", **kw)
+    half = Trainer(CFG, params, backend="gpu", batch_size=2, **settings)
     first = [half.step(*d) for d in data[:3]]
-    half.save(tmp_path / "state.safetensors")
-    resumed = Trainer.load(tmp_path / "state.safetensors", backend="gpu", params=params)
+    half.save(path)
+    resumed = Trainer.load(path, backend="gpu", params=params)
     assert resumed.step_count == 3
     second = [resumed.step(*d) for d in data[3:]]
     assert first + second == losses
-    a, b = straight.states, resumed.states
+    a, b = getattr(straight, tuned), getattr(resumed, tuned)
     assert all(np.array_equal(a[n], b[n]) for n in a)
-    eager = Model(CFG, params, 2, T, precision=precision, recompute=straight.backend.model.recompute,
-                  states=zero_states(CFG))
-    eager.configure_optimizer(straight.schedule, 0.1, 1.0)
+    eager = Model(CFG, params, 2, T, precision=straight.config.precision,
+                  recompute=straight.backend.model.recompute, **eager_tuned(straight))
+    eager.configure_optimizer(straight.schedule, straight.config.weight_decay, straight.config.grad_clip)
     assert [eager.train_step(*d, graph=False) for d in data] == losses
-    assert all(np.array_equal(eager.states()[n], a[n]) for n in a)
+    read = {"states": Model.states, "lora": Model.lora_factors}[tuned]
+    assert all(np.array_equal(read(eager)[n], a[n]) for n in a)
+
+
+def test_gpu_state_tuning_matches_cpu(random_params):
+    """Warm-up, clipping over the state gradients, weight decay that must not touch them."""
+    check_tuning_matches_cpu({k: v.astype(np.float32) for k, v in random_params(CFG, 23).items()}, SETTINGS,
+                             "states")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpu_state_tuning_resumes_exactly(tmp_path, random_params, precision):
+    check_tuning_resumes_exactly(tmp_path / "state.safetensors",
+                                 {k: v.astype(np.float32) for k, v in random_params(CFG, 24).items()},
+                                 dict(SETTINGS, precision=precision), "states",
+                                 lambda trainer: dict(states=zero_states(CFG)))
 
 
 def test_generation_from_states_is_refused_on_the_gpu(random_params):
