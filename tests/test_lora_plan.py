@@ -137,6 +137,11 @@ def test_emulated_lora_step_matches_the_oracle(random_params, recompute):
     ref_loss, ref = oracle.loss_and_grads(tokens, targets)
     loss = mem.read(host["loss_t"], B * T, elem="f64").sum() / targets.size
     assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    # the step stores fp32: a factor's gradient is held to 1e-5, or to 10x what the float32 oracle itself
+    # misses on it where the draw makes that gradient ill-conditioned (a few draws in a hundred reach 1e-4)
+    _, ref32 = Oracle(cfg, params, dtype=np.float32, lora=factors, lora_scale=settings.scale).loss_and_grads(
+        tokens, targets)
     for n, (off, size) in L.lora_offsets.items():
         got = mem.read(BASE + L.offsets["lora_grads"] + 4 * off, size, ref[n].shape)
-        assert np.abs(ref[n]).max() > 0 and rel_err(got, ref[n]) <= 1e-5, n
+        bound = max(1e-5, 10 * rel_err(ref32[n], ref[n]))
+        assert np.abs(ref[n]).max() > 0 and rel_err(got, ref[n]) <= bound, (n, rel_err(got, ref[n]), bound)
