@@ -66,6 +66,8 @@ from typing import Mapping
 
 import numpy as np
 
+from rwkvx.runtime.dtypes import bf16_bits_to_f32
+
 BETAS = (0.9, 0.99)
 EPS = 1e-18
 CLIP_EPS = 1e-6
@@ -140,11 +142,6 @@ def bf16_stochastic(x: np.ndarray, bits: np.ndarray) -> np.ndarray:
     return out
 
 
-def bf16_widen(bits: np.ndarray) -> np.ndarray:
-    """bf16 bits (uint16) as float32 values (exact)."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
 def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: int, lr_p: float,
                  wd_p: float, clip: float = 1.0, betas: tuple[float, float] = BETAS,
                  eps: float = EPS, offset: int | None = None) -> None:
@@ -161,7 +158,7 @@ def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: 
         raise ValueError("adamw_update: bf16 moments need the tensor's flat offset (>= 0)")
     f32 = np.float32
     b1, b2 = betas
-    mf, vf = (bf16_widen(m), bf16_widen(v)) if lean else (m, v)
+    mf, vf = (bf16_bits_to_f32(m), bf16_bits_to_f32(v)) if lean else (m, v)
     if clip != 1.0:
         g = g * f32(clip)
     if wd_p:

@@ -64,6 +64,7 @@ SHARED_MOBA_SCRATCH = ("part", "lpart")
 TRAINED = {"params": ("params", "grads", "adam_m", "adam_v"),
            "states": ("states", "state_grads", "state_m", "state_v"),
            "lora": ("lora", "lora_grads", "lora_m", "lora_v")}
+MOMENT_REGIONS = {name for regions in TRAINED.values() for name in regions[2:]}   # of the Layout's moments type
 
 
 def head_chunk_rows(R: int, V: int, xtype: str, chunk_bytes: int) -> int:
@@ -131,7 +132,7 @@ class Layout:
         if moments not in MOMENT_TYPES:
             raise ValueError(f"moments must be one of {', '.join(MOMENT_TYPES)}, got {moments!r}")
         for region in TRAINED["params"]:      # frozen parameters (state tuning, LoRA) have no moments
-            moment = region.startswith("adam_")
+            moment = region in MOMENT_REGIONS
             self._add(region, 0 if self.trains != "params" and moment else n_flat, moments if moment else "f32")
         # the weights as bf16 GEMM operands (refreshed by AdamW); empty where the GEMMs read the f32 weights
         self._add("params_x", n_flat if precision.gemm.bf16_operands else 0, xtype)
@@ -147,7 +148,7 @@ class Layout:
             else:
                 self.lora_offsets = offsets
             for region in TRAINED[self.trains]:
-                self._add(region, n_trained, moments if region.endswith(("_m", "_v")) else "f32")
+                self._add(region, n_trained, moments if region in MOMENT_REGIONS else "f32")
             if lora is not None:
                 self._add("lora_x", n_trained if precision.gemm.bf16_operands else 0, xtype)
         self.adam_table, self.adam_lrmul = adamw.build_table(trained_segments)

@@ -12,8 +12,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from rwkvx.cu.adamw import flat_layout
-from rwkvx.oracle.adamw import (BETAS, EPS, MOMENT_TYPES, adamw_update, bf16_widen, clip_coefficient,
+from rwkvx.oracle.adamw import (BETAS, EPS, MOMENT_TYPES, adamw_update, clip_coefficient,
                                 global_grad_norm, learning_rate, lr_multiplier, uses_weight_decay)
+from rwkvx.runtime.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class AdamW:
 
     def _values(self, moment: np.ndarray) -> np.ndarray:
         """A moment's values as float32 (a copy)."""
-        return bf16_widen(moment) if self.moments == "bf16" else moment.copy()
+        return bf16_bits_to_f32(moment) if self.moments == "bf16" else moment.copy()
 
     def _stored(self, values: np.ndarray, name: str) -> np.ndarray:
         """float32 moment ``values`` in this optimizer's storage."""
@@ -161,8 +162,8 @@ def bf16_moment_bits(values: np.ndarray, name: str) -> np.ndarray:
     ``name`` unless every value is a bf16 value (the moments of a run with bf16 moments), so that resuming
     is exact."""
     values = np.ascontiguousarray(values, dtype=np.float32)
-    bits = (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
-    if not np.array_equal(bf16_widen(bits), values, equal_nan=True):
+    bits = f32_to_bf16_bits(values)
+    if not np.array_equal(bf16_bits_to_f32(bits), values, equal_nan=True):
         raise ValueError(f"optimizer state {name} holds values that are not bf16: saved by a run with "
                          "float32 moments, which cannot resume with bf16 moments")
     return bits

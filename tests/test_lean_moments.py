@@ -10,7 +10,8 @@ import pytest
 
 from rwkvx import Config, init_params
 from rwkvx.optim import AdamW, Schedule, bf16_moment_bits
-from rwkvx.oracle.adamw import _fmix32, bf16_stochastic, bf16_widen, rounding_bits
+from rwkvx.oracle.adamw import _fmix32, bf16_stochastic, rounding_bits
+from rwkvx.runtime.dtypes import bf16_bits_to_f32
 from rwkvx.training import TrainConfig, Trainer
 
 from seeding import seeded_rng
@@ -31,7 +32,7 @@ def test_rounding_is_to_a_neighbour_unbiased_and_deterministic():
     x = (rng.standard_normal(4096) * 10.0 ** rng.integers(-20, 20, 4096)).astype(np.float32)
     down = (x.view(np.uint32) >> np.uint32(16)).astype(np.uint16)            # truncation toward zero
     up = down + np.uint16(1)
-    exact = bf16_widen(down) == x
+    exact = bf16_bits_to_f32(down) == x
     for t in (1, 2, 1000):
         bits = bf16_stochastic(x, rounding_bits(t, np.arange(x.size), 0))
         assert np.array_equal(bits, bf16_stochastic(x, rounding_bits(t, np.arange(x.size), 0)))
@@ -39,7 +40,7 @@ def test_rounding_is_to_a_neighbour_unbiased_and_deterministic():
     # one value rounded with 2**16 draws: the mean is the value (the draws' mean of the upper choice
     # is its distance from the lower neighbour over the gap, to within the draws' discreteness)
     value = np.float32(1.0 + 2.0 ** -10 + 2.0 ** -14)
-    draws = bf16_widen(bf16_stochastic(np.full(1 << 16, value), rounding_bits(7, np.arange(1 << 16), 1)))
+    draws = bf16_bits_to_f32(bf16_stochastic(np.full(1 << 16, value), rounding_bits(7, np.arange(1 << 16), 1)))
     assert abs(draws.astype(np.float64).mean() - float(value)) < 2.0 ** -7 / 200
 
 
@@ -67,7 +68,7 @@ def test_first_step_equals_float32_moments():
     for n in grads:
         assert np.array_equal(opts["f32"].params[n], opts["bf16"].params[n])
         for ref, lean in ((opts["f32"].m[n], opts["bf16"].m[n]), (opts["f32"].v[n], opts["bf16"].v[n])):
-            gap = np.abs(bf16_widen(lean) - ref)
+            gap = np.abs(bf16_bits_to_f32(lean) - ref)
             assert (gap <= 2.0 ** -7 * np.abs(ref)).all()
 
 

@@ -19,7 +19,7 @@ import pytest
 from harness import KernelCase, check
 from rwkvx import optim
 from rwkvx.cu import adamw as aw
-from rwkvx.oracle.adamw import bf16_widen
+from rwkvx.runtime.dtypes import bf16_bits_to_f32
 
 from seeding import seeded_rng
 
@@ -83,7 +83,7 @@ RUNS = [(*c, "f32") for c in CONFIGS] + [(*c, "bf16") for c in CONFIGS if c[0] =
 
 def check_bf16_moment(name, got, want_bits):
     """The lean moment ``got`` (float64 values) is the twin's to one bf16 place (see the module docstring)."""
-    want = bf16_widen(want_bits).astype(np.float64)
+    want = bf16_bits_to_f32(want_bits).astype(np.float64)
     far = np.abs(got - want) > 2.0 ** -7 * np.maximum(np.abs(got), np.abs(want))
     assert not far.any(), f"{name}: {int(far.sum())} values more than one bf16 place from the twin's"
 
