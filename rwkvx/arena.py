@@ -14,7 +14,7 @@ from .config import Config
 from .cu import adamw, channelmix, layernorm, moba, timemix, wkv7
 from .lora import LoraSettings, lora_shapes
 from .oracle.adamw import MOMENT_TYPES
-from .params import param_shapes
+from .params import EMB_WEIGHT, gemm_weights, param_shapes
 from .precision import Precision, resolve_precision
 from .runtime.device import DeviceInfo
 from .runtime.dtypes import ELEM_BYTES, poison_bits
@@ -67,6 +67,16 @@ TRAINED = {"params": ("params", "grads", "adam_m", "adam_v"),
 MOMENT_REGIONS = {name for regions in TRAINED.values() for name in regions[2:]}   # of the Layout's moments type
 
 
+# The parameters' regions besides AdamW's moments: the float32 values, their gradients, and the bf16 copy
+# the GEMMs read (empty where they read the float32 values)
+PARAMETER_REGIONS = ("params", "grads", "params_x")
+
+
+def _flat_size(offsets: dict[str, tuple[int, int]]) -> int:
+    """Floats a flat region of tensors at ``offsets`` spans."""
+    return max((off + size for off, size in offsets.values()), default=0)
+
+
 def head_chunk_rows(R: int, V: int, xtype: str, chunk_bytes: int) -> int:
     """Rows of one head / cross-entropy chunk: as many as fit ``chunk_bytes`` of logits, a multiple
     of 64 rows (at least 64), at most R."""
@@ -79,7 +89,8 @@ class Layout:
     count) in one arena.
 
     Regions: ``params``/``grads``/``adam_m``/``adam_v`` (flat, same offsets per tensor; f32, the moments
-    of type ``moments``: "f32" or "bf16", the lean moments of :mod:`rwkvx.oracle.adamw`), the per-step
+    of type ``moments``: "f32" or "bf16", the lean moments of :mod:`rwkvx.oracle.adamw`; with the
+    parameters frozen, packed as :meth:`_parameter_regions` says, at :attr:`region_offsets`), the per-step
     inputs, one saved input per block, and one block's worth of transients shared by all blocks (with
     ``recompute=False``, also every other block's :data:`FORWARD_STATE`, as ``name@position``).
     Activations have the element type ``xtype`` of ``precision`` (a :class:`~rwkvx.precision.Precision`
@@ -131,11 +142,13 @@ class Layout:
         self.param_shapes = shapes
         if moments not in MOMENT_TYPES:
             raise ValueError(f"moments must be one of {', '.join(MOMENT_TYPES)}, got {moments!r}")
-        for region in TRAINED["params"]:      # frozen parameters (state tuning, LoRA) have no moments
-            moment = region in MOMENT_REGIONS
-            self._add(region, 0 if self.trains != "params" and moment else n_flat, moments if moment else "f32")
-        # the weights as bf16 GEMM operands (refreshed by AdamW); empty where the GEMMs read the f32 weights
-        self._add("params_x", n_flat if precision.gemm.bf16_operands else 0, xtype)
+        self.region_offsets = self._parameter_regions(cfg, precision.gemm.bf16_operands)
+        for region in TRAINED["params"]:          # frozen parameters (state tuning, LoRA) have no moments
+            if region in MOMENT_REGIONS:
+                self._add(region, n_flat if self.trains == "params" else 0, moments)
+            else:
+                self._add(region, _flat_size(self.region_offsets[region]), "f32")
+        self._add("params_x", _flat_size(self.region_offsets["params_x"]), xtype)
         self.state_offsets: dict[str, tuple[int, int]] = {}
         self.lora_offsets: dict[str, tuple[int, int]] = {}
         trained_segments = self.param_segments
@@ -235,6 +248,29 @@ class Layout:
             for name in kept:
                 if name in self.counts:
                     self._add(f"{name}@{pos}", self.counts[name], self.elems[name])
+
+    def _parameter_regions(self, cfg: Config, bf16_operands: bool) -> dict[str, dict[str, tuple[int, int]]]:
+        """Name -> (offset, size) of the parameters each of :data:`PARAMETER_REGIONS` holds.
+
+        Trained parameters: every one in ``params`` and ``grads``, and in ``params_x`` where the GEMMs read
+        bf16 operands, at :attr:`param_offsets` (AdamW updates the values and refreshes the copy at the
+        same offsets). Frozen parameters (state tuning, LoRA) are laid out compactly: ``params_x`` holds
+        the bf16 copy of :func:`~rwkvx.params.gemm_weights` alone and ``params`` the float32 values of the
+        rest (every parameter where the GEMMs read float32), ``grads`` the gradients the kernels still form
+        beside their input gradients (all but the GEMM weights' and the embedding's, whose ops the step
+        leaves out; nothing reads them)."""
+        every = self.param_offsets
+        if self.trains == "params":
+            return {"params": every, "grads": every, "params_x": every if bf16_operands else {}}
+        gemm = set(gemm_weights(cfg))
+
+        def compact(keep) -> dict[str, tuple[int, int]]:
+            shapes = {n: s for n, s in self.param_shapes.items() if keep(n)}
+            return {seg[0]: (seg[1], seg[2]) for seg in adamw.flat_layout(shapes)[0]}
+
+        return {"params": compact(lambda n: n not in gemm) if bf16_operands else every,
+                "grads": compact(lambda n: n not in gemm and n != EMB_WEIGHT),
+                "params_x": compact(lambda n: n in gemm) if bf16_operands else {}}
 
     def elem_of(self, name: str) -> str:
         """The element type of activation buffer ``name`` (``block_in`` for every ``block_in.i``):

@@ -387,6 +387,7 @@ _FRESH_MODEL = {"state": "its states get no gradient",
 
 def _print_run(run: Run) -> None:
     """The header: the fallback note, device, model, data and the training plan."""
+    from .params import param_shapes
     prep, trainer, cfg, tr = run.prep, run.trainer, run.prep.cfg, run.train
     B, T, ranks = tr.batch_size, tr.seq_len, prep.world_size
     if prep.note:
@@ -398,7 +399,7 @@ def _print_run(run: Run) -> None:
                                          else f" ({tr.precision}, {_recompute_note(run)})"))
     print(f"model: V={cfg.vocab_size} C={cfg.n_embd} L={cfg.n_rwkv_layer} M={cfg.n_attn_layer} "
           f"N={cfg.head_size} chunk={cfg.moba_chunk_size} top_k={cfg.moba_top_k}  "
-          f"({sum(p.size for p in trainer.params.values()):,} parameters)"
+          f"({sum(math.prod(s) for s in param_shapes(cfg).values()):,} parameters)"
           + (f", initialised from {prep.init_from}" if prep.init_from else ""))
     if trainer.states is not None:
         print(f"state tuning: {sum(s.size for s in trainer.states.values()):,} state values trained "

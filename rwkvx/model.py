@@ -69,18 +69,6 @@ def rebased(ops, moves: dict[int, int]) -> list:
     return out
 
 
-def without_weight_gradients(ops: StepOps, grads: tuple[int, int]) -> StepOps:
-    """``ops`` without the GEMMs whose output (D) lies in ``grads`` (the address range of the parameters'
-    gradients): under state tuning nothing reads them. The kernels that compute a parameter gradient
-    together with an input gradient (LayerNorm, time mix, channel mix) still run."""
-    lo, hi = grads
-
-    def keep(lst: list) -> list:
-        return [op for op in flatten_ops(lst) if not (isinstance(op, Gemm) and lo <= op.D < hi)]
-
-    return dataclasses.replace(ops, loss=keep(ops.loss), backward=keep(ops.backward), grad_ready=[])
-
-
 def stats_from_state(state: np.ndarray) -> dict[str, float]:
     """``{"step", "lr", "grad_norm", "clip"}`` from the AdamW device state (float64 ``[STATE_DOUBLES]``)."""
     return {"step": int(state[adamw.ST_STEP]), "lr": float(state[adamw.ST_LR]),
@@ -198,9 +186,6 @@ class Model:
         self._next_slot = 0
         self.builder = StepBuilder(self.layout, self.arena.ptr, {k: v.ptr for k, v in self._pinned.items()})
         self.ops = self.builder.build()
-        if self.layout.trains != "params":       # frozen parameters: nothing reads their gradients
-            grads = self.arena.ptr + self.layout.offsets["grads"]
-            self.ops = without_weight_gradients(self.ops, (grads, grads + self.layout.nbytes("grads")))
         # every GEMM's algorithm, chosen before anything in the arena past the per-step inputs is live:
         # new shapes are timed with their outputs written there, so the plans allocate nothing for it
         ops = self.ops
@@ -223,7 +208,8 @@ class Model:
             return self.layout.state_offsets, state_shapes(self.cfg)
         if region in TRAINED["lora"]:
             return self.layout.lora_offsets, lora_shapes(self.cfg, self.layout.lora)
-        return self.layout.param_offsets, self.layout.param_shapes
+        offsets = self.layout.region_offsets.get(region, self.layout.param_offsets)
+        return offsets, {n: self.layout.param_shapes[n] for n in offsets}
 
     def _region(self, region: str) -> dict[str, np.ndarray]:
         offsets, shapes = self._tensors(region)
@@ -232,26 +218,37 @@ class Model:
                                                     storage_dtype(elem)))
         return {n: flat[off:off + size].reshape(shapes[n]).copy() for n, (off, size) in offsets.items()}
 
-    def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        """Inverse of :meth:`_region`: one name-keyed tensor per parameter (or state), packed and uploaded
-        (float32 values; a bf16 region takes only bf16 values, :func:`rwkvx.optim.bf16_moment_bits`)."""
+    def _pack(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """The float32 flat image of region ``region`` holding its tensors of the name-keyed ``tensors``."""
         flat = np.zeros(self.layout.counts[region], np.float32)
         for n, (off, size) in self._tensors(region)[0].items():
             flat[off:off + size] = np.asarray(tensors[n], np.float32).ravel()
+        return flat
+
+    def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """Inverse of :meth:`_region`: one name-keyed tensor per parameter (or state), packed and uploaded
+        (float32 values; a bf16 region takes only bf16 values, :func:`rwkvx.optim.bf16_moment_bits`)."""
+        flat = self._pack(region, tensors)
         stored = bf16_moment_bits(flat, region) if self.layout.elems[region] == "bf16" else flat
         self.dev.upload(self.builder.buf(region), stored)
         return flat
 
     def load_params(self, params: ParamDict) -> None:
         """Upload ``params`` (names and shapes of ``param_shapes(cfg)``) to the device (and their bf16
-        copy, the GEMMs' operands, in bf16 mode)."""
+        copy, the GEMMs' operands, in bf16 mode). A model whose parameters are frozen (state tuning,
+        LoRA) keeps a reference to ``params``: its device holds some weights only as bf16 operands."""
         check_params(self.cfg, params)
-        flat = self._upload_region("params", params)
+        self._upload_region("params", params)
         if self.layout.counts["params_x"]:
-            self.dev.upload(self.builder.buf("params_x"), to_storage(self.layout.elems["params_x"], flat))
+            self.dev.upload(self.builder.buf("params_x"),
+                            to_storage(self.layout.elems["params_x"], self._pack("params_x", params)))
+        self._frozen_params = dict(params) if self.layout.trains != "params" else None
 
     def params(self) -> ParamDict:
-        """The current parameters, downloaded, name-keyed."""
+        """The current parameters, name-keyed float32 copies: downloaded, or the frozen parameters (state
+        tuning, LoRA) as they were loaded."""
+        if self._frozen_params is not None:
+            return {n: np.array(p, np.float32) for n, p in self._frozen_params.items()}
         return self._region("params")
 
     def grads(self) -> ParamDict:

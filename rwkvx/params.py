@@ -17,6 +17,22 @@ _ORTHOGONAL_GAINS = {"att.w2": 0.1, "att.a2": 0.1, "att.v2": 0.1, "att.g2": 0.1,
                      "att.key.weight": 0.1, "att.value.weight": 1.0, "ffn.key.weight": 1.0}
 
 
+# The matrices only GEMMs read (as operands of projections, of the time mix's low-rank paths and of the head).
+# Every other parameter — the embedding table, the LayerNorm and GroupNorm vectors, the mixes, the decay and
+# k/a/v vectors, r_k — is read by element-wise kernels, in float32.
+_GEMM_WEIGHT_SUFFIXES = tuple(f".{name}" for name in (
+    "att.receptance.weight", "att.key.weight", "att.value.weight", "att.output.weight", "ffn.key.weight",
+    "ffn.value.weight", "att.w1", "att.w2", "att.a1", "att.a2", "att.v1", "att.v2", "att.g1", "att.g2"))
+HEAD_WEIGHT = "rwkv.head.weight"
+EMB_WEIGHT = "rwkv.emb.weight"
+
+
+def gemm_weights(cfg: Config) -> tuple[str, ...]:
+    """The parameters of ``cfg`` that only GEMMs read, in :func:`param_shapes` order (a frozen model keeps
+    them only as the GEMMs' operands, ``rwkvx.arena.Layout``)."""
+    return tuple(n for n in param_shapes(cfg) if n == HEAD_WEIGHT or n.endswith(_GEMM_WEIGHT_SUFFIXES))
+
+
 def rwkv_block_shapes(cfg: Config, i: int) -> dict[str, tuple[int, ...]]:
     """Names (under ``rwkv.blocks.{i}.``) and shapes of RWKV block ``i``."""
     C, F, H, N = cfg.n_embd, cfg.ffn_dim, cfg.n_head, cfg.head_size
@@ -68,7 +84,7 @@ def attn_block_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
 def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
     """Every parameter name of the model and its shape, in a fixed order."""
     C, V = cfg.n_embd, cfg.vocab_size
-    shapes: dict[str, tuple[int, ...]] = {"rwkv.emb.weight": (V, C)}
+    shapes: dict[str, tuple[int, ...]] = {EMB_WEIGHT: (V, C)}
     for i in range(cfg.n_rwkv_layer):
         for name, shape in rwkv_block_shapes(cfg, i).items():
             shapes[f"rwkv.blocks.{i}.{name}"] = shape
@@ -77,7 +93,7 @@ def param_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
             shapes[f"moba.{j}.{name}"] = shape
     shapes["rwkv.ln_out.weight"] = (C,)
     shapes["rwkv.ln_out.bias"] = (C,)
-    shapes["rwkv.head.weight"] = (V, C)
+    shapes[HEAD_WEIGHT] = (V, C)
     return shapes
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from .arena import GEMM_COPIES, TRAINED, Layout
 from .cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from .lora import factor_names
+from .params import EMB_WEIGHT, HEAD_WEIGHT
 from .runtime import gemm
 from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
 from .state_tuning import state_name
@@ -70,19 +71,31 @@ class StepBuilder:
             return None
         return DevPtr(self.base + self.L.offsets[name], self.L.elems[name])
 
+    def _param_in(self, region: str, name: str) -> DevPtr:
+        return self.buf(region).offset(self.L.region_offsets[region][name][0])
+
     def p(self, name: str) -> DevPtr:
-        """Device address of parameter ``name``."""
-        return self.buf("params").offset(self.L.param_offsets[name][0])
+        """Device address of parameter ``name``'s float32 value."""
+        return self._param_in("params", name)
 
     def w(self, name: str) -> DevPtr:
         """Parameter ``name`` as a GEMM operand: the bf16 copy in bf16 mode, else the fp32 weight."""
         if self.L.counts["params_x"]:
-            return self.buf("params_x").offset(self.L.param_offsets[name][0])
+            return self._param_in("params_x", name)
         return self.p(name)
 
-    def gp(self, name: str) -> DevPtr:
-        """Device address of the gradient of parameter ``name``."""
-        return self.buf("grads").offset(self.L.param_offsets[name][0])
+    def gp(self, name: str) -> DevPtr | None:
+        """Device address of the gradient of parameter ``name``; None for a frozen parameter whose gradient
+        the step does not form (:meth:`rwkvx.arena.Layout._parameter_regions`)."""
+        if name not in self.L.region_offsets["grads"]:
+            return None
+        return self._param_in("grads", name)
+
+    def weight_grad(self, gemm_op, x, dy, name: str, *args, **kwargs) -> list:
+        """``[gemm_op(x, dy, dW, *args, **kwargs)]``: the GEMM forming parameter ``name``'s gradient dW, or
+        nothing when the parameter is frozen."""
+        dw = self.gp(name)
+        return [] if dw is None else [gemm_op(x, dy, dw, *args, **kwargs)]
 
     def factor(self, name: str) -> DevPtr:
         """LoRA factor ``name`` as a GEMM operand: its bf16 copy where the GEMMs read bf16, else the fp32
@@ -119,13 +132,13 @@ class StepBuilder:
         ops = []
         x0 = self.buf("block_in.0")
         if cfg.ln0:
-            ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"),
+            ops += embedding.forward(self.buf("tokens"), self.p(EMB_WEIGHT),
                                      self.buf("emb_out"), R, C, V, dev)
             ops += layernorm.forward(self.buf("emb_out"), self.p("rwkv.blocks.0.ln0.weight"),
                                      self.p("rwkv.blocks.0.ln0.bias"), x0,
                                      self.buf("ln0_mean"), self.buf("ln0_rstd"), R, C)
         else:
-            ops += embedding.forward(self.buf("tokens"), self.p("rwkv.emb.weight"), x0, R, C, V, dev)
+            ops += embedding.forward(self.buf("tokens"), self.p(EMB_WEIGHT), x0, R, C, V, dev)
         for pos, (kind, idx) in enumerate(cfg.block_order()):
             self.block_pos = pos
             xin, xout = self.buf(f"block_in.{pos}"), self.buf(f"block_in.{pos + 1}")
@@ -147,7 +160,7 @@ class StepBuilder:
     def head_logits(self, r0: int) -> list:
         """Logits of rows [r0, r0 + rows) into the chunk buffer ``logits``."""
         rows, C, V = min(self.L.head_rows, self.R - r0), self.cfg.n_embd, self.cfg.vocab_size
-        return [gemm.linear(self.buf("lnout").offset(r0 * C), self.w("rwkv.head.weight"), self.buf("logits"),
+        return [gemm.linear(self.buf("lnout").offset(r0 * C), self.w(HEAD_WEIGHT), self.buf("logits"),
                             rows, C, V, precision=self.mm)]
 
     def loss(self, with_grad: bool = True) -> list:
@@ -163,10 +176,10 @@ class StepBuilder:
                                       self.buf("loss_t").offset(r0), dlogits if with_grad else None,
                                       self.buf("inv_count"), rows, V)
             if with_grad:
-                ops += [gemm.linear_dw(lnout.offset(r0 * C), dlogits, self.gp("rwkv.head.weight"), rows, C, V,
-                                       beta=1.0 if r0 else 0.0, precision=mm),
-                        gemm.linear_dx(dlogits, self.w("rwkv.head.weight"), self.buf("dlnout").offset(r0 * C),
-                                       rows, C, V, precision=mm)]
+                ops += self.weight_grad(gemm.linear_dw, lnout.offset(r0 * C), dlogits, HEAD_WEIGHT, rows, C, V,
+                                        beta=1.0 if r0 else 0.0, precision=mm)
+                ops.append(gemm.linear_dx(dlogits, self.w(HEAD_WEIGHT), self.buf("dlnout").offset(r0 * C),
+                                          rows, C, V, precision=mm))
         ops.append(CopyDtoH(self.host["loss_t"], self.buf("loss_t"), self.L.nbytes("loss_t")))
         return ops
 
@@ -204,14 +217,17 @@ class StepBuilder:
                                       demb_in, self.gp("rwkv.blocks.0.ln0.weight"),
                                       self.gp("rwkv.blocks.0.ln0.bias"), self.buf("ln0_mean"),
                                       self.buf("ln0_rstd"), self.buf("partials"), R, C, dev)
-        ops += embedding.backward(demb_in, self.buf("tokens"), self.buf("emb_order"),
-                                  self.buf("emb_seg_start"), self.buf("emb_n_seg"),
-                                  self.gp("rwkv.emb.weight"), R, C, V)
+        if self.gp(EMB_WEIGHT) is not None:
+            ops += embedding.backward(demb_in, self.buf("tokens"), self.buf("emb_order"),
+                                      self.buf("emb_seg_start"), self.buf("emb_n_seg"), self.gp(EMB_WEIGHT), R, C, V)
         self._grads_ready(ops, "rwkv.emb.", *ln0)
         return ops
 
     def _grads_ready(self, ops: list, *prefixes: str, exclude: tuple = ()) -> None:
-        """Mark the gradients of the parameters named by ``prefixes`` final after ``ops`` so far."""
+        """Mark the gradients of the parameters named by ``prefixes`` final after ``ops`` so far (when the
+        parameters train: data parallelism all-reduces them at these points)."""
+        if self.L.trains != "params":
+            return
         names = tuple(n for n in self.L.param_offsets if n.startswith(prefixes) and n not in exclude)
         self.grad_ready.append((len(ops), names))
 
@@ -246,9 +262,9 @@ class StepBuilder:
         """Backward of :meth:`project`: dW = dy^T x, dx = dy @ W (+ ``beta`` * dx), and the LoRA update's
         gradients."""
         mm = self.mm
-        return [gemm.linear_dw(x, dy, self.gp(name), self.R, n_in, n_out, precision=mm),
-                gemm.linear_dx(dy, self.w(name), dx, self.R, n_in, n_out, beta=beta, precision=mm)
-                ] + self.lora_backward(x, dy, name, dx, n_in, n_out)
+        return (self.weight_grad(gemm.linear_dw, x, dy, name, self.R, n_in, n_out, precision=mm)
+                + [gemm.linear_dx(dy, self.w(name), dx, self.R, n_in, n_out, beta=beta, precision=mm)]
+                + self.lora_backward(x, dy, name, dx, n_in, n_out))
 
     def _adapter(self, name: str) -> tuple[str, str] | None:
         """The factors (A, B) of projection ``name`` when the layout adapts it, else None."""
@@ -447,13 +463,13 @@ class StepBuilder:
         grads_of = {"wl": "dwl", "al": "dal", "vl": "dvl", "g": "dg"}
         for src, hid, out, letter, rank in self._lora(i):
             dout, dhid = b(grads_of[out]), b("d" + hid)
-            ops += [gemm.matmul_dw(b(hid), dout, gp(f"{att}{letter}2"), R, rank, C, precision=mm),
-                    gemm.matmul_dx(dout, self.w(f"{att}{letter}2"), dhid, R, rank, C, precision=mm)]
+            ops += self.weight_grad(gemm.matmul_dw, b(hid), dout, f"{att}{letter}2", R, rank, C, precision=mm)
+            ops.append(gemm.matmul_dx(dout, self.w(f"{att}{letter}2"), dhid, R, rank, C, precision=mm))
             if letter == "w":
                 ops += timemix.tanh_backward(b(hid), dhid, dhid, R * rank, dev)
             elif letter == "g":
                 ops += timemix.sigmoid_backward(b(hid), dhid, dhid, R * rank, dev)
-            ops.append(gemm.matmul_dw(b(src), dhid, gp(f"{att}{letter}1"), R, C, rank, precision=mm))
+            ops += self.weight_grad(gemm.matmul_dw, b(src), dhid, f"{att}{letter}1", R, C, rank, precision=mm)
             # xv feeds both the value projection and the v LoRA: accumulate its gradient
             beta = 1.0 if letter == "v" else 0.0
             ops.append(gemm.matmul_dx(dhid, self.w(f"{att}{letter}1"), b("d" + src), R, C, rank, beta=beta,

@@ -59,7 +59,7 @@ def arena_memory(layout, base: int, host: dict[str, int], tensors: dict[str, dic
     mem.add(base, layout.total)
     for name, ptr in host.items():
         mem.add(ptr, layout.nbytes(name))
-    offsets = {"params": layout.param_offsets, "states": layout.state_offsets, "lora": layout.lora_offsets}
+    offsets = {"params": layout.region_offsets["params"], "states": layout.state_offsets, "lora": layout.lora_offsets}
     for region, values in tensors.items():
         for n, (off, _) in offsets[region].items():
             mem.write(base + layout.offsets[region] + 4 * off, values[n])
