@@ -31,7 +31,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   done
   run_tests() {   # run_tests NAME FILES...: one pytest process, its log and junit file under $OUT
     local name=$1; shift
-    python3 -m pytest "$@" -q -rfE -p no:cacheprovider "${KEXPR[@]}" --durations=15 \
+    python3 -m pytest "$@" -v --tb=short -rfE -p no:cacheprovider "${KEXPR[@]}" --durations=15 \
         --junitxml="$OUT/gpu-tests-$name.xml" -o junit_family=xunit1 >"$OUT/gpu-tests-$name.log" 2>&1
   }
   for ((j = 0; j < JOBS; j++)); do
@@ -41,6 +41,9 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   wait
   run_tests serial "${SERIAL_TESTS[@]}"
   grep -hE "^(FAILED|ERROR)|passed|failed" "$OUT"/gpu-tests-*.log | tail -40
+  # per-test lines (-v) survive a run cut short: count what finished
+  echo "tests finished: $(cat "$OUT"/gpu-tests-*.log | grep -cE ' (PASSED|XFAIL|SKIPPED)') passed/xfail/skipped," \
+       "$(cat "$OUT"/gpu-tests-*.log | grep -cE ' (FAILED|ERROR|XPASS)') failed/error/xpass"
 fi
 if [ -z "${SKIP_KERNELS:-}" ]; then   # each family's benchmarks/bench_<family>.py, and the GEMMs
   KERNEL_BENCH=(benchmarks/bench_gemm.py)
