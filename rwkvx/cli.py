@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "a newline, or token 0)")
     sp.add_argument("--state", metavar="FILE",
                     help="start every RWKV block from the tuned initial WKV states of this state file "
-                         "(a state-tuning run's state.safetensors or its run directory; CPU only for now)")
+                         "(a state-tuning run's state.safetensors or its run directory)")
     sp.add_argument("--lora", metavar="FILE",
                     help="adapt the model with this LoRA file (a LoRA run's lora.safetensors or its run "
                          "directory), merged into the weights on load: W + alpha/r * (A B)^T")
@@ -452,7 +452,7 @@ def _print_outcome(run: Run, outcome: Outcome) -> None:
     if tr.tune != "full":
         if run.prep.init_from is None:    # a fresh model, which no file holds
             return
-        source = (f"--ckpt {run.prep.init_from} --state {run.ckpt_path} --device cpu" if tr.tune == "state"
+        source = (f"--ckpt {run.prep.init_from} --state {run.ckpt_path}" if tr.tune == "state"
                   else f"--ckpt {run.prep.init_from} --lora {run.ckpt_path}")
     else:
         source = f"--ckpt {run.ckpt_path}"
@@ -553,17 +553,17 @@ def _generation_source(cfg: Config, params: ParamDict, device: str, precision: s
                        states: dict | None = None) -> tuple[Any, str | None]:
     """What :func:`rwkvx.generation.stream` generates with on the chosen device, plus the fallback
     note: a GPU Model holding the weights (``precision``; its decoder has buffers of its own, so the
-    model is built for one token), or the float32 CPU oracle (starting from the initial WKV
-    ``states`` when given, which the GPU decoder cannot)."""
-    from .generation import STATES_ON_GPU
+    model is built for one token), or the float32 CPU oracle; either starts from the initial WKV
+    ``states`` when given."""
     from .training.setup import check_device
 
     with _usage_errors():
-        kind, note = check_device(device, "sampling", None if states is None else STATES_ON_GPU)
+        kind, note = check_device(device, "sampling")
     if kind == "gpu":
         from .model import Model
         try:   # the weights' holder for the decoder; no backward: the least memory
-            return Model(cfg, params, batch_size=1, seq_len=1, precision=precision, recompute=True), note
+            return Model(cfg, params, batch_size=1, seq_len=1, precision=precision, recompute=True,
+                         states=states), note
         except (ValueError, RuntimeError) as exc:
             raise UsageError(str(exc)) from None
     try:

@@ -1,8 +1,9 @@
 """Stateful generation on the GPU: :class:`Decoder`, the GPU :class:`rwkvx.generation.Session`.
 
 A Decoder serves one (model, batch size) pair for any prompt up to its capacities; it reads the weights
-from the model's own resident parameters (``params``, and ``params_x`` in bf16), so an optimizer step
-or :meth:`rwkvx.model.Model.load_params` is seen by the next token without a copy. Everything else
+from the model's own resident parameters (``params``, and ``params_x`` in bf16; a state-tuned model's
+initial WKV states ``states`` too, every sequence starting from them), so an optimizer step or
+:meth:`rwkvx.model.Model.load_params` is seen by the next token without a copy. Everything else
 (activations, the carried state, the step's CUDA graph) is the decoder's own, allocated once;
 :func:`decoder_for` keeps one Decoder per batch size on the model, so a second ``generate`` builds
 nothing.
@@ -30,7 +31,8 @@ chosen token ids go back, and the whole step is one CUDA graph, replayed per tok
 
 State arena (elements; X = the model's activation type): per RWKV block i ``tm_prev.i`` fp32 [B, C] and
 ``wkv.i`` fp32 [B, H, N, N]; per block ``cm_prev.<prefix>`` fp32 [B, C] (the LayerNorm outputs the token
-shifts read are fp32 in every precision); per attention block j the caches
+shifts read are fp32 in every precision; ``wkv.i`` starts from zeros, or from a state-tuned model's
+initial state of block i); per attention block j the caches
 ``kc.j``, ``vc.j`` X [B, Tmax, H, N] and (top_k > 1) ``kmean.j`` fp32 [B, H, Tmax // chunk, N] and
 ``sel.j`` int32 [B, H, top_k-1] (the last step's selection); ``pos`` int32 [B]; the sampler's ``u`` f64 [B],
 ``opts`` f64 [3] (:data:`rwkvx.cu.decode.SAMPLE_OPTS`) and ``next`` int32 [B].
@@ -44,17 +46,19 @@ import numpy as np
 from .arena import Layout
 from .cu import decode, wkv7
 from .cu._common import carve, carved_bytes
-from .generation import LORA_ON_GPU, STATES_ON_GPU
+from .generation import LORA_ON_GPU
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
 from .runtime.kernel import XTYPE_DEFINE, KernelFile
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, Launch, Memset, flatten_ops
 from .sampling import Sampling
+from .state_tuning import state_name
 from .step import StepBuilder
 from .validate import check_tokens
 
-WEIGHT_REGIONS = ("params", "params_x")            # read from the model's arena, never copied
-TRAINING_REGIONS = ("grads", "adam_m", "adam_v")   # a decoder never touches them: not allocated
+# read from the model's arena, never copied: the weights, and a state-tuned model's initial WKV states
+WEIGHT_REGIONS = ("params", "params_x", "states")
+TRAINING_REGIONS = ("grads", "adam_m", "adam_v", "state_grads", "state_m", "state_v")   # never allocated
 MIN_PROMPT_CAP = 64        # the smallest prompt window a cached decoder is built for (tokens)
 MIN_MAX_LEN = 256          # the smallest cache a cached decoder is built for (tokens)
 
@@ -80,10 +84,16 @@ def state_slot(method: str, prefix: int) -> int:
     return prefix // g if method in wkv7.CHUNKED_METHODS else prefix // g - 1
 
 
+def weight_pointers(model_builder: StepBuilder) -> dict[str, DevPtr | None]:
+    """The regions of :data:`WEIGHT_REGIONS` a model has, at their addresses in the model's arena
+    (``model_builder``: the model's StepBuilder)."""
+    return {n: model_builder.buf(n) for n in WEIGHT_REGIONS if n in model_builder.L.offsets}
+
+
 def own_span(layout: Layout) -> tuple[int, int]:
     """(start, end): the bytes of ``layout``'s arena a decoder allocates, everything after the weight
     and training regions (which the layout places first)."""
-    skipped = WEIGHT_REGIONS + TRAINING_REGIONS
+    skipped = [n for n in WEIGHT_REGIONS + TRAINING_REGIONS if n in layout.offsets]
     start = max(layout.offsets[n] + layout.nbytes(n) for n in skipped)
     if any(off < start for n, off in layout.offsets.items() if n not in skipped):
         raise ValueError("decoder: the layout must place the weight and training regions first")
@@ -126,7 +136,8 @@ class _DecoderBuilder(StepBuilder):
 class PrefillBuilder(_DecoderBuilder):
     """The forward over the prompt window (B x T tokens) that also leaves in the state arena what
     decoding needs after each sequence's first ``prefixes[b]`` tokens (each a multiple of the WKV7
-    checkpoint interval in [0, T), not all 0; a sequence with none keeps its zeroed state)."""
+    checkpoint interval in [0, T), not all 0; a sequence with none keeps the state it starts from: zeros,
+    or a state-tuned model's initial states)."""
 
     def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
                  state: dict[str, DevPtr | None], max_len: int, prefixes: tuple[int, ...]):
@@ -211,9 +222,16 @@ class DecodeStepBuilder(_DecoderBuilder):
 def prefill_ops(layout: Layout, base: int, weights: dict[str, DevPtr | None], state: dict[str, DevPtr | None],
                 state_bytes: int, max_len: int, prefixes: tuple[int, ...], host_prompt: int) -> list:
     """The prefill of prompts whose first ``prefixes[b]`` tokens go through the forward (needs no GPU):
-    the state arena (``state_bytes`` from ``state["pos"]``) zeroed, then, when a prefix is not 0, the
-    window's tokens staged from pinned ``host_prompt`` int32 [B, T] and the forward with its state copies."""
+    the state arena (``state_bytes`` from ``state["pos"]``) zeroed — under state tuning every sequence's
+    WKV states then set to the model's initial states (``weights["states"]``) — then, when a prefix is not
+    0, the window's tokens staged from pinned ``host_prompt`` int32 [B, T] and the forward (from the
+    initial states) with its state copies."""
     ops = [Memset(state["pos"], state_bytes)]
+    if layout.tune_states:
+        for i in range(layout.cfg.n_rwkv_layer):
+            off, size = layout.state_offsets[state_name(i)]
+            ops += [Copy(state[f"wkv.{i}"].offset(b * size), weights["states"].offset(off), 4 * size)
+                    for b in range(layout.B)]
     if any(prefixes):
         built = PrefillBuilder(layout, base, weights, state, max_len, prefixes)
         ops += [CopyHtoD(built.buf("tokens"), host_prompt, 4 * layout.B * layout.T), *built.forward()]
@@ -400,8 +418,6 @@ class Decoder:
         from .runtime import Graph
         if not isinstance(model, Model):
             raise TypeError(f"Decoder expects an rwkvx.Model, got {type(model).__name__}")
-        if model.layout.tune_states:       # the prefill starts every sequence from zero WKV states
-            raise ValueError(STATES_ON_GPU)
         if model.layout.lora is not None:  # the decode kernels apply no low-rank updates
             raise ValueError(LORA_ON_GPU)
         self.B, self.prompt_cap = _positive_int("batch", batch), _positive_int("prompt_cap", prompt_cap)
@@ -411,8 +427,9 @@ class Decoder:
         self.dev, self.cfg = model.dev, model.cfg
         self.in_use = False     # between decoder_for handing it to a generation and that generation's close
         self.private = False    # built for one generation while the kept one was in use: freed at close
+        # a state-tuned model's layout: its weights packed as the model's, its initial states read
         self.layout = Layout(self.cfg, self.B, self.prompt_cap, self.dev.info, model.precision, recompute=True,
-                             methods=model.layout.methods)
+                             methods=model.layout.methods, tune_states=model.layout.tune_states)
         self.lengths: np.ndarray | None = None          # tokens fed so far per sequence (None: no prompt yet)
         B = self.B
         if B > self.layout.head_rows:
@@ -421,7 +438,7 @@ class Decoder:
         start, end = own_span(self.layout)
         self.arena = self.dev.alloc(end - start)
         self.base = self.arena.ptr - start               # the layout's offsets below start are never used
-        self.weights = {n: model.builder.buf(n) for n in WEIGHT_REGIONS}
+        self.weights = weight_pointers(model.builder)
         sizes = state_sizes(self.layout, self.max_len)
         self.state_bytes = carved_bytes(sizes)
         self.state_arena = self.dev.alloc(self.state_bytes)

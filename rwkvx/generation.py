@@ -133,8 +133,6 @@ def _check_options(max_new_tokens: Any, temperature: Any, top_p: Any, seed: Any,
         raise ValueError(f"end_token must be None or a token id in [0, {vocab_size}), got {end_token!r}")
 
 
-STATES_ON_GPU = ("the GPU decoder starts every sequence from zero WKV states, not from tuned initial "
-                 "states: generate from those on the CPU (backend 'cpu', CLI --device cpu)")
 LORA_ON_GPU = ("the GPU decoder reads the weights alone, not LoRA factors: generate from the merged weights "
                "(rwkvx.lora.merge; CLI sample --lora) or on the CPU (backend 'cpu')")
 

@@ -184,7 +184,7 @@ class _FakeGPUModel:
     built: list = []
 
     def __init__(self, cfg, params, **kwargs):
-        assert set(kwargs) == {"batch_size", "seq_len", "precision", "recompute"}, kwargs   # keywords only
+        assert set(kwargs) == {"batch_size", "seq_len", "precision", "recompute", "states"}, kwargs   # keywords only
         assert kwargs["recompute"] is True          # the weights' holder: no backward, the least memory
         self.cfg, self.kwargs = cfg, kwargs
         _FakeGPUModel.built.append(self)
@@ -242,7 +242,8 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
     assert main(sample) == 0                            # precision from the run
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"   # each step's logits follow the token fed
     (model,) = fake_gpu
-    assert model.kwargs == {"batch_size": 1, "seq_len": 1, "precision": "tf32", "recompute": True}   # the weights' holder
+    assert model.kwargs == {"batch_size": 1, "seq_len": 1, "precision": "tf32", "recompute": True,
+                            "states": None}   # the weights' holder
     decoder = model.decoder
     assert decoder.shape == (1, 6, 10) and decoder.closed
     assert decoder.sampling == Sampling(temperature=0.0, top_k=0, top_p=0.9)   # the CLI's options, passed on
@@ -251,7 +252,26 @@ def test_sample_on_gpu_is_stateful_with_the_run_precision(tmp_path, capsys, fake
 
     assert main([*sample, "--precision", "fp32"]) == 0
     assert capsys.readouterr().out == "ROMEO:;<=>?\n"
-    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": "fp32", "recompute": True}
+    assert fake_gpu[1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": "fp32", "recompute": True,
+                                  "states": None}
+
+
+def test_sample_from_states_on_gpu_passes_them_to_the_model(tmp_path, capsys, fake_gpu):
+    """``sample --state`` on the GPU builds the weights' holder with the state file's states (its decoder
+    starts every sequence from them)."""
+    from rwkvx import Config, init_params, save_checkpoint
+    from rwkvx.state_tuning import save_states, state_shapes
+
+    cfg = Config(vocab_size=256, n_embd=32, n_rwkv_layer=2, n_attn_layer=1, head_size=16,
+                 moba_chunk_size=8, moba_top_k=2)
+    save_checkpoint(tmp_path / "m.safetensors", cfg, init_params(cfg, 0))
+    states = {n: np.full(s, i + 1, np.float32) for i, (n, s) in enumerate(state_shapes(cfg).items())}
+    save_states(tmp_path / "s.safetensors", cfg, states)
+    assert main(["sample", "--ckpt", str(tmp_path / "m.safetensors"), "--state", str(tmp_path / "s.safetensors"),
+                 "--tokens", "1", "--device", "gpu"]) == 0
+    got = fake_gpu[-1].kwargs["states"]
+    assert set(got) == set(states) and all(np.array_equal(got[n], states[n]) for n in states)
+    capsys.readouterr()
 
 
 def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
@@ -267,7 +287,8 @@ def test_sample_precision_without_run_options(tmp_path, capsys, fake_gpu):
     for name, precision in (("t", "tf32"), ("w", "fp32")):
         assert main(["sample", "--ckpt", str(tmp_path / f"{name}.safetensors"), "--tokens", "1",
                      "--device", "gpu"]) == 0
-        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision, "recompute": True}
+        assert fake_gpu[-1].kwargs == {"batch_size": 1, "seq_len": 1, "precision": precision, "recompute": True,
+                                       "states": None}
     capsys.readouterr()
 
 

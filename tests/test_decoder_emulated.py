@@ -1,7 +1,8 @@
 """The GPU decoder's op lists executed on the CPU (tests/emulator.py: every kernel its oracle twin,
 GEMMs and copies as such): the prompt window's forward with its state copies after each sequence's
 prefix (prompts of different lengths), then one step per token from there, each sequence at its own
-position, gives the oracle's logits at every position the steps see. This checks the decoder's plumbing (what each op reads and
+position, gives the oracle's logits at every position the steps see (a state-tuned model's: every
+sequence from the initial WKV states). This checks the decoder's plumbing (what each op reads and
 writes, the copies' offsets and strides, the position and token inputs) without a GPU; the kernels
 themselves are checked against the same twins by tests/gpu/test_decode.py."""
 import numpy as np
@@ -9,12 +10,13 @@ import pytest
 
 from emulator import Memory, run
 from rwkvx import Config
-from rwkvx.decoder import WEIGHT_REGIONS, own_span, prefill_ops, prefix_len, state_sizes, step_ops
+from rwkvx.decoder import own_span, prefill_ops, prefix_len, state_sizes, step_ops, weight_pointers
 from rwkvx.arena import Layout
 from rwkvx.step import StepBuilder
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.oracle import Oracle, rel_err
 from rwkvx.sampling import sample_rows
+from rwkvx.state_tuning import state_shapes
 from rwkvx.runtime.device import H200
 
 from seeding import seeded_rng
@@ -36,14 +38,21 @@ CASES = {   # name: (config, B, T, prompt length of each sequence, prompt window
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_params):
+# a state-tuned model (every sequence starts from the initial WKV states): sequences with and without a
+# prefix through the forward, several WKV checkpoints
+TUNED = ("moba", "moba_long_prompt", "rwkv_only")
+
+
+@pytest.mark.parametrize("name, tuned", [(n, False) for n in CASES] + [(n, True) for n in TUNED])
+def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tuned, random_params):
     kwargs, B, T, lens, window = CASES[name]
     cfg = Config(**kwargs)
     rng = seeded_rng()
     seed = int(rng.integers(1 << 31))
     params = {n: p.astype(np.float32) for n, p in random_params(cfg, seed).items()}
-    oracle = Oracle(cfg, params, dtype=np.float32)
+    states = ({n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
+              if tuned else None)
+    oracle = Oracle(cfg, params, dtype=np.float32, states=states)
     for _ in range(20):            # no near-tie of the MoBA gate (two float32 paths may break it apart)
         tokens = rng.integers(0, cfg.vocab_size, (B, T))
         gaps = Oracle(cfg, params).moba_gate_gaps(tokens)
@@ -52,12 +61,12 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     want = oracle.forward(tokens)
 
     mem = Memory()
-    layout = Layout(cfg, B, window, H200, "fp32", recompute=True, methods=SEQUENTIAL)
+    layout = Layout(cfg, B, window, H200, "fp32", recompute=True, methods=SEQUENTIAL, tune_states=tuned)
     start, end = own_span(layout)
     mem.add(BASE + start, end - start)              # the decoder's own part of the layout
-    weights_of = StepBuilder(layout, WEIGHTS, {})   # the model's weights, in another arena
-    mem.add(WEIGHTS, layout.offsets["grads"])
-    weights = {n: weights_of.buf(n) for n in WEIGHT_REGIONS}
+    weights_of = StepBuilder(layout, WEIGHTS, {})   # the model's weights (and states), in another arena
+    mem.add(WEIGHTS, start)
+    weights = weight_pointers(weights_of)
     sizes = state_sizes(layout, T)
     mem.add(STATE, carved_bytes(sizes))
     pin_prompt, pin_in, pin_draws, pin_next = HOST, HOST + (1 << 30), HOST + (1 << 31), HOST + (1 << 32)
@@ -70,10 +79,13 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
     prefill = prefill_ops(layout, BASE, weights, state, carved_bytes(sizes), T, prefixes, pin_prompt)
     step = step_ops(layout, BASE, weights, state, T, pin_in, pin_draws, pin_next)
 
-    flat = np.zeros(layout.counts["params"], np.float32)
-    for n, (off, size) in layout.param_offsets.items():
-        flat[off:off + size] = params[n].ravel()
-    mem.write(weights["params"], flat)
+    for region, offsets, tensors in (("params", layout.region_offsets["params"], params),
+                                     ("states", layout.state_offsets, states)):
+        if tensors is not None:
+            flat = np.zeros(layout.counts[region], np.float32)
+            for n, (off, size) in offsets.items():
+                flat[off:off + size] = tensors[n].ravel()
+            mem.write(weights[region], flat)
     mem.write(STATE, np.full(carved_bytes(sizes) // 4, np.nan, np.float32))   # the prefill zeroes it
     window_tokens = np.zeros((B, window), np.int64)
     for b, n in enumerate(prefixes):
@@ -98,3 +110,5 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, random_par
         lengths += active
     worst = max(errs)
     assert worst[0] <= 1e-5, f"seed {seed}: sequence {worst[1]} position {worst[2]}: {worst[0]:.2e}"
+    if tuned:       # the states were read: the logits differ from the untuned model's
+        assert rel_err(Oracle(cfg, params, dtype=np.float32).forward(tokens), want) > 1e-2

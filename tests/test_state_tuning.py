@@ -166,16 +166,6 @@ def test_cli_state_tuning_from_a_model(tmp_path, capsys, random_params):
     assert "is a state file" in capsys.readouterr().err
 
 
-def test_cli_sampling_from_states_on_the_gpu_is_refused(tmp_path, capsys):
-    save_checkpoint(tmp_path / "m.safetensors", CFG, init_params(CFG))
-    save_states(tmp_path / "s.safetensors", CFG, zero_states(CFG))
-    with pytest.raises(SystemExit) as exc:
-        main(["sample", "--ckpt", str(tmp_path / "m.safetensors"), "--state", str(tmp_path / "s.safetensors"),
-              "--device", "gpu"])
-    assert exc.value.code == 2
-    assert "the GPU decoder starts every sequence from zero WKV states" in capsys.readouterr().err
-
-
 def test_data_parallel_state_tuning_equals_one_rank(tmp_path, random_params):
     """2 CPU ranks x B=2 tune the same states as 1 rank x B=4 (float64 oracle: up to rounding). The
     model is random: a fresh one's zero output matrices would leave every state gradient 0."""

@@ -79,12 +79,11 @@ class Prepared:
     val_scored: int                 # held-out tokens an evaluation scores (distinct positions)
 
 
-def check_device(device: str, task: str, cpu_only: str | None = None) -> tuple[str, str | None]:
-    """``("cpu"|"gpu", note)`` for ``device`` (``cpu_only``: why ``task`` cannot run on the GPU, see
-    :func:`rwkvx.training.trainer.resolve_device`); an explicit ``gpu`` that cannot be used is a
-    RunError here, before anything is built or written."""
+def check_device(device: str, task: str) -> tuple[str, str | None]:
+    """``("cpu"|"gpu", note)`` for ``device`` (see :func:`rwkvx.training.trainer.resolve_device`); an
+    explicit ``gpu`` that cannot be used is a RunError here, before anything is built or written."""
     try:
-        kind, note = _trainer.resolve_device(device, task, cpu_only)
+        kind, note = _trainer.resolve_device(device, task)
     except ValueError as exc:
         raise RunError(f"--device {device}: {exc}") from None
     if device == "gpu":

@@ -364,17 +364,12 @@ def gpu_unavailable_reason() -> str | None:
     return None
 
 
-def resolve_device(device: str, task: str = "training", cpu_only: str | None = None) -> tuple[str, str | None]:
+def resolve_device(device: str, task: str = "training") -> tuple[str, str | None]:
     """``("cpu"|"gpu", note)`` for ``device`` in auto/cpu/gpu; ``auto`` falls back to the CPU with a
     one-line note saying that ``task`` runs there (:func:`gpu_unavailable_reason` says why). ``gpu`` is
-    not checked here: building the GPU model fails with the reason. ``cpu_only``: why ``task`` cannot
-    run on the GPU (``auto`` picks the CPU, saying so; ``gpu`` is a ValueError with it)."""
+    not checked here: building the GPU model fails with the reason."""
     if device not in BACKENDS:
         raise ValueError(f"device must be one of {', '.join(BACKENDS)}, got {device!r}")
-    if cpu_only is not None:
-        if device == "gpu":
-            raise ValueError(cpu_only)
-        return "cpu", f"{task} runs on the CPU (the oracle): {cpu_only}" if device == "auto" else None
     if device == "cpu":
         return "cpu", None
     if device == "gpu":
