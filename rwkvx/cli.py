@@ -267,9 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
         "export", help="write a model as an RWKV-LM x070 .pth state dict (no PyTorch needed)",
         description="Write a model's parameters as an RWKV-LM x070 state dict in PyTorch's .pth format "
                     "(RWKV-LM's names and shapes; block 0 gets the unused att.v0/v1/v2 as zeros), which "
-                    "RWKV-LM's code loads with torch.load. The optimizer state is not exported.")
-    ex.add_argument("--ckpt", required=True, help="checkpoint file or run directory (any format "
-                                                  "load_checkpoint reads, .pth included)")
+                    "RWKV-LM's code loads with torch.load. The optimizer state is not exported. With "
+                    "--state instead of --ckpt: write tuned states as a .pth state file of RWKV-PEFT / "
+                    "RWKV-Runner (float32 blocks.{i}.att.time_state).")
+    ex.add_argument("--ckpt", help="checkpoint file or run directory (any format load_checkpoint reads, "
+                                   ".pth included)")
+    ex.add_argument("--state", metavar="FILE",
+                    help="export this state file (a state-tuning run's state.safetensors or its run "
+                         "directory) as a .pth state file instead of a model")
     ex.add_argument("--out", required=True, help="the .pth file to write (must not exist)")
     ex.add_argument("--dtype", choices=tuple(WRITE_DTYPES), default="bf16",
                     help="storage type (default: %(default)s, as BlinkDL's released models)")
@@ -744,13 +749,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """``python -m rwkvx export``: the checkpoint's model as an RWKV-LM .pth (atomic); returns 0."""
+    """``python -m rwkvx export``: the checkpoint's model as an RWKV-LM .pth, or a state file as a
+    .pth state file (atomic); returns 0."""
     from .checkpoint import export_rwkv7_pth
 
+    if (args.ckpt is None) == (args.state is None):
+        raise UsageError("give --ckpt (a model to export) or --state (a state file to export), one of them")
+    if args.state is not None and (args.lora or args.drop_attention):
+        raise UsageError("--lora and --drop-attention apply to a model (--ckpt), not to --state")
     out = Path(args.out)
     if out.exists():
         raise UsageError(f"--out {out} exists; choose another path or remove it first")
     _check_writable(out)
+    if args.state is not None:
+        return _export_states(_checkpoint(args.state, "--state"), out)
     path, cfg, params, _ = _load_model(args)
     try:
         export_rwkv7_pth(out, cfg, params, dtype=args.dtype, drop_attention=args.drop_attention)
@@ -760,6 +772,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     notes += f", the LoRA file {args.lora} merged" if args.lora else ""
     print(f"exported {path} -> {out} ({args.dtype}, RWKV-LM x070: V={cfg.vocab_size} C={cfg.n_embd} "
           f"L={cfg.n_rwkv_layer} N={cfg.head_size}{notes})")
+    return 0
+
+
+def _export_states(path: Path, out: Path) -> int:
+    """``export --state``: the state file at ``path`` as a .pth state file ``out``."""
+    from .state_tuning import export_states_pth, load_states
+
+    try:
+        cfg, states, _ = load_states(path)
+    except ValueError as exc:
+        raise UsageError(f"--state: {exc}") from None
+    export_states_pth(out, cfg, states)
+    print(f"exported {path} -> {out} (float32 states of {cfg.n_rwkv_layer} RWKV blocks, "
+          f"[H={cfg.n_head}, N={cfg.head_size}, N] each, as blocks.{{i}}.att.time_state)")
     return 0
 
 

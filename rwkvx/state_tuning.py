@@ -13,6 +13,11 @@ A state-tuning run trains these states alone (``TrainConfig.tune = "state"``) an
 
 A state fits any model with the same number of RWKV blocks, heads and head size (the Config saved
 with it says which model it was tuned on; :func:`load_states` checks the shapes only).
+
+The state files of RWKV-PEFT and RWKV-Runner are PyTorch ``.pth`` files holding one tensor per RWKV-7
+block, ``blocks.{i}.att.time_state`` [H, N, N] with the same orientation (row = value index) and no
+Config: :func:`export_states_pth` writes one (float32), and :func:`load_states` reads one for a given
+model.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import numpy as np
 
 from .checkpoint import check_tensors, load_adapter, save_adapter
 from .config import Config
+from .pth import is_zip, read_pth, write_pth
 
 STATE_FORMAT = "rwkvx-state"
 StateDict = dict[str, np.ndarray]
@@ -61,12 +67,42 @@ def save_states(path: str | os.PathLike, cfg: Config, states: Mapping[str, np.nd
     save_adapter(path, STATE_FORMAT, cfg, check_states(cfg, states), extra)
 
 
+def pth_state_name(layer: int) -> str:
+    """The name of RWKV block ``layer``'s state in a ``.pth`` state file (RWKV-PEFT's)."""
+    return f"blocks.{layer}.att.time_state"
+
+
+def export_states_pth(path: str | os.PathLike, cfg: Config, states: Mapping[str, np.ndarray]) -> None:
+    """Write ``states`` as a ``.pth`` state file of RWKV-PEFT / RWKV-Runner (float32
+    ``blocks.{i}.att.time_state``; see the module docstring), atomically."""
+    states = check_states(cfg, states)
+    write_pth(path, {pth_state_name(i): np.asarray(states[state_name(i)], np.float32)
+                     for i in range(cfg.n_rwkv_layer)}, dtype="fp32")
+
+
+def _load_states_pth(path: str | os.PathLike, cfg: Config | None) -> StateDict:
+    """The states of a ``.pth`` state file, renamed to :func:`state_name`'s names, for model ``cfg``."""
+    if cfg is None:
+        raise ValueError(f"{path}: a .pth state file records no model; load it for a given Config")
+    ours = {pth_state_name(i): state_name(i) for i in range(cfg.n_rwkv_layer)}
+    tensors = read_pth(path)[0]
+    unexpected = sorted(set(tensors) - set(ours))
+    if unexpected:
+        raise ValueError(f"{path}: not this model's .pth state file: unexpected {', '.join(unexpected[:3])} "
+                         f"(it holds {pth_state_name(0)} ... {pth_state_name(cfg.n_rwkv_layer - 1)})")
+    return {ours[n]: value for n, value in tensors.items()}
+
+
 def load_states(path: str | os.PathLike, cfg: Config | None = None
                 ) -> tuple[Config, StateDict, dict[str, Any]]:
     """``(the Config it was tuned on, states, extra)`` of a state file; ``extra`` as
     :func:`rwkvx.checkpoint.load_checkpoint` returns it. Given ``cfg`` (the model the states are
-    for), every state must have that model's shape; any problem raises ``ValueError``."""
-    saved, states, extra, _ = load_adapter(path, STATE_FORMAT, "state file (a state-tuning run's output)")
+    for), every state must have that model's shape; any problem raises ``ValueError``. A ``.pth``
+    state file (RWKV-PEFT's) needs ``cfg``, which it returns as the Config, with an empty ``extra``."""
+    if is_zip(path):
+        saved, states, extra = cfg, _load_states_pth(path, cfg), {"tensors": {}, "meta": {}}
+    else:
+        saved, states, extra, _ = load_adapter(path, STATE_FORMAT, "state file (a state-tuning run's output)")
     try:
         states = {n: s.astype(np.float32, copy=False)
                   for n, s in check_states(cfg or saved, states, where=f"state file {path}").items()}

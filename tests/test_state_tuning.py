@@ -11,8 +11,11 @@ import pytest
 from rwkvx import Config, generate, init_params, save_checkpoint
 from rwkvx.cli import main
 from rwkvx.optim import AdamW, Schedule
-from rwkvx.oracle import Oracle
-from rwkvx.state_tuning import load_states, save_states, state_shapes, zero_states
+from rwkvx.checkpoint import export_rwkv7_pth
+from rwkvx.oracle import Oracle, rel_err
+from rwkvx.pth import read_pth, write_pth
+from rwkvx.runtime.dtypes import round_to
+from rwkvx.state_tuning import export_states_pth, load_states, save_states, state_name, state_shapes, zero_states
 from rwkvx.training import TrainConfig, Trainer
 from rwkvx.training.trainer import gpu_unavailable_reason
 
@@ -160,10 +163,73 @@ def test_cli_state_tuning_from_a_model(tmp_path, capsys, random_params):
     capsys.readouterr()
     sample = ["sample", "--ckpt", str(model), "--tokens", "5", "--temperature", "0", "--device", "cpu"]
     assert main([*sample, "--state", str(a)]) == 0
-    assert capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert text
     with pytest.raises(SystemExit):
         main(["sample", "--ckpt", str(a), "--device", "cpu"])
     assert "is a state file" in capsys.readouterr().err
+    # the states as an RWKV-PEFT .pth state file: sampling from it gives the same text
+    assert main(["export", "--state", str(a), "--out", str(tmp_path / "state.pth")]) == 0
+    assert "blocks.{i}.att.time_state" in capsys.readouterr().out
+    assert main([*sample, "--state", str(tmp_path / "state.pth")]) == 0
+    assert capsys.readouterr().out == text
+    for bad, message in ((["--ckpt", str(model), "--state", str(a)], "one of them"), ([], "one of them"),
+                         (["--state", str(a), "--drop-attention"], "not to --state")):
+        with pytest.raises(SystemExit) as exc:
+            main(["export", *bad, "--out", str(tmp_path / "x.pth")])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x.pth").exists()
+
+
+def test_the_rwkv_package_runs_from_an_exported_state_file(tmp_path, monkeypatch, random_params):
+    """The exported model and state files, read by the ``rwkv`` pip package (ChatRWKV's engine, an outside
+    reference; its RWKV-7 state per block is [att shift, WKV state, ffn shift], the WKV state loaded
+    from the file as RWKV-Runner does): its logits from the state equal the oracle's from the same
+    states. Skipped where PyTorch or the package is missing."""
+    pytest.importorskip("torch", reason="the rwkv package runs on PyTorch, which is not installed")
+    import torch
+    for name, value in (("RWKV_V7_ON", "1"), ("RWKV_JIT_ON", "0"), ("RWKV_CUDA_ON", "0")):
+        monkeypatch.setenv(name, value)                  # read when rwkv.model is imported
+    package = pytest.importorskip("rwkv.model", reason="the rwkv package is not installed")
+    cfg = Config(vocab_size=256, n_embd=128, head_size=64, n_rwkv_layer=2)
+    params = {n: p.astype(np.float32) for n, p in random_params(cfg, 9).items()}
+    rng = seeded_rng(9)
+    states = {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
+    export_rwkv7_pth(tmp_path / "model.pth", cfg, params, dtype="fp32")
+    export_states_pth(tmp_path / "state.pth", cfg, states)
+    engine = package.RWKV(model=str(tmp_path / "model"), strategy="cpu fp32")
+    saved = torch.load(tmp_path / "state.pth", weights_only=True)
+    zeros = lambda: torch.zeros(cfg.n_embd, dtype=torch.float32)   # noqa: E731
+    state = [t for i in range(cfg.n_rwkv_layer) for t in (zeros(), saved[f"blocks.{i}.att.time_state"].float(), zeros())]
+    tokens = rng.integers(0, cfg.vocab_size, 12)
+    logits, _ = engine.forward(tokens.tolist(), state, full_output=True)
+    want = Oracle(cfg, params, dtype=np.float64, states=states).forward(tokens[None])[0]
+    assert rel_err(logits.numpy(), want) <= 1e-5
+    assert rel_err(Oracle(cfg, params, dtype=np.float64).forward(tokens[None])[0], want) > 1e-2
+
+
+def test_pth_state_files_round_trip(tmp_path):
+    """export_states_pth writes float32 blocks.{i}.att.time_state tensors (RWKV-PEFT's names and
+    orientation) that load_states reads back exactly, for a given model only; a bf16 file is widened."""
+    rng = seeded_rng(7)
+    states = {n: rng.standard_normal(s).astype(np.float32) for n, s in state_shapes(CFG).items()}
+    export_states_pth(tmp_path / "s.pth", CFG, states)
+    tensors, codes = read_pth(tmp_path / "s.pth")
+    assert list(tensors) == [f"blocks.{i}.att.time_state" for i in range(CFG.n_rwkv_layer)]
+    assert set(codes.values()) == {"F32"}
+    assert all(np.array_equal(tensors[f"blocks.{i}.att.time_state"], states[state_name(i)])
+               for i in range(CFG.n_rwkv_layer))
+    cfg, loaded, extra = load_states(tmp_path / "s.pth", CFG)
+    assert cfg == CFG and extra == {"tensors": {}, "meta": {}}
+    assert all(np.array_equal(loaded[n], states[n]) for n in states)
+    with pytest.raises(ValueError, match="records no model"):
+        load_states(tmp_path / "s.pth")
+    with pytest.raises(ValueError, match="unexpected blocks.1.att.time_state"):
+        load_states(tmp_path / "s.pth", dataclasses.replace(CFG, n_rwkv_layer=1))
+    write_pth(tmp_path / "b.pth", {f"blocks.{i}.att.time_state": states[state_name(i)]
+                                   for i in range(CFG.n_rwkv_layer)}, dtype="bf16")
+    _, widened, _ = load_states(tmp_path / "b.pth", CFG)
+    assert all(np.array_equal(widened[n], round_to("bf16", states[n])) for n in states)
 
 
 def test_data_parallel_state_tuning_equals_one_rank(tmp_path, random_params):
