@@ -2,7 +2,7 @@
 GEMMs and copies as such): the prompt window's forward with its state copies after each sequence's
 prefix (prompts of different lengths), then one step per token from there, each sequence at its own
 position, gives the oracle's logits at every position the steps see (a state-tuned model's: every
-sequence from the initial WKV states). This checks the decoder's plumbing (what each op reads and
+sequence from the initial WKV states; a LoRA model's: every adapted projection with its factors). This checks the decoder's plumbing (what each op reads and
 writes, the copies' offsets and strides, the position and token inputs) without a GPU; the kernels
 themselves are checked against the same twins by tests/gpu/test_decode.py."""
 import numpy as np
@@ -16,10 +16,10 @@ from rwkvx.step import StepBuilder
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.oracle import Oracle, rel_err
 from rwkvx.sampling import sample_rows
-from rwkvx.state_tuning import state_shapes
 from rwkvx.runtime.device import H200
 
 from seeding import seeded_rng
+from tuned_models import tuned_model
 
 BASE, STATE, HOST, WEIGHTS = 1 << 40, 1 << 42, 1 << 44, 1 << 46
 SEQUENTIAL = {"wkv7": "sequential"}     # the emulator's WKV7 twin stands for the sequential kernel
@@ -38,21 +38,22 @@ CASES = {   # name: (config, B, T, prompt length of each sequence, prompt window
 }
 
 
-# a state-tuned model (every sequence starts from the initial WKV states): sequences with and without a
-# prefix through the forward, several WKV checkpoints
-TUNED = ("moba", "moba_long_prompt", "rwkv_only")
+# tuned models: state tuning (every sequence starts from the initial WKV states; sequences with and
+# without a prefix through the forward, several WKV checkpoints) and LoRA (every target the model has,
+# the factors applied in the prefill's GEMMs and in the step's, fused step and not)
+TUNED = [(n, "state") for n in ("moba", "moba_long_prompt", "rwkv_only")] + [
+    (n, "lora") for n in ("moba", "rwkv_only", "moba_b9")]
 
 
-@pytest.mark.parametrize("name, tuned", [(n, False) for n in CASES] + [(n, True) for n in TUNED])
-def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tuned, random_params):
+@pytest.mark.parametrize("name, tune", [(n, None) for n in CASES] + TUNED)
+def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tune, random_params):
     kwargs, B, T, lens, window = CASES[name]
     cfg = Config(**kwargs)
     rng = seeded_rng()
     seed = int(rng.integers(1 << 31))
     params = {n: p.astype(np.float32) for n, p in random_params(cfg, seed).items()}
-    states = ({n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
-              if tuned else None)
-    oracle = Oracle(cfg, params, dtype=np.float32, states=states)
+    tuned = tuned_model(cfg, tune, rng)
+    oracle = Oracle(cfg, params, dtype=np.float32, **tuned["oracle"])
     for _ in range(20):            # no near-tie of the MoBA gate (two float32 paths may break it apart)
         tokens = rng.integers(0, cfg.vocab_size, (B, T))
         gaps = Oracle(cfg, params).moba_gate_gaps(tokens)
@@ -61,10 +62,10 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tuned, ran
     want = oracle.forward(tokens)
 
     mem = Memory()
-    layout = Layout(cfg, B, window, H200, "fp32", recompute=True, methods=SEQUENTIAL, tune_states=tuned)
+    layout = Layout(cfg, B, window, H200, "fp32", recompute=True, methods=SEQUENTIAL, **tuned["layout"])
     start, end = own_span(layout)
     mem.add(BASE + start, end - start)              # the decoder's own part of the layout
-    weights_of = StepBuilder(layout, WEIGHTS, {})   # the model's weights (and states), in another arena
+    weights_of = StepBuilder(layout, WEIGHTS, {})   # the model's weights (states, factors), in another arena
     mem.add(WEIGHTS, start)
     weights = weight_pointers(weights_of)
     sizes = state_sizes(layout, T)
@@ -79,13 +80,12 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tuned, ran
     prefill = prefill_ops(layout, BASE, weights, state, carved_bytes(sizes), T, prefixes, pin_prompt)
     step = step_ops(layout, BASE, weights, state, T, pin_in, pin_draws, pin_next)
 
-    for region, offsets, tensors in (("params", layout.region_offsets["params"], params),
-                                     ("states", layout.state_offsets, states)):
-        if tensors is not None:
-            flat = np.zeros(layout.counts[region], np.float32)
-            for n, (off, size) in offsets.items():
-                flat[off:off + size] = tensors[n].ravel()
-            mem.write(weights[region], flat)
+    offsets = {"params": layout.region_offsets["params"], "states": layout.state_offsets, "lora": layout.lora_offsets}
+    for region, tensors in {"params": params, **tuned["tensors"]}.items():
+        flat = np.zeros(layout.counts[region], np.float32)
+        for n, (off, size) in offsets[region].items():
+            flat[off:off + size] = tensors[n].ravel()
+        mem.write(weights[region], flat)
     mem.write(STATE, np.full(carved_bytes(sizes) // 4, np.nan, np.float32))   # the prefill zeroes it
     window_tokens = np.zeros((B, window), np.int64)
     for b, n in enumerate(prefixes):
@@ -110,5 +110,5 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tuned, ran
         lengths += active
     worst = max(errs)
     assert worst[0] <= 1e-5, f"seed {seed}: sequence {worst[1]} position {worst[2]}: {worst[0]:.2e}"
-    if tuned:       # the states were read: the logits differ from the untuned model's
+    if tune:        # the states or factors were read: the logits differ from the untuned model's
         assert rel_err(Oracle(cfg, params, dtype=np.float32).forward(tokens), want) > 1e-2

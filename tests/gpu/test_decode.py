@@ -8,7 +8,7 @@ whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in p
 replay per token gives the forward's logits at every position from the prompt's last on (fp32: <= 1e-5
 relative; up to 8 sequences the fused step, 9 the step with the forward's GEMMs), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
 generate reuses the decoder kept on the model (same tokens, nothing rebuilt, new weights seen); a
-state-tuned model's decoder starts from its initial states.
+state-tuned model's decoder starts from its initial states, a LoRA model's applies its factors.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from rwkvx.runtime.dtypes import round_to
 from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
 
 from seeding import seeded_rng
+from tuned_models import tuned_model
 
 FWD_TOL = 1e-5
 
@@ -326,11 +327,11 @@ LOGIT_TOL = {"fp32": 1e-5, "tf32": 5e-3}
 NEAR_TIE = {"fp32": 1e-4, "tf32": 1e-2}
 
 
-def clear_tokens(cfg, params, B, T, rng, margin, states=None):
-    """Random tokens whose MoBA selections have no near-tie (float64 gate gap >= margin; from the
-    initial WKV ``states`` when given), so that the forward and the decoder, computing the gates apart,
-    cannot legitimately choose different blocks."""
-    oracle = Oracle(cfg, params, dtype=np.float64, states=states)
+def clear_tokens(cfg, params, B, T, rng, margin, tuned=None):
+    """Random tokens whose MoBA selections have no near-tie (float64 gate gap >= margin; of the model
+    with ``tuned``'s states or LoRA factors, Oracle keyword arguments), so that the forward and the
+    decoder, computing the gates apart, cannot legitimately choose different blocks."""
+    oracle = Oracle(cfg, params, dtype=np.float64, **(tuned or {}))
     for _ in range(20):
         tokens = rng.integers(0, cfg.vocab_size, (B, T))
         if not cfg.n_attn_layer or all((g >= margin).all() for g in oracle.moba_gate_gaps(tokens)):
@@ -338,29 +339,30 @@ def clear_tokens(cfg, params, B, T, rng, margin, states=None):
     pytest.skip("no draw without a near-tie of the MoBA gate")
 
 
-# a state-tuned model (random initial WKV states): the decoder starts every sequence from them
-TUNED = [("moba", "fp32"), ("rwkv_only", "fp32"), ("moba_b1_long_prompt", "fp32"), ("C256_N64", "tf32")]
+# tuned models: random initial WKV states (the decoder starts every sequence from them) or random LoRA
+# factors (every adapted projection applies them); fused steps (B <= 8) and not
+TUNED = [("moba", "fp32", "state"), ("rwkv_only", "fp32", "state"), ("moba_b1_long_prompt", "fp32", "state"),
+         ("C256_N64", "tf32", "state"), ("moba", "fp32", "lora"), ("moba_b9", "fp32", "lora"),
+         ("C256_N64", "tf32", "lora")]
 
 
-@pytest.mark.parametrize("name, precision, tuned", [(n, "fp32", False) for n in DECODE]
-                         + [("moba", "tf32", False), ("C256_N64", "tf32", False)] + [(*c, True) for c in TUNED])
-def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision, tuned, training_like):
+@pytest.mark.parametrize("name, precision, tune", [(n, "fp32", None) for n in DECODE]
+                         + [("moba", "tf32", None), ("C256_N64", "tf32", None)] + TUNED)
+def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision, tune, training_like):
     """Sequence b's prompt has P - 3b tokens (at least 1), so the sequences run from different prefixes
     at different positions; every position a step sees gives the forward's logits and selection, and
     the token the step's sampler chose is the contract's on those logits. Head size 64 runs the prefill
     on the chunked WKV7 (chunked_exact in fp32, the tensor-core kernel in tf32)."""
     from rwkvx.decoder import Decoder
     from rwkvx.model import Model
-    from rwkvx.state_tuning import state_shapes
     kwargs, B, T, P = DECODE[name]
     cfg = Config(**kwargs)
     rng = seeded_rng()
     seed = int(rng.integers(1 << 31))
     params = training_like(cfg, seed)
-    states = ({n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
-              if tuned else None)
-    tokens = clear_tokens(cfg, params, B, T, rng, NEAR_TIE[precision], states)
-    full_model = Model(cfg, params, B, T, precision=precision, states=states)
+    tuned = tuned_model(cfg, tune, rng)["oracle"]
+    tokens = clear_tokens(cfg, params, B, T, rng, NEAR_TIE[precision], tuned)
+    full_model = Model(cfg, params, B, T, precision=precision, **tuned)
     full = full_model.forward(tokens)
     selection = full_model.moba_selection()
     decoder = Decoder(full_model, B, P, T)          # reads the full model's weights
