@@ -14,7 +14,7 @@ from .config import Config
 from .cu import adamw, channelmix, layernorm, moba, timemix, wkv7
 from .lora import LoraSettings, lora_shapes
 from .oracle.adamw import MOMENT_TYPES
-from .params import EMB_WEIGHT, gemm_weights, param_shapes
+from .params import gemm_weights, param_shapes
 from .precision import Precision, resolve_precision
 from .runtime.device import DeviceInfo
 from .runtime.dtypes import ELEM_BYTES, poison_bits
@@ -256,9 +256,8 @@ class Layout:
         bf16 operands, at :attr:`param_offsets` (AdamW updates the values and refreshes the copy at the
         same offsets). Frozen parameters (state tuning, LoRA) are laid out compactly: ``params_x`` holds
         the bf16 copy of :func:`~rwkvx.params.gemm_weights` alone and ``params`` the float32 values of the
-        rest (every parameter where the GEMMs read float32), ``grads`` the gradients the kernels still form
-        beside their input gradients (all but the GEMM weights' and the embedding's, whose ops the step
-        leaves out; nothing reads them)."""
+        rest (every parameter where the GEMMs read float32); ``grads`` is empty (the step forms no
+        parameter gradient: nothing would read it)."""
         every = self.param_offsets
         if self.trains == "params":
             return {"params": every, "grads": every, "params_x": every if bf16_operands else {}}
@@ -268,8 +267,7 @@ class Layout:
             shapes = {n: s for n, s in self.param_shapes.items() if keep(n)}
             return {seg[0]: (seg[1], seg[2]) for seg in adamw.flat_layout(shapes)[0]}
 
-        return {"params": compact(lambda n: n not in gemm) if bf16_operands else every,
-                "grads": compact(lambda n: n not in gemm and n != EMB_WEIGHT),
+        return {"params": compact(lambda n: n not in gemm) if bf16_operands else every, "grads": {},
                 "params_x": compact(lambda n: n in gemm) if bf16_operands else {}}
 
     def elem_of(self, name: str) -> str:

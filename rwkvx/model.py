@@ -501,7 +501,8 @@ class Model:
         L = self.layout
         self.dev.upload(self.arena.ptr + L.offsets["tokens"], L.poison_image())
         for grads in {"grads", TRAINED[L.trains][1]}:
-            self.dev.upload(self.builder.buf(grads), poison_bits(L.elems[grads], L.counts[grads]))
+            if L.counts[grads]:
+                self.dev.upload(self.builder.buf(grads), poison_bits(L.elems[grads], L.counts[grads]))
 
     def memory_bytes(self) -> int:
         """Bytes of the device arena (weights, gradients, optimizer state, activations, scratch)."""

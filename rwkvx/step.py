@@ -85,7 +85,7 @@ class StepBuilder:
         return self.p(name)
 
     def gp(self, name: str) -> DevPtr | None:
-        """Device address of the gradient of parameter ``name``; None for a frozen parameter whose gradient
+        """Device address of the gradient of parameter ``name``; None for a frozen parameter, whose gradient
         the step does not form (:meth:`rwkvx.arena.Layout._parameter_regions`)."""
         if name not in self.L.region_offsets["grads"]:
             return None

@@ -35,7 +35,7 @@ def test_lora_step_plan(precision, recompute):
     cfg = Config(**CONFIGS[1][0])                        # RWKV and attention blocks interleaved
     B, T = 2, CONFIGS[1][2]
     L = Layout(cfg, B, T, H200, precision, recompute, lora=ALL)
-    assert L.trains == "lora" and L.counts["adam_m"] == L.counts["adam_v"] == 0 and L.counts["grads"] > 0
+    assert L.trains == "lora" and L.counts["adam_m"] == L.counts["adam_v"] == 0
     shapes = lora_shapes(cfg, ALL)
     assert list(L.lora_offsets) == list(shapes) and len(shapes) == 2 * 6 * cfg.n_blocks
     n = sum(s[1] for s in L.lora_offsets.values())

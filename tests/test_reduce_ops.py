@@ -1,6 +1,6 @@
 """CPU tests of rwkvx/cu/reduce/ops.py: the partial-sum launch (its shape, its declared arguments, bad sizes
-refused before any GPU work) and the row tiling the calling backward kernels use, on an H200 (no GPU
-needed)."""
+refused before any GPU work, none for frozen parameters) and the row tiling the calling backward kernels
+use, on an H200 (no GPU needed)."""
 import math
 
 import pytest
@@ -33,6 +33,27 @@ def test_partials_launch(nout, C, by, accumulate):
 def test_partials_rejects_bad_sizes(nout, P, C, by, what):
     with pytest.raises(ValueError, match=what):
         rd.partials(_buffer(0), P, C, [_buffer(j + 1) for j in range(nout)], by)
+
+
+def test_partials_of_frozen_parameters_are_not_formed():
+    """Every output None (the gradients of frozen parameters): no launch; some None: an error."""
+    assert rd.partials(_buffer(0), 4, 8, [None, None], 8) == []
+    with pytest.raises(ValueError, match="every output or none"):
+        rd.partials(_buffer(0), 4, 8, [_buffer(1), None], 8)
+
+
+def test_layernorm_backward_without_parameter_gradients():
+    """dw and db None (frozen parameters): the dx launch alone, the same as with them; one of the two
+    alone is refused."""
+    from rwkvx.cu import layernorm
+    R, C = 64, 32
+    x, w, dy, dx, mean, rstd, scratch = (DevPtr(0x100000 * (i + 1), "f32") for i in range(7))
+    full = layernorm.backward(x, w, dy, dx, _buffer(20), _buffer(21), mean, rstd, scratch, R, C, H200)
+    frozen = layernorm.backward(x, w, dy, dx, None, None, mean, rstd, scratch, R, C, H200)
+    assert [op.name for op in full] == ["ln_backward_dwdb", "reduce_partials", "reduce_partials", "ln_backward_dx"]
+    assert frozen == full[-1:]
+    with pytest.raises(ValueError, match="both None"):
+        layernorm.backward(x, w, dy, dx, _buffer(20), None, mean, rstd, scratch, R, C, H200)
 
 
 @pytest.mark.parametrize("R,C", [(1, 8), (74, 256), (32768, 768), (65536, 4096), (5, 3072)])

@@ -30,7 +30,7 @@ Backward (one call: statistics if needed, dweight/dbias partials, their reductio
 * ``dw``/``db`` are written (or added to with ``accumulate_dparams``), deterministically:
   ``ln_backward_dwdb`` writes per-row-tile partials ``f32 [2, n_tiles, C]`` into ``scratch``
   (:func:`scratch_elems` elements, same ``rows_per_tile``), then ``reduce_partials`` sums each half
-  in a fixed order.
+  in a fixed order. Both None (frozen parameters): neither is formed, only dx.
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS) -> list
 def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: DeviceInfo,
              eps: float = LN_EPS, stats_valid: bool = True, accumulate_dx: bool = False,
              accumulate_dparams: bool = False, rows_per_tile: int | None = None, dx_copy=None) -> list:
-    """LayerNorm backward; see the module docstring. Returns 4 launches (5 with stats_valid=False)."""
+    """LayerNorm backward; see the module docstring. Returns 4 launches (5 with stats_valid=False); with
+    ``dw`` and ``db`` None (frozen parameters) only the dx launch."""
     check_rows("layernorm.backward", R, C, x, w, dy, dx, dw, db, scratch, dx_copy)
     if mean is None or rstd is None:
         raise ValueError("layernorm.backward: mean and rstd buffers [R] are required")
@@ -96,16 +97,19 @@ def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: Dev
         raise ValueError("layernorm.backward: dx must not alias x")
     if accumulate_dx and int(dx) == int(dy):
         raise ValueError("layernorm.backward: dx may alias dy only without accumulate_dx")
+    if (dw is None) != (db is None):
+        raise ValueError("layernorm.backward: dw and db are both given, or both None (frozen parameters)")
     rpt, n = _reduce.tiles(R, C, dev, rows_per_tile)
     nq = {"LN_NQ": _nq(C)}
     ops = []
     if not stats_valid:
         ops += forward(x, w, w, None, mean, rstd, R, C, eps)
-    ops.append(LN_BACKWARD_DWDB.launch((math.ceil(C / 128), n, 1), (32, BY, 1), variant=nq,
-                                       x=x, dy=dy, mean=mean, rstd=rstd, part=scratch, R=R, C=C,
-                                       rows_per_tile=rpt))
-    ops += _reduce.partials(scratch, n, C, [dw], REDUCE_BY, accumulate_dparams)
-    ops += _reduce.partials(scratch.offset(n * C), n, C, [db], REDUCE_BY, accumulate_dparams)
+    if dw is not None:
+        ops.append(LN_BACKWARD_DWDB.launch((math.ceil(C / 128), n, 1), (32, BY, 1), variant=nq,
+                                           x=x, dy=dy, mean=mean, rstd=rstd, part=scratch, R=R, C=C,
+                                           rows_per_tile=rpt))
+        ops += _reduce.partials(scratch, n, C, [dw], REDUCE_BY, accumulate_dparams)
+        ops += _reduce.partials(scratch.offset(n * C), n, C, [db], REDUCE_BY, accumulate_dparams)
     ops.append(LN_BACKWARD_DX.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=_xtype(dx_copy),
                                      variant=nq, x=x, w=w, dy=dy, mean=mean, rstd=rstd, dx=dx, dx_copy=dx_copy,
                                      R=R, C=C,

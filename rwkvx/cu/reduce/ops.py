@@ -49,12 +49,17 @@ def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = N
 
 
 def partials(part, P: int, C: int, outs, by: int, accumulate: bool = False) -> list:
-    """reduce_partials: outs[j] [C] (= or += with accumulate) sum over p of part [P, len(outs), C].
+    """reduce_partials: outs[j] [C] (= or += with accumulate) sum over p of part [P, len(outs), C];
+    nothing when every output is None (the gradients of frozen parameters, which nothing reads).
 
     ``by`` (rows of threads, <= MAX_BY) is part of the summation order: a family keeps its value."""
     outs = list(outs)
     if not 1 <= len(outs) <= 6:
         raise ValueError("reduce.partials: 1..6 outputs")
+    if all(o is None for o in outs):
+        return []
+    if any(o is None for o in outs):
+        raise ValueError("reduce.partials: every output or none (None) is needed")
     if P <= 0 or C <= 0:
         raise ValueError(f"reduce.partials: P={P} and C={C} must be positive")
     if not 1 <= by <= MAX_BY:
