@@ -135,6 +135,17 @@ def n_chunks(T: int, method: str = "sequential") -> int:
     return (int(T) + size - 1) // size
 
 
+def segment_layout(T: int, segments: int) -> tuple[int, int]:
+    """How the chunked state passes cut a sequence of T tokens into ``segments`` segments: (m, S) with m =
+    ceil(n_c / segments) chunks per segment and S = ceil(n_c / m) <= segments segments (the last one
+    shorter where m does not divide n_c)."""
+    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
+        raise ValueError(f"wkv7: segments must be an int >= 1, got {segments!r}")
+    nc = n_chunks(T, "chunked")
+    m = -(-nc // segments)
+    return m, -(-nc // m)
+
+
 def _check_method(method: str, N: int) -> None:
     if method not in METHODS:
         raise ValueError(f"wkv7: method must be one of {METHODS}, got {method!r}")
