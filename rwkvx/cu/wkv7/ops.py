@@ -58,7 +58,9 @@ the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become pe
 Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``. The
 chunked method's ``split`` is the row split of its state passes, forward and backward alike (8 rows per
 group of one or two warps, two each taking half of the keys; :func:`chunked_split`,
-:func:`chunked_key_warps`).
+:func:`chunked_key_warps`). Where B*H leaves the device idle the chunked state passes also cut each
+sequence into ``segments`` (a segmented scan: :func:`chunked_segments`, :func:`segment_layout`; the
+work buffer then leads with the segments' states, :func:`scratch_elems`).
 
 Why the chunked forward saves S0 (the state entering each chunk) rather than letting the backward
 recompute it: the backward's per-chunk gradient kernel needs S0 of every chunk at once (it runs over
