@@ -41,18 +41,20 @@ def main() -> None:
         wkv7.SPLIT_OPERATORS[args.xtype] = bool(args.split_operators)
     dev = Device.get()
 
+    # only when given: the script also times kernel trees from before segments (git checkout REV -- rwkvx/cu/wkv7)
+    seg = {} if args.segments is None else {"segments": args.segments}
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
     for B, T, H in shapes:
         b = RandomBuffers(dev, args.xtype)
         inp, n = wkv7_inputs(b, B, T, H, N)
-        sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method=args.method, segments=args.segments)
+        sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method=args.method, **seg)
         sa, ckpt, part = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32"), b(sizes["partials"], "f32")
         fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method=args.method, partials=part,
-                           split=args.split, segments=args.segments)
+                           split=args.split, **seg)
         times = [time_alone(dev, op) for op in fwd]
         Plan(dev, fwd).run()                    # real checkpoints for the backward
         bwd = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], B, T, H, N, dev.info,
-                            partials=part, method=args.method, split=args.split, segments=args.segments)
+                            partials=part, method=args.method, split=args.split, **seg)
         times += [time_alone(dev, op) for op in bwd]
         walk = fwd[-1]                          # the walk writing the outputs (the last of a segmented scan)
         print(f"{args.label} B{B} T{T} H{H} N{N} {args.method} {args.xtype} split {walk.grid[0]} key warps "
