@@ -256,15 +256,15 @@ CARRY_STEPS = 2           # wkv7c_segment_carry's time per segment, in chunk ste
 SEGMENT_GAIN = 0.8        # segments only where the model gives at most this fraction of the one-walk time
 
 
-def _scan_steps(B: int, T: int, H: int, N: int, S: int, dev: DeviceInfo) -> float:
+def _scan_steps(B: int, T: int, H: int, N: int, S: int, dev: DeviceInfo) -> int:
     """The modelled time of a state pass cut into S segments, in chunk steps of one block: each walk
     takes its segment's m chunk steps per wave of blocks (STATE_BLOCKS_PER_SM per SM, as chunked_split
-    counts; the segments keep its row split P and chunked_key_warps' group shape); S > 1 adds the summary
-    walk (P (2S - 3) blocks per sequence and head: exits of S - 1 segments, transitions of S - 2) and the
-    pass over the segments."""
+    counts; the segments keep its row split P and chunked_key_warps' group shape), whole waves (its blocks
+    walk equally long); S > 1 adds the summary walk (P (2S - 3) blocks per sequence and head: exits of
+    S - 1 segments, transitions of S - 2) and the pass over the segments."""
     m, S = segment_layout(T, S)
     seqs = B * H * chunked_split(B, H, N, dev)
-    waves = lambda blocks: max(1.0, blocks / (STATE_BLOCKS_PER_SM * dev.sm_count))   # noqa: E731
+    waves = lambda blocks: -(-blocks // (STATE_BLOCKS_PER_SM * dev.sm_count))   # noqa: E731
     if S == 1:
         return m * waves(seqs)
     return m * (waves(seqs * (2 * S - 3)) + waves(seqs * S)) + CARRY_STEPS * (S - 2)
