@@ -6,7 +6,10 @@ of the chunk (1, 15, 17, 40), decays near both ends of their range, head sizes 3
 "3xtf32" is the design an fp32 path on the chunked kernels would need: every operand of every product as a
 tf32 hi + lo pair (records included; today's records are single tf32 values and S0 enters one pass). In
 float32 it stays within the fp32 kernel limit 1e-5 (measured ~3e-7 at T = 256..4096, about the float32
-algorithm's own 1-2e-7), where single tf32 operands give 1e-4 to 5e-4."""
+algorithm's own 1-2e-7), where single tf32 operands give 1e-4 to 5e-4.
+
+The segmented scan (the state passes cut into segments, walked from 0 and from the identity, their
+entering states carried across) is held to the same limits against the one walk and the oracle."""
 import numpy as np
 import pytest
 
