@@ -85,24 +85,32 @@ def _segments(nC, segments):
 
 
 def _carry(E, Tr, Z, dt):
-    """A segment's exit state from its entering state E: E Tr + Z (fp32 on CUDA cores in the kernel)."""
-    return (E.astype(np.float64) @ Tr.astype(np.float64) + Z).astype(dt)
+    """A segment's exit state from its entering state E: E Tr + Z, accumulated in ``dt`` (fp32 FMA on CUDA
+    cores in the kernel)."""
+    return (E.astype(dt) @ Tr.astype(dt) + Z).astype(dt)
 
 
-def _scan(walk, segs, start, N, dt):
-    """The segmented scan (in the order ``segs`` lists the segments: the forward's, or the backward's
-    reversed): pass 1 walks each segment but the last from 0 (the first from ``start``: already its true
-    exit) and from the identity with no inputs (its transition: the state's rows are independent, each
-    maps linearly), pass 2 carries the true entering state across the segments; returns every segment's
-    true entering state, for pass 3."""
-    if len(segs) == 1:
+def _scan(walk, segs, start, N, dt, reverse=False):
+    """The segmented scan as the kernels run it, walking the segments ``segs`` forwards or (``reverse``,
+    the backward's pass) backwards; returns every segment's true entering state, for the last walk.
+    seg [S, 2, N, N] is the kernels' scratch (NaN until written, as the GPU tests poison it): the summary
+    walk writes each segment's exit from 0 into slot (s, 0) -- the first one walked from ``start``, its
+    true exit -- and its transition, the exit from the identity without inputs (each state row maps on
+    its own, linearly), into slot (s, 1), except for the first one walked; the last one walked needs
+    neither. wkv7c_segment_carry then makes the exits true in place, in walking order."""
+    S = len(segs)
+    if S == 1:
         return [start]
-    Z = [walk(segs[0], start, True)] + [walk(c, np.zeros((N, N), dt), True) for c in segs[1:-1]]
-    Tr = [walk(c, np.eye(N, dtype=dt), False) for c in segs[1:-1]]
-    E = [start, Z[0]]
-    for s in range(1, len(segs) - 1):
-        E.append(_carry(E[-1], Tr[s - 1], Z[s], dt))
-    return E
+    seg = np.full((S, 2, N, N), np.nan, dt)
+    d, first, last = (-1, S - 1, 0) if reverse else (1, 0, S - 1)
+    for s in range(S):
+        if s != last:
+            seg[s, 0] = walk(segs[s], start if s == first else np.zeros((N, N), dt), True)
+        if s not in (first, last):
+            seg[s, 1] = walk(segs[s], np.eye(N, dtype=dt), False)
+    for s in range(first + d, last, d):
+        seg[s, 0] = _carry(seg[s - d, 0], seg[s, 1], seg[s, 0], dt)
+    return [start if s == first else seg[s - d, 0] for s in range(S)]
 
 
 def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None, segments=1):
@@ -190,8 +198,8 @@ def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None, segment
             dS = (o[c]["PL"][:, None] * dS.T + rnd(o[c]["rt"]).T @ dYs + rnd(o[c]["at"]).T @ rnd(X)).T
         return dS
 
-    segs = _segments(nC, segments)[::-1]
-    for chunks, E in zip(segs, _scan(walk, segs, np.zeros((N, N), dt), N, dt)):
+    segs = _segments(nC, segments)
+    for chunks, E in reversed(list(zip(segs, _scan(walk, segs, np.zeros((N, N), dt), N, dt, reverse=True)))):
         ds0 = walk(chunks, E, True, out=True)          # the last one walked is segment 0: dS after chunk 0
     for c in range(nC):
         t = slice(c * L, c * L + L)
