@@ -388,7 +388,7 @@ SEGMENT_CASES = [  # (B, T, H, N, segments): B*H = 1x1, 1x12, 2x32; T no multipl
     # default, which cuts these shapes into segments
     (1, 1000, 1, 64, 3), (1, 1000, 1, 32, 63), (1, 4096, 1, 64, None), (1, 4096, 12, 64, 3),
     (1, 16384, 12, 64, None), (1, 16384, 12, 64, 5), (2, 4096, 32, 64, 5), (2, 4096, 32, 32, None),
-    (2, 16384, 32, 64, 7),
+    (2, 8192, 32, 64, 7),
 ]
 SEGMENT_IDS = [f"B{b}-T{t}-H{h}-N{n}-S{s or 'chosen'}" for b, t, h, n, s in SEGMENT_CASES]
 
