@@ -415,7 +415,7 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
                 *_state_walks(WKV7C_FORWARD_STATE, False, B, H, N, P, S, m, dev, FWD_RECORD, r.elem, method,
                               partials, dict(rec=rec, v=v, s_init=s0, T=T), dict(y=y, sa_out=sa, s0=ckpt))]
     if segments is not None:
-        raise ValueError(f"wkv7.forward: segments are the chunked methods' state passes', not {method!r}'s")
+        raise ValueError(f"wkv7.forward: segments cut the chunked methods' state passes only, not {method!r}'s")
     if records is not None:
         raise ValueError(f"wkv7.forward: records are kept by the chunked methods only, not {method!r}")
     P = forward_split(B, H, N, dev) if split is None else int(split)
@@ -447,7 +447,7 @@ def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: 
         return _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
                                  partials, split, method, records, ds_part, segments) + reduce
     if segments is not None:
-        raise ValueError(f"wkv7.backward: segments are the chunked methods' state passes', not {method!r}'s")
+        raise ValueError(f"wkv7.backward: segments cut the chunked methods' state passes only, not {method!r}'s")
     if records is not None:
         raise ValueError(f"wkv7.backward: records are kept by the chunked methods only, not {method!r}")
     P = backward_split(B, H, N, dev) if split is None else int(split)
