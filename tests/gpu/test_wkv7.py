@@ -9,7 +9,9 @@ step-back amplifies rounding most there). fp32 limits: y 1e-5, gradients 1e-4. T
 (tensor cores, tf32 products) is held to 5e-3 with fp32 inputs (docs/SPEC.md's TF32 kernel limit) and to SPEC's
 bf16 limit with bf16 inputs; chunked_exact (3xTF32, the fp32 precision's path) to the fp32 kernel limit
 1e-5 for y and every gradient. With an initial state s0 (shared by the batch, as state tuning trains it)
-its gradient ds0, summed over the sequences, is held to the gradients' limit."""
+its gradient ds0, summed over the sequences, is held to the gradients' limit. The chunked state passes'
+segmented scan (small B*H) is held to the same limits against the twin and against the one walk, and
+gives the same bits at every row split."""
 from __future__ import annotations
 
 import numpy as np
