@@ -1,11 +1,13 @@
 """Each launch of a chunked WKV7 method timed alone (CUDA events, 20 runs), at the default state-pass
-split: where the forward's and the backward's time goes (benchmarks/bench_wkv7.py times them together).
+split and segments: where the forward's and the backward's time goes (benchmarks/bench_wkv7.py times them
+together).
 
 Usage: python scripts/wkv7_launches.py [LABEL] [--method chunked|chunked_exact] [--xtype bf16|f32]
-[--stages NS] [--split-operators 0|1] [--split P] [--key-warps 1|2] [--shape B,T,H ...].
+[--stages NS] [--split-operators 0|1] [--split P] [--key-warps 1|2] [--segments S] [--shape B,T,H ...].
 --stages and --split-operators time other values of rwkvx/cu/wkv7/ops.py's CHUNKED_STAGES and
-SPLIT_OPERATORS[xtype] (the kernels are compiled with them), --split and --key-warps other state-pass
-shapes than chunked_split and chunked_key_warps choose, for choosing those. Needs a GPU.
+SPLIT_OPERATORS[xtype] (the kernels are compiled with them), --split, --key-warps and --segments other
+state-pass shapes than chunked_split, chunked_key_warps and chunked_segments choose, for choosing those.
+Needs a GPU.
 """
 import argparse
 
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--shape", action="append", help=f"B,T,H at N = {N} (repeatable; default: SHAPES)")
     ap.add_argument("--split", type=int, help="state-pass row split P (default: chunked_split)")
     ap.add_argument("--key-warps", type=int, choices=(1, 2), help="warps per 8 state rows (chunked_key_warps)")
+    ap.add_argument("--segments", type=int, help="segments of the state passes (default: chunked_segments)")
     args = ap.parse_args()
     args.xtype = args.xtype or ("f32" if args.method == "chunked_exact" else "bf16")
     if args.key_warps is not None:
@@ -38,20 +41,24 @@ def main() -> None:
         wkv7.SPLIT_OPERATORS[args.xtype] = bool(args.split_operators)
     dev = Device.get()
 
+    # only when given: the script also times kernel trees from before segments (git checkout REV -- rwkvx/cu/wkv7)
+    seg = {} if args.segments is None else {"segments": args.segments}
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
     for B, T, H in shapes:
         b = RandomBuffers(dev, args.xtype)
         inp, n = wkv7_inputs(b, B, T, H, N)
-        sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method=args.method)
+        sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method=args.method, **seg)
         sa, ckpt, part = b(sizes["sa"], "f32"), b(sizes["ckpt"], "f32"), b(sizes["partials"], "f32")
         fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method=args.method, partials=part,
-                           split=args.split)
+                           split=args.split, **seg)
         times = [time_alone(dev, op) for op in fwd]
         Plan(dev, fwd).run()                    # real checkpoints for the backward
         bwd = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], B, T, H, N, dev.info,
-                            partials=part, method=args.method, split=args.split)
+                            partials=part, method=args.method, split=args.split, **seg)
         times += [time_alone(dev, op) for op in bwd]
-        print(f"{args.label} B{B} T{T} H{H} N{N} {args.method} {args.xtype} split {fwd[1].grid[0]} key warps {fwd[1].block[0] * fwd[1].grid[0] // (4 * N)}: "
+        walk = fwd[-1]                          # the walk writing the outputs (the last of a segmented scan)
+        print(f"{args.label} B{B} T{T} H{H} N{N} {args.method} {args.xtype} split {walk.grid[0]} key warps "
+              f"{walk.block[0] * walk.grid[0] // (4 * N)} segments {walk.grid[2] // B}: "
               + " ".join(f"{op.name} {ms:.3f}" for op, ms in zip(fwd + bwd, times)), flush=True)
 
 

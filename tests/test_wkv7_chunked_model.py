@@ -6,12 +6,16 @@ of the chunk (1, 15, 17, 40), decays near both ends of their range, head sizes 3
 "3xtf32" is the design an fp32 path on the chunked kernels would need: every operand of every product as a
 tf32 hi + lo pair (records included; today's records are single tf32 values and S0 enters one pass). In
 float32 it stays within the fp32 kernel limit 1e-5 (measured ~3e-7 at T = 256..4096, about the float32
-algorithm's own 1-2e-7), where single tf32 operands give 1e-4 to 5e-4."""
+algorithm's own 1-2e-7), where single tf32 operands give 1e-4 to 5e-4.
+
+The segmented scan (the state passes cut into segments, walked from 0 and from the identity, their
+entering states carried across) is held to the same limits against the one walk and the oracle."""
 import numpy as np
 import pytest
 
 from rwkvx.config import DECAY_SCALE
 from rwkvx.cu.wkv7 import chunked_model as CM
+from rwkvx.cu.wkv7.ops import segment_layout
 from rwkvx.oracle import rel_err, wkv7_backward, wkv7_forward
 from rwkvx.runtime.dtypes import round_tf32
 
@@ -104,3 +108,35 @@ def test_tf32_rounding():
     ulp = np.float32(2.0 ** -10)
     x = np.array([1 + 2.0 ** -11, -(1 + 2.0 ** -11), 1 + 2.0 ** -12, 1 + 3 * 2.0 ** -11], np.float32)
     np.testing.assert_array_equal(round_tf32(x), np.array([one + ulp, -(one + ulp), one, one + 2 * ulp], np.float32))
+
+
+SEGMENT_CASES = [(40, 64, 0.0, 2), (200, 64, -4.0, 3), (200, 32, 8.0, 5), (1000, 64, 0.0, 7), (1000, 64, -4.0, 64),
+                 (333, 32, 8.0, 4)]
+
+
+@pytest.mark.parametrize("with_s0", [False, True], ids=["zero", "s0"])
+@pytest.mark.parametrize("prec", list(PRECISIONS))
+@pytest.mark.parametrize("T,N,shift,S", SEGMENT_CASES, ids=[f"T{t}-N{n}-s{s:g}-S{g}" for t, n, s, g in SEGMENT_CASES])
+def test_segmented_scan_matches_unsegmented(T, N, shift, S, prec, with_s0):
+    """The segmented scan (segments of m = ceil(n_c / S) chunks, the last one shorter: T is no multiple of
+    them; S = 64 at T = 1000: segments of one chunk) against the one-segment walk: the chunk-entering
+    states the backward reads, y, sa, every gradient and ds0 within float rounding of the precision (f64:
+    1e-10, and in float32 the limits of the oracle test: the transitions take the same roundings as the
+    states), and both against the oracle within those limits."""
+    rng = seeded_rng(T * 1000 + N * 10 + int(shift) + 8 + 100 * S)
+    x, dy = _inputs(T, N, rng, shift)
+    s0 = 0.5 * rng.standard_normal((N, N)) if with_s0 else None
+    one = [x[n][0, :, 0] for n in "rwkvab"]
+    rnd, dt, tol = PRECISIONS[prec]
+    m, used = segment_layout(T, S)
+    assert used > 1 and T % (m * CM.L) != 0
+    ref_f, got_f = CM.forward(*one, rnd=rnd, dt=dt, s0=s0), CM.forward(*one, rnd=rnd, dt=dt, s0=s0, segments=S)
+    for name, ref, got in zip(("y", "sa", "S0"), ref_f, got_f):
+        assert rel_err(got, ref) <= tol, name
+    ref_b = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0)
+    got_b = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0, segments=S)
+    want_g = wkv7_backward(*(x[n] for n in "rwkvab"), dy, state=None if s0 is None else s0[None, None])
+    for name, ref, got, want in zip(GRADS + ("ds0",), ref_b, got_b, want_g):
+        assert rel_err(got, ref) <= tol, name
+        assert rel_err(got, want[0, :, 0] if name != "ds0" else want[0, 0]) <= tol, name
+

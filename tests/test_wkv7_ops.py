@@ -132,3 +132,79 @@ def test_wkv7_initial_state_builders(method):
     sizes = W.scratch_elems(2, 33, 3, 64, H200, method=method, ds0=True)
     assert sizes == {**W.scratch_elems(2, 33, 3, 64, H200, method=method), "ds0_partials": 2 * 3 * 64 * 64}
     assert W.scratch_elems(1, 33, 3, 64, H200, method=method, ds0=True)["ds0_partials"] == 0
+
+
+def test_wkv7_segment_layout():
+    """m = ceil(n_c / S) chunks per segment, ceil(n_c / m) segments (never more than asked); bad counts raise."""
+    assert W.segment_layout(16384, 8) == (128, 8)
+    assert W.segment_layout(1000, 3) == (21, 3)          # 63 chunks
+    assert W.segment_layout(100, 5) == (2, 4)            # 7 chunks: 2 + 2 + 2 + 1
+    assert W.segment_layout(33, 1) == (3, 1)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError):
+            W.segment_layout(100, bad)
+
+
+def test_wkv7_chunked_segments_choice():
+    """Segments where B*H leaves the device idle (B1 T16384 H12: 48 state-pass blocks on 132 SMs; B1 T4096
+    H32, state tuning's shape), none where it fills a wave (the shapes benchmarked before segments: their
+    launches stay as they were), none for a sequence of few chunks."""
+    assert W.chunked_segments(1, 16384, 12, 64, H200) == 8
+    assert W.chunked_segments(1, 4096, 32, 64, H200) > 1 and W.chunked_segments(1, 4096, 1, 64, H200) > 1
+    for B, T, H in ((8, 4096, 12), (16, 512, 12), (8, 4096, 64), (2, 33, 3), (1, 16, 1), (2, 16384, 32)):
+        assert W.chunked_segments(B, T, H, 64, H200) == 1, (B, T, H)
+    for B, T, H, N in ((1, 16384, 12, 64), (1, 4096, 32, 64), (1, 1000, 1, 32)):
+        S = W.chunked_segments(B, T, H, N, H200)
+        assert W._scan_steps(B, T, H, N, S, H200) <= W.SEGMENT_GAIN * W._scan_steps(B, T, H, N, 1, H200)
+        assert 1 < S <= W.MAX_SEGMENTS and W.segment_layout(T, S)[1] == S
+
+
+@pytest.mark.parametrize("S", [2, 5])
+def test_wkv7_chunked_segmented_launches(S):
+    """segments = S > 1: each state pass is the summary walk (2P blocks per segment, outputs NULL, seg),
+    the carry over the segments (none for S = 2) and the walk of every segment writing the outputs; seg
+    leads the work buffer (the records, dS and dX follow it); S = 1 is the one walk (seg NULL, m = n_c)."""
+    p = lambda i=1: DevPtr(16 * i, "f32")      # noqa: E731
+    B, T, H, N = 2, 1000, 3, 64
+    m, S = W.segment_layout(T, S)
+    seg = B * H * S * 2 * N * N
+    P = W.chunked_split(B, H, N, H200)
+    work = dict(method="chunked", partials=p(100), segments=S)
+    fwd = W.forward(*[p()] * 6, p(7), B, T, H, N, H200, sa=p(8), ckpt=p(9), s0=p(10), **work)
+    bwd = W.backward(*[p()] * 6, p(7), p(8), p(9), *[p(11)] * 6, B, T, H, N, H200, s0=p(10), ds0=p(12),
+                     ds0_partials=p(13), **work)
+    carry = ["wkv7c_segment_carry"] if S > 2 else []
+    assert [o.name for o in fwd] == ["wkv7c_intra", "wkv7c_forward_state", *carry, "wkv7c_forward_state"]
+    assert [o.name for o in bwd] == ["wkv7c_intra", "wkv7c_backward_state", *carry, "wkv7c_backward_state",
+                                     "wkv7c_backward_grads", "wkv7_state_reduce"]
+    assert launch_args(fwd[0])["rec"] == launch_args(bwd[0])["rec"] == 16 * 100 + 4 * seg
+    for ops, outputs, reverse in ((fwd, ("y", "sa_out", "s0"), 0), (bwd, ("dv", "dx", "ds", "ds_part"), 1)):
+        summary, *mid, walk = ops[1:3 + len(carry)]
+        assert summary.grid == (2 * P, H, B * S) and walk.grid == (P, H, B * S) and summary.block == walk.block
+        a, b = launch_args(summary), launch_args(walk)
+        assert (a["summary"], b["summary"], a["m"], b["m"], a["seg"], b["seg"]) == (1, 0, m, m, 1600, 1600)
+        assert all(a[n] == 0 for n in outputs) and all(b[n] != 0 for n in outputs)
+        for op in mid:
+            assert op.grid == (N // 8, H, B) and launch_args(op) == {"seg": 1600, "S": S, "reverse": reverse}
+    assert launch_args(fwd[1])["s_init"] == launch_args(fwd[-1])["s_init"] == 160
+    sizes = W.scratch_elems(B, T, H, N, H200, method="chunked", segments=S)
+    assert sizes["partials"] == seg + W.scratch_elems(B, T, H, N, H200, method="chunked", segments=1)["partials"]
+    one = W.forward(*[p()] * 6, p(7), B, T, H, N, H200, sa=p(8), ckpt=p(9), **{**work, "segments": 1})
+    assert [o.name for o in one] == ["wkv7c_intra", "wkv7c_forward_state"] and one[1].grid == (P, H, B)
+    assert {k: launch_args(one[1])[k] for k in ("seg", "m", "summary")} == {"seg": 0, "m": W.n_chunks(T, "chunked"),
+                                                                             "summary": 0}
+    assert launch_args(one[0])["rec"] == 1600
+
+
+def test_wkv7_segments_need_a_chunked_method():
+    p = lambda i=1: DevPtr(16 * i, "f32")      # noqa: E731
+    with pytest.raises(ValueError, match="segments"):
+        W.forward(*[p()] * 7, 1, 100, 1, 64, H200, segments=2)
+    with pytest.raises(ValueError, match="segments"):
+        W.backward(*[p()] * 15, 1, 100, 1, 64, H200, segments=2)
+    with pytest.raises(ValueError, match="segments"):
+        W.scratch_elems(1, 100, 1, 64, H200, segments=2)
+    with pytest.raises(ValueError, match="segments"):
+        W.forward(*[p()] * 7, 1, 100, 1, 64, H200, method="chunked", partials=p(), segments=0)
+    with pytest.raises(ValueError, match="65535"):
+        W.forward(*[p()] * 7, 65535, 100, 1, 64, H200, method="chunked", partials=p(), segments=2)

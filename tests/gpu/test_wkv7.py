@@ -9,7 +9,9 @@ step-back amplifies rounding most there). fp32 limits: y 1e-5, gradients 1e-4. T
 (tensor cores, tf32 products) is held to 5e-3 with fp32 inputs (docs/SPEC.md's TF32 kernel limit) and to SPEC's
 bf16 limit with bf16 inputs; chunked_exact (3xTF32, the fp32 precision's path) to the fp32 kernel limit
 1e-5 for y and every gradient. With an initial state s0 (shared by the batch, as state tuning trains it)
-its gradient ds0, summed over the sequences, is held to the gradients' limit."""
+its gradient ds0, summed over the sequences, is held to the gradients' limit. The chunked state passes'
+segmented scan (small B*H) is held to the same limits against the twin and against the one walk, and
+gives the same bits at every row split."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,9 +55,10 @@ def wkv_inputs(case, x: dict) -> dict:
 
 
 def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=None, method="sequential",
-             state=False):
+             state=False, segments=None):
     """Forward + backward of one case; ``heads`` limits the twin check to (sequence 0, those heads);
-    ``state``: from a random initial state, its gradient ds0 checked too."""
+    ``state``: from a random initial state, its gradient ds0 checked too; ``segments``: the chunked state
+    passes' (None: chosen)."""
     assert not (state and heads), "ds0 sums over every sequence: check all of them"
     rng = seeded_rng()
     x, dy = make_inputs(B, T, H, N, rng, shift)
@@ -66,7 +69,8 @@ def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=N
     if bsplit is None:
         bsplit = W.chunked_split(B, H, N, dev.info) if chunked else W.backward_split(B, H, N, dev.info)
     P = bsplit
-    sizes = W.scratch_elems(B, T, H, N, dev.info, split=None if chunked else P, method=method, ds0=state)
+    sizes = W.scratch_elems(B, T, H, N, dev.info, split=None if chunked else P, method=method, ds0=state,
+                            segments=segments)
     fwd_state, bwd_state = {}, {}
     if state:
         s0 = case.input("s0", initial_state(H, N, rng), "f32")
@@ -77,10 +81,11 @@ def run_case(case, dev, B, T, H, N, fsplit=None, bsplit=None, shift=0.0, heads=N
     sa, ckpt = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
     part = case.scratch("partials", sizes["partials"]) if sizes["partials"] else None
     outs = {n: case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS}
-    extra = dict(method=method, partials=part) if chunked else {}
+    extra = dict(method=method, partials=part, segments=segments) if chunked else {}
     ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ckpt, split=fsplit, **extra, **fwd_state)
     ops += W.backward(*inp.values(), pdy, sa, ckpt, *(outs[n] for n in GRADS), B, T, H, N, dev.info,
-                      partials=part, split=P, **({"method": method} if chunked else {}), **bwd_state)
+                      partials=part, split=P, **({"method": method, "segments": segments} if chunked else {}),
+                      **bwd_state)
     out = case.run(ops)
     sel = (slice(None),) if heads is None else (slice(0, 1), slice(None), slice(0, heads))
     seen = {n: np.ascontiguousarray(case.seen[n][sel]) for n in (*"rwkvab", "dy")}
@@ -202,24 +207,25 @@ def test_wkv7_chunked_key_warps(case, dev, monkeypatch, key_warps, B, T, H, N):
     run_case(case, dev, B, T, H, N, method="chunked")
 
 
-def chunked_run(dev, xtype, method, inputs, split=None, kept_records=False) -> dict:
+def chunked_run(dev, xtype, method, inputs, split=None, kept_records=False, segments=None) -> dict:
     """Forward + backward of a chunked method on ``inputs`` (make_inputs' pair, B, T, H, N = the shapes')
-    at state-pass row split ``split``, the backward's records kept by the forward or computed by itself."""
+    at state-pass row split ``split`` and ``segments``, the backward's records kept by the forward or
+    computed by itself."""
     x, dy = inputs
     shp = x["r"].shape
     B, T, H, N = shp
     case = KernelCase(dev, xtype)
     inp = wkv_inputs(case, x)
-    sizes = W.scratch_elems(B, T, H, N, dev.info, method=method, kept_records=kept_records)
+    sizes = W.scratch_elems(B, T, H, N, dev.info, method=method, kept_records=kept_records, segments=segments)
     y = case.output("y", shp)
     sa, ck = case.output("sa", sizes["sa"], "f32"), case.output("ckpt", sizes["ckpt"], "f32")
     part = case.scratch("partials", sizes["partials"])
     rec = case.scratch("records", sizes["records"]) if kept_records else None
     outs = [case.output(n, shp, "f32" if n in F32_GRADS else "x") for n in GRADS]
     ops = W.forward(*inp.values(), y, B, T, H, N, dev.info, sa=sa, ckpt=ck, split=split, method=method,
-                    partials=part, records=rec)
+                    partials=part, records=rec, segments=segments)
     ops += W.backward(*inp.values(), case.input("dy", dy), sa, ck, *outs, B, T, H, N, dev.info, partials=part,
-                      split=split, method=method, records=rec)
+                      split=split, method=method, records=rec, segments=segments)
     return case.run(ops)
 
 
@@ -377,3 +383,84 @@ def test_wkv7_zero_state_is_stateless(dev, xtype, method):
     seen = {n: case.seen[n] for n in (*"rwkvab", "dy")}
     ds0 = wkv7_backward(*(seen[n] for n in "rwkvab"), seen["dy"], state=case.seen["s0"])[-1]
     check("ds0 at s0 = 0", runs[1]["ds0"], ds0, tolerance(xtype, TOLS[method][1]))
+
+
+# ------------------------------------------------------------------------------------------ segmented scan
+SEGMENT_CASES = [  # (B, T, H, N, segments): B*H = 1x1, 1x12, 2x32; T no multiple of the segments; None: the
+    # default, which cuts these shapes into segments
+    (1, 1000, 1, 64, 3), (1, 1000, 1, 32, 63), (1, 4096, 1, 64, None), (1, 4096, 12, 64, 3),
+    (1, 16384, 12, 64, None), (1, 16384, 12, 64, 5), (2, 4096, 32, 64, 5), (2, 4096, 32, 32, None),
+    (2, 8192, 32, 64, 7),
+]
+SEGMENT_IDS = [f"B{b}-T{t}-H{h}-N{n}-S{s or 'chosen'}" for b, t, h, n, s in SEGMENT_CASES]
+
+
+def _segment_heads(B, T, H):
+    """The heads a segmented case checks against the (float64, CPU) twin: all of them up to B*T*H = 12*4096
+    tokens of heads, else 2 of sequence 0."""
+    return None if B * T * H <= 12 * 4096 else 2
+
+
+def _check_segments(dev, B, T, H, N, segments):
+    """The case cuts its sequences; forced segment counts leave the last segment shorter."""
+    m, used = W.segment_layout(T, segments or W.chunked_segments(B, T, H, N, dev.info))
+    assert used > 1, "a segmented case must cut its sequences"
+    assert segments is None or T % (m * W.CHUNKED_L) != 0
+
+
+@pytest.mark.parametrize("B,T,H,N,segments", SEGMENT_CASES, ids=SEGMENT_IDS)
+def test_wkv7_chunked_segments(case, dev, B, T, H, N, segments):
+    """The segmented state passes (summary walk, carry over the segments, walk of every segment; forced
+    and chosen segment counts) against the twin; the harness's second run is bit-identical."""
+    _check_segments(dev, B, T, H, N, segments)
+    _, errs = run_case(case, dev, B, T, H, N, heads=_segment_heads(B, T, H), method="chunked", segments=segments)
+    print(f"\nwkv7 chunked {case.xtype} B={B} T={T} H={H} N={N} segments={segments}: "
+          + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+
+
+@pytest.mark.parametrize("B,T,H,N,segments", SEGMENT_CASES[:6], ids=SEGMENT_IDS[:6])
+def test_wkv7_chunked_exact_segments(dev, B, T, H, N, segments):
+    """The fp32 precision's chunked path, segmented, within the fp32 kernel limit."""
+    _check_segments(dev, B, T, H, N, segments)
+    run_case(KernelCase(dev, "f32"), dev, B, T, H, N, heads=_segment_heads(B, T, H), method="chunked_exact",
+             segments=segments)
+
+
+SEGMENT_STATE_CASES = [(1, 1000, 1, 64, 3), (3, 500, 2, 32, 5), (1, 4096, 12, 64, None)]
+
+
+@pytest.mark.parametrize("method", W.CHUNKED_METHODS)
+@pytest.mark.parametrize("B,T,H,N,segments", SEGMENT_STATE_CASES,
+                         ids=[f"B{b}-T{t}-H{h}-N{n}-S{s or 'chosen'}" for b, t, h, n, s in SEGMENT_STATE_CASES])
+def test_wkv7_chunked_segments_initial_state(dev, xtype, method, B, T, H, N, segments):
+    """Segmented from an initial state: the first segment's walks start from s0, ds0 is the reverse scan's
+    exit of segment 0 (summed over the sequences for B > 1)."""
+    if method == "chunked_exact" and xtype != "f32":
+        pytest.skip("chunked_exact takes f32 inputs only")
+    _check_segments(dev, B, T, H, N, segments)
+    run_case(KernelCase(dev, xtype), dev, B, T, H, N, method=method, state=True, segments=segments)
+
+
+@pytest.mark.parametrize("shift", [0.0, SLOW, FAST], ids=["mid", "slow", "fast"])
+@pytest.mark.parametrize("xtype, method", [("f32", "chunked"), ("bf16", "chunked"), ("f32", "chunked_exact")])
+def test_wkv7_chunked_segments_match_one_walk(dev, xtype, method, shift):
+    """Segments (6 of 32 chunks, the last one shorter) against the one walk of the same chunk steps: the
+    checkpoints the backward reads, y, sa and every gradient within the method's limits of each other,
+    for decays in the middle and near both ends of their range."""
+    inputs = make_inputs(1, 3000, 2, 64, seeded_rng(), shift)
+    one, seg = (chunked_run(dev, xtype, method, inputs, segments=s) for s in (1, 6))
+    fwd_tol, bwd_tol = TOLS[method]
+    for name in ("ckpt", "y", "sa", *GRADS):
+        check(f"{name} segmented", seg[name], one[name], tolerance(xtype, fwd_tol if name == "y" else bwd_tol))
+
+
+@pytest.mark.parametrize("N", [32, 64])
+@pytest.mark.parametrize("xtype, method", [("f32", "chunked"), ("bf16", "chunked"), ("f32", "chunked_exact")])
+def test_wkv7_chunked_segments_all_splits(dev, xtype, method, N):
+    """Segmented, every state-pass row split gives the same bits (each state row's walks, transition rows
+    included, and its carry over the segments are the same arithmetic whatever block holds it)."""
+    inputs = make_inputs(1, 700, 2, N, seeded_rng())
+    runs = [chunked_run(dev, xtype, method, inputs, split=P, segments=4) for P in W._chunked_splits(N)]
+    for P, out in zip(W._chunked_splits(N)[1:], runs[1:]):
+        for name in ("y", "sa", "ckpt", *GRADS):
+            assert np.array_equal(out[name], runs[0][name], equal_nan=True), f"{name} differs for split {P}"

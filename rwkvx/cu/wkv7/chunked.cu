@@ -20,16 +20,20 @@
 //                         cores in 3xTF32, one tf32 pass in bf16; the inverse by forward substitution in
 //                         fp32), into a record per chunk: the forward set, the backward set, or both at once
 //                         (`mode`; both: the recompute's forward keeps the backward's records).
-//   wkv7c_forward_state   grid (P, H, B): the sequential pass. A group of one or two warps = 8 value rows of
+//   wkv7c_forward_state   grid (P, H, B S): the sequential pass, over each of S segments of the sequence. A group of one or two warps = 8 value rows of
 //                         S (rows are independent given the records; with two, each warp half of the keys and
 //                         the pair sums its partial products over the keys), fp32 state in shared memory,
 //                         products on mma.sync m16n8k8 tf32 (3xTF32 with WKV_EXACT) with fp32 accumulation;
 //                         y, sa and the chunk-entering states S0 out.
-//   wkv7c_backward_state  grid (P, H, B): the reverse pass carrying dS (fp32) the same way; dv, dX and the
+//   wkv7c_backward_state  grid (P, H, B S): the reverse pass carrying dS (fp32) the same way; dv, dX and the
 //                         chunk-ending dS out, and (ds_part not NULL) the dS left after chunk 0, each
 //                         sequence's gradient of the initial state, for wkv7_state_reduce's sum over them.
 //   The initial state costs one pointer test per block: it is the forward's carried state at chunk 0 (and so
 //   the chunk-0 slot of the saved S0, which the gradient kernel reads like any other).
+//   Segmented scan (S > 1, where B H alone leaves the device idle): a summary walk of every segment from 0
+//   and from the identity (its exit Z and transition Tr: S_exit = S_entry Tr + Z), wkv7c_segment_carry
+//   (grid (N/8, H, B)) over the segments for their true entering states, then the plain walk of every
+//   segment from its entering state -- the same chunk steps as S = 1 (the checkpoints within rounding).
 //   wkv7c_backward_grads  grid (n_c, H, B): dr, dw, dk, da, db of each chunk (the products over the value
 //                         rows with S0 and dS on tensor cores in tf32 or 3xTF32, the [L, L] ones as intra's, the rest
 //                         fp32 on CUDA cores).
@@ -85,14 +89,14 @@ __device__ __forceinline__ void stage_record(float* dst, const float* src, int t
 }
 
 // Stage rows [i0, i0 + NR) of tokens c*L .. c*L+L-1 of one floatX [B,T,H,N] tensor into dst [L][NR + 8]
-// (zeros beyond T).
+// (zeros beyond T, and everywhere for a NULL src: a segment's transition walk has no inputs).
 __device__ __forceinline__ void stage_rows(floatX* dst, const floatX* src, int bb, int T, int c, int H, int h,
                                            int i0, int NR, int tid, int nt) {
     const int R4 = NR / 4;
     for (int e = tid; e < L * R4; e += nt) {
         const int sl = e / R4, c4 = e - sl * R4, t = c * L + sl;
         floatX* d = dst + sl * (NR + 8) + 4 * c4;
-        if (t < T) cp4x(d, src + tok(bb, T, t, H, h) + i0 + 4 * c4);
+        if (t < T && src != nullptr) cp4x(d, src + tok(bb, T, t, H, h) + i0 + 4 * c4);
         else { d[0] = from_f32(0.f); d[1] = from_f32(0.f); d[2] = from_f32(0.f); d[3] = from_f32(0.f); }
     }
 }
@@ -399,9 +403,9 @@ struct StatePlace {
     int group, wk, kh0, lane;
     float *rows, *tile0, *tile1, *xch;
     // init: the carried rows' first values, the group's rows of an [N, N] state from row 0 of its block
-    // (NULL: zeros)
+    // (NULL: zeros, or with eye the rows i0 + .. of the identity: a transition walk)
     template <class R>
-    __device__ __forceinline__ StatePlace(float* sm, int NR, R, const float* init) {
+    __device__ __forceinline__ StatePlace(float* sm, int NR, R, const float* init, bool eye, int i0) {
         const int tid = threadIdx.x;
         lane = tid & 31; group = tid / (32 * KW); wk = (tid >> 5) % KW; kh0 = wk * KH;
         rows = sm + state_smem_floats<R>(NR, 0) + group * GROUP_FLOATS;      // [8][SP4], shared by the group
@@ -409,43 +413,74 @@ struct StatePlace {
         tile1 = tile0 + L * 8;                                              // [L][8]
         xch = rows + 8 * SP4 + KW * 2 * L * 8;                              // [KW][8][32]
         const float* src = init != nullptr ? init + group * 8 * HN + kh0 : nullptr;
-        for (int e = lane; e < 8 * KH; e += 32)
-            rows[e / KH * SP4 + kh0 + e % KH] = src != nullptr ? src[e / KH * HN + e % KH] : 0.f;
+        for (int e = lane; e < 8 * KH; e += 32) {
+            const int row = e / KH, key = kh0 + e % KH;
+            rows[row * SP4 + key] = src != nullptr ? src[row * HN + e % KH]
+                                                   : (eye && i0 + 8 * group + row == key ? 1.f : 0.f);
+        }
+    }
+};
+// A state-pass block's segment (rwkvx/cu/wkv7/ops.py: segment_layout): the chunks of a sequence are cut
+// into S = ceil(n_c / m) segments of m chunks (the last one shorter), grid (P or 2P, H, B S). The plain
+// walk (summary 0; S = 1 is today's whole-sequence walk) takes each segment from its true entering state;
+// the summary walk (summary 1) takes blocks p < P from 0 (the segment's exit Z, its inputs' part) and
+// blocks P + p from the identity without inputs (its transition Tr: S_exit = S_entry Tr + Z, each row
+// linear on its own) and writes them to seg [B, H, S, 2, N, N] (slots (s, 0), (s, 1));
+// wkv7c_segment_carry then turns the slots (s, 0) into the true exits.
+struct Segment {
+    int S, sg, bb, c0, n, P, p;
+    bool trans;
+    __device__ __forceinline__ Segment(int nC, int m, int summary) {
+        S = (nC + m - 1) / m; sg = blockIdx.z % S; bb = blockIdx.z / S;
+        c0 = sg * m; n = min(m, nC - c0);
+        P = gridDim.x >> summary; p = blockIdx.x % P; trans = blockIdx.x >= P;
+    }
+    // the [N, N] slot (s, kind) of seg for this block's sequence and head h
+    __device__ __forceinline__ float* slot(float* seg, int H, int h, int s, int kind) const {
+        return seg + ((((long long)bb * H + h) * S + s) * 2 + kind) * HN * HN;
     }
 };
 }  // namespace wkv7c
 
 // =============================================================================================
-// Forward sequential pass.  grid (P, H, B), block N/P/8 groups of KW warps; block p owns rows
-// p*N/P .. +N/P-1, group q rows 8 q .. 8 q + 7 of those, its warp wk the keys wk*N/KW .. +N/KW-1.
-// rec: forward records of wkv7c_intra.  y [B,T,H,N]; sa_out [B,T,H,N] fp32 and s0 [B,H,n_c,N,N] fp32
-// (the state entering each chunk), both or neither NULL; s_init [H,N,N] fp32 the state before t = 0
-// (NULL: 0).  Dynamic shared memory: state_smem_floats.
+// Forward sequential pass over the chunks of each segment (Segment).  grid (P, H, B S) (summary: 2P),
+// block N/P/8 groups of KW warps; block p owns rows p*N/P .. +N/P-1, group q rows 8 q .. 8 q + 7 of those,
+// its warp wk the keys wk*N/KW .. +N/KW-1.  rec: forward records of wkv7c_intra.  y [B,T,H,N]; sa_out
+// [B,T,H,N] fp32 and s0 [B,H,n_c,N,N] fp32 (the state entering each chunk), both or neither NULL; s_init
+// [H,N,N] fp32 the state before t = 0 (NULL: 0); seg: the segments' exits and transitions (segment s > 0
+// enters at slot (s - 1, 0)).  The summary walk writes only seg (y, sa_out, s0 NULL) and needs neither the
+// last segment's exit nor the first one's transition.  Dynamic shared memory: state_smem_floats.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(HN * 4 * KW)
 wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v, floatX* __restrict__ y,
                     float* __restrict__ sa_out, float* __restrict__ s0, const float* __restrict__ s_init,
-                    int T, int H)
+                    float* __restrict__ seg, int T, int H, int m, int summary)
 {
     using R = FRec;
     extern __shared__ __align__(16) float sm[];
-    const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
-    const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x;
+    const int h = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int nC = (T + L - 1) / L;
+    const Segment sw(nC, m, summary);
+    if (summary && (sw.sg == sw.S - 1 || (sw.trans && sw.sg == 0))) return;
+    const int NR = HN / sw.P, bb = sw.bb;
     check_smem<R>(NR, nt / (32 * KW));                         // before anything writes shared memory
-    const int i0 = p * NR;
-    const StatePlace me(sm, NR, R{}, s_init != nullptr ? s_init + ((long long)h * HN + i0) * HN : nullptr);
+    const int i0 = sw.p * NR;
+    const float* init = sw.sg == 0 ? (s_init != nullptr ? s_init + (long long)h * HN * HN : nullptr)
+                                   : summary ? nullptr : sw.slot(seg, H, h, sw.sg - 1, 0);
+    const StatePlace me(sm, NR, R{}, init != nullptr ? init + i0 * HN : nullptr, sw.trans, i0);
     const int ri0 = me.group * 8, ig = i0 + ri0;                 // group's rows (local, global)
     float* recs = sm;                                            // [NS][R::SIZE]
     floatX* vs = reinterpret_cast<floatX*>(sm + NS * R::SIZE);  // [NS][L][NR + 8]
     float *Sw = me.rows, *Uw = me.tile0, *Yw = me.tile1;
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
 
-    auto issue = [&](int c, int slot) {
+    auto issue = [&](int g, int slot) {
+        const int c = sw.c0 + g;
         stage_record<R>(recs + slot * R::SIZE, recg + (long long)c * R::SIZE, tid, nt);
-        stage_rows(vs + slot * L * (NR + 8), v, bb, T, c, H, h, i0, NR, tid, nt);
+        stage_rows(vs + slot * L * (NR + 8), sw.trans ? nullptr : v, bb, T, c, H, h, i0, NR, tid, nt);
     };
-    ring_walk(nC, issue, [&](int c, int slot) {
+    ring_walk(sw.n, issue, [&](int g, int slot) {
+        const int c = sw.c0 + g;
         const float* Rs = recs + slot * R::SIZE;
         const floatX* Vs = vs + slot * L * (NR + 8);
         if (s0 != nullptr)                                         // entering c
@@ -461,47 +496,58 @@ wkv7c_forward_state(const float* __restrict__ rec, const floatX* __restrict__ v,
         put_tile(Uw, u);
         put_tile(Yw, yy);
         __syncwarp();
-        store_tile(y, Yw, bb, T, c, H, h, ig, me.wk, me.lane);
+        if (y != nullptr) store_tile(y, Yw, bb, T, c, H, h, ig, me.wk, me.lane);
         if (sa_out != nullptr) store_tile(sa_out, Uw, bb, T, c, H, h, ig, me.wk, me.lane);
         const BFrags<L> Ub = load_bfrags<L, false>([&](int kk, int n) { return Uw[kk * 8 + n]; });  // U (token, row)
         carry_chunk<R>(Sw, Rs, Vb, Ub, me.wk);               // S_L^T = diag(PL) S0^T + Kt^T V + Bt^T U
     });
+    if (summary)                                              // the segment's exit (ring_walk's last barrier)
+        store_rows_once(sw.slot(seg, H, h, sw.sg, sw.trans) + (long long)ig * HN + me.kh0, Sw + me.kh0, me.lane);
 }
 
 // =============================================================================================
-// Backward sequential pass (chunks in reverse).  grid (P, H, B), block N/P/8 groups of KW warps (as the
-// forward).  rec: backward records of wkv7c_intra.  dv [B,T,H,N] (complete); dx [B,T,H,N] fp32;
-// ds [B,H,n_c,N,N] fp32 = dL/dS at the end of each chunk through the later chunks; ds_part [B,H,N,N]
-// fp32 (NULL: not written) = dL/dS_{-1}, the gradient of the initial state, per sequence.  Dynamic shared
-// memory: state_smem_floats.
+// Backward sequential pass (the chunks of each segment in reverse).  grid (P, H, B S) (summary: 2P),
+// block N/P/8 groups of KW warps (as the forward).  rec: backward records of wkv7c_intra.  dv [B,T,H,N]
+// (complete); dx [B,T,H,N] fp32; ds [B,H,n_c,N,N] fp32 = dL/dS at the end of each chunk through the later
+// chunks; ds_part [B,H,N,N] fp32 (NULL: not written) = dL/dS_{-1}, the gradient of the initial state, per
+// sequence; seg: the segments' exits and transitions walking backwards (dS = 0 after the last segment,
+// segment s < S - 1 enters at slot (s + 1, 0)).  The summary walk writes only seg (dv, dx, ds, ds_part
+// NULL) and needs neither the first segment's exit nor the last one's transition.  Dynamic shared memory:
+// state_smem_floats.
 // =============================================================================================
 extern "C" __global__ void __launch_bounds__(HN * 4 * KW)
 wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ dy, float* __restrict__ dv,
-                     float* __restrict__ dx, float* __restrict__ ds, float* __restrict__ ds_part, int T, int H)
+                     float* __restrict__ dx, float* __restrict__ ds, float* __restrict__ ds_part,
+                     float* __restrict__ seg, int T, int H, int m, int summary)
 {
     using R = BRec;
     extern __shared__ __align__(16) float sm[];
-    const int P = gridDim.x, p = blockIdx.x, h = blockIdx.y, bb = blockIdx.z;
-    const int NR = HN / P, tid = threadIdx.x, nt = blockDim.x;
+    const int h = blockIdx.y, tid = threadIdx.x, nt = blockDim.x;
     const int nC = (T + L - 1) / L;
+    const Segment sw(nC, m, summary);
+    if (summary && (sw.sg == 0 || (sw.trans && sw.sg == sw.S - 1))) return;
+    const int NR = HN / sw.P, bb = sw.bb;
     check_smem<R>(NR, nt / (32 * KW));                         // before anything writes shared memory
-    const StatePlace me(sm, NR, R{}, nullptr);                   // dS = 0 after the last chunk
-    const int i0 = p * NR, ri0 = me.group * 8, ig = i0 + ri0;
+    const int i0 = sw.p * NR;
+    const float* init = sw.sg == sw.S - 1 || summary ? nullptr : sw.slot(seg, H, h, sw.sg + 1, 0);
+    const StatePlace me(sm, NR, R{}, init != nullptr ? init + i0 * HN : nullptr, sw.trans, i0);
+    const int ri0 = me.group * 8, ig = i0 + ri0;
     float* recs = sm;
     floatX* ys = reinterpret_cast<floatX*>(sm + NS * R::SIZE);       // dY rows [NS][L][NR + 8]
     float *Gw = me.rows, *Xw = me.tile0, *Vw = me.tile1;              // dS rows, dX and dV tiles
     const float* recg = rec + (long long)(bb * H + h) * nC * R::SIZE;
 
-    auto issue = [&](int g, int slot) {                        // step g = chunk nC - 1 - g
-        const int c = nC - 1 - g;
+    auto issue = [&](int g, int slot) {                        // step g = the segment's chunk n - 1 - g
+        const int c = sw.c0 + sw.n - 1 - g;
         stage_record<R>(recs + slot * R::SIZE, recg + (long long)c * R::SIZE, tid, nt);
-        stage_rows(ys + slot * L * (NR + 8), dy, bb, T, c, H, h, i0, NR, tid, nt);
+        stage_rows(ys + slot * L * (NR + 8), sw.trans ? nullptr : dy, bb, T, c, H, h, i0, NR, tid, nt);
     };
-    ring_walk(nC, issue, [&](int g, int slot) {
-        const int c = nC - 1 - g;
+    ring_walk(sw.n, issue, [&](int g, int slot) {
+        const int c = sw.c0 + sw.n - 1 - g;
         const float* Rs = recs + slot * R::SIZE;
         const floatX* Ys = ys + slot * L * (NR + 8);
-        store_rows(ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN + me.kh0, Gw + me.kh0, me.lane);  // after c
+        if (ds != nullptr)                                                          // after c
+            store_rows(ds + (((long long)(bb * H + h) * nC + c) * HN + ig) * HN + me.kh0, Gw + me.kh0, me.lane);
         auto Gb = [&](int kk, int n) { return Gw[n * SP4 + me.kh0 + kk]; };          // dS^T (the warp's keys, row)
         const BFrags<L> Yb = load_bfrags<L, XSPLIT>(      // dY (token, row), for the products below
             [&](int kk, int n) { return to_f32(Ys[kk * (NR + 8) + ri0 + n]); });
@@ -515,16 +561,58 @@ wkv7c_backward_state(const float* __restrict__ rec, const floatX* __restrict__ d
         group_sum(xx, vv, me.xch, me.wk, me.group, me.lane);
         put_tile(Xw, xx);
         __syncwarp();
-        store_tile(dx, Xw, bb, T, c, H, h, ig, me.wk, me.lane);
+        if (dx != nullptr) store_tile(dx, Xw, bb, T, c, H, h, ig, me.wk, me.lane);
         const BFrags<L> Xb = load_bfrags<L, false>([&](int kk, int n) { return Xw[kk * 8 + n]; });  // dX (token, row)
         mma_acc<L>(vv, LQ(2), Xb);                                                                 // Aak^T dX
         put_tile(Vw, vv);
         __syncwarp();
-        store_tile(dv, Vw, bb, T, c, H, h, ig, me.wk, me.lane);
+        if (dv != nullptr) store_tile(dv, Vw, bb, T, c, H, h, ig, me.wk, me.lane);
         carry_chunk<R>(Gw, Rs, Yb, Xb, me.wk);               // dS0^T = diag(PL) dS^T + rt^T dY + at^T dX
     });
-    if (ds_part != nullptr)                                   // after chunk 0 (ring_walk's last barrier)
+    if (summary)                                              // the segment's exit (ring_walk's last barrier)
+        store_rows_once(sw.slot(seg, H, h, sw.sg, sw.trans) + (long long)ig * HN + me.kh0, Gw + me.kh0, me.lane);
+    else if (ds_part != nullptr && sw.sg == 0)                // after chunk 0
         store_rows_once(ds_part + ((long long)(bb * H + h) * HN + ig) * HN + me.kh0, Gw + me.kh0, me.lane);
+}
+
+// =============================================================================================
+// The pass over the segments between the summary walks and the plain walks.  grid (N/8, H, B), block
+// (32, 8): 8 state rows, 32 lanes over the columns.  seg [B, H, S, 2, N, N] from the summary walk: slot
+// (s, 0) the exit of segment s from 0 (of the first segment walked, from its true entry: already true),
+// (s, 1) its transition.  Walking the segments in order (reverse: the backward's order) from the second
+// one walked to the last but one, each exit becomes the true one in place: X_s = X_prev Tr_s + Z_s, the
+// sum over k in order (fp32 FMA): bit-identical reruns.
+// =============================================================================================
+extern "C" __global__ void __launch_bounds__(256)
+wkv7c_segment_carry(float* __restrict__ seg, int S, int reverse)
+{
+    __shared__ __align__(16) float Tr[HN][HN];
+    __shared__ float X[8][HN];
+    const int lane = threadIdx.x, ry = threadIdx.y, tid = ry * 32 + lane, i = 8 * blockIdx.x + ry;
+    constexpr int NN = HN * HN, J = HN / 32;
+    float* base = seg + ((long long)blockIdx.z * gridDim.y + blockIdx.y) * S * 2 * NN;
+    const int d = reverse ? -1 : 1, first = reverse ? S - 2 : 1;
+    for (int u = 0; u < J; ++u) X[ry][lane + 32 * u] = base[(first - d) * 2 * NN + i * HN + lane + 32 * u];
+    for (int s = first; s != first + d * (S - 2); s += d) {
+        float* z = base + s * 2 * NN;
+        for (int e = tid; e < NN / 4; e += 256)
+            *reinterpret_cast<float4*>(&Tr[0][0] + 4 * e) = *reinterpret_cast<const float4*>(z + NN + 4 * e);
+        __syncthreads();
+        float x[J];
+#pragma unroll
+        for (int u = 0; u < J; ++u) {
+            float acc = z[i * HN + lane + 32 * u];
+#pragma unroll 8
+            for (int k = 0; k < HN; ++k) acc = fmaf(X[ry][k], Tr[k][lane + 32 * u], acc);
+            x[u] = acc;
+        }
+        __syncthreads();                             // X and Tr read
+#pragma unroll
+        for (int u = 0; u < J; ++u) {
+            X[ry][lane + 32 * u] = x[u];
+            z[i * HN + lane + 32 * u] = x[u];
+        }
+    }
 }
 
 // =============================================================================================

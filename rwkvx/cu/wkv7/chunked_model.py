@@ -20,12 +20,16 @@ Backward state pass (chunks in reverse, dS = dL/dS_L from later chunks, 0 after 
 Backward gradient part (per chunk, from S0, dS, U, V, dY, dX): see :func:`chunk_grads`.
 An initial state s0 is chunk 0's S0 (the kernels' carried state starts from it); its gradient is the
 dS0 the backward state pass leaves after chunk 0.
+Segmented scan (``segments`` > 1): both state passes cut the chunks into segments; each segment's exit is
+linear in its entry, S_exit = S_entry Tr + Z (rows independent), so the segments are walked in parallel
+from 0 (Z) and from the identity without inputs (Tr), the true entering states follow from a short pass
+over the segments, and the segments are walked again from them (:func:`_scan`).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .ops import CHUNKED_L as L
+from .ops import CHUNKED_L as L, segment_layout
 
 
 def identity(x):
@@ -63,27 +67,78 @@ def intra(r, w, k, a, b, dt=np.float64):
                 Qb=M.T @ Bt, Db=(Arb @ M).T)
 
 
-def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None):
-    """One (sequence, head): inputs [T, N], from the initial state ``s0`` [N, N] (None: 0). Returns
-    y [T, N], U (= sa) [T, N] and the chunk-entering states S0 [nC, N, N]."""
-    T, N = r.shape
+def _padded(T, r, w, k, v, a, b, dt, *extra):
+    """The inputs padded to whole chunks (w = 1, the rest 0) and the records of every chunk."""
     nC = (T + L - 1) // L
     Tp = nC * L
-    r, k, v, a, b = (_pad(np.asarray(x, dt), Tp, 0.0) for x in (r, k, v, a, b))
+    r, k, v, a, b, *extra = (_pad(np.asarray(x, dt), Tp, 0.0) for x in (r, k, v, a, b, *extra))
     w = _pad(np.asarray(w, dt), Tp, 1.0)
-    y, U = np.zeros((Tp, N), dt), np.zeros((Tp, N), dt)
-    S = np.zeros((N, N), dt) if s0 is None else np.asarray(s0, dt)
+    o = [intra(r[c * L:c * L + L], w[c * L:c * L + L], k[c * L:c * L + L], a[c * L:c * L + L],
+               b[c * L:c * L + L], dt) for c in range(nC)]
+    return nC, (r, w, k, v, a, b, *extra), o
+
+
+def _segments(nC, segments):
+    """The chunk ranges of the segments (ops.segment_layout)."""
+    m, S = segment_layout(nC * L, segments)
+    return [range(s * m, min(s * m + m, nC)) for s in range(S)]
+
+
+def _carry(E, Tr, Z, dt):
+    """A segment's exit state from its entering state E: E Tr + Z, accumulated in ``dt`` (fp32 FMA on CUDA
+    cores in the kernel)."""
+    return (E.astype(dt) @ Tr.astype(dt) + Z).astype(dt)
+
+
+def _scan(walk, segs, start, N, dt, reverse=False):
+    """The segmented scan as the kernels run it, walking the segments ``segs`` forwards or (``reverse``,
+    the backward's pass) backwards; returns every segment's true entering state, for the last walk.
+    seg [S, 2, N, N] is the kernels' scratch (NaN until written, as the GPU tests poison it): the summary
+    walk writes each segment's exit from 0 into slot (s, 0) -- the first one walked from ``start``, its
+    true exit -- and its transition, the exit from the identity without inputs (each state row maps on
+    its own, linearly), into slot (s, 1), except for the first one walked; the last one walked needs
+    neither. wkv7c_segment_carry then makes the exits true in place, in walking order."""
+    S = len(segs)
+    if S == 1:
+        return [start]
+    seg = np.full((S, 2, N, N), np.nan, dt)
+    d, first, last = (-1, S - 1, 0) if reverse else (1, 0, S - 1)
+    for s in range(S):
+        if s != last:
+            seg[s, 0] = walk(segs[s], start if s == first else np.zeros((N, N), dt), True)
+        if s not in (first, last):
+            seg[s, 1] = walk(segs[s], np.eye(N, dtype=dt), False)
+    for s in range(first + d, last, d):
+        seg[s, 0] = _carry(seg[s - d, 0], seg[s, 1], seg[s, 0], dt)
+    return [start if s == first else seg[s - d, 0] for s in range(S)]
+
+
+def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None, segments=1):
+    """One (sequence, head): inputs [T, N], from the initial state ``s0`` [N, N] (None: 0). Returns
+    y [T, N], U (= sa) [T, N] and the chunk-entering states S0 [nC, N, N]. ``segments`` > 1: the
+    segmented scan of the kernels (:func:`_scan`; the chunk walks of a segment as the unsegmented one)."""
+    T, N = r.shape
+    nC, (r, w, k, v, a, b), o = _padded(T, r, w, k, v, a, b, dt)
+    y, U = np.zeros((nC * L, N), dt), np.zeros((nC * L, N), dt)
     S0 = np.zeros((nC, N, N), dt)
-    for c in range(nC):
-        t = slice(c * L, c * L + L)
-        o = intra(r[t], w[t], k[t], a[t], b[t], dt)
-        S0[c] = S
-        V = v[t]
-        Vs = _split(V, rnd)
-        Ut = rnd(o["Qa"]) @ rnd(S).T + rnd(o["Ca"]) @ Vs
-        y[t] = rnd(o["Qr"]) @ rnd(S).T + rnd(o["Cr"]) @ Vs
-        S = (o["PL"][:, None] * S.T + rnd(o["Kt"]).T @ Vs + rnd(o["Bt"]).T @ rnd(Ut)).T
-        U[t] = Ut
+
+    def walk(chunks, S, inputs, out=False):
+        for c in chunks:
+            t = slice(c * L, c * L + L)
+            if out:
+                S0[c] = S
+            Vs = _split(v[t] if inputs else np.zeros((L, N), dt), rnd)
+            Ut = rnd(o[c]["Qa"]) @ rnd(S).T + rnd(o[c]["Ca"]) @ Vs
+            if out:
+                y[t] = rnd(o[c]["Qr"]) @ rnd(S).T + rnd(o[c]["Cr"]) @ Vs
+                U[t] = Ut
+            S = (o[c]["PL"][:, None] * S.T + rnd(o[c]["Kt"]).T @ Vs + rnd(o[c]["Bt"]).T @ rnd(Ut)).T
+        return S
+
+    start = np.zeros((N, N), dt) if s0 is None else np.asarray(s0, dt)
+    segs = _segments(nC, segments)
+    for chunks, E in zip(segs, _scan(walk, segs, start, N, dt)):
+        walk(chunks, E, True, out=True)
     return y[:T], U[:T], S0
 
 
@@ -120,27 +175,36 @@ def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity):
                 da=dat * o["cx"], db=dbh / o["cw"] + r * du_rb)
 
 
-def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None):
+def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None, segments=1):
     """One (sequence, head): inputs [T, N]; the forward (from ``s0``, as :func:`forward`) recomputed here.
-    Returns dr, dw, dk, dv, da, db, and given ``s0`` its gradient ds0 [N, N] too."""
+    Returns dr, dw, dk, dv, da, db, and given ``s0`` its gradient ds0 [N, N] too. ``segments`` > 1: the
+    forward and the reverse pass as segmented scans (:func:`_scan` over the segments in reverse)."""
     T, N = r.shape
-    _, U, S0 = forward(r, w, k, v, a, b, rnd, dt, s0)
-    nC = S0.shape[0]
-    Tp = nC * L
-    r, k, v, a, b, dy, U = (_pad(np.asarray(x, dt), Tp, 0.0) for x in (r, k, v, a, b, dy, U))
-    w = _pad(np.asarray(w, dt), Tp, 1.0)
-    g = {n: np.zeros((Tp, N), dt) for n in ("dr", "dw", "dk", "dv", "da", "db")}
-    dS = np.zeros((N, N), dt)
-    for c in reversed(range(nC)):
+    _, U, S0 = forward(r, w, k, v, a, b, rnd, dt, s0, segments)
+    nC, (r, w, k, v, a, b, dy, U), o = _padded(T, r, w, k, v, a, b, dt, dy, U)
+    g = {n: np.zeros((nC * L, N), dt) for n in ("dr", "dw", "dk", "dv", "da", "db")}
+    dS_end, dX = np.zeros((nC, N, N), dt), np.zeros((nC * L, N), dt)
+
+    def walk(chunks, dS, inputs, out=False):
+        for c in reversed(chunks):
+            t = slice(c * L, c * L + L)
+            if out:
+                dS_end[c] = dS
+            dYs = _split(dy[t] if inputs else np.zeros((L, N), dt), rnd)
+            X = rnd(o[c]["Qb"]) @ rnd(dS).T + rnd(o[c]["Db"]) @ dYs
+            if out:
+                dX[t] = X
+                g["dv"][t] = rnd(o[c]["Kt"]) @ rnd(dS).T + rnd(o[c]["Ark"]).T @ dYs + rnd(o[c]["Aak"]).T @ rnd(X)
+            dS = (o[c]["PL"][:, None] * dS.T + rnd(o[c]["rt"]).T @ dYs + rnd(o[c]["at"]).T @ rnd(X)).T
+        return dS
+
+    segs = _segments(nC, segments)
+    for chunks, E in reversed(list(zip(segs, _scan(walk, segs, np.zeros((N, N), dt), N, dt, reverse=True)))):
+        ds0 = walk(chunks, E, True, out=True)          # the last one walked is segment 0: dS after chunk 0
+    for c in range(nC):
         t = slice(c * L, c * L + L)
-        o = intra(r[t], w[t], k[t], a[t], b[t], dt)
-        dY = dy[t]
-        dYs = _split(dY, rnd)
-        dX = rnd(o["Qb"]) @ rnd(dS).T + rnd(o["Db"]) @ dYs
-        g["dv"][t] = rnd(o["Kt"]) @ rnd(dS).T + rnd(o["Ark"]).T @ dYs + rnd(o["Aak"]).T @ rnd(dX)
-        dS0 = (o["PL"][:, None] * dS.T + rnd(o["rt"]).T @ dYs + rnd(o["at"]).T @ rnd(dX)).T
-        for n, x in chunk_grads(o, S0[c], dS, U[t], v[t], dY, dX, r[t], w[t], k[t], b[t], rnd).items():
+        for n, x in chunk_grads(o[c], S0[c], dS_end[c], U[t], v[t], dy[t], dX[t], r[t], w[t], k[t], b[t],
+                                rnd).items():
             g[n][t] = x
-        dS = dS0
     grads = tuple(g[n][:T] for n in ("dr", "dw", "dk", "dv", "da", "db"))
-    return grads if s0 is None else (*grads, dS)
+    return grads if s0 is None else (*grads, ds0)

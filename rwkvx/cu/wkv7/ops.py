@@ -58,7 +58,9 @@ the backward over ``P_b`` blocks (P_b <= 4; its column reductions then become pe
 Defaults fill the device's multiprocessors for small B*H; both can be forced with ``split=``. The
 chunked method's ``split`` is the row split of its state passes, forward and backward alike (8 rows per
 group of one or two warps, two each taking half of the keys; :func:`chunked_split`,
-:func:`chunked_key_warps`).
+:func:`chunked_key_warps`). Where B*H leaves the device idle the chunked state passes also cut each
+sequence into ``segments`` (a segmented scan: :func:`chunked_segments`, :func:`segment_layout`; the
+work buffer then leads with the segments' states, :func:`scratch_elems`).
 
 Why the chunked forward saves S0 (the state entering each chunk) rather than letting the backward
 recompute it: the backward's per-chunk gradient kernel needs S0 of every chunk at once (it runs over
@@ -118,10 +120,14 @@ CUC = KernelFile("wkv7/chunked", constants={"WKV_L": CHUNKED_L, "WKV_STAGES": CH
 WKV7C_INTRA = CUC.kernel("wkv7c_intra", r=X_IN, w=F32_IN, k=X_IN, a=X_IN, b=X_IN, rec=F32_OUT, brec=F32_OUT.opt(),
                          T=INT, H=INT, mode=INT)
 INTRA_FORWARD, INTRA_BACKWARD, INTRA_BOTH = 0, 1, 2     # wkv7c_intra's modes: which records it writes
-WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT, sa_out=F32_OUT.opt(),
-                                 s0=F32_OUT.opt(), s_init=F32_IN.opt(), T=INT, H=INT)
-WKV7C_BACKWARD_STATE = CUC.kernel("wkv7c_backward_state", rec=F32_IN, dy=X_IN, dv=F32_OUT, dx=F32_OUT, ds=F32_OUT,
-                                  ds_part=F32_OUT.opt(), T=INT, H=INT)
+# the state passes' outputs are NULL in a segmented scan's summary walk (it writes only seg)
+WKV7C_FORWARD_STATE = CUC.kernel("wkv7c_forward_state", rec=F32_IN, v=X_IN, y=X_OUT.opt(), sa_out=F32_OUT.opt(),
+                                 s0=F32_OUT.opt(), s_init=F32_IN.opt(), seg=F32_OUT.opt(), T=INT, H=INT, m=INT,
+                                 summary=INT)
+WKV7C_BACKWARD_STATE = CUC.kernel("wkv7c_backward_state", rec=F32_IN, dy=X_IN, dv=F32_OUT.opt(), dx=F32_OUT.opt(),
+                                  ds=F32_OUT.opt(), ds_part=F32_OUT.opt(), seg=F32_OUT.opt(), T=INT, H=INT, m=INT,
+                                  summary=INT)
+WKV7C_SEGMENT_CARRY = CUC.kernel("wkv7c_segment_carry", seg=F32_OUT, S=INT, reverse=INT)
 WKV7C_BACKWARD_GRADS = CUC.kernel("wkv7c_backward_grads", **_RWKVAB, dy=X_IN, sa=F32_IN, s0=F32_IN, ds=F32_IN,
                                   dx=F32_IN, dr=X_OUT, dw=F32_OUT, dk=F32_OUT, da=F32_OUT, db=F32_OUT,
                                   T=INT, H=INT)
@@ -133,6 +139,17 @@ def n_chunks(T: int, method: str = "sequential") -> int:
     """Checkpointed chunks of a sequence of T tokens (CHUNK tokens each, CHUNKED_L for the chunked method)."""
     size = CHUNKED_L if method in CHUNKED_METHODS else CHUNK
     return (int(T) + size - 1) // size
+
+
+def segment_layout(T: int, segments: int) -> tuple[int, int]:
+    """How the chunked state passes cut a sequence of T tokens into ``segments`` segments: (m, S) with m =
+    ceil(n_c / segments) chunks per segment and S = ceil(n_c / m) <= segments segments (the last one
+    shorter where m does not divide n_c)."""
+    if not isinstance(segments, int) or isinstance(segments, bool) or segments < 1:
+        raise ValueError(f"wkv7: segments must be an int >= 1, got {segments!r}")
+    nc = n_chunks(T, "chunked")
+    m = -(-nc // segments)
+    return m, -(-nc // m)
 
 
 def _check_method(method: str, N: int) -> None:
@@ -234,6 +251,46 @@ def chunked_key_warps(B: int, H: int, N: int, dev: DeviceInfo) -> int:
     return 2 if B * H * (N // 8) * 2 <= STATE_WARPS_PER_SM * dev.sm_count else 1
 
 
+MAX_SEGMENTS = 32         # segments per sequence at most (the pass over them is sequential)
+CARRY_STEPS = 2           # wkv7c_segment_carry's time per segment, in chunk steps of a state pass (modelled)
+SEGMENT_GAIN = 0.8        # segments only where the model gives at most this fraction of the one-walk time
+
+
+def _scan_steps(B: int, T: int, H: int, N: int, S: int, dev: DeviceInfo) -> int:
+    """The modelled time of a state pass cut into S segments, in chunk steps of one block: each walk
+    takes its segment's m chunk steps per wave of blocks (STATE_BLOCKS_PER_SM per SM, as chunked_split
+    counts; the segments keep its row split P and chunked_key_warps' group shape), whole waves (its blocks
+    walk equally long); S > 1 adds the summary walk (P (2S - 3) blocks per sequence and head: exits of
+    S - 1 segments, transitions of S - 2) and the pass over the segments."""
+    m, S = segment_layout(T, S)
+    seqs = B * H * chunked_split(B, H, N, dev)
+    waves = lambda blocks: -(-blocks // (STATE_BLOCKS_PER_SM * dev.sm_count))   # noqa: E731
+    if S == 1:
+        return m * waves(seqs)
+    return m * (waves(seqs * (2 * S - 3)) + waves(seqs * S)) + CARRY_STEPS * (S - 2)
+
+
+def chunked_segments(B: int, T: int, H: int, N: int, dev: DeviceInfo) -> int:
+    """Default segments of the chunked state passes (:func:`segment_layout`): the S <= MAX_SEGMENTS with the
+    fewest modelled chunk steps (:func:`_scan_steps`; ties: the fewer segments), where they are at most
+    SEGMENT_GAIN of the one walk's (the model is rough: a small gain is no gain), else 1. The passes walk a
+    sequence's chunks one after another, so at small B*H they leave the device idle (B1 T16384 H12: 48
+    blocks on 132 SMs); segments trade a second walk (summary, then plain) for S-times shorter walks.
+    Where B*H fills a wave the model's gain is nil and S = 1 keeps the whole-sequence launches."""
+    one = best_steps = _scan_steps(B, T, H, N, 1, dev)
+    best = 1
+    for S in range(2, min(MAX_SEGMENTS, n_chunks(T, "chunked"), 65535 // B) + 1):
+        steps = _scan_steps(B, T, H, N, S, dev)
+        if steps < best_steps:
+            best, best_steps = segment_layout(T, S)[1], steps
+    return best if best_steps <= SEGMENT_GAIN * one else 1
+
+
+def _segment_elems(B: int, H: int, N: int, S: int) -> int:
+    """The segmented scan's scratch, seg [B, H, S, 2, N, N] (each segment's exit and transition); 0 for S = 1."""
+    return B * H * S * 2 * N * N if S > 1 else 0
+
+
 def _operators_variant(N: int, method: str) -> dict:
     """The variant of the per-chunk kernels (intra, grads): no state rows, so one warp per group."""
     return {"HEAD_SIZE": N, "WKV_KEY_WARPS": 1, "WKV_EXACT": int(method == "chunked_exact")}
@@ -257,8 +314,19 @@ def _state_smem_bytes(N: int, P: int, kw: int, n_square: int, xtype: str) -> int
     return 4 * (NS * _record_floats(N, n_square) + rows + NR // 8 * group)
 
 
+def _chunked_plan(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None, segments: int | None,
+                  what: str) -> tuple[int, int, int]:
+    """The chunked state passes' row split P, segments S and chunks per segment m: given or the defaults
+    (:func:`chunked_split`, :func:`chunked_segments`)."""
+    m, S = segment_layout(T, chunked_segments(B, T, H, N, dev) if segments is None else segments)
+    if B * S > 65535:
+        raise ValueError(f"{what}: B*segments={B * S} must be <= 65535 (grid dimension)")
+    return _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), what, N), S, m
+
+
 def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None = None,
-                  method: str = "sequential", kept_records: bool = False, ds0: bool = False) -> dict[str, int]:
+                  method: str = "sequential", kept_records: bool = False, ds0: bool = False,
+                  segments: int | None = None) -> dict[str, int]:
     """fp32 scratch sizes in elements::
 
         sa       [B, T, H, N]               forward -> backward (sa_t of every token)
@@ -272,24 +340,28 @@ def scratch_elems(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | 
     [B, H, ceil(T/16), N, N] (the states entering the chunks) and partials the work buffer of the forward
     and the backward (chunk records; dS and dX), whatever the split; with ``kept_records`` the backward's
     records are a buffer of their own, ``records`` (written by a forward given it, read by the backward:
-    see :func:`forward`), and partials holds the rest."""
+    see :func:`forward`), and partials holds the rest, after the segmented scan's seg [B, H, S, 2, N, N]
+    where the state passes cut the sequences into S > 1 segments (``segments``, default
+    :func:`chunked_segments`)."""
     _check(B, T, H, N)
     _check_method(method, N)
-    sizes = _method_scratch(B, T, H, N, dev, split, method, kept_records)
+    sizes = _method_scratch(B, T, H, N, dev, split, method, kept_records, segments)
     return {**sizes, "ds0_partials": B * H * N * N if B > 1 else 0} if ds0 else sizes
 
 
 def _method_scratch(B: int, T: int, H: int, N: int, dev: DeviceInfo, split: int | None, method: str,
-                    kept_records: bool) -> dict[str, int]:
+                    kept_records: bool, segments: int | None) -> dict[str, int]:
     """:func:`scratch_elems` without the initial state's gradient."""
     if method in CHUNKED_METHODS:
         work = _chunked_work(B, T, H, N)
+        seg = _segment_elems(B, H, N, _chunked_plan(B, T, H, N, dev, split, segments, "wkv7")[1])
         sizes = {"sa": B * T * H * N, "ckpt": B * H * n_chunks(T, method) * N * N}
         if kept_records:
-            return {**sizes, "records": work["brec"], "partials": max(work["frec"], work["ds"] + work["dx"])}
-        return {**sizes, "partials": max(work["frec"], work["brec"] + work["ds"] + work["dx"])}
-    if kept_records:
-        raise ValueError(f"wkv7: kept_records needs a chunked method, got {method!r}")
+            return {**sizes, "records": work["brec"], "partials": seg + max(work["frec"], work["ds"] + work["dx"])}
+        return {**sizes, "partials": seg + max(work["frec"], work["brec"] + work["ds"] + work["dx"])}
+    for name, x in (("kept_records", kept_records), ("segments", segments)):
+        if x:
+            raise ValueError(f"wkv7: {name} needs a chunked method, got {method!r}")
     P = backward_split(B, H, N, dev) if split is None else int(split)
     if P not in _backward_splits(N):
         raise ValueError(f"wkv7: backward split {P} not allowed for N={N} (one of {_backward_splits(N)})")
@@ -309,12 +381,15 @@ def _split(split: int | None, default: int, allowed: list[int], what: str, N: in
 
 
 def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo, sa=None, ckpt=None,
-            split: int | None = None, method: str = "sequential", partials=None, records=None, s0=None) -> list:
+            split: int | None = None, method: str = "sequential", partials=None, records=None, s0=None,
+            segments: int | None = None) -> list:
     """wkv7_forward: y = WKV(r, w, k, v, a, b) from the initial state ``s0`` (f32 [H, N, N]; None: 0),
     and with ``sa`` and ``ckpt`` what the backward needs (see module doc). The chunked methods also need
     ``partials`` (the work buffer); given ``records`` (with sa and ckpt; scratch_elems(...,
     kept_records=True)), their forward also writes the backward's chunk records there, computed in the
-    same pass as its own, for a backward given the same ``records`` (which then skips computing them)."""
+    same pass as its own, for a backward given the same ``records`` (which then skips computing them).
+    ``segments`` (chunked methods; default :func:`chunked_segments`, the same for :func:`scratch_elems`):
+    the segments the state pass cuts each sequence into."""
     _check(B, T, H, N)
     _check_method(method, N)
     check_buffers("wkv7.forward", r=r, w=w, k=k, v=v, a=a, b=b, y=y)
@@ -331,14 +406,16 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
             if sa is None:
                 raise ValueError("wkv7.forward: records are kept for a backward: pass sa and ckpt too")
             check_buffers("wkv7.forward", records=records)
-        P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.forward", N)
-        block, state = _state_launch(B, H, N, P, dev, FWD_RECORD, r.elem, method)
+        P, S, m = _chunked_plan(B, T, H, N, dev, split, segments, "wkv7.forward")
+        rec = partials.offset(_segment_elems(B, H, N, S))
         return [WKV7C_INTRA.launch((n_chunks(T, method), H, B), (INTRA_THREADS, 1, 1), xtype=r.elem,
-                                   variant=_operators_variant(N, method), r=r, w=w, k=k, a=a, b=b, rec=partials,
+                                   variant=_operators_variant(N, method), r=r, w=w, k=k, a=a, b=b, rec=rec,
                                    brec=records, T=T, H=H,
                                    mode=INTRA_FORWARD if records is None else INTRA_BOTH),
-                WKV7C_FORWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
-                                           rec=partials, v=v, y=y, sa_out=sa, s0=ckpt, s_init=s0, T=T, H=H)]
+                *_state_walks(WKV7C_FORWARD_STATE, False, B, H, N, P, S, m, dev, FWD_RECORD, r.elem, method,
+                              partials, dict(rec=rec, v=v, s_init=s0, T=T), dict(y=y, sa_out=sa, s0=ckpt))]
+    if segments is not None:
+        raise ValueError(f"wkv7.forward: segments cut the chunked methods' state passes only, not {method!r}'s")
     if records is not None:
         raise ValueError(f"wkv7.forward: records are kept by the chunked methods only, not {method!r}")
     P = forward_split(B, H, N, dev) if split is None else int(split)
@@ -350,14 +427,15 @@ def forward(r, w, k, v, a, b, y, B: int, T: int, H: int, N: int, dev: DeviceInfo
 
 def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: int, H: int, N: int,
              dev: DeviceInfo, partials=None, split: int | None = None, method: str = "sequential",
-             records=None, s0=None, ds0=None, ds0_partials=None) -> list:
+             records=None, s0=None, ds0=None, ds0_partials=None, segments: int | None = None) -> list:
     """wkv7_backward (+ wkv7_backward_reduce when the split P > 1): writes dr, dw, dk, dv, da, db.
 
     ``sa`` and ``ckpt`` from :func:`forward` on the same inputs, ``s0`` and ``method``; (P > 1 or
     a chunked method) ``partials`` is scratch of :func:`scratch_elems` with the same ``split``; ``records``
     the chunk records that forward kept (chunked methods), or None to compute them here. Given ``ds0``
     (f32 [H, N, N]) it also writes the initial state's gradient, summed over the sequences in order
-    (+ wkv7_state_reduce when B > 1, through ``ds0_partials`` of :func:`scratch_elems` with ``ds0=True``)."""
+    (+ wkv7_state_reduce when B > 1, through ``ds0_partials`` of :func:`scratch_elems` with ``ds0=True``).
+    ``segments``: as :func:`forward`'s (the reverse state pass's)."""
     _check(B, T, H, N)
     _check_method(method, N)
     check_buffers("wkv7.backward", r=r, w=w, k=k, v=v, a=a, b=b, dy=dy, sa=sa, ckpt=ckpt,
@@ -367,7 +445,9 @@ def backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B: int, T: 
     ds_part, reduce = _state_gradient(ds0, ds0_partials, B, H, N, dev, r.elem)
     if method in CHUNKED_METHODS:
         return _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev,
-                                 partials, split, method, records, ds_part) + reduce
+                                 partials, split, method, records, ds_part, segments) + reduce
+    if segments is not None:
+        raise ValueError(f"wkv7.backward: segments cut the chunked methods' state passes only, not {method!r}'s")
     if records is not None:
         raise ValueError(f"wkv7.backward: records are kept by the chunked methods only, not {method!r}")
     P = backward_split(B, H, N, dev) if split is None else int(split)
@@ -407,28 +487,46 @@ def _state_gradient(ds0, ds0_partials, B: int, H: int, N: int, dev: DeviceInfo, 
 
 
 def _chunked_backward(r, w, k, v, a, b, dy, sa, ckpt, dr, dw, dk, dv, da, db, B, T, H, N, dev, partials,
-                      split, method, records, ds_part) -> list:
+                      split, method, records, ds_part, segments) -> list:
     """A chunked method's backward: records (unless kept by the forward), the reverse state pass (dv, dX,
     dS, and into ``ds_part`` the initial state's gradient per sequence), the per-chunk gradients. The
     initial state itself comes in ``ckpt`` (the state entering chunk 0)."""
     check_buffers("wkv7.backward", partials=partials)
     _check_exact_inputs("wkv7.backward", method, r)
-    P = _split(split, chunked_split(B, H, N, dev), _chunked_splits(N), "wkv7.backward", N)
+    P, S, m = _chunked_plan(B, T, H, N, dev, split, segments, "wkv7.backward")
     work = _chunked_work(B, T, H, N)
     nc = n_chunks(T, "chunked")
     x = dict(xtype=r.elem, variant=_operators_variant(N, method))
     ops = []
+    rest = partials.offset(_segment_elems(B, H, N, S))
     if records is None:
-        rec, ds = partials, partials.offset(work["brec"])
+        rec, ds = rest, rest.offset(work["brec"])
         ops.append(WKV7C_INTRA.launch((nc, H, B), (INTRA_THREADS, 1, 1), **x, r=r, w=w, k=k, a=a, b=b, rec=rec,
                                       brec=None, T=T, H=H, mode=INTRA_BACKWARD))
     else:
         check_buffers("wkv7.backward", records=records)
-        rec, ds = records, partials
+        rec, ds = records, rest
     dx = ds.offset(work["ds"])
-    block, state = _state_launch(B, H, N, P, dev, BWD_RECORD, r.elem, method)
-    return ops + [WKV7C_BACKWARD_STATE.launch((P, H, B), block, xtype=r.elem, **state,
-                                              rec=rec, dy=dy, dv=dv, dx=dx, ds=ds, ds_part=ds_part, T=T, H=H),
+    return ops + [*_state_walks(WKV7C_BACKWARD_STATE, True, B, H, N, P, S, m, dev, BWD_RECORD, r.elem, method,
+                                partials, dict(rec=rec, dy=dy, T=T), dict(dv=dv, dx=dx, ds=ds, ds_part=ds_part)),
                   WKV7C_BACKWARD_GRADS.launch((nc, H, B), (4 * N, 1, 1), **x, r=r, w=w, k=k, v=v, a=a, b=b,
                                               dy=dy, sa=sa, s0=ckpt, ds=ds, dx=dx, dr=dr, dw=dw, dk=dk, da=da,
                                               db=db, T=T, H=H)]
+
+
+def _state_walks(kernel, reverse: bool, B: int, H: int, N: int, P: int, S: int, m: int, dev: DeviceInfo,
+                 n_square: int, xtype: str, method: str, seg, inputs: dict, outputs: dict) -> list:
+    """A state pass (``kernel``, the forward's or the ``reverse`` one) as launches: the walk over whole
+    sequences (S = 1), or the segmented scan over S segments of m chunks: the summary walk (the segments'
+    exits and transitions into ``seg``, ``outputs`` NULL), wkv7c_segment_carry (the true exits; nothing
+    to carry for S = 2) and the walk of every segment from its entering state, writing ``outputs``."""
+    block, state = _state_launch(B, H, N, P, dev, n_square, xtype, method)
+    walk = dict(xtype=xtype, **state, **inputs, H=H, m=m, seg=seg if S > 1 else None)
+    ops = [kernel.launch((P, H, B * S), block, **walk, **outputs, summary=0)]
+    if S == 1:
+        return ops
+    summary = [kernel.launch((2 * P, H, B * S), block, **walk, **dict.fromkeys(outputs), summary=1)]
+    if S > 2:
+        summary.append(WKV7C_SEGMENT_CARRY.launch((N // 8, H, B), (32, 8, 1), xtype=xtype, variant=state["variant"],
+                                                  seg=seg, S=S, reverse=int(reverse)))
+    return summary + ops
