@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "or the CPU). The checkpoint is then a state file, state.safetensors; lora: "
                         "train only low-rank factors of the --lora-targets matrices, the model frozen "
                         "(one GPU or the CPU); the checkpoint is then a LoRA file, lora.safetensors")
+    g.add_argument("--init-state", metavar="FILE",
+                   help="--tune state: start from these states instead of zeros: a state file (a "
+                        "state-tuning run's state.safetensors or its run directory) or RWKV-PEFT's "
+                        ".pth state file (blocks.{i}.att.time_state)")
     g.add_argument("--lora-rank", type=_positive_int, metavar="R",
                    help=f"--tune lora: the factors' rank r (default {DEFAULT_RANK}); smaller than both "
                         "sides of every adapted matrix")
@@ -354,7 +358,7 @@ def _request(args: argparse.Namespace) -> RunRequest:
                                    if getattr(args, flag) is not None},
         train={key: getattr(args, key) for key in TRAIN_FLAGS if getattr(args, key) is not None},
         tokens=args.tokens, stretch_schedule=args.stretch_schedule, init_from=args.init_from,
-        data=args.data, token_width=args.token_width, tokenizer=args.tokenizer, device=args.device,
+        init_state=args.init_state, data=args.data, token_width=args.token_width, tokenizer=args.tokenizer, device=args.device,
         resume=args.resume, out=args.out, progress=not args.no_progress)
 
 
@@ -408,7 +412,8 @@ def _print_run(run: Run) -> None:
           + (f", initialised from {prep.init_from}" if prep.init_from else ""))
     if trainer.states is not None:
         print(f"state tuning: {sum(s.size for s in trainer.states.values()):,} state values trained "
-              f"({len(trainer.states)} RWKV blocks x [H, N, N]), the model frozen")
+              f"({len(trainer.states)} RWKV blocks x [H, N, N]), the model frozen"
+              + (f"; starting from {run.info['init_state']}" if run.info.get("init_state") else ""))
     if trainer.lora is not None:
         r, alpha, targets = tr.lora
         print(f"LoRA: {sum(f.size for f in trainer.lora.values()):,} factor values trained "
@@ -694,11 +699,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     precision = args.precision or (meta.get("train") or {}).get("precision") or DEFAULT_PRECISION
     states = None
     if args.state is not None:
-        from .state_tuning import load_states
-        try:
-            states = load_states(_checkpoint(args.state, "--state"), cfg)[1]
-        except ValueError as exc:
-            raise UsageError(f"--state: {exc}") from None
+        from .training.setup import states_option
+        with _usage_errors():
+            states = states_option(args.state, "--state", cfg)
     source, note = _generation_source(cfg, params, args.device, precision, states)
     if note:
         print(f"note: {note}", file=sys.stderr)

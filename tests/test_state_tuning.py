@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rwkvx import Config, generate, init_params, save_checkpoint
+from rwkvx import Config, generate, init_params, load_checkpoint, save_checkpoint
 from rwkvx.cli import main
 from rwkvx.optim import AdamW, Schedule
 from rwkvx.checkpoint import export_rwkv7_pth
@@ -206,6 +206,37 @@ def test_the_rwkv_package_runs_from_an_exported_state_file(tmp_path, monkeypatch
     want = Oracle(cfg, params, dtype=np.float64, states=states).forward(tokens[None])[0]
     assert rel_err(logits.numpy(), want) <= 1e-5
     assert rel_err(Oracle(cfg, params, dtype=np.float64).forward(tokens[None])[0], want) > 1e-2
+
+
+def test_cli_state_tuning_from_given_states(tmp_path, capsys):
+    """train --tune state --init-state: the run starts from the given states (ours, or RWKV-PEFT's .pth):
+    after one AdamW step of lr L each state entry is within L of where it started, which zeros are
+    not; misuse is a one-line error."""
+    assert main(["train", *TINY, "--steps", "1", "--out", str(tmp_path / "base")]) == 0
+    model = tmp_path / "base" / "checkpoint.safetensors"
+    cfg = load_checkpoint(model)[0]
+    rng = seeded_rng(11)
+    start = {n: (0.5 + rng.random(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
+    save_states(tmp_path / "s.safetensors", cfg, start)
+    export_states_pth(tmp_path / "s.pth", cfg, start)
+    lr = 1e-3
+    tune = ["train", "--tune", "state", "--init-from", str(model), *TINY, "--steps", "1", "--lr", str(lr),
+            "--lr-min", str(lr), "--warmup", "0", "--device", "cpu", "--no-progress"]
+    for source in ("s.safetensors", "s.pth"):
+        out = tmp_path / f"run-{source}"
+        assert main([*tune, "--init-state", str(tmp_path / source), "--out", str(out)]) == 0
+        assert f"starting from {tmp_path / source}" in capsys.readouterr().out
+        _, tuned, _ = load_states(out / "state.safetensors")
+        assert all(np.abs(tuned[n] - start[n]).max() <= 1.01 * lr for n in start), source
+        assert any(not np.array_equal(tuned[n], start[n]) for n in start), "the states did not train"
+    for bad, message in ((["--init-state", str(tmp_path / "s.pth")], "needs --tune state"),):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", *TINY, "--steps", "1", "--device", "cpu", "--out", str(tmp_path / "x"), *bad])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--resume", str(tmp_path / "run-s.pth"), "--init-state", str(tmp_path / "s.pth"),
+              "--device", "cpu"])
+    assert exc.value.code == 2 and "continues from its own states" in capsys.readouterr().err
 
 
 def test_pth_state_files_round_trip(tmp_path):

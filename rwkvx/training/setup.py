@@ -19,6 +19,7 @@ from ..atomic_io import cannot_write
 from ..config import Config
 from ..data import TokenData
 from ..params import ParamDict
+from ..state_tuning import StateDict, load_states
 from ..validate import FieldError
 from . import trainer as _trainer
 from .config import TrainConfig
@@ -46,6 +47,7 @@ class RunRequest:
     tokens: int | None = None         # total training tokens, instead of train["steps"]
     stretch_schedule: bool = False    # resume: stretch the cosine to a new train["steps"]
     init_from: str | None = None
+    init_state: str | None = None     # tune="state": the states to start from
     data: str | None = None
     token_width: int | None = None
     tokenizer: str | None = None
@@ -69,6 +71,7 @@ class Prepared:
     cfg: Config
     start_params: ParamDict | None  # init_from's parameters (upgraded to cfg); None: fresh init
     init_from: str | None           # where they came from
+    start_states: StateDict | None  # init_state's states (None: zeros, or the resumed run's)
     data: TokenData
     data_arg: str | None            # the data as given or resumed; None: the embedded corpus
     token_width: int | None
@@ -99,6 +102,15 @@ def checkpoint_option(path: str, option: str) -> Path:
     naming the option when there is none."""
     try:
         return find_checkpoint(path)
+    except ValueError as exc:
+        raise RunError(f"{option}: {exc}") from None
+
+
+def states_option(path: str, option: str, cfg: Config) -> StateDict:
+    """The initial states of the state file that command-line ``option`` names (a file or a run
+    directory; RWKV-PEFT's ``.pth`` too), for model ``cfg``; RunError naming the option."""
+    try:
+        return load_states(checkpoint_option(path, option), cfg)[1]
     except ValueError as exc:
         raise RunError(f"{option}: {exc}") from None
 
@@ -170,6 +182,10 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
         raise RunError(f"--resume: the run trains {RUN_TRAINS[tune]}; --tune cannot change a resumed run")
     tune = req.train.get("tune") or tune
     lora_given = {f: req.train[f] for f in LORA_FIELDS if req.train.get(f) is not None}
+    if req.init_state is not None and resume_path is not None:
+        raise RunError("--init-state starts a new state-tuning run; a resumed run continues from its own states")
+    if req.init_state is not None and tune != "state":
+        raise RunError("--init-state gives the states a state-tuning run starts from: it needs --tune state")
     if lora_given and tune != "lora":
         raise RunError(f"{LORA_OPTIONS} are LoRA settings: they need --tune lora")
     if kind is None:
@@ -256,6 +272,7 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
     if hi is not None and hi >= cfg.vocab_size:
         raise RunError(f"{data.source}: token id {hi} is out of range for vocab_size {cfg.vocab_size}")
     train.check_model(cfg)
+    start_states = None if req.init_state is None else states_option(req.init_state, "--init-state", cfg)
     B, T = train.batch_size, train.seq_len
     try:
         train_tokens, val_tokens = split_train_val(data.tokens, T, train.val_fraction)
@@ -266,7 +283,8 @@ def prepare(req: RunRequest, rank: int = 0, ranks: int = 1, kind: str | None = N
         val = eval_batches(val_tokens, B, T, train.eval_batches, rank, ranks)
         scored = scored_tokens(len(val_tokens), B * ranks, T, train.eval_batches)
     return Prepared(kind=kind, note=note, resume=resume_path, saved=saved, preset=preset_name, train=train,
-                    world_size=ranks, cfg=cfg, start_params=start_params, init_from=init_from, data=data,
+                    world_size=ranks, cfg=cfg, start_params=start_params, init_from=init_from,
+                    start_states=start_states, data=data,
                     data_arg=data_arg, token_width=token_width, tokenizer=tokenizer,
                     train_tokens=train_tokens, val_tokens=val_tokens, val_batches=val, val_scored=scored)
 
@@ -381,7 +399,8 @@ def resolve_run(req: RunRequest, world: Any = None) -> Run:
         else:   # a new run, or a tuning run's frozen model (a fresh one: the run's first seed)
             seed = (prep.saved or tr).seed
             params = prep.start_params if prep.start_params is not None else init_params(cfg, seed)
-            trainer = (Trainer(cfg, params, tr, backend=prep.kind, world=world) if prep.resume is None else
+            trainer = (Trainer(cfg, params, tr, backend=prep.kind, world=world, states=prep.start_states)
+                       if prep.resume is None else
                        Trainer.load(prep.resume, backend=prep.kind, world=world, config=tr, params=params))
     except DistributedError:
         raise
@@ -405,7 +424,8 @@ def resolve_run(req: RunRequest, world: Any = None) -> Run:
         entropy = unigram_entropy(prep.train_tokens, cfg.vocab_size)
     # the GPU model's resolved recompute (a TrainConfig's "auto" decided by the free memory); None on the CPU
     recompute = trainer.backend.model.recompute if trainer.device == "gpu" else None
-    info = {"preset": prep.preset, "init_from": prep.init_from, "data": prep.data_arg,
+    info = {"preset": prep.preset, "init_from": prep.init_from, "init_state": req.init_state,
+            "data": prep.data_arg,
             "token_width": prep.token_width, "tokenizer": prep.tokenizer, "world_size": ranks,
             "recompute": recompute}
     return Run(prep=prep, trainer=trainer, sampler=sampler, start=trainer.step_count, out=out,
