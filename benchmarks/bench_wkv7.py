@@ -108,9 +108,10 @@ def rwkv_lm():
     from torch.utils import cpp_extension
     if not cpp_extension.is_ninja_available():
         pytest.skip("ninja is not installed (torch.utils.cpp_extension.load builds with it)")
-    cpp_extension.load(name="rwkv7_clampw_v3", sources=[str(p) for p in sources], is_python_module=False,
-                       extra_cuda_cflags=[f"-D_N_={N}", f"-D_CHUNK_LEN_={RWKV_LM_CHUNK}", "--use_fast_math", "-O3",
-                                          "--ptxas-options=-O3", "--extra-device-vectorization"])
+    flags = [f"-D_N_={N}", f"-D_CHUNK_LEN_={RWKV_LM_CHUNK}", "--use_fast_math", "-O3", "--ptxas-options=-O3",
+             "--extra-device-vectorization"]
+    cpp_extension.load(name="rwkv7_clampw_v3", sources=[str(p.resolve()) for p in sources], is_python_module=False,
+                       extra_cuda_cflags=flags)
     return torch.ops.rwkv7_clampw_v3
 
 
@@ -126,7 +127,7 @@ def test_wkv7_rwkv_lm(record, dev, rwkv_lm, shape, direction):
     gradient in bf16 (rwkvx: dw, dk, dv, da, db f32), dw as the logits' gradient; both forwards save sa
     and the state every 16 tokens. Before the timing its outputs (forward: y; backward: the six gradients,
     rwkvx's dw taken to the logits by wkv7_decay_logit_grad) must agree with rwkvx's chunked bf16 ones
-    to AGREEMENT, norm-wise; the errors are printed."""
+    to AGREEMENT, norm-wise; the errors are printed and kept in the row's extra_info (rel_err)."""
     import torch
     from rwkvx._core import Plan
     B, T, H = WKV7_SHAPES[shape]
@@ -136,7 +137,8 @@ def test_wkv7_rwkv_lm(record, dev, rwkv_lm, shape, direction):
     sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method="chunked")
     sa, ckpt, part = (b(sizes[name], "f32") for name in ("sa", "ckpt", "partials"))
     y = b(n)
-    Plan(dev, wkv7.forward(*inp, y, B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method="chunked", partials=part)).run()
+    Plan(dev, wkv7.forward(*inp, y, B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method="chunked",
+                           partials=part)).run()
 
     def tensor(bits: np.ndarray) -> "torch.Tensor":
         return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(shp).cuda()
@@ -156,7 +158,7 @@ def test_wkv7_rwkv_lm(record, dev, rwkv_lm, shape, direction):
     forward()
     nbytes = floor_bytes(direction, "bf16", n, 4 * (s.numel() + ref_sa.numel()))    # = rwkvx's saved bytes
     if direction == "forward":
-        _agree(shape, {"y": (ref_y, bf16_bits_to_f32(device_bits(y)))})
+        _agree(record, shape, {"y": (ref_y, bf16_bits_to_f32(device_bits(y)))})
         _record_torch(record, torch, forward, nbytes, wkv_flops(n))
         return
     dy, dr = b(n), b(n)
@@ -172,17 +174,18 @@ def test_wkv7_rwkv_lm(record, dev, rwkv_lm, shape, direction):
     backward()
     dw, dk, dv, da, db = (dev.download(p, (n,), np.float32) for p in f32_grads)
     want = [bf16_bits_to_f32(device_bits(dr)), wkv7_decay_logit_grad(dw, logits), dk, dv, da, db]
-    _agree(shape, dict(zip(("dr", "dw", "dk", "dv", "da", "db"), zip(ref, want))))
+    _agree(record, shape, dict(zip(("dr", "dw", "dk", "dv", "da", "db"), zip(ref, want))))
     _record_torch(record, torch, backward, nbytes, 2 * wkv_flops(n))
 
 
-def _agree(shape: str, pairs: dict) -> None:
-    """Print rel_err of each (reference tensor, rwkvx array) pair; fail where one exceeds AGREEMENT: a
-    reference that computes something else is not timed."""
+def _agree(record, shape: str, pairs: dict) -> None:
+    """Print rel_err of each (reference tensor, rwkvx array) pair and keep them in the row's extra_info;
+    fail where one exceeds AGREEMENT: a reference that computes something else is not timed."""
     from rwkvx.oracle import rel_err
     errs = {name: rel_err(got.float().cpu().numpy().reshape(-1), want) for name, (got, want) in pairs.items()}
-    print(f"RWKV-LM clampw v3 against rwkvx chunked bf16, {shape}: "
-          + ", ".join(f"{name} {e:.2e}" for name, e in errs.items()))
+    text = ", ".join(f"{name} {e:.2e}" for name, e in errs.items())
+    print(f"RWKV-LM clampw v3 against rwkvx chunked bf16, {shape}: {text}")
+    record.benchmark.extra_info["rel_err"] = text
     bad = {name: e for name, e in errs.items() if not e <= AGREEMENT}
     if bad:
         pytest.fail(f"RWKV-LM's kernel disagrees with rwkvx's at {shape} (rel_err > {AGREEMENT}): {bad}")

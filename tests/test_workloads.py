@@ -90,6 +90,6 @@ def test_wkv7_decay_is_the_clampw_kernels():
 def test_wkv7_decay_logit_grad_is_the_chain_rule():
     rng = seeded_rng(21)
     x, d_decay = 3 * rng.standard_normal(4096), rng.standard_normal(4096)
-    h = 1e-6
+    h = 1e-6                # central differences: truncation ~h², rounding ~eps/h (the atol)
     numeric = d_decay * (wkv7_decay(x + h) - wkv7_decay(x - h)) / (2 * h)
-    np.testing.assert_allclose(wkv7_decay_logit_grad(d_decay, x), numeric, rtol=1e-7, atol=1e-9)   # differences round to ~eps/h
+    np.testing.assert_allclose(wkv7_decay_logit_grad(d_decay, x), numeric, rtol=1e-7, atol=1e-9)
