@@ -5,11 +5,16 @@ against one walk per sequence where B*H leaves the device idle; conftest.py's ``
 TFLOP/s and the copy-rate share. Skipped without a GPU."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from rwkvx.cu import wkv7
-from rwkvx.runtime.dtypes import ELEM_BYTES, XTYPES
-from rwkvx.workloads import BASE_SHAPES, WKV7_SHAPES, RandomBuffers, wkv7_inputs
+from rwkvx.runtime.dtypes import ELEM_BYTES, XTYPES, bf16_bits_to_f32, to_storage
+from rwkvx.workloads import (BASE_SHAPES, WKV7_SHAPES, RandomBuffers, wkv7_decay_logit_grad, wkv7_decay_logits,
+                             wkv7_inputs)
 
 N = BASE_SHAPES.N
 
@@ -69,12 +74,156 @@ def _bench(record, dev, xtype: str, shape: tuple[int, int, int], direction: str,
     s0 = {"s0": b(H * N * N, "f32", scale=0.5)} if state else {}
     fwd = wkv7.forward(*inp, b(n), B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method=method, partials=part, **seg, **s0)
     saved_bytes = 4 * (sizes["sa"] + sizes["ckpt"])
-    x = ELEM_BYTES[xtype]
     if direction == "forward":
-        record(fwd, nbytes=(6 * x + 4) * n + saved_bytes, flops=wkv_flops(n))    # the decay w is f32
+        record(fwd, nbytes=floor_bytes(direction, xtype, n, saved_bytes), flops=wkv_flops(n))
         return
     Plan(dev, fwd).run()                          # real checkpoints of these inputs
     ds0 = {"ds0": b(H * N * N, "f32"), "ds0_partials": b(sizes["ds0_partials"], "f32")} if state else {}
     ops = wkv7.backward(*inp, b(n), sa, ckpt, b(n), *[b(n, "f32") for _ in range(5)], B, T, H, N, dev.info,
                         partials=part, method=method, **seg, **s0, **ds0)
-    record(ops, nbytes=(7 * x + 4 + 5 * 4) * n + saved_bytes, flops=2 * wkv_flops(n))
+    record(ops, nbytes=floor_bytes(direction, xtype, n, saved_bytes), flops=2 * wkv_flops(n))
+
+
+def floor_bytes(direction: str, xtype: str, n: int, saved_bytes: int) -> int:
+    """The fewest bytes a WKV7 forward or backward of ``n`` elements per tensor moves, each once: the
+    inputs (the decay w f32), the outputs (the backward's dw, dk, dv, da, db f32) and what the forward
+    saves for the backward (``saved_bytes``)."""
+    x = ELEM_BYTES[xtype]
+    return (6 * x + 4 if direction == "forward" else 7 * x + 4 + 5 * 4) * n + saved_bytes
+
+
+# ---- RWKV-LM's training kernel, an outside reference ---------------------------------------------------
+
+RWKV_LM_ENV = "RWKV_LM_DIR"         # the root of a BlinkDL/RWKV-LM checkout
+RWKV_LM_SOURCES = tuple(f"RWKV-v7/train_temp/cuda/{name}"
+                        for name in ("rwkv7_clampw_v3_for_h100.cu", "rwkv7_clampw_v3.cpp"))
+RWKV_LM_CHUNK = 16      # train_temp's CHUNK_LEN: T a multiple of it, the state saved every 16 tokens
+AGREEMENT = 1e-2        # docs/SPEC.md §4's limit for a bf16 kernel, here between the two bf16 kernels
+
+
+def rwkv_lm_sources() -> list[Path]:
+    """The clampw v3 sources (.cu, .cpp) under $RWKV_LM_DIR. Skips, saying why, where it is unset;
+    FileNotFoundError where it is set and a source is missing."""
+    root = os.environ.get(RWKV_LM_ENV)
+    if not root:
+        pytest.skip(f"{RWKV_LM_ENV} is not set (the RWKV-LM checkout whose clampw v3 kernel is the reference)")
+    paths = [Path(root) / rel for rel in RWKV_LM_SOURCES]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{RWKV_LM_ENV}={root}: no {', '.join(missing)}")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def rwkv_lm():
+    """RWKV-LM's ``torch.ops.rwkv7_clampw_v3`` (forward, backward), built by torch.utils.cpp_extension.load
+    from $RWKV_LM_DIR with the flags train_temp's model builds it with (head size N, chunk 16, fast
+    math); skipped, with the reason, without RWKV_LM_DIR, torch with CUDA, or ninja (load needs it)."""
+    sources = rwkv_lm_sources()
+    torch = pytest.importorskip("torch", reason="torch (an outside reference only) is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    from torch.utils import cpp_extension
+    if not cpp_extension.is_ninja_available():
+        pytest.skip("ninja is not installed (torch.utils.cpp_extension.load builds with it)")
+    flags = [f"-D_N_={N}", f"-D_CHUNK_LEN_={RWKV_LM_CHUNK}", "--use_fast_math", "-O3", "--ptxas-options=-O3",
+             "--extra-device-vectorization"]
+    cpp_extension.load(name="rwkv7_clampw_v3", sources=[str(p.resolve()) for p in sources], is_python_module=False,
+                       extra_cuda_cflags=flags)
+    return torch.ops.rwkv7_clampw_v3
+
+
+@pytest.mark.parametrize("shape", list(WKV7_SHAPES))
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_wkv7_rwkv_lm(record, dev, rwkv_lm, shape, direction):
+    """RWKV-LM's training kernel, clampw v3 for the H100 (bf16; one block per sequence and head, the state
+    in fp32 registers, one token after another), beside test_wkv7's bf16 rows: the same r, k, v, a, b
+    (and dy) bits, and the decay as the bf16 logits x whose decay exp(-e^-0.5 * sigmoid(x)) rwkvx's f32 w
+    holds (rwkvx.workloads.wkv7_decay_logits). Timed with torch.cuda.Event; the byte count is the bf16
+    row's, so the copy-rate shares compare times. Where the two differ: the reference reads the decay as
+    bf16 logits (2 bytes, against rwkvx's f32 decay) and computes the decay itself, and writes every
+    gradient in bf16 (rwkvx: dw, dk, dv, da, db f32), dw as the logits' gradient; both forwards save sa
+    and the state every 16 tokens. Before the timing its outputs (forward: y; backward: the six gradients,
+    rwkvx's dw taken to the logits by wkv7_decay_logit_grad) must agree with rwkvx's chunked bf16 ones
+    to AGREEMENT, norm-wise; the errors are printed and kept in the row's extra_info (rel_err)."""
+    import torch
+    from rwkvx._core import Plan
+    B, T, H = WKV7_SHAPES[shape]
+    shp = (B, T, H, N)
+    b = RandomBuffers(dev, "bf16")
+    inp, n = wkv7_inputs(b, B, T, H, N)
+    sizes = wkv7.scratch_elems(B, T, H, N, dev.info, method="chunked")
+    sa, ckpt, part = (b(sizes[name], "f32") for name in ("sa", "ckpt", "partials"))
+    y = b(n)
+    Plan(dev, wkv7.forward(*inp, y, B, T, H, N, dev.info, sa=sa, ckpt=ckpt, method="chunked",
+                           partials=part)).run()
+
+    def tensor(bits: np.ndarray) -> "torch.Tensor":
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).reshape(shp).cuda()
+
+    def device_bits(ptr) -> np.ndarray:
+        return dev.download(ptr, (n,), np.uint16)
+
+    logits = wkv7_decay_logits(n)
+    r, k, v, a, bb = (tensor(device_bits(p)) for p in (inp[0], *inp[2:]))
+    w = tensor(to_storage("bf16", logits))
+    ref_y, ref_sa = torch.empty_like(v), torch.empty(shp, dtype=torch.float32, device="cuda")
+    s = torch.empty((B, H, T // RWKV_LM_CHUNK, N, N), dtype=torch.float32, device="cuda")
+
+    def forward():
+        rwkv_lm.forward(r, w, k, v, a, bb, ref_y, s, ref_sa)
+
+    forward()
+    nbytes = floor_bytes(direction, "bf16", n, 4 * (s.numel() + ref_sa.numel()))    # = rwkvx's saved bytes
+    if direction == "forward":
+        _agree(record, shape, {"y": (ref_y, bf16_bits_to_f32(device_bits(y)))})
+        _record_torch(record, torch, forward, nbytes, wkv_flops(n))
+        return
+    dy, dr = b(n), b(n)
+    f32_grads = [b(n, "f32") for _ in range(5)]
+    Plan(dev, wkv7.backward(*inp, dy, sa, ckpt, dr, *f32_grads, B, T, H, N, dev.info, partials=part,
+                            method="chunked")).run()
+    ref_dy = tensor(device_bits(dy))
+    ref = [torch.empty_like(v) for _ in range(6)]
+
+    def backward():
+        rwkv_lm.backward(r, w, k, v, a, bb, ref_dy, s, ref_sa, *ref)
+
+    backward()
+    dw, dk, dv, da, db = (dev.download(p, (n,), np.float32) for p in f32_grads)
+    want = [bf16_bits_to_f32(device_bits(dr)), wkv7_decay_logit_grad(dw, logits), dk, dv, da, db]
+    _agree(record, shape, dict(zip(("dr", "dw", "dk", "dv", "da", "db"), zip(ref, want))))
+    _record_torch(record, torch, backward, nbytes, 2 * wkv_flops(n))
+
+
+def _agree(record, shape: str, pairs: dict) -> None:
+    """Print rel_err of each (reference tensor, rwkvx array) pair and keep them in the row's extra_info;
+    fail where one exceeds AGREEMENT: a reference that computes something else is not timed."""
+    from rwkvx.oracle import rel_err
+    errs = {name: rel_err(got.float().cpu().numpy().reshape(-1), want) for name, (got, want) in pairs.items()}
+    text = ", ".join(f"{name} {e:.2e}" for name, e in errs.items())
+    print(f"RWKV-LM clampw v3 against rwkvx chunked bf16, {shape}: {text}")
+    record.benchmark.extra_info["rel_err"] = text
+    bad = {name: e for name, e in errs.items() if not e <= AGREEMENT}
+    if bad:
+        pytest.fail(f"RWKV-LM's kernel disagrees with rwkvx's at {shape} (rel_err > {AGREEMENT}): {bad}")
+
+
+def _record_torch(record, torch, enqueue, nbytes: int, flops: float) -> None:
+    """Time ``enqueue`` (torch's stream) with torch.cuda.Event after a warm-up call, as many calls as fill
+    the timing budget, and record the mean."""
+    from rwkvx.runtime.timing import budget_repeats
+    enqueue()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def mean_ms(repeats: int) -> float:
+        start.record()
+        for _ in range(repeats):
+            enqueue()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / repeats
+
+    record.measured(mean_ms(budget_repeats(mean_ms(1))), lambda: (enqueue(), torch.cuda.synchronize()),
+                    nbytes=nbytes, flops=flops)

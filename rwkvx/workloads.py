@@ -20,7 +20,7 @@ import numpy as np
 from .config import DECAY_SCALE, Config
 from .cu import moba
 from .presets import get_preset
-from .runtime.dtypes import ELEM_BYTES, check_elem, to_storage
+from .runtime.dtypes import ELEM_BYTES, check_elem, round_to, to_storage
 from .runtime.ops import DevPtr
 from .runtime.timing import warm_time_ms
 
@@ -89,12 +89,15 @@ class KernelShapes:
 
 BASE_SHAPES = KernelShapes.of(BASE)
 
+_RWKV7_1B5 = KernelShapes.of(preset_workload("rwkv7-1.5b", 4))   # the 1.5B RWKV-7 (C = 2048) at B = 4
+
 # WKV7 timings (name: B, T, H at N = BASE_SHAPES.N): the 0.22B step, a short-sequence batch, one long
-# sequence, and a wide model (C = 4096).
+# sequence, a wide model (C = 4096), and the 1.5B RWKV-7 at B = 4.
 WKV7_SHAPES: dict[str, tuple[int, int, int]] = {
     f"B{b}_T{t}_H{h}": (b, t, h)
     for b, t, h in ((BASE.batch_size, BASE.seq_len, BASE_SHAPES.H), (16, 512, BASE_SHAPES.H),
-                    (1, 16384, BASE_SHAPES.H), (BASE.batch_size, BASE.seq_len, 64))}
+                    (1, 16384, BASE_SHAPES.H), (BASE.batch_size, BASE.seq_len, 64),
+                    (_RWKV7_1B5.B, _RWKV7_1B5.T, _RWKV7_1B5.H))}
 
 # MoBA timings (name: B, T, chunk at BASE_SHAPES' H, N and top_k): the 0.22B step, and one 64k-token
 # sequence in 4096-token blocks.
@@ -131,16 +134,37 @@ class RandomBuffers:
         return ptr
 
 
+def wkv7_decay(logits) -> np.ndarray:
+    """The decay exp(-DECAY_SCALE * sigmoid(x)) of decay logits x, in float64: what rwkvx's WKV7 kernels read
+    (the time mix computes it from the decay LoRA's output), and what RWKV-LM's clampw kernels compute from
+    the raw logits they read, in (exp(-DECAY_SCALE), 1)."""
+    return np.exp(-DECAY_SCALE / (1 + np.exp(-np.asarray(logits, np.float64))))
+
+
+def wkv7_decay_logit_grad(d_decay, logits) -> np.ndarray:
+    """The gradient of the decay logits x from the gradient of their decay (rwkvx's WKV7 dw), in float64:
+    d_decay * decay * (-DECAY_SCALE) * sigmoid(x) * (1 - sigmoid(x)) -- the dw of a kernel that reads x."""
+    x = np.asarray(logits, np.float64)
+    s = 1 / (1 + np.exp(-x))
+    return np.asarray(d_decay, np.float64) * wkv7_decay(x) * (-DECAY_SCALE) * s * (1 - s)
+
+
+def wkv7_decay_logits(n: int) -> np.ndarray:
+    """The n decay logits of :func:`wkv7_inputs` (float64 values), N(0, 1) rounded to bf16: a kernel that
+    reads bf16 logits (RWKV-LM's) then sees exactly the logits whose decay rwkvx's kernels read."""
+    return round_to("bf16", np.random.default_rng(4).standard_normal(n))
+
+
 def wkv7_inputs(b: RandomBuffers, B: int, T: int, H: int, N: int) -> tuple[list[DevPtr], int]:
     """The six inputs of rwkvx.cu.wkv7.forward (r, w, k, v, a, b) for [B, T, H, N] in the ranges training
-    gives them (decay w in (exp(-DECAY_SCALE), 1), f32 in every precision; a = -κ̂ and b = κ̂·rate with κ̂
-    unit rows), and their element count."""
+    gives them (decay w in (exp(-DECAY_SCALE), 1), f32 in every precision: the decay of
+    :func:`wkv7_decay_logits`; a = -κ̂ and b = κ̂·rate with κ̂ unit rows), and their element count."""
     n = B * T * H * N
     rng = np.random.default_rng(3)
     kk = rng.standard_normal((n // N, N))
     kk = (kk / np.linalg.norm(kk, axis=1, keepdims=True)).reshape(-1)
     rate = 1 / (1 + np.exp(-rng.standard_normal(n)))
-    w = np.exp(-DECAY_SCALE / (1 + np.exp(-rng.standard_normal(n))))
+    w = wkv7_decay(wkv7_decay_logits(n))
     return [b(n, scale=0.5), b(n, "f32", values=w), b(n, scale=0.5), b(n, scale=0.5), b(n, values=-kk),
             b(n, values=kk * rate)], n
 

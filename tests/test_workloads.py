@@ -1,13 +1,23 @@
 """CPU tests of rwkvx/workloads.py (what the benchmarks and timing scripts run) and of the argument check of
 rwkvx.runtime.warm_time_ms: the named workloads are the presets' models, the kernel shapes are the model's,
-the visible-key count is the selection rule's."""
+the visible-key count is the selection rule's, and the WKV7 benchmark's decay logits give the decay rwkvx's
+kernels read as RWKV-LM's clampw kernel computes it."""
+import math
+
+import numpy as np
 import pytest
 
 from rwkvx import Config
 from rwkvx.presets import PRESETS, get_preset
+from rwkvx.config import DECAY_SCALE
 from rwkvx.runtime import warm_time_ms
+from rwkvx.runtime.dtypes import round_to
+from rwkvx.runtime.timing import budget_repeats
 from rwkvx.workloads import (BASE, BASE_SHAPES, MOBA_SHAPES, STEP_WORKLOADS, WKV7_SHAPES, KernelShapes,
-                             moba_visible_keys, preset_workload)
+                             moba_visible_keys, preset_workload, wkv7_decay, wkv7_decay_logit_grad,
+                             wkv7_decay_logits)
+
+from seeding import seeded_rng
 
 
 def test_base_is_the_base_preset_at_its_training_batch():
@@ -34,6 +44,8 @@ def test_named_shapes():
     for name, (cfg, B, T) in STEP_WORKLOADS.items():
         assert name.endswith(f"_B{B}_T{T}") and (cfg.n_attn_layer == 0) == name.startswith("pure")
     assert WKV7_SHAPES["B8_T4096_H12"] == (BASE_SHAPES.B, BASE_SHAPES.T, BASE_SHAPES.H)
+    wide = KernelShapes.of(preset_workload("rwkv7-1.5b", 4))
+    assert WKV7_SHAPES["B4_T4096_H32"] == (wide.B, wide.T, wide.H) and wide.N == BASE_SHAPES.N
     assert MOBA_SHAPES["B8-T4096"] == (BASE_SHAPES.B, BASE_SHAPES.T, BASE_SHAPES.chunk)
 
 
@@ -49,3 +61,35 @@ def test_moba_visible_keys_counts_each_query(T, chunk, top_k):
 def test_warm_time_ms_rejects_no_repeats():
     with pytest.raises(ValueError, match="repeats"):
         warm_time_ms(None, lambda: None, 0)
+
+
+def test_warm_time_ms_budget_repeats():
+    assert budget_repeats(1.0, 50.0) == 50
+    assert budget_repeats(100.0, 50.0) == 3 and budget_repeats(0.0, 50.0) == 200
+
+
+def test_wkv7_decay_logits_are_bf16():
+    x = wkv7_decay_logits(1 << 14)
+    assert np.array_equal(round_to("bf16", x), x)        # a bf16 reader sees these logits exactly
+    assert np.array_equal(wkv7_decay_logits(1 << 14), x) and 0.9 < x.std() < 1.1
+
+
+def test_wkv7_decay_is_the_clampw_kernels():
+    """The decay of the logits x, in float64, is RWKV-LM's clampw transform exp(W_SCALE / (1 + e^-x)) with
+    its W_SCALE = -e^-0.5 (an fp32 constant in the kernel: DECAY_SCALE rounded to fp32), and equals
+    exp(-exp(w)) of RWKV-7's decay parameter w = -softplus(-x) - 0.5 to the last bit."""
+    x = np.concatenate([wkv7_decay_logits(1 << 14), np.linspace(-30.0, 30.0, 1201)])
+    decay = wkv7_decay(x)
+    assert np.array_equal(decay, np.exp(-math.exp(-0.5) / (1 + np.exp(-x))))
+    assert np.float32(-0.6065306597) == np.float32(-DECAY_SCALE)
+    w = -np.logaddexp(0.0, -x) - 0.5
+    np.testing.assert_allclose(decay, np.exp(-np.exp(w)), rtol=2 * np.finfo(np.float64).eps, atol=0)
+    assert np.all((decay > math.exp(-DECAY_SCALE)) & (decay < 1))
+
+
+def test_wkv7_decay_logit_grad_is_the_chain_rule():
+    rng = seeded_rng(21)
+    x, d_decay = 3 * rng.standard_normal(4096), rng.standard_normal(4096)
+    h = 1e-6                # central differences: truncation ~h², rounding ~eps/h (the atol)
+    numeric = d_decay * (wkv7_decay(x + h) - wkv7_decay(x - h)) / (2 * h)
+    np.testing.assert_allclose(wkv7_decay_logit_grad(d_decay, x), numeric, rtol=1e-7, atol=1e-9)

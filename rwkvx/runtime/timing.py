@@ -1,5 +1,5 @@
 """Timing device work with CUDA events recorded on the device's stream: :class:`EventTimer`, and
-:func:`warm_time_ms` for work timed after a warm-up run."""
+:func:`warm_time_ms` for work timed after a warm-up run, repeated :func:`budget_repeats` times."""
 from __future__ import annotations
 
 from typing import Callable
@@ -32,7 +32,17 @@ class EventTimer:
             check(self._driver.cuEventDestroy(event), "cuEventDestroy")
 
 
-def warm_time_ms(dev, enqueue: Callable[[], None], repeats: int | None = None, budget_ms: float = 50.0) -> float:
+BUDGET_MS = 50.0        # device time a timing fills by default
+
+
+def budget_repeats(one_ms: float, budget_ms: float = BUDGET_MS) -> int:
+    """Calls of ``one_ms`` device milliseconds each that fill about ``budget_ms`` (3 to 200): how often a
+    timing repeats its work."""
+    return max(3, min(200, int(budget_ms / max(one_ms, 1e-3))))
+
+
+def warm_time_ms(dev, enqueue: Callable[[], None], repeats: int | None = None,
+                 budget_ms: float = BUDGET_MS) -> float:
     """Mean device milliseconds of one ``enqueue()`` after a warm-up call (modules loaded, caches filled):
     ``repeats`` calls between the events, or, where None, as many as fill about ``budget_ms`` of device time
     (3 to 200, from one timed call)."""
@@ -43,7 +53,7 @@ def warm_time_ms(dev, enqueue: Callable[[], None], repeats: int | None = None, b
     timer = EventTimer(dev)
     try:
         if repeats is None:
-            repeats = max(3, min(200, int(budget_ms / max(timer.time_ms(enqueue, 1), 1e-3))))
+            repeats = budget_repeats(timer.time_ms(enqueue, 1), budget_ms)
         return timer.time_ms(enqueue, repeats)
     finally:
         timer.close()
