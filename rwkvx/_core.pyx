@@ -86,6 +86,8 @@ cdef struct OpRec:
     void* lc
     void* algo
     float alpha, beta
+    double alpha64, beta64    # the scalars of an fp64 GEMM (cuBLASLt reads doubles there)
+    int scale64
     uint64_t a, b, c, d
     # memset / copies
     uint64_t dst, src
@@ -233,6 +235,8 @@ cdef class Plan:
                 r.lc = <void*><uintptr_t>int(p.layouts[2])
                 r.algo = <void*><uintptr_t>int(p.algo_ptr)
                 r.alpha, r.beta = op.alpha, op.beta
+                r.alpha64, r.beta64 = op.alpha, op.beta
+                r.scale64 = op.precision.compute == "fp64"
                 r.a, r.b, r.c, r.d = op.A, op.B, op.C, op.D
                 self._arg_offsets.append(None)
                 self._names.append(f"cublasLtMatmul op #{i}")
@@ -301,9 +305,11 @@ cdef class Plan:
                     res = self.p_launch(r.func, r.gx, r.gy, r.gz, r.bx, r.by, r.bz,
                                         r.smem, self.stream, r.params, NULL)
                 elif r.kind == OP_GEMM:
-                    status = self.lt_matmul(self.cublas_handle, r.desc, &r.alpha,
+                    status = self.lt_matmul(self.cublas_handle, r.desc,
+                                            <const void*>&r.alpha64 if r.scale64 else <const void*>&r.alpha,
                                             <const void*><uintptr_t>r.a, r.la, <const void*><uintptr_t>r.b, r.lb,
-                                            &r.beta, <const void*><uintptr_t>r.c, r.lc,
+                                            <const void*>&r.beta64 if r.scale64 else <const void*>&r.beta,
+                                            <const void*><uintptr_t>r.c, r.lc,
                                             <void*><uintptr_t>r.d, r.lc, r.algo,
                                             self.workspace, self.workspace_bytes, self.stream)
                 elif r.nbytes == 0:   # empty memset/copy: nothing to enqueue

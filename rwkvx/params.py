@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Callable
 
 import numpy as np
 
@@ -124,13 +125,19 @@ def orthonormal_columns(a: np.ndarray) -> np.ndarray:
         try:
             lower = np.linalg.cholesky(gram)
         except np.linalg.LinAlgError:
-            q, r = np.linalg.qr(a)
-            return q * np.sign(np.diag(r))
+            return householder_columns(a)
         a = a @ np.linalg.inv(lower).T
         gram = a.T @ a
         if np.abs(gram - np.eye(len(gram))).max() <= ORTHOGONALITY_TOL:
             break
     return a
+
+
+def householder_columns(a: np.ndarray) -> np.ndarray:
+    """Q of the Householder QR of ``a`` (m x n, m >= n) with its columns' signs making R's diagonal
+    positive: the fallback of a Cholesky QR whose Gram matrix is not numerically positive definite."""
+    q, r = np.linalg.qr(a)
+    return q * np.sign(np.diag(r))
 
 
 def orthogonal(rng: np.random.Generator, shape: tuple[int, int], gain: float) -> np.ndarray:
@@ -186,7 +193,7 @@ def _rwkv_block_init(cfg: Config, l: int, prefix: str) -> ParamDict:
                       "ffn.value.weight", "att.ln_x.bias"):
             values[name] = np.zeros(shape, np.float32)
         elif name in _ORTHOGONAL_GAINS:
-            continue   # drawn by init_params (_orthogonal_tensors)
+            continue   # drawn by init_params (orthogonal_tensors)
         elif name == "att.ln_x.weight":
             values[name] = np.full(shape, ((l + 1) / L) ** 0.7, np.float32)
         elif name == "ffn.x_k":
@@ -216,7 +223,7 @@ def _preceding_rwkv(cfg: Config) -> list[int]:
     return prev
 
 
-def _orthogonal_tensors(cfg: Config) -> dict[str, tuple[tuple[int, int], float]]:
+def orthogonal_tensors(cfg: Config) -> dict[str, tuple[tuple[int, int], float]]:
     """Every orthogonally initialised tensor of ``cfg``: name -> (shape, gain)."""
     shapes = param_shapes(cfg)
     out = {name: (shapes[name], gain) for name in shapes
@@ -226,26 +233,50 @@ def _orthogonal_tensors(cfg: Config) -> dict[str, tuple[tuple[int, int], float]]
     return out
 
 
-def init_params(cfg: Config, seed: int = 0) -> ParamDict:
-    """Fresh float32 parameters for ``cfg``, RWKV-LM x070 initialisation; same seed, same values (each
-    random tensor draws from its own generator, docs/SPEC.md §2.4)."""
+DEVICES = ("cpu", "gpu")           # where init_params draws the random tensors (docs/SPEC.md §2.4)
+
+
+def init_params(cfg: Config, seed: int = 0, device: str = "cpu",
+                progress: Callable[[int, int], None] | None = None) -> ParamDict:
+    """Fresh float32 parameters for ``cfg``, RWKV-LM x070 initialisation; same seed and device, same
+    values (docs/SPEC.md §2.4, "Determinism").
+
+    ``device="cpu"`` draws each random tensor on the host from its own PCG64 generator; ``"gpu"`` draws
+    them on the GPU from a counter-based generator and orthonormalises them there (seconds for a
+    7B model; other values than the host's for the same seed, with the same distribution;
+    :mod:`rwkvx.device_init`). ``progress(done, total)``, when given, is called after each random tensor of
+    the GPU path with the parameters drawn so far and in all."""
     if not isinstance(cfg, Config):
         raise TypeError("init_params expects an rwkvx.Config")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     seed = int(seed)
+    if device == "gpu":
+        from .device_init import random_params
+        return complete_params(cfg, random_params(cfg, seed, progress=progress))
     emb = tensor_rng(seed, "rwkv.emb.weight").random((cfg.vocab_size, cfg.n_embd), dtype=np.float32)
     emb *= np.float32(2 * EMB_INIT_RANGE)
     emb -= np.float32(EMB_INIT_RANGE)
-    params: ParamDict = {"rwkv.emb.weight": emb}
+    random = {"rwkv.emb.weight": emb}
+    for name, (shape, gain) in orthogonal_tensors(cfg).items():
+        random[name] = orthogonal(tensor_rng(seed, name), shape, gain)
+    return complete_params(cfg, random)
+
+
+def complete_params(cfg: Config, random: ParamDict) -> ParamDict:
+    """Every parameter of ``cfg`` in :func:`param_shapes` order: the random tensors (the embedding and
+    :func:`orthogonal_tensors`) taken from ``random``, the others computed (docs/SPEC.md §2.4)."""
+    params: ParamDict = {"rwkv.emb.weight": random["rwkv.emb.weight"]}
     for l in range(cfg.n_rwkv_layer):
         params.update(_rwkv_block_init(cfg, l, f"rwkv.blocks.{l}."))
     for j, l in enumerate(_preceding_rwkv(cfg)):
         params.update(_attn_block_from_rwkv(cfg, j, params, f"rwkv.blocks.{l}.", fresh=True))
     params["rwkv.ln_out.weight"] = np.ones(cfg.n_embd, np.float32)
     params["rwkv.ln_out.bias"] = np.zeros(cfg.n_embd, np.float32)
-    for name, (shape, gain) in _orthogonal_tensors(cfg).items():
-        params[name] = orthogonal(tensor_rng(seed, name), shape, gain)
+    for name in orthogonal_tensors(cfg):
+        params[name] = random[name]
     return {name: params[name] for name in param_shapes(cfg)}
 
 

@@ -103,7 +103,8 @@ def test_gemm_validation():
 
 
 @pytest.mark.parametrize("kwargs", [dict(a="f64"), dict(c="f16"), dict(compute="fp16"),
-                                    dict(a="bf16", b="bf16", compute="tf32")])
+                                    dict(a="bf16", b="bf16", compute="tf32"), dict(compute="fp64"),
+                                    dict(a="f64", b="f64", c="f64")])
 def test_gemm_precision_validation(kwargs):
     with pytest.raises(ValueError):
         GemmPrecision(**kwargs)
@@ -111,6 +112,7 @@ def test_gemm_precision_validation(kwargs):
 
 def test_gemm_precisions_carry_their_compute_type():
     assert G.FP32.codes() == (0, 0, 0, 68) and G.TF32.codes() == (0, 0, 0, 77)
+    assert G.FP64.codes() == (1, 1, 1, 70)       # CUDA_R_64F operands and output, CUBLAS_COMPUTE_64F
     assert G.linear(1, 2, 3, 10, 4, 6, precision=G.TF32).precision is G.TF32
     assert tuple(G.PRESETS) == PRECISION_NAMES
 

@@ -27,12 +27,16 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
+from .dtypes import COMPUTE_TYPES, CUDA_TYPES
 from .errors import check_cublas
 from .gemm_algos import choose
 from .gemm_shape import Algo, GemmShape
 
 WORKSPACE_BYTES = 32 << 20
-_SCALE_F32 = 0                                      # alpha, beta: float for both compute types
+# alpha and beta: float for the fp32 and tf32 compute types, double for fp64 (cublasLt's scale type must
+# match the compute type's precision)
+_SCALE = {COMPUTE_TYPES["fp64"]: (CUDA_TYPES["f64"], ctypes.c_double)}
+_SCALE_F32 = (CUDA_TYPES["f32"], ctypes.c_float)
 # cublasLt.h (CUDA 13) attribute enums
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
@@ -132,7 +136,8 @@ class CublasLt:
         lib, s = self._lib, shape
         ta, tb, tc, compute = s.types
         desc = ctypes.c_void_p()
-        check_cublas(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, _SCALE_F32), "cublasLtMatmulDescCreate")
+        scale_type = _SCALE.get(compute, _SCALE_F32)[0]
+        check_cublas(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, scale_type), "cublasLtMatmulDescCreate")
         for attr, trans in ((_DESC_TRANSA, s.transa), (_DESC_TRANSB, s.transb)):
             v = ctypes.c_int32(int(trans))
             check_cublas(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(v), ctypes.sizeof(v)),
@@ -181,7 +186,8 @@ class CublasLt:
         """Enqueue ``op`` (an ops.Gemm of this shape) with ``algo`` on the device stream through ctypes;
         with ``c`` given, the GEMM reads C (when beta != 0) and writes D there instead of op.C / op.D."""
         desc, (la, lb, lc) = self.descriptors(shape)
-        alpha, beta = ctypes.c_float(op.alpha), ctypes.c_float(op.beta)
+        scalar = _SCALE.get(shape.types[3], _SCALE_F32)[1]
+        alpha, beta = scalar(op.alpha), scalar(op.beta)
         src, out = (op.C, op.D) if c is None else (c, c)
         src, out = ctypes.c_void_p(src), ctypes.c_void_p(out)
         check_cublas(self._lib.cublasLtMatmul(self.handle, desc, ctypes.byref(alpha), op.A, la, op.B, lb,
@@ -190,13 +196,14 @@ class CublasLt:
                      "cublasLtMatmul", shape.key())
 
     # -- plans -------------------------------------------------------------------------------------
-    def prepare(self, ops: list, scratch: tuple[int, int] | None = None) -> list[Prepared]:
+    def prepare(self, ops: list, scratch: tuple[int, int] | None = None, tune: bool = True) -> list[Prepared]:
         """The descriptors and algorithm of each ops.Gemm in ``ops``; the algorithms of new shapes are
         chosen now, timed with their outputs written to ``scratch`` (device address, bytes) when given,
-        else to a buffer allocated for the timing."""
+        else to a buffer allocated for the timing; without ``tune``, the heuristic's first candidate
+        (for GEMMs that run a few times only, e.g. the device initialisation's)."""
         shapes = [GemmShape.of(op) for op in ops]
         new = {s: op for s, op in zip(shapes, ops) if s not in self._prepared}
-        for shape, algo in choose(self, new, scratch).items():
+        for shape, algo in choose(self, new, scratch, tune).items():
             desc, layouts = self.descriptors(shape)
             self._prepared[shape] = Prepared(desc, layouts, algo)
         return [self._prepared[s] for s in shapes]

@@ -11,8 +11,9 @@ import numpy as np
 
 ELEM_BYTES = {"f32": 4, "bf16": 2, "f64": 8, "i32": 4}
 # cudaDataType_t of GEMM operands/outputs and cublasComputeType_t, by rwkvx's names (ops.GemmPrecision)
-CUDA_TYPES = {"f32": 0, "bf16": 14}                 # CUDA_R_32F, CUDA_R_16BF
-COMPUTE_TYPES = {"fp32": 68, "tf32": 77}            # CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32
+CUDA_TYPES = {"f32": 0, "bf16": 14, "f64": 1}       # CUDA_R_32F, CUDA_R_16BF, CUDA_R_64F
+# CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_COMPUTE_64F
+COMPUTE_TYPES = {"fp32": 68, "tf32": 77, "fp64": 70}
 XTYPES = ("f32", "bf16")               # activation element types a kernel compiles for
 _STORAGE = {"f32": np.float32, "bf16": np.uint16, "f64": np.float64, "i32": np.int32}
 

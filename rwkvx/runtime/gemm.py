@@ -32,6 +32,7 @@ from .ops import Gemm, GemmPrecision
 FP32 = GemmPrecision()                                   # strict fp32 (the parity mode)
 TF32 = GemmPrecision(compute="tf32")                     # fp32 operands on TF32 tensor cores
 BF16 = GemmPrecision("bf16", "bf16", "f32", "fp32")      # bf16 operands, fp32 accumulation and output
+FP64 = GemmPrecision("f64", "f64", "f64", "fp64")        # float64 throughout (the device initialisation)
 PRESETS = {"fp32": FP32, "tf32": TF32, "bf16": BF16}     # one per model precision, fp32 outputs (tests, benchmarks)
 
 

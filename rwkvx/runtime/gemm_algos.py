@@ -89,15 +89,16 @@ def pick(times: list[float]) -> int:
     return 0 if times[0] <= (1.0 + MARGIN) * times[best] else best
 
 
-def choose(lt, new: dict, scratch: tuple[int, int] | None = None) -> dict:
+def choose(lt, new: dict, scratch: tuple[int, int] | None = None, tune: bool = True) -> dict:
     """The algorithm of each shape in ``new`` (GemmShape -> an ops.Gemm of that shape): from the cache
     file, else timed now (and saved), the outputs written to ``scratch`` (address, bytes; a buffer is
-    allocated for them when None or too small)."""
+    allocated for them when None or too small). ``tune=False`` (or ``RWKVX_GEMM_TUNING=0``): the
+    heuristic's first candidate, untimed and not saved."""
     if not new:
         return {}
     key = _machine_key(lt)
     known = _load().get(key, {})
-    tune = os.environ.get("RWKVX_GEMM_TUNING", "1") != "0"
+    tune = tune and os.environ.get("RWKVX_GEMM_TUNING", "1") != "0"
     chosen, fresh = {}, {}
     todo = {}
     for shape, op in new.items():

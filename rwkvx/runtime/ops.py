@@ -155,7 +155,7 @@ class Launch:
         set_(self, "defines", normalize_defines(self.defines))
 
 
-GEMM_ELEMS = ("f32", "bf16")        # operand / output element types of a GEMM
+GEMM_ELEMS = ("f32", "bf16", "f64")        # operand / output element types of a GEMM
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,8 @@ class GemmPrecision:
     """Operand (``a``, ``b``), output (``c``) element types and compute type of one GEMM.
 
     ``compute`` "fp32": strict fp32 accumulation (CUBLAS_COMPUTE_32F; with bf16 operands, bf16
-    products accumulated in fp32); "tf32": fp32 operands through TF32 tensor cores (FAST_TF32)."""
+    products accumulated in fp32); "tf32": fp32 operands through TF32 tensor cores (FAST_TF32); "fp64":
+    float64 operands, output and scalars (CUBLAS_COMPUTE_64F), and only those."""
     a: str = "f32"
     b: str = "f32"
     c: str = "f32"
@@ -178,6 +179,9 @@ class GemmPrecision:
                              f"got {self.compute!r}")
         if self.compute == "tf32" and (self.a, self.b) != ("f32", "f32"):
             raise ValueError("GemmPrecision: tf32 compute needs f32 operands")
+        f64 = (self.a, self.b, self.c) == ("f64", "f64", "f64")
+        if ("f64" in (self.a, self.b, self.c) or self.compute == "fp64") and not (f64 and self.compute == "fp64"):
+            raise ValueError("GemmPrecision: f64 operands and output go with fp64 compute, and only they")
 
     def codes(self) -> tuple[int, int, int, int]:
         """(A type, B type, C type, compute type) as cuBLAS / CUDA enum values."""
