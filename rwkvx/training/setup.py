@@ -9,6 +9,7 @@ of ``Config`` / ``TrainConfig`` (a caller such as the CLI names the field's flag
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -376,13 +377,28 @@ def _check_out(out: Path, resuming: bool) -> None:
     check_writable(out / LOG_NAME, shown=out)
 
 
+def _fresh_params(cfg: Config, seed: int, kind: str, tune: str, show: bool) -> ParamDict:
+    """A new run's initial parameters: drawn on the GPU when the run trains there (seconds, with a progress
+    bar on stderr when ``show``), else on the host. A tuning run's fresh frozen model is always the host's,
+    so that resuming the run on either backend rebuilds the same model (docs/SPEC.md §2.4)."""
+    from ..params import init_params
+    if kind != "gpu" or tune != "full":
+        return init_params(cfg, seed)
+    from tqdm import tqdm
+    with tqdm(unit="param", unit_scale=True, desc="init", dynamic_ncols=True, leave=False, disable=not show,
+              file=sys.stderr) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+        return init_params(cfg, seed, device="gpu", progress=progress)
+
+
 def resolve_run(req: RunRequest, world: Any = None) -> Run:
     """The run ``req`` asks for: a new or resumed Trainer, its data sampler, the run directory
     (checked) and the run options; raises RunError or FieldError. Writes nothing. ``world``: this
     rank's data-parallel job (None: one process; the run directory is then rank 0's alone)."""
     from ..data import BatchSampler, unigram_entropy
     from ..dist import DistributedError
-    from ..params import init_params
 
     rank, ranks = (0, 1) if world is None else (world.rank, world.world_size)
     prep = prepare(req, rank, ranks)
@@ -398,7 +414,8 @@ def resolve_run(req: RunRequest, world: Any = None) -> Run:
             trainer = Trainer.load(prep.resume, backend=prep.kind, world=world, config=tr)
         else:   # a new run, or a tuning run's frozen model (a fresh one: the run's first seed)
             seed = (prep.saved or tr).seed
-            params = prep.start_params if prep.start_params is not None else init_params(cfg, seed)
+            params = (prep.start_params if prep.start_params is not None else
+                      _fresh_params(cfg, seed, prep.kind, tr.tune, req.progress and rank == 0))
             trainer = (Trainer(cfg, params, tr, backend=prep.kind, world=world, states=prep.start_states)
                        if prep.resume is None else
                        Trainer.load(prep.resume, backend=prep.kind, world=world, config=tr, params=params))
