@@ -24,10 +24,9 @@ import numpy as np
 from .config import Config
 from .cu import init as kernels
 from .cu._common import carve, carved_bytes
-from .params import EMB_INIT_RANGE, ORTHOGONALITY_TOL, ParamDict, householder_columns, orthogonal_tensors
+from .params import (EMB_INIT_RANGE, EMB_WEIGHT, ORTHOGONALITY_TOL, ParamDict, householder_columns,
+                     orthogonal_tensors)
 from .runtime.ops import Gemm, Memset
-
-EMB = "rwkv.emb.weight"
 
 
 def _draw_shape(shape: tuple[int, int]) -> tuple[int, int]:
@@ -109,8 +108,8 @@ class _Runner:
     def embedding(self, seed: int, shape: tuple[int, int]) -> np.ndarray:
         """The float32 embedding, uniform in [-EMB_INIT_RANGE, EMB_INIT_RANGE)."""
         count = shape[0] * shape[1]
-        self.plan(kernels.uniform(self.buf["out"], count, seed, EMB, -EMB_INIT_RANGE, 2 * EMB_INIT_RANGE,
-                                  self.info)).run()
+        self.plan(kernels.uniform(self.buf["out"], count, seed, EMB_WEIGHT, -EMB_INIT_RANGE,
+                                  2 * EMB_INIT_RANGE, self.info)).run()
         return self.dev.download(self.buf["out"], shape, np.float32)
 
 
@@ -128,8 +127,8 @@ def random_params(cfg: Config, seed: int, dev=None,
     total = int(np.prod(emb_shape)) + sum(int(np.prod(shape)) for shape, _ in specs.values())
     runner = _Runner(dev, cfg)
     try:
-        out = {EMB: runner.embedding(seed, emb_shape)}
-        done = out[EMB].size
+        out = {EMB_WEIGHT: runner.embedding(seed, emb_shape)}
+        done = out[EMB_WEIGHT].size
         if progress is not None:
             progress(done, total)
         for name, (shape, gain) in specs.items():

@@ -229,7 +229,7 @@ def orthogonal_tensors(cfg: Config) -> dict[str, tuple[tuple[int, int], float]]:
     out = {name: (shapes[name], gain) for name in shapes
            for suffix, gain in _ORTHOGONAL_GAINS.items() if name.endswith("." + suffix)}
     C, V = cfg.n_embd, cfg.vocab_size
-    out["rwkv.head.weight"] = ((V, C), 0.5 * math.sqrt(V / C) if V > C else 0.5)
+    out[HEAD_WEIGHT] = ((V, C), 0.5 * math.sqrt(V / C) if V > C else 0.5)
     return out
 
 
@@ -256,10 +256,10 @@ def init_params(cfg: Config, seed: int = 0, device: str = "cpu",
     if device == "gpu":
         from .device_init import random_params
         return complete_params(cfg, random_params(cfg, seed, progress=progress))
-    emb = tensor_rng(seed, "rwkv.emb.weight").random((cfg.vocab_size, cfg.n_embd), dtype=np.float32)
+    emb = tensor_rng(seed, EMB_WEIGHT).random((cfg.vocab_size, cfg.n_embd), dtype=np.float32)
     emb *= np.float32(2 * EMB_INIT_RANGE)
     emb -= np.float32(EMB_INIT_RANGE)
-    random = {"rwkv.emb.weight": emb}
+    random = {EMB_WEIGHT: emb}
     for name, (shape, gain) in orthogonal_tensors(cfg).items():
         random[name] = orthogonal(tensor_rng(seed, name), shape, gain)
     return complete_params(cfg, random)
@@ -268,7 +268,7 @@ def init_params(cfg: Config, seed: int = 0, device: str = "cpu",
 def complete_params(cfg: Config, random: ParamDict) -> ParamDict:
     """Every parameter of ``cfg`` in :func:`param_shapes` order: the random tensors (the embedding and
     :func:`orthogonal_tensors`) taken from ``random``, the others computed (docs/SPEC.md §2.4)."""
-    params: ParamDict = {"rwkv.emb.weight": random["rwkv.emb.weight"]}
+    params: ParamDict = {EMB_WEIGHT: random[EMB_WEIGHT]}
     for l in range(cfg.n_rwkv_layer):
         params.update(_rwkv_block_init(cfg, l, f"rwkv.blocks.{l}."))
     for j, l in enumerate(_preceding_rwkv(cfg)):

@@ -170,10 +170,9 @@ def orthogonal(seed: int, name: str, shape: tuple[int, int], gain: float) -> np.
 
 def random_params(cfg, seed: int) -> dict[str, np.ndarray]:
     """The random tensors of ``cfg`` as ``init_params(cfg, seed, device="gpu")`` makes them."""
-    from rwkvx.params import EMB_INIT_RANGE, orthogonal_tensors
+    from rwkvx.params import EMB_INIT_RANGE, EMB_WEIGHT, orthogonal_tensors
     V, C = cfg.vocab_size, cfg.n_embd
-    out = {"rwkv.emb.weight": uniform(V * C, seed, "rwkv.emb.weight", -EMB_INIT_RANGE,
-                                      2 * EMB_INIT_RANGE).reshape(V, C)}
+    out = {EMB_WEIGHT: uniform(V * C, seed, EMB_WEIGHT, -EMB_INIT_RANGE, 2 * EMB_INIT_RANGE).reshape(V, C)}
     for name, (shape, gain) in orthogonal_tensors(cfg).items():
         out[name] = orthogonal(seed, name, shape, gain)
     return out
