@@ -86,6 +86,10 @@ def test_draws_depend_on_seed_name_and_index_only():
     assert all(abs(np.corrcoef(z, o)[0, 1]) < 0.2 for o in others)
     u = model.uniform(1001, 5, "a", 0.0, 1.0)
     assert np.array_equal(u[:7], model.uniform(7, 5, "a", 0.0, 1.0))
+    # past the model's first chunk of blocks, element 2j + 1 is still block j's second value
+    j = 2 * model._CHUNK + 1
+    tail = model.normal(2 * j + 2, 5, "a")[-2:]
+    assert np.array_equal(tail, np.concatenate(model.box_muller(model.block_words(np.array([j]), 5, "a"))))
 
 
 def test_seed_range():
@@ -205,3 +209,13 @@ def test_scratch_of_the_large_presets():
     the Gram matrix of C x C."""
     gib = {p: scratch_bytes(Config(**get_preset(p)["model"])) / 2**30 for p in ("rwkv7-2.9b", "rwkv7-7.2b")}
     assert round(gib["rwkv7-2.9b"], 1) == 1.9 and round(gib["rwkv7-7.2b"], 1) == 3.1
+
+
+def test_a_new_run_draws_on_its_backend():
+    """python -m rwkvx train: a new full run on the GPU draws there; on the CPU, and a tuning run's fresh
+    frozen model on either backend, draw on the host (so a resumed tuning run rebuilds the same model)."""
+    from rwkvx.training.setup import _fresh_params
+    host = init_params(CFG, 6)
+    for kind, tune in (("cpu", "full"), ("gpu", "lora"), ("gpu", "state")):
+        params = _fresh_params(CFG, 6, kind, tune, show=False)
+        assert all(np.array_equal(params[n], host[n]) for n in host)

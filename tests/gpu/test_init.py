@@ -8,7 +8,7 @@ from rwkvx import Config, init_params
 from rwkvx.cu import init
 from rwkvx.cu.init import model
 from rwkvx.device_init import _Runner, random_params
-from rwkvx.params import EMB_INIT_RANGE, complete_params, orthogonal_tensors
+from rwkvx.params import EMB_INIT_RANGE, complete_params, householder_columns, orthogonal_tensors
 from rwkvx.runtime.gemm import FP64, linear
 from seeding import seeded_rng
 
@@ -102,6 +102,18 @@ def test_orthogonal_tensors_match_the_model(dev, shape, gain):
     w = got.astype(np.float64) / gain
     gram = w @ w.T if shape[0] < shape[1] else w.T @ w
     np.testing.assert_allclose(gram, np.eye(len(gram)), atol=1e-6)
+
+
+def test_a_failed_cholesky_falls_back_to_householder_on_the_host(dev):
+    """When chol_diag reports a pivot that is not positive, the tensor is the Householder Q of its draw."""
+    runner = _Runner(dev, CFG)
+    runner._read_info = lambda: 1
+    try:
+        got = runner.orthogonal(2, "t", (200, 64), 0.5)
+    finally:
+        runner.close()
+    want = (0.5 * householder_columns(model.normal(200 * 64, 2, "t").reshape(200, 64))).astype(np.float32)
+    assert _f32_ulps(got, want) <= 1.0
 
 
 def test_init_params_on_the_gpu_is_the_model_and_deterministic(dev):
