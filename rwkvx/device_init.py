@@ -117,7 +117,7 @@ def random_params(cfg: Config, seed: int, dev=None,
                   progress: Callable[[int, int], None] | None = None) -> ParamDict:
     """The random tensors of ``cfg`` (the embedding and :func:`rwkvx.params.orthogonal_tensors`) drawn on
     ``dev`` (default: ``Device.get()``) for ``seed`` (< 2^64); ``progress(done, total)`` after each, in
-    parameters. Equal to :func:`rwkvx.cu.init.model.random_params` within float32 rounding."""
+    parameters. Equal to :func:`rwkvx.oracle.init.random_params` within float32 rounding."""
     kernels.seed_key(seed)                           # a bad seed fails before any GPU work
     if dev is None:
         from .runtime import Device

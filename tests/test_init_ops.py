@@ -1,6 +1,6 @@
-"""The device initialisation on a CPU (rwkvx/cu/init, rwkvx/device_init.py, docs/SPEC.md §2.4): the numpy
-model's generator against Philox's known answers and the normal / uniform laws, its Cholesky QR, and the
-launch builders' op lists. tests/gpu/test_init.py holds the kernels to this model."""
+"""The device initialisation on a CPU (rwkvx/cu/init, rwkvx/device_init.py, docs/SPEC.md §2.4): the
+twin's generator (rwkvx.oracle.init) against Philox's known answers and the normal / uniform laws, its
+Cholesky QR, and the launch builders' op lists. tests/gpu/test_init.py holds the kernels to the twin."""
 import math
 
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 
 from rwkvx import Config, init_params, param_shapes
 from rwkvx.cu import init
-from rwkvx.cu.init import model
+from rwkvx.oracle import init as model
 from rwkvx.cu.init.ops import CHOL_DIAG, TRSM_ROWS
 from rwkvx.device_init import scratch_bytes
 from rwkvx.params import (EMB_INIT_RANGE, ORTHOGONALITY_TOL, complete_params, householder_columns,

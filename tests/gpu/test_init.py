@@ -1,4 +1,4 @@
-"""The device initialisation (rwkvx/cu/init, rwkvx/device_init.py) against its numpy model: the draws bit
+"""The device initialisation (rwkvx/cu/init, rwkvx/device_init.py) against its twin (rwkvx.oracle.init): the draws bit
 for bit, the fp64 GEMMs and the Cholesky QR pieces to float64 rounding, the orthogonal tensors and the
 whole init_params(device="gpu") to float32 rounding, and QᵀQ = I."""
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from rwkvx import Config, init_params
 from rwkvx.cu import init
-from rwkvx.cu.init import model
+from rwkvx.oracle import init as model
 from rwkvx.device_init import _Runner, random_params
 from rwkvx.params import EMB_INIT_RANGE, complete_params, householder_columns, orthogonal_tensors
 from rwkvx.runtime.gemm import FP64, linear
@@ -35,7 +35,7 @@ def test_normal_draws_are_the_models_bits(dev, seed, name, count):
     got = dev.download(buf, (count,), np.float64)
     want = model.normal(count, seed, name)
     assert np.array_equal(got.view(np.uint64), want.view(np.uint64)), \
-        f"{np.count_nonzero(got != want)} of {count} draws differ from the numpy model"
+        f"{np.count_nonzero(got != want)} of {count} draws differ from the twin"
 
 
 @pytest.mark.parametrize("seed, count", [(0, 5), (2**63 + 11, 300 * 192 + 2)])

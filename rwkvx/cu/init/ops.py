@@ -8,8 +8,8 @@ the device initialisation (docs/SPEC.md §2.4, rwkvx/device_init.py runs them).
     ops += init.deviation(g, n, dev_out, dev)              # dev_out = max |g - I|
     ops += init.store(out, a, m, n, gain, transpose, dev)  # out float32 = gain · a (or aᵀ)
 
-Every value a kernel shares with this module is a constant here; the numpy model of the kernels is
-:mod:`rwkvx.cu.init.model`.
+Every value a kernel shares with this module is a constant here; the kernels' twin is
+:mod:`rwkvx.oracle.init`.
 """
 from __future__ import annotations
 

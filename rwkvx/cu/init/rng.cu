@@ -3,7 +3,7 @@
 // Every value is a function of (seed, tensor key, element index) alone: Philox-4x32-10 (Salmon et al.,
 // SC'11) with key = the seed's two 32-bit halves and counter = (block index lo, hi, tensor key lo, hi)
 // gives four 32-bit words per block. The integer words and every float operation after them are the same
-// on the host (rwkvx/cu/init/model.py computes them with numpy): the float64 arithmetic is written with
+// on the host (oracle/init.py computes them with numpy): the float64 arithmetic is written with
 // explicit round-to-nearest intrinsics (no FMA contraction) and its log / sin / cos are fixed polynomials,
 // not the library's, so the device and the host give the same bits.
 //

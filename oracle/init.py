@@ -1,4 +1,4 @@
-"""The numpy model of rwkvx/cu/init: the device initialisation computed on the host.
+"""Twin of rwkvx/cu/init: the device initialisation computed on the host with numpy.
 
 The draws (:func:`philox`, :func:`normal`, :func:`uniform`) are the kernels' bit for bit: the same
 integer operations, and the same float64 operations in the same order, each rounded on its own (numpy
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import (COS_C, LN2, LOG_C, NB, PHILOX_M, PHILOX_ROUNDS, PHILOX_W, PI_4, SIN_C, SQRT_HALF, seed_key,
-                  tensor_key)
+from rwkvx.cu.init.ops import (COS_C, LN2, LOG_C, NB, PHILOX_M, PHILOX_ROUNDS, PHILOX_W, PI_4, SIN_C, SQRT_HALF,
+                              seed_key, tensor_key)
 
 _MASK = np.uint64(0xFFFFFFFF)
 _CHUNK = 1 << 20                    # blocks of words per step: bounds the temporary arrays
