@@ -9,7 +9,8 @@ families, one module per family of ``rwkvx/cu/<family>/``, named after it; the G
 the kernels to them and ``Oracle`` is built from them. Every twin accepts float32 or float64 arrays,
 computes in float64 and returns float outputs in its inputs' dtype (float64 unless all are float32),
 except AdamW's (``adamw``), which does the kernel's float32 element arithmetic and which the CPU
-optimizer ``rwkvx.optim.AdamW`` runs. Rows [R, C]: R = B*T, row r = token r % T of sequence r // T,
+optimizer ``rwkvx.optim.AdamW`` runs, and the device initialisation's (``init``), whose draws are the
+kernels' bits. Rows [R, C]: R = B*T, row r = token r % T of sequence r // T,
 channel c = h*N + n. Plain Python where the modules only chain numpy calls (``model`` is such glue);
 Cython (``*.pyx``, built by setup.py) where they run the loops. Installed as ``rwkvx.oracle``.
 """
