@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from rwkvx.cu.init.ops import (COS_C, LN2, LOG_C, NB, PHILOX_M, PHILOX_ROUNDS, PHILOX_W, PI_4, SIN_C, SQRT_HALF,
-                              seed_key, tensor_key)
+                              draw_keys)
 
 _MASK = np.uint64(0xFFFFFFFF)
 _CHUNK = 1 << 20                    # blocks of words per step: bounds the temporary arrays
@@ -31,12 +31,12 @@ def philox(c0, c1, c2, c3, k0: int, k1: int) -> tuple[np.ndarray, ...]:
     return tuple(c)
 
 
-def block_words(j: np.ndarray, seed: int, name: str) -> tuple[np.ndarray, ...]:
-    """The four words of blocks ``j`` (int64 array) of tensor ``name`` under ``seed``."""
+def block_words(j: np.ndarray, keys: dict[str, int]) -> tuple[np.ndarray, ...]:
+    """The four words of blocks ``j`` (int64 array) under the generator arguments ``keys``
+    (rwkvx.cu.init.draw_keys: key0, key1, id0, id1)."""
     j = np.asarray(j, np.uint64)
-    (k0, k1), (i0, i1) = seed_key(seed), tensor_key(name)
-    return philox(j & _MASK, j >> np.uint64(32), np.full(j.shape, i0, np.uint64), np.full(j.shape, i1, np.uint64),
-                  k0, k1)
+    ids = [np.full(j.shape, keys[k], np.uint64) for k in ("id0", "id1")]
+    return philox(j & _MASK, j >> np.uint64(32), *ids, keys["key0"], keys["key1"])
 
 
 def _horner(coefs: tuple, z: np.ndarray) -> np.ndarray:
@@ -75,43 +75,46 @@ def box_muller(w: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
     return r * cs, r * sn
 
 
-def normal(count: int, seed: int, name: str) -> np.ndarray:
-    """init_normal's float64 [count]: block j gives elements 2j (r cos) and 2j + 1 (r sin)."""
+def normal(count: int, keys: dict[str, int]) -> np.ndarray:
+    """init_normal's float64 [count] under ``keys``: block j gives elements 2j (r cos) and 2j + 1 (r sin)."""
     pairs = np.empty(((count + 1) // 2, 2), np.float64)
     for start in range(0, len(pairs), _CHUNK):
         j = np.arange(start, min(start + _CHUNK, len(pairs)), dtype=np.int64)
-        pairs[j[0]:j[-1] + 1, 0], pairs[j[0]:j[-1] + 1, 1] = box_muller(block_words(j, seed, name))
+        pairs[j[0]:j[-1] + 1, 0], pairs[j[0]:j[-1] + 1, 1] = box_muller(block_words(j, keys))
     return pairs.ravel()[:count]
 
 
-def uniform(count: int, seed: int, name: str, lo: float, width: float) -> np.ndarray:
-    """init_uniform's float32 [count]: element 4j + q = lo + width · (word q of block j >> 8) / 2^24."""
+def uniform(count: int, keys: dict[str, int], lo: float, width: float) -> np.ndarray:
+    """init_uniform's float32 [count] under ``keys``: element 4j + q = lo + width · (word q of block j >> 8)
+    / 2^24."""
     quads = np.empty(((count + 3) // 4, 4), np.float32)
     for start in range(0, len(quads), _CHUNK):
         j = np.arange(start, min(start + _CHUNK, len(quads)), dtype=np.int64)
-        u = (np.stack(block_words(j, seed, name), axis=1) >> np.uint64(8)).astype(np.float64) * 2.0 ** -24
+        u = (np.stack(block_words(j, keys), axis=1) >> np.uint64(8)).astype(np.float64) * 2.0 ** -24
         quads[j[0]:j[-1] + 1] = u * width + lo
     return quads.ravel()[:count]
 
 
-def _solve_rows(b: np.ndarray, l: np.ndarray) -> np.ndarray:
-    """b L⁻ᵀ for the lower triangle L of the small square l, by forward substitution (trsm_rows)."""
+def solve_rows(b: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """b L⁻ᵀ for the lower triangle L of the small square l, by forward substitution (trsm_rows; the part
+    of l above its diagonal is not read)."""
     x = np.array(b, np.float64)
     for k in range(len(l)):
         x[:, k] = (x[:, k] - x[:, :k] @ l[k, :k]) / l[k, k]
     return x
 
 
-def _chol_block(d: np.ndarray) -> np.ndarray | None:
-    """The lower Cholesky factor of the small block d (chol_diag), or None at a pivot that is not positive."""
+def chol_block(d: np.ndarray) -> tuple[np.ndarray, int]:
+    """chol_diag on the small block d: (its lower Cholesky factor, -1), or (the part factored so far, the
+    column k whose pivot is not positive)."""
     s = np.array(d, np.float64)
     for k in range(len(s)):
         if not s[k, k] > 0.0:
-            return None
+            return np.tril(s), k
         s[k, k] = np.sqrt(s[k, k])
         s[k + 1:, k] /= s[k, k]
         s[k + 1:, k + 1:] -= np.outer(s[k + 1:, k], s[k + 1:, k])
-    return np.tril(s)
+    return np.tril(s), -1
 
 
 def cholesky(g: np.ndarray) -> np.ndarray | None:
@@ -120,11 +123,11 @@ def cholesky(g: np.ndarray) -> np.ndarray | None:
     n = len(g)
     for j0 in range(0, n, NB):
         j1 = min(j0 + NB, n)
-        block = _chol_block(g[j0:j1, j0:j1])
-        if block is None:
+        block, failed = chol_block(g[j0:j1, j0:j1])
+        if failed >= 0:
             return None
         g[j0:j1, j0:j1] = block
-        g[j1:, j0:j1] = _solve_rows(g[j1:, j0:j1], block)
+        g[j1:, j0:j1] = solve_rows(g[j1:, j0:j1], block)
         g[j1:, j1:] -= g[j1:, j0:j1] @ g[j1:, j0:j1].T
     return np.tril(g)
 
@@ -135,7 +138,7 @@ def solve(a: np.ndarray, l: np.ndarray) -> np.ndarray:
     for j0 in range(0, a.shape[1], NB):
         j1 = min(j0 + NB, a.shape[1])
         a[:, j0:j1] -= a[:, :j0] @ l[j0:j1, :j0].T
-        a[:, j0:j1] = _solve_rows(a[:, j0:j1], l[j0:j1, j0:j1])
+        a[:, j0:j1] = solve_rows(a[:, j0:j1], l[j0:j1, j0:j1])
     return a
 
 
@@ -163,7 +166,7 @@ def orthogonal(seed: int, name: str, shape: tuple[int, int], gain: float) -> np.
     orthonormalised, times ``gain``, transposed when ``shape`` is wide."""
     rows, cols = shape
     m, n = max(rows, cols), min(rows, cols)
-    q = orthonormal_columns(normal(m * n, seed, name).reshape(m, n))
+    q = orthonormal_columns(normal(m * n, draw_keys(seed, name)).reshape(m, n))
     q = (q * gain).astype(np.float32)
     return q.T.copy() if rows < cols else q
 
@@ -172,7 +175,8 @@ def random_params(cfg, seed: int) -> dict[str, np.ndarray]:
     """The random tensors of ``cfg`` as ``init_params(cfg, seed, device="gpu")`` makes them."""
     from rwkvx.params import EMB_INIT_RANGE, EMB_WEIGHT, orthogonal_tensors
     V, C = cfg.vocab_size, cfg.n_embd
-    out = {EMB_WEIGHT: uniform(V * C, seed, EMB_WEIGHT, -EMB_INIT_RANGE, 2 * EMB_INIT_RANGE).reshape(V, C)}
+    emb = uniform(V * C, draw_keys(seed, EMB_WEIGHT), -EMB_INIT_RANGE, 2 * EMB_INIT_RANGE)
+    out = {EMB_WEIGHT: emb.reshape(V, C)}
     for name, (shape, gain) in orthogonal_tensors(cfg).items():
         out[name] = orthogonal(seed, name, shape, gain)
     return out

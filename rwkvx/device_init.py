@@ -23,7 +23,7 @@ import numpy as np
 
 from .config import Config
 from .cu import init as kernels
-from .cu._common import carve, carved_bytes
+from .cu._common import DeviceInfo, carve, carved_bytes
 from .params import (EMB_INIT_RANGE, EMB_WEIGHT, ORTHOGONALITY_TOL, ParamDict, householder_columns,
                      orthogonal_tensors)
 from .runtime.ops import Gemm, Memset
@@ -45,6 +45,18 @@ def scratch_sizes(cfg: Config) -> dict[str, tuple[int, str]]:
 def scratch_bytes(cfg: Config) -> int:
     """Bytes of device memory :func:`random_params` allocates for ``cfg`` (freed when it returns)."""
     return carved_bytes(scratch_sizes(cfg))
+
+
+def pass_ops(buf: dict, m: int, n: int, dev: DeviceInfo, first: bool) -> list:
+    """One Cholesky QR pass over the [m, n] draw in scratch ``buf`` (:func:`scratch_sizes`, carved): the
+    first from A (G = AᵀA, L = chol(G), A = A L⁻ᵀ, then G = AᵀA and its deviation from I), the second
+    from that G (L = chol(G), A = A L⁻ᵀ). ``info`` is zeroed first and non-zero after a failed factor."""
+    a, g, info = buf["a"], buf["g"], buf["info"]
+    ops = [Memset(info, 4), *(kernels.gram(a, m, n, g) if first else []), *kernels.cholesky(g, n, info),
+           *kernels.solve(a, m, n, g)]
+    if first:
+        ops += [*kernels.gram(a, m, n, g), *kernels.deviation(g, n, buf["deviation"], dev)]
+    return ops
 
 
 class _Runner:
@@ -87,18 +99,13 @@ class _Runner:
         b = self.buf
         m, n = _draw_shape(shape)
         draw = self.plan(kernels.normal(b["a"], m * n, seed, name, self.info))
-        first = self._cached(("first", m, n), lambda: [
-            Memset(b["info"], 4), *kernels.gram(b["a"], m, n, b["g"]),
-            *kernels.cholesky(b["g"], n, b["info"]), *kernels.solve(b["a"], m, n, b["g"]),
-            *kernels.gram(b["a"], m, n, b["g"]), *kernels.deviation(b["g"], n, b["deviation"], self.info)])
+        first = self._cached((True, m, n), lambda: pass_ops(b, m, n, self.info, first=True))
         draw.run()
         first.run()
         if self._read_info():
             self._fallback(draw, m, n)
         elif self.dev.download(b["deviation"], (1,), np.float64)[0] > ORTHOGONALITY_TOL:
-            self._cached(("second", m, n), lambda: [
-                Memset(b["info"], 4), *kernels.cholesky(b["g"], n, b["info"]),
-                *kernels.solve(b["a"], m, n, b["g"])]).run()
+            self._cached((False, m, n), lambda: pass_ops(b, m, n, self.info, first=False)).run()
             if self._read_info():
                 self._fallback(draw, m, n)
         wide = shape[0] < shape[1]

@@ -3,7 +3,8 @@ the buffers its arguments point at, GEMMs are column-major float64 products, cop
 
 What this checks is the plumbing of a plan (which buffer each op reads and writes, offsets, strides,
 sizes, the order of ops), not the CUDA code: the kernels' own tests (tests/gpu) compare them to the same
-twins. The kernels of the forward, of the decoder's step and of the RWKV blocks' backward are emulated,
+twins. The kernels of the forward, of the decoder's step, of the device initialisation (GEMMs in fp32 or
+fp64) and of the RWKV blocks' backward are emulated,
 the backward's for the input gradients they pass on: the parameters' gradients (the partial sums the
 kernels leave for reduce_partials, the embedding's) are not computed; reduce_partials and
 embedding_backward write NaN to them, so a result that reads them shows it. An unknown kernel raises.
@@ -14,6 +15,8 @@ import numpy as np
 
 import rwkvx.cu  # noqa: F401  (declares every kernel)
 from rwkvx import oracle as O
+from rwkvx.cu import init
+from rwkvx.oracle import init as O_init
 from rwkvx.runtime.dtypes import ELEM_BYTES
 from rwkvx.runtime.kernel import KernelFile
 from rwkvx.runtime.ops import Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
@@ -101,20 +104,27 @@ def run(mem: Memory, ops) -> None:
             raise TypeError(f"cannot emulate {op!r}")
 
 
-def _colmajor(mem, ptr, rows, cols, ld):
-    flat = mem.array(ptr, "f32", ld * (cols - 1) + rows)
-    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (4, 4 * ld))
+def _colmajor(mem, ptr, rows, cols, ld, elem="f32"):
+    flat = mem.array(ptr, elem, ld * (cols - 1) + rows)
+    size = ELEM_BYTES[elem]
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (size, size * ld))
+
+
+def _rowmajor(mem, ptr, rows, cols, ld, elem="f64"):
+    """A writable [rows, cols] view with leading dimension ``ld`` (a row-major matrix or a block of one)."""
+    return _colmajor(mem, ptr, cols, rows, ld, elem).T
 
 
 def _gemm(mem, g: Gemm) -> None:
-    if g.precision.a != "f32":
-        raise NotImplementedError("emulated GEMMs are fp32")
-    A = _colmajor(mem, g.A, g.k, g.m, g.lda).T if g.transa else _colmajor(mem, g.A, g.m, g.k, g.lda)
-    B = _colmajor(mem, g.B, g.n, g.k, g.ldb).T if g.transb else _colmajor(mem, g.B, g.k, g.n, g.ldb)
+    elem = g.precision.a
+    if elem not in ("f32", "f64"):
+        raise NotImplementedError("emulated GEMMs are fp32 or fp64")
+    A = _colmajor(mem, g.A, g.k, g.m, g.lda, elem).T if g.transa else _colmajor(mem, g.A, g.m, g.k, g.lda, elem)
+    B = _colmajor(mem, g.B, g.n, g.k, g.ldb, elem).T if g.transb else _colmajor(mem, g.B, g.k, g.n, g.ldb, elem)
     out = g.alpha * (A.astype(np.float64) @ B.astype(np.float64))
     if g.beta:
-        out += g.beta * _colmajor(mem, g.C, g.m, g.n, g.ldc)
-    _colmajor(mem, g.D, g.m, g.n, g.ldc)[...] = out
+        out += g.beta * _colmajor(mem, g.C, g.m, g.n, g.ldc, elem)
+    _colmajor(mem, g.D, g.m, g.n, g.ldc, elem)[...] = out
 
 
 # ---------------------------------------------------------------- kernels, by name
@@ -414,6 +424,44 @@ def _dec_sample(mem, a, op):
               "i32")
 
 
+def _init_normal(mem, a, op):
+    mem.write(a["out"], O_init.normal(a["count"], {k: a[k] for k in init.KEY_ARGS}), "f64")
+
+
+def _init_uniform(mem, a, op):
+    keys = {k: a[k] for k in init.KEY_ARGS}
+    mem.write(a["out"], O_init.uniform(a["count"], keys, a["lo"], a["width"]), "f32")
+
+
+def _chol_diag(mem, a, op):
+    info, j0, jb, ld = mem.array(a["info"], "i32", 1), a["j0"], a["jb"], a["ld"]
+    if info[0]:
+        return
+    block = _rowmajor(mem, a["g"] + 8 * (j0 * ld + j0), jb, jb, ld)
+    factor, failed = O_init.chol_block(block)
+    if failed >= 0:
+        info[0] = j0 + failed + 1
+        return
+    lower = np.tril_indices(jb)
+    block[lower] = factor[lower]
+
+
+def _trsm_rows(mem, a, op):
+    b = _rowmajor(mem, a["b"], a["rows"], a["jb"], a["ldb"])
+    with np.errstate(divide="ignore", invalid="ignore"):     # after a failed chol_diag L may hold zeros
+        b[...] = O_init.solve_rows(b, _rowmajor(mem, a["l"], a["jb"], a["jb"], a["ldl"]))
+
+
+def _gram_deviation(mem, a, op):
+    out = mem.array(a["out"], "f64", 1)
+    out[0] = max(out[0], np.abs(_rowmajor(mem, a["g"], a["n"], a["n"], a["n"]) - np.eye(a["n"])).max())
+
+
+def _store_f32(mem, a, op):
+    q = a["gain"] * _rowmajor(mem, a["a"], a["m"], a["n"], a["n"])
+    mem.write(a["out"], (q.T if a["transpose"] else q).astype(np.float32))
+
+
 KERNELS = {
     "embedding_forward": _embedding_forward, "ln_forward": _ln_forward, "tm_shift_fwd": _tm_shift_fwd,
     "tm_tanh_fwd": _elementwise(np.tanh), "tm_sigmoid_fwd": _elementwise(lambda x: 1 / (1 + np.exp(-x))),
@@ -429,4 +477,6 @@ KERNELS = {
     "wkv7_backward": _wkv7_backward, "wkv7_backward_reduce": _done_by_wkv7_backward, "tm_prep_bwd": _tm_prep_bwd,
     "tm_tanh_bwd": _elementwise_backward(O.tanh_backward), "tm_sigmoid_bwd": _elementwise_backward(O.sigmoid_backward),
     "tm_shift_bwd": _tm_shift_bwd, "embedding_backward": _embedding_backward,
+    "init_normal": _init_normal, "init_uniform": _init_uniform, "chol_diag": _chol_diag, "trsm_rows": _trsm_rows,
+    "gram_deviation": _gram_deviation, "store_f32": _store_f32,
 }

@@ -8,9 +8,11 @@ import pytest
 
 from rwkvx import Config, init_params, param_shapes
 from rwkvx.cu import init
-from rwkvx.oracle import init as model
+from rwkvx.oracle import init as twin
 from rwkvx.cu.init.ops import CHOL_DIAG, TRSM_ROWS
-from rwkvx.device_init import scratch_bytes
+from emulator import Memory, run
+from rwkvx.cu._common import carve
+from rwkvx.device_init import pass_ops, scratch_bytes, scratch_sizes
 from rwkvx.params import (EMB_INIT_RANGE, ORTHOGONALITY_TOL, complete_params, householder_columns,
                           orthogonal_tensors, orthonormal_columns)
 from rwkvx.presets import PRESETS, get_preset
@@ -30,7 +32,7 @@ KS_CRITICAL = 1.95          # sqrt(n) * D at the 0.1 % level of the Kolmogorov-S
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ])
 def test_philox_known_answers(ctr, key, out):
-    words = model.philox(*([c] for c in ctr), *key)
+    words = twin.philox(*([c] for c in ctr), *key)
     assert tuple(int(w[0]) for w in words) == out
 
 
@@ -48,7 +50,7 @@ _PHI = np.frompyfunc(lambda v: 0.5 * (1.0 + math.erf(v / math.sqrt(2.0))), 1, 1)
 @pytest.mark.parametrize("seed, name", [(0, "rwkv.head.weight"), (12345, "rwkv.blocks.7.att.key.weight"),
                                         (2**64 - 1, "x")])
 def test_normal_draws_are_standard_gaussians(seed, name):
-    z = model.normal(200_001, seed, name)
+    z = twin.normal(200_001, init.draw_keys(seed, name))
     assert z.dtype == np.float64 and z.shape == (200_001,)
     assert abs(z.mean()) < 4 / math.sqrt(len(z)) and abs(z.var() - 1) < 4 * math.sqrt(2 / len(z))
     assert _ks(z[:20_000], lambda x: _PHI(x).astype(np.float64)) < KS_CRITICAL
@@ -58,7 +60,7 @@ def test_normal_draws_are_standard_gaussians(seed, name):
 
 def test_uniform_draws():
     lo, width = -EMB_INIT_RANGE, 2 * EMB_INIT_RANGE
-    u = model.uniform(100_003, 9, "rwkv.emb.weight", lo, width)
+    u = twin.uniform(100_003, init.draw_keys(9, "rwkv.emb.weight"), lo, width)
     assert u.dtype == np.float32 and u.min() >= lo and u.max() < lo + width
     assert _ks(u.astype(np.float64), lambda x: (x - lo) / width) < KS_CRITICAL
     assert abs(u.mean()) < 4 * width / math.sqrt(12 * len(u))
@@ -66,8 +68,8 @@ def test_uniform_draws():
 
 def test_box_muller_is_the_exact_formula_to_float64_rounding():
     """The fixed log / sin / cos polynomials: r cos(2 pi u2), r sin(2 pi u2), r = sqrt(-2 ln u1) to a few ulp."""
-    w = model.block_words(np.arange(50_000), 3, "t")
-    z0, z1 = model.box_muller(w)
+    w = twin.block_words(np.arange(50_000), init.draw_keys(3, "t"))
+    z0, z1 = twin.box_muller(w)
     a = ((w[0] << np.uint64(32)) | w[1]) >> np.uint64(12)
     b = ((w[2] << np.uint64(32)) | w[3]) >> np.uint64(11)
     r = np.sqrt(-2 * np.log((2 * a.astype(np.float64) + 1) * 2.0 ** -53))
@@ -75,21 +77,22 @@ def test_box_muller_is_the_exact_formula_to_float64_rounding():
     np.testing.assert_allclose(z0, r * np.cos(angle), rtol=0, atol=4e-15 * r.max())
     np.testing.assert_allclose(z1, r * np.sin(angle), rtol=0, atol=4e-15 * r.max())
     x = np.linspace(2.0 ** -53, 1 - 2.0 ** -53, 10_001)
-    np.testing.assert_allclose(model.fixed_log(x), np.log(x), rtol=4e-16, atol=0)
+    np.testing.assert_allclose(twin.fixed_log(x), np.log(x), rtol=4e-16, atol=0)
 
 
 def test_draws_depend_on_seed_name_and_index_only():
-    z = model.normal(1001, 5, "a")
-    assert np.array_equal(z, model.normal(1001, 5, "a"))
-    assert np.array_equal(z[:300], model.normal(300, 5, "a"))          # a prefix: the element index alone
-    others = [model.normal(1001, 6, "a"), model.normal(1001, 5, "b"), model.normal(1001, 2**32 + 5, "a")]
+    keys = init.draw_keys(5, "a")
+    z = twin.normal(1001, keys)
+    assert np.array_equal(z, twin.normal(1001, init.draw_keys(5, "a")))
+    assert np.array_equal(z[:300], twin.normal(300, keys))             # a prefix: the element index alone
+    others = [twin.normal(1001, init.draw_keys(s, n)) for s, n in ((6, "a"), (5, "b"), (2**32 + 5, "a"))]
     assert all(abs(np.corrcoef(z, o)[0, 1]) < 0.2 for o in others)
-    u = model.uniform(1001, 5, "a", 0.0, 1.0)
-    assert np.array_equal(u[:7], model.uniform(7, 5, "a", 0.0, 1.0))
-    # past the model's first chunk of blocks, element 2j + 1 is still block j's second value
-    j = 2 * model._CHUNK + 1
-    tail = model.normal(2 * j + 2, 5, "a")[-2:]
-    assert np.array_equal(tail, np.concatenate(model.box_muller(model.block_words(np.array([j]), 5, "a"))))
+    u = twin.uniform(1001, keys, 0.0, 1.0)
+    assert np.array_equal(u[:7], twin.uniform(7, keys, 0.0, 1.0))
+    # past the twin's first chunk of blocks, element 2j + 1 is still block j's second value
+    j = 2 * twin._CHUNK + 1
+    tail = twin.normal(2 * j + 2, keys)[-2:]
+    assert np.array_equal(tail, np.concatenate(twin.box_muller(twin.block_words(np.array([j]), keys))))
 
 
 def test_seed_range():
@@ -110,11 +113,11 @@ def test_tensor_keys_are_distinct_on_the_presets(preset):
 
 
 @pytest.mark.parametrize("shape", [(300, 64), (64, 64), (130, 129), (1000, 16)])
-def test_model_cholesky_qr_is_householder_qr(shape):
+def test_twin_cholesky_qr_is_householder_qr(shape):
     """The device algorithm's Q (blocks of NB, a second pass when needed) is Householder QR's with R's
     diagonal positive, orthonormal in float64, and rounds to float32 with QᵀQ = I to 1e-6."""
     a = seeded_rng(shape[0] * 7 + shape[1]).standard_normal(shape)
-    q = model.orthonormal_columns(a)
+    q = twin.orthonormal_columns(a)
     np.testing.assert_allclose(q, householder_columns(a), atol=1e-10)
     np.testing.assert_allclose(q.T @ q, np.eye(shape[1]), atol=ORTHOGONALITY_TOL)
     assert (np.diag(q.T @ a) > 0).all()                      # R = QᵀA: its diagonal positive
@@ -122,35 +125,35 @@ def test_model_cholesky_qr_is_householder_qr(shape):
     np.testing.assert_allclose(q32.T @ q32, np.eye(shape[1]), atol=1e-6)
 
 
-def test_model_blocks_match_lapack():
+def test_twin_blocks_match_lapack():
     rng = seeded_rng(5)
     a = rng.standard_normal((400, 150))
     g = a.T @ a
-    lower = model.cholesky(g)
+    lower = twin.cholesky(g)
     np.testing.assert_allclose(lower, np.linalg.cholesky(g), rtol=0, atol=1e-12 * np.abs(lower).max())
-    np.testing.assert_allclose(model.solve(a, lower), a @ np.linalg.inv(lower).T, atol=1e-12)
+    np.testing.assert_allclose(twin.solve(a, lower), a @ np.linalg.inv(lower).T, atol=1e-12)
     bad = g.copy()
     bad[100, 100] = -1.0                                      # not positive definite in the second block
-    assert model.cholesky(bad) is None
+    assert twin.cholesky(bad) is None
 
 
-def test_model_second_pass_and_fallback():
+def test_twin_second_pass_and_fallback():
     rng = seeded_rng(11)
     u, v = householder_columns(rng.standard_normal((200, 40))), householder_columns(rng.standard_normal((40, 40)))
     ill = (u * np.logspace(0, -6, 40)) @ v.T                 # condition number 1e6: one pass is not enough
-    q = model.orthonormal_columns(ill)
+    q = twin.orthonormal_columns(ill)
     np.testing.assert_allclose(q.T @ q, np.eye(40), atol=ORTHOGONALITY_TOL)
     np.testing.assert_allclose(q, householder_columns(ill), atol=1e-6)
     singular = rng.standard_normal((50, 8))
     singular[:, 7] = 0.0                                      # no Cholesky factor: Householder QR of the draw
-    np.testing.assert_array_equal(model.orthonormal_columns(singular), householder_columns(singular))
+    np.testing.assert_array_equal(twin.orthonormal_columns(singular), householder_columns(singular))
 
 
-def test_model_params_have_the_initialisation_law():
-    """init_params(device="gpu")'s values as the model computes them: names, shapes, the closed-form
+def test_twin_params_have_the_initialisation_law():
+    """init_params(device="gpu")'s values as the twin computes them: names, shapes, the closed-form
     tensors equal to the host path's, orthogonal tensors orthogonal with their gains, the embedding
     uniform; other seeds give other tensors."""
-    params = complete_params(CFG, model.random_params(CFG, 4))
+    params = complete_params(CFG, twin.random_params(CFG, 4))
     host = init_params(CFG, 4)
     assert list(params) == list(host)
     random = {"rwkv.emb.weight", *orthogonal_tensors(CFG)}
@@ -165,14 +168,64 @@ def test_model_params_have_the_initialisation_law():
         assert not np.array_equal(params[name], host[name])
     emb = params["rwkv.emb.weight"]
     assert emb.min() >= -EMB_INIT_RANGE and emb.max() < EMB_INIT_RANGE
-    other = model.random_params(CFG, 5)
+    other = twin.random_params(CFG, 5)
     assert not np.array_equal(other["rwkv.head.weight"], params["rwkv.head.weight"])
 
 
-def test_model_orthogonal_matches_the_host_algorithm_on_the_same_draw():
-    a = model.normal(256 * 64, 1, "w").reshape(256, 64)
-    q = model.orthogonal(1, "w", (64, 256), 0.1)             # wide: the transposed Q
+def test_twin_orthogonal_matches_the_host_algorithm_on_the_same_draw():
+    a = twin.normal(256 * 64, init.draw_keys(1, "w")).reshape(256, 64)
+    q = twin.orthogonal(1, "w", (64, 256), 0.1)             # wide: the transposed Q
     np.testing.assert_allclose(q, (0.1 * orthonormal_columns(a)).T.astype(np.float32), atol=1e-7)
+
+
+def _emulated_scratch():
+    """CPU memory (tests/emulator.py) holding random_params' scratch for a C = 192 model (draws up to
+    300 x 192), and its carved buffers."""
+    cfg, mem, base = Config(vocab_size=300, n_embd=192, head_size=16, n_rwkv_layer=2), Memory(), 1 << 30
+    mem.add(base, scratch_bytes(cfg))
+    return mem, carve(base, scratch_sizes(cfg))
+
+
+@pytest.mark.parametrize("shape, gain", [((300, 64), 0.5), ((130, 129), 1.0), ((64, 192), 0.1)])
+def test_the_op_lists_compute_the_twins_tensor(shape, gain):
+    """The GPU path's op lists (the draw, pass_ops, the store), run by tests/emulator.py on the CPU, give
+    the twin's orthogonal tensor: which buffer each op reads and writes, offsets, leading dimensions,
+    transposes and order (the kernels themselves: tests/gpu/test_init.py)."""
+    mem, buf = _emulated_scratch()
+    m, n = max(shape), min(shape)
+    run(mem, init.normal(buf["a"], m * n, 5, "t", H200))
+    run(mem, pass_ops(buf, m, n, H200, first=True))
+    assert mem.read(buf["info"], 1, elem="i32")[0] == 0
+    assert mem.read(buf["deviation"], 1, elem="f64")[0] <= ORTHOGONALITY_TOL      # one pass is enough here
+    run(mem, init.store(buf["out"], buf["a"], m, n, gain, shape[0] < shape[1], H200))
+    got, want = mem.read(buf["out"], m * n, shape), twin.orthogonal(5, "t", shape, gain).astype(np.float64)
+    assert (np.abs(got - want) <= np.spacing(np.abs(want).astype(np.float32))).all()   # float32 rounding
+
+
+def test_the_second_pass_op_list_reorthogonalises():
+    """An ill-conditioned draw (condition number 1e6): the first pass leaves QᵀQ further than
+    ORTHOGONALITY_TOL from I, the second pass (from the Gram matrix the first left) brings it back."""
+    rng = seeded_rng(12)
+    u, v = householder_columns(rng.standard_normal((200, 100))), householder_columns(rng.standard_normal((100, 100)))
+    ill = (u * np.logspace(0, -6, 100)) @ v.T
+    mem, buf = _emulated_scratch()
+    mem.write(buf["a"], ill, "f64")
+    run(mem, pass_ops(buf, 200, 100, H200, first=True))
+    assert mem.read(buf["deviation"], 1, elem="f64")[0] > ORTHOGONALITY_TOL
+    run(mem, pass_ops(buf, 200, 100, H200, first=False))
+    assert mem.read(buf["info"], 1, elem="i32")[0] == 0
+    q = mem.read(buf["a"], 200 * 100, (200, 100), elem="f64")
+    np.testing.assert_allclose(q.T @ q, np.eye(100), atol=ORTHOGONALITY_TOL)
+    np.testing.assert_allclose(q, twin.orthonormal_columns(ill), atol=1e-9)
+
+
+def test_the_first_pass_reports_a_gram_matrix_that_is_not_positive_definite():
+    mem, buf = _emulated_scratch()
+    a = seeded_rng(8).standard_normal((200, 100))
+    a[:, 70] = 0.0
+    mem.write(buf["a"], a, "f64")
+    run(mem, pass_ops(buf, 200, 100, H200, first=True))
+    assert mem.read(buf["info"], 1, elem="i32")[0] == 71              # the failing column + 1
 
 
 def test_cholesky_ops():

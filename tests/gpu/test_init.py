@@ -6,7 +6,7 @@ import pytest
 
 from rwkvx import Config, init_params
 from rwkvx.cu import init
-from rwkvx.oracle import init as model
+from rwkvx.oracle import init as twin
 from rwkvx.device_init import _Runner, random_params
 from rwkvx.params import EMB_INIT_RANGE, complete_params, householder_columns, orthogonal_tensors
 from rwkvx.runtime.gemm import FP64, linear
@@ -29,22 +29,22 @@ def _f32_ulps(got: np.ndarray, want: np.ndarray) -> float:
 
 @pytest.mark.parametrize("seed, name, count", [(0, "rwkv.head.weight", 1), (7, "a", 100_001),
                                                (2**40 + 3, "rwkv.blocks.3.att.key.weight", 4096 * 65 + 3)])
-def test_normal_draws_are_the_models_bits(dev, seed, name, count):
+def test_normal_draws_are_the_twins_bits(dev, seed, name, count):
     buf = dev.alloc(8 * count)
     _run(dev, init.normal(buf.typed("f64"), count, seed, name, dev.info))
     got = dev.download(buf, (count,), np.float64)
-    want = model.normal(count, seed, name)
+    want = twin.normal(count, init.draw_keys(seed, name))
     assert np.array_equal(got.view(np.uint64), want.view(np.uint64)), \
         f"{np.count_nonzero(got != want)} of {count} draws differ from the twin"
 
 
 @pytest.mark.parametrize("seed, count", [(0, 5), (2**63 + 11, 300 * 192 + 2)])
-def test_uniform_draws_are_the_models_bits(dev, seed, count):
+def test_uniform_draws_are_the_twins_bits(dev, seed, count):
     buf = dev.alloc(4 * count)
     _run(dev, init.uniform(buf.typed("f32"), count, seed, "rwkv.emb.weight", -EMB_INIT_RANGE,
                            2 * EMB_INIT_RANGE, dev.info))
     got = dev.download(buf, (count,), np.float32)
-    want = model.uniform(count, seed, "rwkv.emb.weight", -EMB_INIT_RANGE, 2 * EMB_INIT_RANGE)
+    want = twin.uniform(count, init.draw_keys(seed, "rwkv.emb.weight"), -EMB_INIT_RANGE, 2 * EMB_INIT_RANGE)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
@@ -59,16 +59,16 @@ def test_fp64_gemm_runs_with_double_scalars(dev):
 
 
 @pytest.mark.parametrize("m, n", [(300, 150), (1000, 64), (129, 129)])
-def test_cholesky_and_solve_match_the_model(dev, m, n):
+def test_cholesky_and_solve_match_the_twin(dev, m, n):
     a = seeded_rng(m + n).standard_normal((m, n))
     ba, bg, info = dev.to_device(a), dev.alloc(8 * n * n), dev.zeros(4)
     A, G = ba.typed("f64"), bg.typed("f64")
     _run(dev, [*init.gram(A, m, n, G), *init.cholesky(G, n, info.typed("i32")), *init.solve(A, m, n, G)])
     assert dev.download(info, (1,), np.int32)[0] == 0
-    lower = model.cholesky(a.T @ a)
+    lower = twin.cholesky(a.T @ a)
     np.testing.assert_allclose(np.tril(dev.download(bg, (n, n), np.float64)), lower, rtol=0,
                                atol=1e-11 * np.abs(lower).max())
-    np.testing.assert_allclose(dev.download(ba, (m, n), np.float64), model.solve(a, lower), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(dev.download(ba, (m, n), np.float64), twin.solve(a, lower), rtol=0, atol=1e-9)
 
 
 def test_cholesky_reports_a_matrix_that_is_not_positive_definite(dev):
@@ -90,13 +90,13 @@ def test_deviation(dev):
 
 @pytest.mark.parametrize("shape, gain", [((300, 64), 0.5), ((192, 192), 1.0), ((130, 129), 0.1),
                                          ((64, 256), 0.1)])
-def test_orthogonal_tensors_match_the_model(dev, shape, gain):
+def test_orthogonal_tensors_match_the_twin(dev, shape, gain):
     runner = _Runner(dev, CFG)              # scratch for CFG's largest draw, 300 x 192
     try:
         got = runner.orthogonal(5, "t", shape, gain)
     finally:
         runner.close()
-    want = model.orthogonal(5, "t", shape, gain)
+    want = twin.orthogonal(5, "t", shape, gain)
     assert got.shape == shape and got.dtype == np.float32
     assert _f32_ulps(got, want) <= 1.0
     w = got.astype(np.float64) / gain
@@ -112,14 +112,15 @@ def test_a_failed_cholesky_falls_back_to_householder_on_the_host(dev):
         got = runner.orthogonal(2, "t", (200, 64), 0.5)
     finally:
         runner.close()
-    want = (0.5 * householder_columns(model.normal(200 * 64, 2, "t").reshape(200, 64))).astype(np.float32)
+    draw = twin.normal(200 * 64, init.draw_keys(2, "t")).reshape(200, 64)
+    want = (0.5 * householder_columns(draw)).astype(np.float32)
     assert _f32_ulps(got, want) <= 1.0
 
 
-def test_init_params_on_the_gpu_is_the_model_and_deterministic(dev):
+def test_init_params_on_the_gpu_is_the_twin_and_deterministic(dev):
     seen = []
     got = init_params(CFG, 3, device="gpu", progress=lambda done, total: seen.append((done, total)))
-    want = complete_params(CFG, model.random_params(CFG, 3))
+    want = complete_params(CFG, twin.random_params(CFG, 3))
     assert list(got) == list(want)
     for name in want:
         assert got[name].shape == want[name].shape and got[name].dtype == np.float32

@@ -23,7 +23,7 @@ from rwkvx.runtime.ops import DevPtr, Memset
 
 from .._common import DeviceInfo, grid_stride_blocks
 
-__all__ = ["normal", "uniform", "gram", "cholesky", "solve", "deviation", "store", "seed_key", "tensor_key",
+__all__ = ["normal", "uniform", "gram", "cholesky", "solve", "deviation", "store", "seed_key", "tensor_key", "draw_keys", "KEY_ARGS",
            "NB", "SEED_LIMIT"]
 
 # Philox-4x32-10 (Salmon, Moraes, Dror, Shaw, SC'11): multipliers, Weyl increments of the key, rounds
@@ -56,7 +56,8 @@ RNG = KernelFile("init/rng", constants={
     "RNG_M1": f"{PHILOX_M[1]}u", "RNG_W0": f"{PHILOX_W[0]}u", "RNG_W1": f"{PHILOX_W[1]}u",
     "RNG_LOG_C": _doubles(LOG_C), "RNG_SIN_C": _doubles(SIN_C), "RNG_COS_C": _doubles(COS_C),
     "RNG_LN2": repr(LN2), "RNG_PI_4": repr(PI_4), "RNG_SQRT_HALF": repr(SQRT_HALF)})
-_KEYS = dict(key0=LONG, key1=LONG, id0=LONG, id1=LONG)
+KEY_ARGS = ("key0", "key1", "id0", "id1")     # the generator arguments of both kernels (draw_keys)
+_KEYS = dict.fromkeys(KEY_ARGS, LONG)
 INIT_NORMAL = RNG.kernel("init_normal", out=F64_OUT, count=LONG, **_KEYS)
 INIT_UNIFORM = RNG.kernel("init_uniform", out=F32_OUT, count=LONG, **_KEYS, lo=DOUBLE, width=DOUBLE)
 
@@ -81,9 +82,11 @@ def tensor_key(name: str) -> tuple[int, int]:
     return digest & 0xFFFFFFFF, digest >> 32
 
 
-def _keys(seed: int, name: str) -> dict:
+def draw_keys(seed: int, name: str) -> dict[str, int]:
+    """The generator arguments of tensor ``name``'s draws under ``seed``: the Philox key (key0, key1) and
+    the counter's high words (id0, id1)."""
     (k0, k1), (i0, i1) = seed_key(seed), tensor_key(name)
-    return dict(key0=k0, key1=k1, id0=i0, id1=i1)
+    return dict(zip(KEY_ARGS, (k0, k1, i0, i1)))
 
 
 def _check_count(what: str, count: int) -> None:
@@ -95,14 +98,14 @@ def normal(out: DevPtr, count: int, seed: int, name: str, dev: DeviceInfo) -> li
     """init_normal: out float64 [count] = the standard Gaussians of tensor ``name`` under ``seed``."""
     _check_count("normal", count)
     blocks = grid_stride_blocks((count + 1) // 2, dev, RNG_THREADS)
-    return [INIT_NORMAL.launch(blocks, RNG_THREADS, out=out, count=count, **_keys(seed, name))]
+    return [INIT_NORMAL.launch(blocks, RNG_THREADS, out=out, count=count, **draw_keys(seed, name))]
 
 
 def uniform(out: DevPtr, count: int, seed: int, name: str, lo: float, width: float, dev: DeviceInfo) -> list:
     """init_uniform: out float32 [count] = lo + width · u, u uniform in [0, 1) (24 bits)."""
     _check_count("uniform", count)
     blocks = grid_stride_blocks((count + 3) // 4, dev, RNG_THREADS)
-    return [INIT_UNIFORM.launch(blocks, RNG_THREADS, out=out, count=count, **_keys(seed, name), lo=lo,
+    return [INIT_UNIFORM.launch(blocks, RNG_THREADS, out=out, count=count, **draw_keys(seed, name), lo=lo,
                                 width=width)]
 
 
