@@ -2,6 +2,7 @@
 twin's generator (rwkvx.oracle.init) against Philox's known answers and the normal / uniform laws, its
 Cholesky QR, and the launch builders' op lists. tests/gpu/test_init.py holds the kernels to the twin."""
 import math
+import types
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from rwkvx.oracle import init as twin
 from rwkvx.cu.init.ops import CHOL_DIAG, TRSM_ROWS
 from emulator import Memory, run
 from rwkvx.cu._common import carve
-from rwkvx.device_init import pass_ops, scratch_bytes, scratch_sizes
+from rwkvx.device_init import pass_ops, random_params, scratch_bytes, scratch_sizes
 from rwkvx.params import (EMB_INIT_RANGE, ORTHOGONALITY_TOL, complete_params, householder_columns,
                           orthogonal_tensors, orthonormal_columns)
 from rwkvx.presets import PRESETS, get_preset
@@ -226,6 +227,56 @@ def test_the_first_pass_reports_a_gram_matrix_that_is_not_positive_definite():
     mem.write(buf["a"], a, "f64")
     run(mem, pass_ops(buf, 200, 100, H200, first=True))
     assert mem.read(buf["info"], 1, elem="i32")[0] == 71              # the failing column + 1
+
+
+class _EmulatedDevice:
+    """rwkvx.runtime.Device's part that random_params uses, with its memory and plans on the CPU
+    (tests/emulator.py); _Plan stands in for rwkvx._core.Plan."""
+    info = H200
+
+    def __init__(self):
+        self.mem, self.plans = Memory(), 0
+        self.cublas = types.SimpleNamespace(prepare=lambda gemms, scratch=None, tune=True: [])
+
+    def alloc(self, nbytes: int):
+        base = 1 << 40
+        self.mem.add(base, nbytes)
+        return types.SimpleNamespace(ptr=base, close=lambda: None)
+
+    def download(self, ptr, shape, dtype):
+        elem = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.int32): "i32"}[np.dtype(dtype)]
+        return self.mem.array(int(ptr), elem, int(np.prod(shape))).reshape(shape).copy()
+
+    def upload(self, ptr, array):
+        self.mem.write(int(ptr), array, "f64")
+
+
+class _Plan:
+    def __init__(self, dev, ops):
+        self.dev, self.ops = dev, ops
+        dev.plans += 1
+
+    def run(self):
+        run(self.dev.mem, self.ops)
+
+
+def test_random_params_on_an_emulated_device_are_the_twins(monkeypatch):
+    """The whole GPU path (scratch, plans built once per shape, the second pass when the deviation asks
+    for it, the store, the embedding, progress) on the emulated device gives the twin's tensors."""
+    import rwkvx._core
+    monkeypatch.setattr(rwkvx._core, "Plan", _Plan)
+    dev, seen = _EmulatedDevice(), []
+    got = random_params(CFG, 4, dev, progress=lambda done, total: seen.append((done, total)))
+    want = twin.random_params(CFG, 4)
+    assert list(got) == list(want)
+    for name, value in want.items():
+        assert got[name].shape == value.shape and got[name].dtype == np.float32
+        assert (np.abs(got[name] - value) <= np.spacing(np.abs(value))).all(), name
+    assert np.array_equal(got["rwkv.emb.weight"], want["rwkv.emb.weight"])
+    assert len(seen) == len(want) and seen[-1][0] == seen[-1][1] == sum(v.size for v in want.values())
+    # one plan for the embedding, a draw and a store per orthogonal tensor, the passes once per shape
+    shapes, tensors = {(max(s), min(s)) for s, _ in orthogonal_tensors(CFG).values()}, len(want) - 1
+    assert 1 + 2 * tensors + len(shapes) <= dev.plans <= 1 + 2 * tensors + 2 * len(shapes)
 
 
 def test_cholesky_ops():
