@@ -45,6 +45,11 @@ FP32_ALWAYS = ("emb_out", "block_in", "x1", "dx", "dv_first", "h1", "h2", "dh1",
 # LN1 output (only GEMMs read it) and the residual gradient (written by the LayerNorm backward with it).
 # In fp32 and tf32 a copy is the buffer itself (same offset).
 GEMM_COPIES = {"h1": "h1_x", "dx": "dx_x"}
+# The FFN key projection's output before relu², fp32 in every precision: relu² squares its rounding, so
+# the kernel squares the fp32 product and rounds once, into kf (docs/PERFORMANCE.md, "bf16 accuracy").
+# A transient of the channel mix's forward, in the channel mix's shared set; in fp32 and tf32 there is none
+# (relu² runs in place on the fp32 kf).
+KF_PRE = "kf_pre"
 # What an attention block keeps for its backward even with recompute=True: the recompute skips the MoBA
 # forward, the one part of a block whose cost grows with the attended keys (T * chunk * top_k), for
 # B*T*(C + H) activations and the query lists per attention block.
@@ -185,11 +190,13 @@ class Layout:
         self.head_rows = head_chunk_rows(R, V, X, head_chunk_bytes)
         # buffers never live at once share one region (_add_shared), one set at a time: the head's row
         # chunk of logits (then dlogits), the WKV7 work buffer, MoBA's partial outputs, the channel mix's
-        # backward gradients, the gradients a block's backward computes after its WKV7 / MoBA backward
+        # backward gradients, its forward's fp32 key product (bf16), the gradients a block's backward
+        # computes after its WKV7 / MoBA backward
         # (each set lives inside the head or inside one part of one block's pass)
         shared: dict[str, dict[str, tuple[int, str]]] = {
             "head": {"logits": (self.head_rows * V, X)}, "wkv": {}, "moba": {},
             "ffn": {"dkf": (R * F, X), "dxk2": (R * C, X), "dh2": (R * C, self.elem_of("dh2"))},
+            "ffn_forward": {KF_PRE: (R * F, "f32")} if X != "f32" else {},
             "tail": {name: (R * C, self.elem_of(name)) for name in AFTER_WKV_GRADS}}
         self._add("dx", R * C, self.elem_of("dx"))
         self._add("dlnout", R * C, self.elem_of("dlnout"))
@@ -220,14 +227,14 @@ class Layout:
             self._add(name, R, "f32")
         # with recompute the chunked WKV7's recomputed forward also writes the backward's chunk records
         # (one pass for both, rwkvx.cu.wkv7.forward), kept through the channel mix until the block's
-        # WKV7 backward: they lead the WKV7 work buffer's set and the channel mix's
+        # WKV7 backward: they lead the WKV7 work buffer's set and the channel mix's two
         keep = recompute and self.methods["wkv7"] in wkv7.CHUNKED_METHODS
         for name, count in wkv7.scratch_elems(B, T, H, N, dev, method=self.methods["wkv7"],
                                               kept_records=keep, ds0=tune_states).items():
             if name == "partials":
                 shared["wkv"]["wkv_partials"] = (count, "f32")
             elif name == "records":
-                for kept_by in ("wkv", "ffn"):
+                for kept_by in ("wkv", "ffn", "ffn_forward"):
                     shared[kept_by] = {"wkv_records": (count, "f32"), **shared[kept_by]}
             else:
                 self._add("wkv_" + name, count, "f32")

@@ -40,6 +40,7 @@ initial state of block i); per attention block j the caches
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -307,29 +308,51 @@ def _time_mix(ops: list, B: int) -> list:
                             w["H"], C // w["H"])
 
 
-def _as_job(g: Gemm, B: int, xtype: str) -> decode.GemvJob | None:
+def _as_job(g: Gemm, B: int) -> decode.GemvJob | None:
     """The dec_gemv job of GEMM ``g`` on B rows (rwkvx.runtime.gemm's linear or matmul on dense operands:
-    the weight is A, the activations B), or None if dec_gemv cannot compute it."""
+    the weight is A, the activations B), or None if it is not of that form (:func:`rwkvx.cu.decode.
+    gemv_supports` says whether dec_gemv computes it)."""
     p = g.precision
     kn = not g.transa                       # linear: A = W [n, k] transposed; matmul: A = W [k, n]
     if g.n != B or g.transb or g.alpha != 1.0 or g.beta not in (0.0, 1.0) or g.ldb != g.k or g.ldc != g.m \
             or g.lda != (g.m if kn else g.k):
         return None
     residual = g.beta == 1.0                # D = C + product (C: the residual stream)
-    job = decode.GemvJob(DevPtr(g.B, p.b), DevPtr(g.A, p.a), DevPtr(g.D, p.c), g.m, g.k, kn, residual=residual,
-                         addend=DevPtr(g.C, p.c) if residual else None, tf32=p.compute == "tf32")
-    return job if decode.gemv_supports(job, g.n, xtype) else None
+    return decode.GemvJob(DevPtr(g.B, p.b), DevPtr(g.A, p.a), DevPtr(g.D, p.c), g.m, g.k, kn, residual=residual,
+                          addend=DevPtr(g.C, p.c) if residual else None, tf32=p.compute == "tf32")
 
 
-def _activation_of(op: Any, job: decode.GemvJob, B: int) -> str | None:
-    """The epilogue ``op`` applies to ``job``'s output when it is one of :data:`ACTIVATIONS` in place on
-    exactly that output, else None."""
+def _with_activation(op: Any, job: decode.GemvJob, B: int, later: list) -> decode.GemvJob | None:
+    """``job`` with ``op``'s activation as its epilogue, when ``op`` is one of :data:`ACTIVATIONS` over
+    exactly ``job``'s output: in place, or into another buffer (then the job writes that one and its own
+    output is never formed: relu² from the fp32 key product, a transient the ``later`` ops overwrite
+    before they read it); else None."""
     if not isinstance(op, Launch) or op.name not in ACTIVATIONS or job.residual:
         return None
     epilogue, src, dst = ACTIVATIONS[op.name]
     a = _args(op)
-    whole = a["n"] == B * job.n and a[src] == a[dst] == int(job.out) and not a.get("b")
-    return epilogue if whole else None
+    if a["n"] != B * job.n or a[src] != int(job.out) or a.get("b"):
+        return None
+    if a[dst] != a[src] and not _rewritten_first(int(job.out), later):
+        return None
+    return dataclasses.replace(job, out=a[dst], epilogue=epilogue)
+
+
+def _rewritten_first(ptr: int, ops: list) -> bool:
+    """Whether the first of ``ops`` that names address ``ptr`` is a GEMM overwriting it (D = ptr, beta 0),
+    or none names it: what ``ptr`` holds now is never read."""
+    for op in ops:
+        if isinstance(op, Gemm):
+            if op.D == ptr and op.beta == 0.0 and ptr not in (op.A, op.B):
+                return True
+            if ptr in (op.A, op.B, op.C, op.D):
+                return False
+        elif isinstance(op, Launch):
+            if ptr in {int(v) for kind, v in op.args if kind == "p" and v}:
+                return False
+        elif ptr in {int(getattr(op, f)) for f in ("src", "dst") if hasattr(op, f)}:
+            return False
+    return True
 
 
 def _schedule(jobs: list[decode.GemvJob], B: int) -> list:
@@ -356,23 +379,28 @@ def _schedule(jobs: list[decode.GemvJob], B: int) -> list:
 def fuse_step(ops: list, B: int, xtype: str) -> list:
     """``ops`` (a step on B rows of element type ``xtype``) with each LayerNorm that feeds a token shift
     fused with it (dec_ln_shift), and, for B <= GEMV_ROWS, each run of GEMMs (and the activations
-    applied in place to their outputs) between other ops replaced by dec_gemv launches (the
-    independent products of a run share a launch, each activation becomes its product's epilogue),
+    applied to their whole outputs, :func:`_with_activation`) between other ops replaced by dec_gemv
+    launches (the independent products of a run share a launch, each activation becomes its product's
+    epilogue, applied to the fp32 product before the one rounding),
     then each RWKV block's LoRA second layers, prep, WKV7 token and GroupNorm by dec_tmix."""
     flat, out, run = flatten_ops(ops), [], []
     gemv = B <= decode.GEMV_ROWS
     i = 0
     while i < len(flat):
-        job = _as_job(flat[i], B, xtype) if gemv and isinstance(flat[i], Gemm) else None
-        if job is None:
+        job = _as_job(flat[i], B) if gemv and isinstance(flat[i], Gemm) else None
+        activated = _with_activation(flat[i + 1], job, B, flat[i + 2:]) if job and i + 1 < len(flat) else None
+        if activated is not None and decode.gemv_supports(activated, B, xtype):
+            run.append(activated)
+            i += 2
+            continue
+        if job is None or not decode.gemv_supports(job, B, xtype):
             fused = _ln_shift(flat[i], flat[i + 1]) if i + 1 < len(flat) else []
             out += _schedule(run, B) + (fused or [flat[i]])
             run = []
             i += 2 if fused else 1
             continue
-        epi = _activation_of(flat[i + 1], job, B) if i + 1 < len(flat) else None
-        run.append(decode.GemvJob(**{**job.__dict__, "epilogue": epi or "none"}))
-        i += 2 if epi else 1
+        run.append(job)
+        i += 1
     out += _schedule(run, B)
     fused, i = [], 0
     while i < len(out):

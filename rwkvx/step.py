@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .arena import GEMM_COPIES, TRAINED, Layout
+from .arena import GEMM_COPIES, KF_PRE, TRAINED, Layout
 from .cu import adamw, channelmix, embedding, layernorm, loss, moba, timemix, wkv7
 from .lora import factor_names
 from .params import EMB_WEIGHT, HEAD_WEIGHT
@@ -347,8 +347,9 @@ class StepBuilder:
         ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
                                 b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
         ops += self.channel_shift(prefix)
-        ops += self.project(b("xk2"), prefix + "ffn.key.weight", b("kf"), C, F)
-        ops += channelmix.relu_sq(b("kf"), b("kf"), R * F, dev)
+        pre = b(KF_PRE) if KF_PRE in self.L.offsets else b("kf")     # fp32 kf: relu² in place
+        ops += self.project(b("xk2"), prefix + "ffn.key.weight", pre, C, F)
+        ops += channelmix.relu_sq(pre, b("kf"), R * F, dev)
         if xout is not None:
             ops += self._residual_add(b("kf"), prefix + "ffn.value.weight", b("x1"), xout, F)
         return ops

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from rwkvx import Config
-from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, FP32_ALWAYS, Layout, head_chunk_rows
+from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, FP32_ALWAYS, KF_PRE, Layout, head_chunk_rows
 from rwkvx.precision import DEFAULT_PRECISION, resolve_precision
 from rwkvx.step import StepBuilder
 from rwkvx.cu import moba, wkv7
@@ -121,17 +121,18 @@ def test_memory_is_linear_in_tokens():
 
 def test_block_scratch_shares_the_logits_region():
     """The logits chunk, the WKV work buffer, MoBA's partials and the channel mix's backward gradients
-    (each live inside the head or one part of one block's forward or backward only) from one offset, the
+    and fp32 key product (each live inside the head or one part of one block's forward or backward only)
+    from one offset, the
     WKV7 backward's kept records (live through the channel mix) leading the WKV7 and channel mix sets; none
     of them is forward state kept for a backward."""
     kwargs, B, T = CONFIGS[3]
     layout = Layout(Config(**kwargs), B, T, H200, "bf16", recompute=True)
     start = layout.offsets["logits"]
     sets = (("logits",), ("wkv_records", "wkv_partials"), ("moba_part", "moba_lpart"),
-            ("wkv_records", "dkf", "dxk2", "dh2"))
+            ("wkv_records", "dkf", "dxk2", "dh2"), ("wkv_records", KF_PRE))
     assert {layout.offsets[names[0]] for names in sets} == {start}
     kept_end = start + layout.nbytes("wkv_records")
-    assert layout.offsets["wkv_partials"] >= kept_end and layout.offsets["dkf"] >= kept_end
+    assert all(layout.offsets[n] >= kept_end for n in ("wkv_partials", "dkf", KF_PRE))
     names = [n for group in sets for n in group]
     ends = [layout.offsets[n] + layout.nbytes(n) for n in names]
     assert min(o for o in layout.offsets.values() if o > max(layout.offsets[n] for n in names)) >= max(ends)

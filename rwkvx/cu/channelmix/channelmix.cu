@@ -10,7 +10,8 @@
 //
 //   cm_shift_mix(x, mix, xk, R, T, C)                      xk = x + (shift(x) - x) * mix.  xk must not alias x.
 //       grid-stride over R*C/4 float4 elements, block (256).
-//   cm_relu_sq_forward(h, k, n)                            k = max(h, 0)^2. k may alias h (in place).
+//   cm_relu_sq_forward(h, k, n)                            k = max(h, 0)^2 from fp32 h (the key GEMM's
+//       fp32 output: the square of the unrounded product, rounded once into k). k may alias h (fp32).
 //   cm_relu_sq_backward(dk, src, dh, n, src_is_k)          dh = dk * 2 * relu(h), relu(h) = max(src, 0) when
 //       src is h (src_is_k = 0) or sqrt(src) when src is k = relu(h)^2 (src_is_k = 1). dh may alias dk.
 //       n is int64 (arg kind "l"); 4-element vectors when all pointers are aligned, scalar tail.
@@ -48,7 +49,7 @@ static __device__ __forceinline__ float cm_relu_sq(float h)
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-cm_relu_sq_forward(const floatX* h, floatX* k, long long n)
+cm_relu_sq_forward(const float* h, floatX* k, long long n)
 {
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long gid = (long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -2,12 +2,12 @@
 
     xk = x + (shift(x) - x) * x_k          shift(x)[r] = x[r-1], 0 at t = r % T == 0
     h  = xk @ key^T                        (cuBLAS, by the model)  [R, F]
-    k  = relu(h)^2                         relu_sq (in place on h allowed)
+    k  = relu(h)^2                         relu_sq (h fp32, the key GEMM's output; in place allowed in fp32)
     out = k @ value^T                      (cuBLAS, by the model)
 
 Buffers row-major: x, dx f32 ``[R, C]`` in every precision (LN2's output and its gradient, docs/SPEC.md §4);
 xk, dxk floatX ``[R, C]`` (R = B*T; C % 4 == 0; aligned to 4 elements);
-x_k, dx_k f32 ``[C]``; h, k, dk, dh floatX ``[R, F]`` (any n = R*F).
+x_k, dx_k f32 ``[C]``; h f32 and k, dk, dh floatX ``[R, F]`` (any n = R*F).
 Twins: ``rwkvx.oracle.channel_mix_shift_forward`` / ``channel_mix_shift_backward``, ``relu_sq_forward`` /
 ``relu_sq_backward``.
 
@@ -37,7 +37,7 @@ REDUCE_BY = 16              # reduce_partials rows (its summation order)
 
 CU = KernelFile("channelmix/channelmix", constants={"CM_BY": BY})
 CM_SHIFT_MIX = CU.kernel("cm_shift_mix", x=F32_IN, mix=F32_IN, xk=X_OUT, R=INT, T=INT, C=INT)
-CM_RELU_SQ_FORWARD = CU.kernel("cm_relu_sq_forward", h=X_IN, k=X_OUT, n=LONG)
+CM_RELU_SQ_FORWARD = CU.kernel("cm_relu_sq_forward", h=F32_IN, k=X_OUT, n=LONG)
 CM_RELU_SQ_BACKWARD = CU.kernel("cm_relu_sq_backward", dk=X_IN, src=X_IN, dh=X_OUT, n=LONG, src_is_k=INT)
 CM_MIX_BACKWARD = CU.kernel("cm_mix_backward", dxk=X_IN, x=F32_IN, mix=F32_IN, dx=F32_OUT, part=F32_OUT,
                             R=INT, T=INT, C=INT, rows_per_tile=INT, accumulate=INT)
@@ -65,11 +65,11 @@ def shift_mix(x, x_k, xk, R: int, T: int, C: int, dev: DeviceInfo) -> list:
 
 
 def relu_sq(h, k, n: int, dev: DeviceInfo) -> list:
-    """cm_relu_sq_forward: k = relu(h)^2 over n elements; k may be h (in place)."""
+    """cm_relu_sq_forward: k (floatX) = relu(h)^2 over n elements of fp32 h; k may be h (in place, fp32)."""
     if n <= 0:
         raise ValueError("channelmix.relu_sq: n must be positive")
     return [CM_RELU_SQ_FORWARD.launch((grid_stride_blocks(math.ceil(n / 4), dev), 1, 1), (256, 1, 1),
-                                      xtype=xtype_of("channelmix.relu_sq", h, k), h=h, k=k, n=n)]
+                                      xtype=xtype_of("channelmix.relu_sq", k), h=h, k=k, n=n)]
 
 
 def relu_sq_backward(dk, src, dh, n: int, dev: DeviceInfo, src_is_k: bool = False) -> list:
