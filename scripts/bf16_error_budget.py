@@ -55,6 +55,7 @@ KERNEL_VARIANTS = (
     ("plan + both (the bf16 step now)", TODAY, ()),
     ("split WKV7 operators + MoBA", ("wkv7_split", "moba_bf16"), ()),
     ("every WKV7 product 3xTF32 + MoBA", ("wkv7_exact", "moba_bf16"), ()),
+    ("now, MoBA's dS split (bf16 hi + lo)", ("wkv7_tf32", "moba_split_ds"), ()),
 ) + tuple((f"now + {fam} fp32", TODAY, (fam,)) for fam in ("ffn", "gn_gate", "lora"))
 
 
@@ -126,7 +127,9 @@ def kernel_table(kind: str, N: int, B: int, T: int, seed: int, log) -> list[str]
     rows = _header(case, kind, B, T, seed)
     done = set()
     for label, kernels, fams in KERNEL_VARIANTS:
-        kernels = tuple(k for k in kernels if case.cfg.n_attn_layer or k != "moba_bf16")
+        if not case.cfg.n_attn_layer:                 # no MoBA block: no MoBA rounding
+            kernels = tuple(k for k in kernels if not k.startswith("moba_"))
+            label = label.replace(" + MoBA", "")
         if (kernels, fams) in done:
             continue                                  # without MoBA blocks: an earlier row again
         done.add((kernels, fams))

@@ -66,7 +66,8 @@ FAMILIES = {
     "gemm_in": "every GEMM's activation and gradient operands, rounded as the tensor cores take them",
     "weights": "the weights as GEMM operands (rwkvx's bf16 copy params_x)",
 }
-# The kernel-internal roundings the rwkvx_bf16 recipe can add (``kernels=``); at most one wkv7_* of them.
+# The kernel-internal roundings the rwkvx_bf16 recipe can add (``kernels=``); at most one wkv7_* and one
+# moba_* of them.
 KERNELS = {
     "wkv7_tf32": "the chunked WKV7 as the bf16 kernels compute it: fp32 arithmetic, every tensor-core "
                  "operand rounded to tf32 once (the chunk operators in one pass: SPLIT_OPERATORS['bf16'] False)",
@@ -75,6 +76,7 @@ KERNELS = {
                   "products on bf16 inputs)",
     "moba_bf16": "MoBA's mma kernels: the probabilities P and dS rounded to bf16 as the second products' "
                  "operands",
+    "moba_split_ds": "the same with dS as a bf16 hi + lo pair for dq and dk (two mma per step), P still bf16",
 }
 
 
@@ -387,11 +389,12 @@ class MobaBf16(torch.autograd.Function):
     """MoBA attention as its mma kernels round it (rwkvx/cu/moba/mma_model.py): the un-normalised
     probabilities exp(s - max) rounded to bf16 as the operand of P V (the sum that normalises them
     unrounded); in the backward P = exp(s - lse) and dS = P (dP - delta) rounded to bf16 as the operands
-    of dv = P^T dO, dq = dS K and dk = dS^T Q, delta from the output as stored (bf16 with ``store``).
-    q, k, v [B, H, T, N] (the kernels' bf16 operands), ``visible`` [B, H, T, T]; float64 arithmetic."""
+    of dv = P^T dO, dq = dS K and dk = dS^T Q (``split_ds``: dS as a bf16 hi + lo pair), delta from the
+    output as stored (bf16 with ``store``). q, k, v [B, H, T, N] (the kernels' bf16 operands), ``visible``
+    [B, H, T, T]; float64 arithmetic."""
 
     @staticmethod
-    def forward(ctx, q, k, v, visible, store: bool):
+    def forward(ctx, q, k, v, visible, store: bool, split_ds: bool = False):
         scale = q.shape[-1] ** -0.5
         s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, -torch.inf)
         m = s.amax(-1, keepdim=True)
@@ -399,6 +402,7 @@ class MobaBf16(torch.autograd.Function):
         l = p.sum(-1, keepdim=True)
         o = (bf16_round(p) @ v) / l
         ctx.save_for_backward(q, k, v, visible, m + torch.log(l), bf16_round(o) if store else o)
+        ctx.split_ds = split_ds
         return o
 
     @staticmethod
@@ -407,15 +411,18 @@ class MobaBf16(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, -torch.inf)
         p = torch.exp(s - lse)
-        ds = bf16_round(p * (do @ v.transpose(-1, -2) - (o * do).sum(-1, keepdim=True)))
-        return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, bf16_round(p).transpose(-1, -2) @ do, None, None
+        ds = p * (do @ v.transpose(-1, -2) - (o * do).sum(-1, keepdim=True))
+        hi = bf16_round(ds)
+        ds = hi + bf16_round(ds - hi) if ctx.split_ds else hi
+        return ((ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, bf16_round(p).transpose(-1, -2) @ do,
+                None, None, None)
 
 
-def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor, bf16_kernel: bool = False,
+def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor, kernel: str | None = None,
                     store: bool = False) -> torch.Tensor:
     """o [B, T, H, N]: softmax attention of each query over its visible keys (the selected blocks and
-    its own block up to itself), scores scaled by 1/sqrt(N); ``bf16_kernel``: with the roundings of the
-    mma kernels (:class:`MobaBf16`, ``store``: o stored in bf16)."""
+    its own block up to itself), scores scaled by 1/sqrt(N); ``kernel``: a moba_* key of :data:`KERNELS`,
+    the roundings of the mma kernels (:class:`MobaBf16`, ``store``: o stored in bf16)."""
     B, T, H, N = q.shape
     nblk = -(-T // chunk)
     pos = torch.arange(T, device=q.device)
@@ -424,8 +431,8 @@ def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor, bf16_kernel: b
     chosen.scatter_(-1, selection.masked_fill(selection < 0, nblk), True)
     visible = chosen[..., blk] | ((blk[:, None] == blk[None, :]) & (pos[None, :] <= pos[:, None]))
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    if bf16_kernel:
-        return MobaBf16.apply(qh, kh, vh, visible, store).transpose(1, 2)
+    if kernel is not None:
+        return MobaBf16.apply(qh, kh, vh, visible, store, kernel == "moba_split_ds").transpose(1, 2)
     scores = (qh @ kh.transpose(-1, -2)) * N ** -0.5
     p = torch.softmax(scores.masked_fill(~visible, -torch.inf), dim=-1)
     return (p @ vh).transpose(1, 2)
@@ -439,7 +446,8 @@ def _attention(P, pre, x, cfg, forced, rd):
                for n in ("receptance", "key", "value"))
     own, gaps = moba_select(q, k, cfg.moba_chunk_size, cfg.moba_top_k)
     selection = own if forced is None else forced
-    o = _moba_attention(q, k, v, cfg.moba_chunk_size, selection, "moba_bf16" in rd.kernels, "y" in rd.rounded)
+    kernel = next((name for name in rd.kernels if name.startswith("moba_")), None)
+    o = _moba_attention(q, k, v, cfg.moba_chunk_size, selection, kernel, "y" in rd.rounded)
     o = rd(o.reshape(B, T, C), "y")
     return rd.linear(o, P[a + "output.weight"]), own, gaps
 
@@ -493,7 +501,8 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
     ``decay_logit``: an alternative to rwkvx's bf16 decay buffer for ``rwkvx_bf16``: the family ``decay``
     rounds the decay's logit w0 + wl to bf16 and the recurrence takes the exact decay of that, as
     RWKV-LM's clampw kernel does. ``kernels``: the kernel-internal roundings of :data:`KERNELS` that
-    ``rwkvx_bf16`` adds (at most one wkv7_* of them; those need a head size of the chunked kernels)."""
+    ``rwkvx_bf16`` adds (at most one wkv7_* and one moba_* of them; wkv7_* need a head size of the
+    chunked kernels)."""
     if not isinstance(cfg, Config):
         raise TypeError(f"cfg must be an rwkvx.Config, got {type(cfg).__name__}")
     if recipe not in RECIPES:
@@ -505,8 +514,8 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
     kernels = frozenset(kernels)
     if kernels - KERNELS.keys():
         raise ValueError(f"kernels: unknown {sorted(kernels - KERNELS.keys())}; the kernels are {tuple(KERNELS)}")
-    if len([name for name in kernels if name.startswith("wkv7_")]) > 1:
-        raise ValueError(f"kernels: at most one of the wkv7_* roundings, got {sorted(kernels)}")
+    if any(len([name for name in kernels if name.startswith(kind)]) > 1 for kind in ("wkv7_", "moba_")):
+        raise ValueError(f"kernels: at most one of the wkv7_* and one of the moba_* roundings, got {sorted(kernels)}")
     if any(name.startswith("wkv7_") for name in kernels) and cfg.head_size not in CHUNKED_HEAD_SIZES:
         raise ValueError(f"kernels: the chunked WKV7 takes head sizes {CHUNKED_HEAD_SIZES}, not {cfg.head_size}")
     if (fp32_families or decay_logit or kernels) and recipe != "rwkvx_bf16":
