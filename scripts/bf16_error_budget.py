@@ -21,7 +21,10 @@ the bf16 kernels take them, with the chunk operators split into 3xTF32 or every 
 bf16 P and dS), then the kernels as today with one more family in fp32 each (KERNEL_FIXES).
 
     python scripts/bf16_error_budget.py --out budget.md [--batch 1 --seq-len 512 --seed 0 --head-size 64]
-    python scripts/bf16_error_budget.py --kernels --out kernels.md --seq-len 1024 --head-size 32
+    python scripts/bf16_error_budget.py --kernels --out kernels.md --seq-len 1024 --head-size 32 64 --seed 0 1 2
+
+(--seed and --head-size take several values: one table per model, and with --kernels the ratios side by
+side at the end.)
 
 writes the table (markdown) to ``--out`` atomically and prints it.
 """
@@ -119,26 +122,47 @@ def _header(case: Case, kind: str, B: int, T: int, seed: int) -> list[str]:
             "|---|---|---|---|---|---|---|" + extra[1], _row(case, "autocast bf16 (yardstick)", case.yard)]
 
 
-def kernel_table(kind: str, N: int, B: int, T: int, seed: int, log) -> list[str]:
-    """The --kernels table's rows of one model (markdown), logging progress through ``log``."""
+def kernel_table(kind: str, N: int, B: int, T: int, seed: int, log, ratios: dict) -> list[str]:
+    """The --kernels table's rows of one model (markdown), logging progress through ``log``; each variant's
+    ratio goes to ``ratios[label][(kind, N)][seed]`` for :func:`summary`."""
     t0 = time.time()
     case = Case(kind, N, B, T, seed)
     case.kernel_table = True
     rows = _header(case, kind, B, T, seed)
-    done = set()
+    done = {}
     for label, kernels, fams in KERNEL_VARIANTS:
+        shown = label
         if not case.cfg.n_attn_layer:                 # no MoBA block: no MoBA rounding
             kernels = tuple(k for k in kernels if not k.startswith("moba_"))
-            label = label.replace(" + MoBA", "")
-        if (kernels, fams) in done:
-            continue                                  # without MoBA blocks: an earlier row again
-        done.add((kernels, fams))
-        rows.append(_row(case, label, case.emulate(PLAN_FP32 | set(fams), kernels=kernels)))
+            shown = label.replace(" + MoBA", "")
+        again = (kernels, fams) in done               # without MoBA blocks: an earlier row again
+        if not again:
+            done[kernels, fams] = case.emulate(PLAN_FP32 | set(fams), kernels=kernels)
+        errors = done[kernels, fams]
+        ratios.setdefault(label, {}).setdefault((kind, N), {})[seed] = case.ratio(errors)
+        if again:
+            continue
+        rows.append(_row(case, shown, errors))
         log(f"{kind} N{N} T{T} seed {seed}: {label} at {time.time() - t0:.0f} s")
     return rows
 
 
-def budget(kind: str, N: int, B: int, T: int, seed: int, log) -> list[str]:
+def summary(ratios: dict) -> list[str]:
+    """The --kernels ratios side by side (markdown): per variant and model the ratio of each seed, and how
+    many (model, seed) pairs are over the bound (ratio > 1)."""
+    models = list(dict.fromkeys(m for per_model in ratios.values() for m in per_model))
+    rows = ["\nratio (largest error / allowance) per seed; over: (model, seed) pairs with ratio > 1\n",
+            "| variant | " + " | ".join(f"{kind} N{N}" for kind, N in models) + " | over |",
+            "|---|" + "---|" * (len(models) + 1)]
+    for label, per_model in ratios.items():
+        cells = [" / ".join(f"{r:.2f}" for r in per_model[m].values()) if m in per_model else "" for m in models]
+        over = sum(r > 1 for by_seed in per_model.values() for r in by_seed.values())
+        total = sum(len(by_seed) for by_seed in per_model.values())
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {over} of {total} |")
+    return rows
+
+
+def budget(kind: str, N: int, B: int, T: int, seed: int, log, ratios: dict) -> list[str]:
     """The table's rows of one model (markdown), logging progress through ``log``."""
     t0 = time.time()
     case = Case(kind, N, B, T, seed)
@@ -182,8 +206,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="where to write the table (markdown)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--head-size", type=int, choices=HEAD_SIZES, default=64)
+    ap.add_argument("--seed", type=int, nargs="+", default=[0])
+    ap.add_argument("--head-size", type=int, nargs="+", choices=HEAD_SIZES, default=[64])
     ap.add_argument("--kinds", nargs="+", choices=tuple(KINDS), default=tuple(KINDS))
     ap.add_argument("--kernels", action="store_true",
                     help="the plan with the kernels' own roundings and the fixes for them (KERNEL_VARIANTS)")
@@ -193,10 +217,14 @@ def main() -> None:
     torch.set_num_threads(1)   # small float64 ops: threads only add synchronisation (and fight on a shared CPU)
     lines = [f"bf16 error budget (CPU emulation, tests/torch_twin.py rwkvx_bf16): gradient rel_err against "
              f"float64; criterion: every tensor <= {SLACK} x max(autocast, {FLOOR}) and median <= autocast's"]
-    table = kernel_table if args.kernels else budget
+    table, ratios = kernel_table if args.kernels else budget, {}
     for kind in args.kinds:
-        lines += table(kind, args.head_size, args.batch, args.seq_len, args.seed,
-                       lambda m: print(m, file=sys.stderr, flush=True))
+        for N in args.head_size:
+            for seed in args.seed:
+                lines += table(kind, N, args.batch, args.seq_len, seed,
+                               lambda m: print(m, file=sys.stderr, flush=True), ratios)
+    if args.kernels:
+        lines += summary(ratios)
     text = "\n".join(lines) + "\n"
     atomic_write(args.out, lambda f: f.write(text.encode()))
     print(text)
