@@ -18,7 +18,8 @@ that set in fp32). The MoBA blocks attend with the float64 twin's selection in e
 ``--kernels`` prints another table instead: the plan of docs/SPEC.md §4 (PLAN_FP32 families in fp32) with
 the kernels' own roundings added (``torch_twin.KERNELS``: the chunked WKV7's tf32 operands in one pass as
 the bf16 kernels take them, with the chunk operators split into 3xTF32 or every product in 3xTF32, MoBA's
-bf16 P and dS), then the kernels as today with one more family in fp32 each (KERNEL_FIXES).
+bf16 P and dS, and dS split into a bf16 pair), then the kernels as today with relu² taken from an fp32 kf
+and with one more family in fp32 each (KERNEL_VARIANTS).
 
     python scripts/bf16_error_budget.py --out budget.md [--batch 1 --seq-len 512 --seed 0 --head-size 64]
     python scripts/bf16_error_budget.py --kernels --out kernels.md --seq-len 1024 --head-size 32 64 --seed 0 1 2
@@ -59,6 +60,7 @@ KERNEL_VARIANTS = (
     ("split WKV7 operators + MoBA", ("wkv7_split", "moba_bf16"), ()),
     ("every WKV7 product 3xTF32 + MoBA", ("wkv7_exact", "moba_bf16"), ()),
     ("now, MoBA's dS split (bf16 hi + lo)", ("wkv7_tf32", "moba_split_ds"), ()),
+    ("now, relu² from an fp32 kf", TODAY + ("ffn_kf_fp32",), ()),
 ) + tuple((f"now + {fam} fp32", TODAY, (fam,)) for fam in ("ffn", "gn_gate", "lora"))
 
 

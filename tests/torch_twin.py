@@ -77,6 +77,8 @@ KERNELS = {
     "moba_bf16": "MoBA's mma kernels: the probabilities P and dS rounded to bf16 as the second products' "
                  "operands",
     "moba_split_ds": "the same with dS as a bf16 hi + lo pair for dq and dk (two mma per step), P still bf16",
+    "ffn_kf_fp32": "the channel mix's relu^2 taken from kf in fp32 (the key GEMM's output, not kept) and "
+                   "stored bf16; dkf and the rest of the family ffn as it is",
 }
 
 
@@ -352,7 +354,9 @@ def _time_mix(P, pre, layer, x, v_first, N, rd):
 def _channel_mix(P, pre, x, rd):
     f = pre + "ffn."
     k = rd(x + (_shift(x) - x) * P[f + "x_k"], "shift")
-    k = rd.activation("relu_sq", rd(rd.linear(k, P[f + "key.weight"]), "ffn"), "ffn")
+    k = rd.linear(k, P[f + "key.weight"])
+    k = rd.grad(k, "ffn") if "ffn_kf_fp32" in rd.kernels else rd(k, "ffn")
+    k = rd.activation("relu_sq", k, "ffn")
     return rd.linear(k, P[f + "value.weight"])
 
 
