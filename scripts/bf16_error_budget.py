@@ -56,10 +56,10 @@ KERNEL_VARIANTS = (
     ("plan, no kernel rounding", (), ()),
     ("plan + WKV7 one-pass TF32", ("wkv7_tf32",), ()),
     ("plan + MoBA bf16 P, dS", ("moba_bf16",), ()),
-    ("plan + both (the bf16 step now)", TODAY, ()),
-    ("split WKV7 operators + MoBA", ("wkv7_split", "moba_bf16"), ()),
-    ("every WKV7 product 3xTF32 + MoBA", ("wkv7_exact", "moba_bf16"), ()),
-    ("now, MoBA's dS split (bf16 hi + lo)", ("wkv7_tf32", "moba_split_ds"), ()),
+    ("now (both)", TODAY, ()),
+    ("now, WKV7 operators 3xTF32 (SPLIT_OPERATORS)", ("wkv7_split", "moba_bf16"), ()),
+    ("now, every WKV7 product 3xTF32", ("wkv7_exact", "moba_bf16"), ()),
+    ("now, MoBA's dS a bf16 pair", ("wkv7_tf32", "moba_split_ds"), ()),
     ("now, relu² from an fp32 kf", TODAY + ("ffn_kf_fp32",), ()),
 ) + tuple((f"now + {fam} fp32", TODAY, (fam,)) for fam in ("ffn", "gn_gate", "lora"))
 
@@ -133,10 +133,8 @@ def kernel_table(kind: str, N: int, B: int, T: int, seed: int, log, ratios: dict
     rows = _header(case, kind, B, T, seed)
     done = {}
     for label, kernels, fams in KERNEL_VARIANTS:
-        shown = label
         if not case.cfg.n_attn_layer:                 # no MoBA block: no MoBA rounding
             kernels = tuple(k for k in kernels if not k.startswith("moba_"))
-            shown = label.replace(" + MoBA", "")
         again = (kernels, fams) in done               # without MoBA blocks: an earlier row again
         if not again:
             done[kernels, fams] = case.emulate(PLAN_FP32 | set(fams), kernels=kernels)
@@ -144,7 +142,7 @@ def kernel_table(kind: str, N: int, B: int, T: int, seed: int, log, ratios: dict
         ratios.setdefault(label, {}).setdefault((kind, N), {})[seed] = case.ratio(errors)
         if again:
             continue
-        rows.append(_row(case, shown, errors))
+        rows.append(_row(case, label, errors))
         log(f"{kind} N{N} T{T} seed {seed}: {label} at {time.time() - t0:.0f} s")
     return rows
 
