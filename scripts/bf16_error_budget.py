@@ -15,7 +15,17 @@ families taken in the order of their single gains, to the fewest that meet the c
 bisection), and the decay's logit in bf16 instead of the decay (alone, and with the other families of
 that set in fp32). The MoBA blocks attend with the float64 twin's selection in every variant.
 
-    python scripts/bf16_error_budget.py --out budget.md [--batch 1 --seq-len 512 --seed 0]
+``--kernels`` prints another table instead: the plan of docs/SPEC.md §4 (PLAN_FP32 families in fp32) with
+the kernels' own roundings added (``torch_twin.KERNELS``: the chunked WKV7's tf32 operands in one pass as
+the bf16 kernels take them, with the chunk operators split into 3xTF32 or every product in 3xTF32, MoBA's
+bf16 P and dS, and dS split into a bf16 pair), then the kernels as today with relu² taken from an fp32 kf
+and with one more family in fp32 each (KERNEL_VARIANTS).
+
+    python scripts/bf16_error_budget.py --out budget.md [--batch 1 --seq-len 512 --seed 0 --head-size 64]
+    python scripts/bf16_error_budget.py --kernels --out kernels.md --seq-len 1024 --head-size 32 64 --seed 0 1 2
+
+(--seed and --head-size take several values: one table per model, and with --kernels the ratios side by
+side at the end.)
 
 writes the table (markdown) to ``--out`` atomically and prints it.
 """
@@ -33,20 +43,32 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("tests", 
 
 import torch_twin  # noqa: E402  (test code: the twin and its recipes)
 from conftest import make_training_like_params  # noqa: E402
-from test_bf16_yardstick import FLOOR, KINDS, SIZES, SLACK  # noqa: E402
+from test_bf16_yardstick import FLOOR, HEAD_SIZES, KINDS, SIZES, SLACK  # noqa: E402
 from rwkvx import Config  # noqa: E402
 from rwkvx.atomic_io import atomic_write  # noqa: E402
 from rwkvx.oracle import rel_err  # noqa: E402
 
-HEAD_SIZE = 64
 FAMILIES = tuple(torch_twin.FAMILIES)
+PLAN_FP32 = frozenset({"decay", "residual", "layernorm"})   # rwkvx.arena.FP32_ALWAYS, as families
+TODAY = ("wkv7_tf32", "moba_bf16")                            # the kernels' roundings in the bf16 step now
+# (label, kernel roundings, families promoted beyond the plan) of the --kernels table
+KERNEL_VARIANTS = (
+    ("plan, no kernel rounding", (), ()),
+    ("plan + WKV7 one-pass TF32", ("wkv7_tf32",), ()),
+    ("plan + MoBA bf16 P, dS", ("moba_bf16",), ()),
+    ("now (both)", TODAY, ()),
+    ("now, WKV7 operators 3xTF32 (SPLIT_OPERATORS)", ("wkv7_split", "moba_bf16"), ()),
+    ("now, every WKV7 product 3xTF32", ("wkv7_exact", "moba_bf16"), ()),
+    ("now, MoBA's dS a bf16 pair", ("wkv7_tf32", "moba_split_ds"), ()),
+    ("now, relu² from an fp32 kf", TODAY + ("ffn_kf_fp32",), ()),
+) + tuple((f"now + {fam} fp32", TODAY, (fam,)) for fam in ("ffn", "gn_gate", "lora"))
 
 
 class Case:
     """One model and batch: the float64 reference and the yardstick, then any emulated variant."""
 
-    def __init__(self, kind: str, B: int, T: int, seed: int):
-        self.cfg = Config(**SIZES, **KINDS[kind], head_size=HEAD_SIZE)
+    def __init__(self, kind: str, N: int, B: int, T: int, seed: int):
+        self.cfg = Config(**SIZES, **KINDS[kind], head_size=N)
         self.params = make_training_like_params(self.cfg, seed)
         rng = np.random.default_rng(seed)
         self.tokens, self.targets = rng.integers(0, self.cfg.vocab_size, (2, B, T))
@@ -54,6 +76,7 @@ class Case:
         self.ref = self._run("float64")
         self.selection = self.ref.selection if self.cfg.n_attn_layer else None
         self.yard = self.errors(self._run("autocast_bf16", selection=self.selection))
+        self.kernel_table = False                     # rows list the tensors over the bound (--kernels)
 
     def _run(self, recipe: str, **kwargs) -> torch_twin.TwinResult:
         return torch_twin.loss_and_grads(self.cfg, self.params, self.tokens, self.targets, recipe, **kwargs)
@@ -62,11 +85,13 @@ class Case:
         """rel_err of every gradient of ``result`` against float64."""
         return {n: rel_err(result.grads[n], g) for n, g in self.ref.grads.items()}
 
-    def emulate(self, fp32: frozenset[str], decay_logit: bool = False) -> dict[str, float]:
+    def emulate(self, fp32: frozenset[str], decay_logit: bool = False, kernels: tuple[str, ...] = ()
+                ) -> dict[str, float]:
         """The gradient errors of the emulated rwkvx plan with the families ``fp32`` promoted (and with
-        ``decay_logit``, the decay's logit in bf16 instead of the decay)."""
+        ``decay_logit``, the decay's logit in bf16 instead of the decay; ``kernels``, the kernels' own
+        roundings of torch_twin.KERNELS)."""
         return self.errors(self._run("rwkvx_bf16", selection=self.selection, fp32_families=fp32,
-                                     decay_logit=decay_logit))
+                                     decay_logit=decay_logit, kernels=kernels))
 
     def ratio(self, errors: dict[str, float]) -> float:
         """The largest error / allowance over the tensors; the criterion holds where it is <= 1 and the
@@ -83,16 +108,65 @@ def _row(case: Case, label: str, errors: dict[str, float]) -> str:
     kk = max((e for n, e in errors.items() if n.endswith(".k_k")), default=float("nan"))
     ok = "yes" if case.meets(errors) else "no"
     return (f"| {label} | {np.median(list(errors.values())):.2e} | {errors[worst]:.2e} | {worst} | {kk:.2e} | "
-            f"{case.ratio(errors):.2f} | {ok} |")
+            f"{case.ratio(errors):.2f} | {ok} |{_over(case, errors)}")
 
 
-def budget(kind: str, B: int, T: int, seed: int, log) -> list[str]:
+def _over(case: Case, errors: dict[str, float]) -> str:
+    """The tensors over the allowance, worst first, with their ratios (the --kernels table's last column)."""
+    over = sorted(((e / (SLACK * max(case.yard[n], FLOOR)), n) for n, e in errors.items()), reverse=True)
+    return " " + ", ".join(f"{n} {r:.2f}" for r, n in over if r > 1) + " |" if case.kernel_table else ""
+
+
+def _header(case: Case, kind: str, B: int, T: int, seed: int) -> list[str]:
+    extra = (" over the bound |", "---|") if case.kernel_table else ("", "")
+    return [f"\n**{kind}** N {case.cfg.head_size} (B {B} × T {T}, seed {seed})\n",
+            "| variant | median | worst | worst tensor | worst k_k | ratio | meets |" + extra[0],
+            "|---|---|---|---|---|---|---|" + extra[1], _row(case, "autocast bf16 (yardstick)", case.yard)]
+
+
+def kernel_table(kind: str, N: int, B: int, T: int, seed: int, log, ratios: dict) -> list[str]:
+    """The --kernels table's rows of one model (markdown), logging progress through ``log``; each variant's
+    ratio goes to ``ratios[label][(kind, N)][seed]`` for :func:`summary`."""
+    t0 = time.time()
+    case = Case(kind, N, B, T, seed)
+    case.kernel_table = True
+    rows = _header(case, kind, B, T, seed)
+    done = {}
+    for label, kernels, fams in KERNEL_VARIANTS:
+        if not case.cfg.n_attn_layer:                 # no MoBA block: no MoBA rounding
+            kernels = tuple(k for k in kernels if not k.startswith("moba_"))
+        again = (kernels, fams) in done               # without MoBA blocks: an earlier row again
+        if not again:
+            done[kernels, fams] = case.emulate(PLAN_FP32 | set(fams), kernels=kernels)
+        errors = done[kernels, fams]
+        ratios.setdefault(label, {}).setdefault((kind, N), {})[seed] = case.ratio(errors)
+        if again:
+            continue
+        rows.append(_row(case, label, errors))
+        log(f"{kind} N{N} T{T} seed {seed}: {label} at {time.time() - t0:.0f} s")
+    return rows
+
+
+def summary(ratios: dict) -> list[str]:
+    """The --kernels ratios side by side (markdown): per variant and model the ratio of each seed, and how
+    many (model, seed) pairs are over the bound (ratio > 1)."""
+    models = list(dict.fromkeys(m for per_model in ratios.values() for m in per_model))
+    rows = ["\nratio (largest error / allowance) per seed; over: (model, seed) pairs with ratio > 1\n",
+            "| variant | " + " | ".join(f"{kind} N{N}" for kind, N in models) + " | over |",
+            "|---|" + "---|" * (len(models) + 1)]
+    for label, per_model in ratios.items():
+        cells = [" / ".join(f"{r:.2f}" for r in per_model[m].values()) if m in per_model else "" for m in models]
+        over = sum(r > 1 for by_seed in per_model.values() for r in by_seed.values())
+        total = sum(len(by_seed) for by_seed in per_model.values())
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {over} of {total} |")
+    return rows
+
+
+def budget(kind: str, N: int, B: int, T: int, seed: int, log, ratios: dict) -> list[str]:
     """The table's rows of one model (markdown), logging progress through ``log``."""
     t0 = time.time()
-    case = Case(kind, B, T, seed)
-    rows = [f"\n**{kind}** (B {B} × T {T}, seed {seed})\n",
-            "| variant | median | worst | worst tensor | worst k_k | ratio | meets |", "|---|---|---|---|---|---|---|",
-            _row(case, "autocast bf16 (yardstick)", case.yard)]
+    case = Case(kind, N, B, T, seed)
+    rows = _header(case, kind, B, T, seed)
     rows.append(_row(case, "rwkvx bf16, every family rounded", case.emulate(frozenset())))
     log(f"{kind}: references and the full plan in {time.time() - t0:.0f} s")
     single = {}
@@ -132,16 +206,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="where to write the table (markdown)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, nargs="+", default=[0])
+    ap.add_argument("--head-size", type=int, nargs="+", choices=HEAD_SIZES, default=[64])
     ap.add_argument("--kinds", nargs="+", choices=tuple(KINDS), default=tuple(KINDS))
+    ap.add_argument("--kernels", action="store_true",
+                    help="the plan with the kernels' own roundings and the fixes for them (KERNEL_VARIANTS)")
     args = ap.parse_args()
     if args.batch < 1 or args.seq_len < 2:
         raise ValueError(f"--batch must be >= 1 and --seq-len >= 2, got {args.batch}, {args.seq_len}")
     torch.set_num_threads(1)   # small float64 ops: threads only add synchronisation (and fight on a shared CPU)
     lines = [f"bf16 error budget (CPU emulation, tests/torch_twin.py rwkvx_bf16): gradient rel_err against "
              f"float64; criterion: every tensor <= {SLACK} x max(autocast, {FLOOR}) and median <= autocast's"]
+    table, ratios = kernel_table if args.kernels else budget, {}
     for kind in args.kinds:
-        lines += budget(kind, args.batch, args.seq_len, args.seed, lambda m: print(m, file=sys.stderr, flush=True))
+        for N in args.head_size:
+            for seed in args.seed:
+                lines += table(kind, N, args.batch, args.seq_len, seed,
+                               lambda m: print(m, file=sys.stderr, flush=True), ratios)
+    if args.kernels:
+        lines += summary(ratios)
     text = "\n".join(lines) + "\n"
     atomic_write(args.out, lambda f: f.write(text.encode()))
     print(text)

@@ -3,7 +3,9 @@ against the float64 oracle: exact in float64 (<= 1e-10), and in float32 with the
 rounding within the GPU tests' limits (the tf32 limit 5e-3, with a margin: <= 2e-3), for T not a multiple
 of the chunk (1, 15, 17, 40), decays near both ends of their range, head sizes 32 and 64.
 
-"3xtf32" is the design an fp32 path on the chunked kernels would need: every operand of every product as a
+"tf32" rounds the chunk operators' products as the kernels do with fp32 inputs (3xTF32), "tf32_operators"
+as with bf16 inputs (one tf32 pass, rwkvx/cu/wkv7/ops.py SPLIT_OPERATORS). "3xtf32" is the design an fp32
+path on the chunked kernels would need: every operand of every product as a
 tf32 hi + lo pair (records included; today's records are single tf32 values and S0 enters one pass). In
 float32 it stays within the fp32 kernel limit 1e-5 (measured ~3e-7 at T = 256..4096, about the float32
 algorithm's own 1-2e-7), where single tf32 operands give 1e-4 to 5e-4.
@@ -40,14 +42,11 @@ CASES = [(1, 64, 0.0), (15, 64, 0.0), (17, 32, 0.0), (40, 64, -4.0), (40, 64, 8.
          (100, 32, 8.0)]
 
 
-def _split3(x):
-    """3xTF32 operands: x as tf32 hi + lo, summed in float32 (the lo x lo term that 3xTF32 drops is not
-    modelled; at most 2^-22 of a product, it is the size of the rounding of lo, which is)."""
-    return CM._split(np.asarray(x, np.float32), round_tf32).astype(np.float32)
-
-
-PRECISIONS = {"f64": (CM.identity, np.float64, 1e-10), "tf32": (round_tf32, np.float32, 2e-3),
-              "3xtf32": (_split3, np.float32, 1e-5)}
+# (state products' operand rounding, chunk operators' operand rounding, arithmetic, limit)
+PRECISIONS = {"f64": (CM.identity, CM.identity, np.float64, 1e-10),
+              "tf32": (round_tf32, CM.split3, np.float32, 2e-3),             # fp32 inputs: operators split
+              "tf32_operators": (round_tf32, round_tf32, np.float32, 2e-3),  # bf16 inputs: one pass
+              "3xtf32": (CM.split3, CM.split3, np.float32, 1e-5)}
 
 
 @pytest.mark.parametrize("prec", list(PRECISIONS))
@@ -57,10 +56,10 @@ def test_chunked_model_matches_oracle(T, N, shift, prec):
     args = [x[n] for n in "rwkvab"]
     want_y, want_g = wkv7_forward(*args), wkv7_backward(*args, dy)
     one = [z[0, :, 0] for z in args]
-    rnd, dt, tol = PRECISIONS[prec]
-    y, sa, _ = CM.forward(*one, rnd=rnd, dt=dt)
+    rnd, op, dt, tol = PRECISIONS[prec]
+    y, sa, _ = CM.forward(*one, rnd=rnd, dt=dt, op=op)
     assert rel_err(y, want_y[0, :, 0]) <= tol
-    for name, got, want in zip(GRADS, CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt), want_g):
+    for name, got, want in zip(GRADS, CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, op=op), want_g):
         if name == "dw" and T == 1:
             assert not got.any(), "dw of the first token must be exactly 0 (S_{-1} = 0)"
             continue
@@ -78,11 +77,11 @@ def test_chunked_model_from_an_initial_state(T, N, shift, prec):
     args = [x[n] for n in "rwkvab"]
     want_y, want_g = wkv7_forward(*args, state=s0), wkv7_backward(*args, dy, state=s0)
     one = [z[0, :, 0] for z in args]
-    rnd, dt, tol = PRECISIONS[prec]
-    y, _, S0 = CM.forward(*one, rnd=rnd, dt=dt, s0=s0[0, 0])
+    rnd, op, dt, tol = PRECISIONS[prec]
+    y, _, S0 = CM.forward(*one, rnd=rnd, dt=dt, s0=s0[0, 0], op=op)
     assert np.array_equal(S0[0], s0[0, 0].astype(dt))
     assert rel_err(y, want_y[0, :, 0]) <= tol
-    got = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0[0, 0])
+    got = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0[0, 0], op=op)
     for name, g, want in zip(GRADS, got, want_g):
         assert rel_err(g, want[0, :, 0]) <= tol, name
     assert rel_err(got[-1], want_g[-1][0, 0]) <= tol, "ds0"
@@ -127,14 +126,15 @@ def test_segmented_scan_matches_unsegmented(T, N, shift, S, prec, with_s0):
     x, dy = _inputs(T, N, rng, shift)
     s0 = 0.5 * rng.standard_normal((N, N)) if with_s0 else None
     one = [x[n][0, :, 0] for n in "rwkvab"]
-    rnd, dt, tol = PRECISIONS[prec]
+    rnd, op, dt, tol = PRECISIONS[prec]
     m, used = segment_layout(T, S)
     assert used > 1 and T % (m * CM.L) != 0
-    ref_f, got_f = CM.forward(*one, rnd=rnd, dt=dt, s0=s0), CM.forward(*one, rnd=rnd, dt=dt, s0=s0, segments=S)
+    ref_f = CM.forward(*one, rnd=rnd, dt=dt, s0=s0, op=op)
+    got_f = CM.forward(*one, rnd=rnd, dt=dt, s0=s0, segments=S, op=op)
     for name, ref, got in zip(("y", "sa", "S0"), ref_f, got_f):
         assert rel_err(got, ref) <= tol, name
-    ref_b = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0)
-    got_b = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0, segments=S)
+    ref_b = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0, op=op)
+    got_b = CM.backward(*one, dy[0, :, 0], rnd=rnd, dt=dt, s0=s0, segments=S, op=op)
     want_g = wkv7_backward(*(x[n] for n in "rwkvab"), dy, state=None if s0 is None else s0[None, None])
     for name, ref, got, want in zip(GRADS + ("ds0",), ref_b, got_b, want_g):
         assert rel_err(got, ref) <= tol, name

@@ -18,8 +18,11 @@ one of three recipes (:data:`RECIPES`):
   bf16 -- a tensor's value in the forward, the gradient rwkvx stores in the backward -- and the GEMM
   operands rounded as the tensor cores take them. The roundings come in families (:data:`FAMILIES`);
   ``fp32_families`` leaves some unrounded, so that each family's share of the gradient error shows
-  (scripts/bf16_error_budget.py). Not emulated: the roundings inside a kernel (the chunked WKV7's TF32
-  products, MoBA's bf16 probabilities), fp32 rather than float64 arithmetic, and the order of sums.
+  (scripts/bf16_error_budget.py). ``kernels`` adds the roundings inside the WKV7 and MoBA kernels
+  (:data:`KERNELS`): the chunked WKV7 in fp32 with its tf32 tensor-core operands (the numpy model
+  rwkvx/cu/wkv7/chunked_model.py, one TF32 pass or 3xTF32 for the chunk operators) and MoBA's mma
+  kernels' bf16 probabilities and dS. Not emulated: fp32 rather than float64 arithmetic elsewhere, and the
+  order of sums.
 
 MoBA attention is written straightforwardly: dense [T, T] scores masked to the keys each query may
 see (docs/SPEC.md §2.3 "Attn (MoBA)"); its block selection comes from the gate of the recipe or is
@@ -36,8 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from rwkvx.config import DECAY_SCALE, GN_EPS, L2_EPS, LN_EPS, Config
+from rwkvx.cu.wkv7 import chunked_model
+from rwkvx.cu.wkv7.ops import CHUNKED_HEAD_SIZES
 from rwkvx.oracle import rel_err
 from rwkvx.params import check_params
+from rwkvx.runtime.dtypes import round_tf32
 from rwkvx.validate import IGNORE_INDEX, check_targets, check_tokens
 
 RECIPES = ("float64", "autocast_bf16", "rwkvx_bf16")
@@ -59,6 +65,20 @@ FAMILIES = {
     "logits": "the logits and dlogits",
     "gemm_in": "every GEMM's activation and gradient operands, rounded as the tensor cores take them",
     "weights": "the weights as GEMM operands (rwkvx's bf16 copy params_x)",
+}
+# The kernel-internal roundings the rwkvx_bf16 recipe can add (``kernels=``); at most one wkv7_* and one
+# moba_* of them.
+KERNELS = {
+    "wkv7_tf32": "the chunked WKV7 as the bf16 kernels compute it: fp32 arithmetic, every tensor-core "
+                 "operand rounded to tf32 once (the chunk operators in one pass: SPLIT_OPERATORS['bf16'] False)",
+    "wkv7_split": "the same with the chunk operators' products in 3xTF32 (SPLIT_OPERATORS['bf16'] True)",
+    "wkv7_exact": "every product of the chunked WKV7 in 3xTF32, the state products included (chunked_exact's "
+                  "products on bf16 inputs)",
+    "moba_bf16": "MoBA's mma kernels: the probabilities P and dS rounded to bf16 as the second products' "
+                 "operands",
+    "moba_split_ds": "the same with dS as a bf16 hi + lo pair for dq and dk (two mma per step), P still bf16",
+    "ffn_kf_fp32": "the channel mix's relu^2 taken from kf in fp32 (the key GEMM's output, not kept) and "
+                   "stored bf16; dkf and the rest of the family ffn as it is",
 }
 
 
@@ -125,12 +145,14 @@ class _Activation(torch.autograd.Function):
 class Rounding:
     """The bf16 roundings ``recipe`` makes: those of the families in ``rounded`` (:data:`FAMILIES`); with
     none, every method is the plain operation (the float64 and autocast recipes). ``decay_logit``: the
-    family ``decay`` rounds the decay's logit instead of the decay (see :func:`loss_and_grads`)."""
+    family ``decay`` rounds the decay's logit instead of the decay; ``kernels``: the kernel-internal
+    roundings of :data:`KERNELS` (see :func:`loss_and_grads`)."""
 
-    def __init__(self, recipe: str, rounded: Iterable[str], decay_logit: bool = False):
+    def __init__(self, recipe: str, rounded: Iterable[str], decay_logit: bool = False, kernels: Iterable[str] = ()):
         self.recipe = recipe
         self.rounded = frozenset(rounded)
         self.decay_logit = decay_logit
+        self.kernels = frozenset(kernels)
 
     def __call__(self, x: torch.Tensor, family: str) -> torch.Tensor:
         """x as a stored buffer of ``family``: its value and its gradient rounded."""
@@ -221,14 +243,59 @@ class WKV7(torch.autograd.Function):
         return *(g.to(ctx.dtype) for g in grads), None
 
 
-def wkv7(r, w, k, v, a, b, head_size: int, recipe: str, round_decay: bool = False) -> torch.Tensor:
+# the chunked model's roundings per wkv7_* kernel: (state products' operands, chunk operators' operands)
+_WKV7_ROUNDINGS = {"wkv7_tf32": (round_tf32, round_tf32), "wkv7_split": (round_tf32, chunked_model.split3),
+                   "wkv7_exact": (chunked_model.split3, chunked_model.split3)}
+
+
+class ChunkedWKV7(torch.autograd.Function):
+    """The WKV7 recurrence as rwkvx's chunked kernels compute it on their fp32 and bf16 inputs: the numpy
+    model rwkvx/cu/wkv7/chunked_model.py per (sequence, head) in float32 with the tensor-core operands
+    rounded as ``kernel`` (a wkv7_* key of :data:`KERNELS`) says. Inputs [B, T, H, N] float64 holding the
+    values the kernels read (w: the decay's logit); ``round_decay`` and the gradient of w as
+    :class:`WKV7`'s. The output and the gradients come back float64."""
+
+    @staticmethod
+    def forward(ctx, r, w, k, v, a, b, round_decay: bool, kernel: str):
+        exact = torch.exp(-DECAY_SCALE * torch.sigmoid(w))
+        decay = bf16_round(exact) if round_decay else exact
+        ins = [t.detach().cpu().numpy().astype(np.float32) for t in (r, decay, k, v, a, b)]
+        rnd, op = _WKV7_ROUNDINGS[kernel]
+        B, T, H, N = r.shape
+        y = np.empty((B, T, H, N), np.float32)
+        for bb, h in np.ndindex(B, H):
+            y[bb, :, h] = chunked_model.forward(*(x[bb, :, h] for x in ins), rnd=rnd, dt=np.float32, op=op)[0]
+        ctx.save_for_backward(w, exact)
+        ctx.ins, ctx.kernel = ins, kernel
+        return torch.as_tensor(y, dtype=r.dtype, device=r.device)
+
+    @staticmethod
+    def backward(ctx, dy):
+        w, exact = ctx.saved_tensors
+        rnd, op = _WKV7_ROUNDINGS[ctx.kernel]
+        g = np.empty((6,) + dy.shape, np.float32)
+        dy_np = dy.detach().cpu().numpy().astype(np.float32)
+        for bb, h in np.ndindex(dy.shape[0], dy.shape[2]):
+            g[:, bb, :, h] = chunked_model.backward(*(x[bb, :, h] for x in ctx.ins), dy_np[bb, :, h], rnd=rnd,
+                                                    dt=np.float32, op=op)
+        grads = [torch.as_tensor(x, dtype=dy.dtype, device=dy.device) for x in g]
+        s = torch.sigmoid(w)
+        grads[1] = grads[1] * exact * (-DECAY_SCALE) * s * (1 - s)
+        return *grads, None, None
+
+
+def wkv7(r, w, k, v, a, b, head_size: int, recipe: str, round_decay: bool = False,
+         kernel: str | None = None) -> torch.Tensor:
     """y [B, T, C] of the WKV7 recurrence on [B, T, C] inputs (w: the decay's logit); ``autocast_bf16``
-    rounds the six inputs to bf16 first, as the clampw kernel's caller does; ``round_decay``: see :class:`WKV7`."""
+    rounds the six inputs to bf16 first, as the clampw kernel's caller does; ``round_decay``: see :class:`WKV7`;
+    ``kernel``: a wkv7_* key of :data:`KERNELS`, the chunked kernels' roundings (:class:`ChunkedWKV7`)."""
     B, T, C = r.shape
     ins = (r, w, k, v, a, b)
     if recipe == "autocast_bf16":
         ins = tuple(t.to(torch.bfloat16) for t in ins)
-    return WKV7.apply(*(t.reshape(B, T, C // head_size, head_size) for t in ins), round_decay).reshape(B, T, C)
+    ins = tuple(t.reshape(B, T, C // head_size, head_size) for t in ins)
+    y = WKV7.apply(*ins, round_decay) if kernel is None else ChunkedWKV7.apply(*ins, round_decay, kernel)
+    return y.reshape(B, T, C)
 
 
 # ---------------------------------------------------------------- the model, written as RWKV-LM writes it
@@ -275,7 +342,8 @@ def _time_mix(P, pre, layer, x, v_first, N, rd):
         v = rd.value(v, "wkv_in")
     wa, wb = (rd.value(t, "wkv_in") for t in (-kk, kk * rate))
     round_decay = "decay" in rd.rounded and not rd.decay_logit
-    y = rd(wkv7(rd.grad(r, "rkv"), w, k, v, wa, wb, N, rd.recipe, round_decay), "y")
+    kernel = next((name for name in rd.kernels if name.startswith("wkv7_")), None)
+    y = rd(wkv7(rd.grad(r, "rkv"), w, k, v, wa, wb, N, rd.recipe, round_decay, kernel), "y")
     y = F.group_norm(y.view(B * T, C), H, P[a + "ln_x.weight"], P[a + "ln_x.bias"], GN_EPS).view(B, T, C)
     r, k, v = (rd.grad(t, "gn_gate").view(B, T, H, N) for t in (r, k, v))      # the bonus term's gradients
     bonus = (r * k * P[a + "r_k"]).sum(dim=-1, keepdim=True)
@@ -286,7 +354,9 @@ def _time_mix(P, pre, layer, x, v_first, N, rd):
 def _channel_mix(P, pre, x, rd):
     f = pre + "ffn."
     k = rd(x + (_shift(x) - x) * P[f + "x_k"], "shift")
-    k = rd.activation("relu_sq", rd(rd.linear(k, P[f + "key.weight"]), "ffn"), "ffn")
+    k = rd.linear(k, P[f + "key.weight"])
+    k = rd.grad(k, "ffn") if "ffn_kf_fp32" in rd.kernels else rd(k, "ffn")
+    k = rd.activation("relu_sq", k, "ffn")
     return rd.linear(k, P[f + "value.weight"])
 
 
@@ -319,9 +389,44 @@ def moba_select(q, k, chunk: int, top_k: int) -> tuple[torch.Tensor, torch.Tenso
         return chosen.masked_fill(chosen == nblk, -1), gaps
 
 
-def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor) -> torch.Tensor:
+class MobaBf16(torch.autograd.Function):
+    """MoBA attention as its mma kernels round it (rwkvx/cu/moba/mma_model.py): the un-normalised
+    probabilities exp(s - max) rounded to bf16 as the operand of P V (the sum that normalises them
+    unrounded); in the backward P = exp(s - lse) and dS = P (dP - delta) rounded to bf16 as the operands
+    of dv = P^T dO, dq = dS K and dk = dS^T Q (``split_ds``: dS as a bf16 hi + lo pair), delta from the
+    output as stored (bf16 with ``store``). q, k, v [B, H, T, N] (the kernels' bf16 operands), ``visible``
+    [B, H, T, T]; float64 arithmetic."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, visible, store: bool, split_ds: bool = False):
+        scale = q.shape[-1] ** -0.5
+        s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, -torch.inf)
+        m = s.amax(-1, keepdim=True)
+        p = torch.exp(s - m)
+        l = p.sum(-1, keepdim=True)
+        o = (bf16_round(p) @ v) / l
+        ctx.save_for_backward(q, k, v, visible, m + torch.log(l), bf16_round(o) if store else o)
+        ctx.split_ds = split_ds
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, visible, lse, o = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, -torch.inf)
+        p = torch.exp(s - lse)
+        ds = p * (do @ v.transpose(-1, -2) - (o * do).sum(-1, keepdim=True))
+        hi = bf16_round(ds)
+        ds = hi + bf16_round(ds - hi) if ctx.split_ds else hi
+        return ((ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, bf16_round(p).transpose(-1, -2) @ do,
+                None, None, None)
+
+
+def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor, kernel: str | None = None,
+                    store: bool = False) -> torch.Tensor:
     """o [B, T, H, N]: softmax attention of each query over its visible keys (the selected blocks and
-    its own block up to itself), scores scaled by 1/sqrt(N)."""
+    its own block up to itself), scores scaled by 1/sqrt(N); ``kernel``: a moba_* key of :data:`KERNELS`,
+    the roundings of the mma kernels (:class:`MobaBf16`, ``store``: o stored in bf16)."""
     B, T, H, N = q.shape
     nblk = -(-T // chunk)
     pos = torch.arange(T, device=q.device)
@@ -330,6 +435,8 @@ def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor) -> torch.Tenso
     chosen.scatter_(-1, selection.masked_fill(selection < 0, nblk), True)
     visible = chosen[..., blk] | ((blk[:, None] == blk[None, :]) & (pos[None, :] <= pos[:, None]))
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    if kernel is not None:
+        return MobaBf16.apply(qh, kh, vh, visible, store, kernel == "moba_split_ds").transpose(1, 2)
     scores = (qh @ kh.transpose(-1, -2)) * N ** -0.5
     p = torch.softmax(scores.masked_fill(~visible, -torch.inf), dim=-1)
     return (p @ vh).transpose(1, 2)
@@ -343,7 +450,9 @@ def _attention(P, pre, x, cfg, forced, rd):
                for n in ("receptance", "key", "value"))
     own, gaps = moba_select(q, k, cfg.moba_chunk_size, cfg.moba_top_k)
     selection = own if forced is None else forced
-    o = rd(_moba_attention(q, k, v, cfg.moba_chunk_size, selection).reshape(B, T, C), "y")
+    kernel = next((name for name in rd.kernels if name.startswith("moba_")), None)
+    o = _moba_attention(q, k, v, cfg.moba_chunk_size, selection, kernel, "y" in rd.rounded)
+    o = rd(o.reshape(B, T, C), "y")
     return rd.linear(o, P[a + "output.weight"]), own, gaps
 
 
@@ -385,7 +494,8 @@ class TwinResult:
 def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
                    recipe: str = "float64", device: str | torch.device = "cpu",
                    ignore_index: int = IGNORE_INDEX, selection: list | None = None,
-                   fp32_families: Iterable[str] = (), decay_logit: bool = False) -> TwinResult:
+                   fp32_families: Iterable[str] = (), decay_logit: bool = False,
+                   kernels: Iterable[str] = ()) -> TwinResult:
     """The mean cross-entropy over the targets that are not ``ignore_index`` and its gradient for every
     parameter, computed by ``recipe`` (one of :data:`RECIPES`) on ``device``. ``params``: the oracle's
     dict (numpy, any float dtype; held as float64 in ``float64`` and ``rwkvx_bf16``, as float32 master
@@ -394,7 +504,9 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
     :data:`FAMILIES` that ``rwkvx_bf16`` leaves unrounded (all of them: the float64 recipe).
     ``decay_logit``: an alternative to rwkvx's bf16 decay buffer for ``rwkvx_bf16``: the family ``decay``
     rounds the decay's logit w0 + wl to bf16 and the recurrence takes the exact decay of that, as
-    RWKV-LM's clampw kernel does."""
+    RWKV-LM's clampw kernel does. ``kernels``: the kernel-internal roundings of :data:`KERNELS` that
+    ``rwkvx_bf16`` adds (at most one wkv7_* and one moba_* of them; wkv7_* need a head size of the
+    chunked kernels)."""
     if not isinstance(cfg, Config):
         raise TypeError(f"cfg must be an rwkvx.Config, got {type(cfg).__name__}")
     if recipe not in RECIPES:
@@ -403,8 +515,15 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
     if fp32_families - FAMILIES.keys():
         raise ValueError(f"fp32_families: unknown families {sorted(fp32_families - FAMILIES.keys())}; "
                          f"the families are {tuple(FAMILIES)}")
-    if (fp32_families or decay_logit) and recipe != "rwkvx_bf16":
-        raise ValueError(f"fp32_families and decay_logit apply to the rwkvx_bf16 recipe only, not {recipe!r}")
+    kernels = frozenset(kernels)
+    if kernels - KERNELS.keys():
+        raise ValueError(f"kernels: unknown {sorted(kernels - KERNELS.keys())}; the kernels are {tuple(KERNELS)}")
+    if any(len([name for name in kernels if name.startswith(kind)]) > 1 for kind in ("wkv7_", "moba_")):
+        raise ValueError(f"kernels: at most one of the wkv7_* and one of the moba_* roundings, got {sorted(kernels)}")
+    if any(name.startswith("wkv7_") for name in kernels) and cfg.head_size not in CHUNKED_HEAD_SIZES:
+        raise ValueError(f"kernels: the chunked WKV7 takes head sizes {CHUNKED_HEAD_SIZES}, not {cfg.head_size}")
+    if (fp32_families or decay_logit or kernels) and recipe != "rwkvx_bf16":
+        raise ValueError(f"fp32_families, decay_logit and kernels apply to the rwkvx_bf16 recipe only, not {recipe!r}")
     check_params(cfg, params)
     tokens = check_tokens(tokens, cfg.vocab_size)
     targets = check_targets(targets, tokens.shape, cfg.vocab_size, ignore_index)
@@ -415,7 +534,8 @@ def loss_and_grads(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarra
             raise ValueError(f"selection must hold {cfg.n_attn_layer} arrays of shape {shape}")
         selection = [torch.as_tensor(np.asarray(s, dtype=np.int64), device=device) for s in selection]
     dtype = torch.float32 if recipe == "autocast_bf16" else torch.float64
-    rd = Rounding(recipe, FAMILIES.keys() - fp32_families if recipe == "rwkvx_bf16" else frozenset(), decay_logit)
+    rd = Rounding(recipe, FAMILIES.keys() - fp32_families if recipe == "rwkvx_bf16" else frozenset(), decay_logit,
+                  kernels)
     P = {n: torch.tensor(np.asarray(p), dtype=dtype, device=device, requires_grad=True) for n, p in params.items()}
     tok, tgt = (torch.as_tensor(t, device=device) for t in (tokens, targets))
     context = (torch.autocast(device.type, dtype=torch.bfloat16) if recipe == "autocast_bf16"

@@ -1,8 +1,11 @@
 """A numpy model of the chunked WKV7 kernels (rwkvx/cu/wkv7/chunked.cu), step for step: the same chunk
 length, the same intermediate matrices, the same split into an intra-chunk part, a sequential pass over
 chunk states and (backward) a per-chunk gradient part. ``rnd`` is applied where the kernels round an
-operand of a tensor-core product (tf32), so that the model also predicts the kernels' rounding error
-(v and dy enter the products as hi + lo tf32 pairs: :func:`_split`).
+operand of a tensor-core product with the state or its gradient (tf32), so that the model also predicts the
+kernels' rounding error (v and dy enter the products as hi + lo tf32 pairs: :func:`_split`); ``op`` is applied
+to the operands of the chunk operators' products (intra's Gram matrices and products with M, the gradient
+part's [L, L] products): 3xTF32 (about fp32) with fp32 inputs, one tf32 pass with bf16 inputs
+(ops.SPLIT_OPERATORS), identity (exact in ``dt``) by default.
 Tested against the float64 oracle in tests/test_wkv7_chunked_model.py; the GPU kernels are tested
 against the oracle directly (tests/gpu/test_wkv7.py).
 
@@ -29,6 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rwkvx.runtime.dtypes import round_tf32
+
 from .ops import CHUNKED_L as L, segment_layout
 
 
@@ -42,6 +47,12 @@ def _split(x, rnd):
     return hi.astype(np.float64) + rnd(x - hi)
 
 
+def split3(x):
+    """x as a 3xTF32 operand: tf32 hi + lo, summed in float32 (the lo x lo product that 3xTF32 leaves out is
+    at most 2^-22 of a product, the size of the rounding of lo, which this keeps)."""
+    return _split(np.asarray(x, np.float32), round_tf32).astype(np.float32)
+
+
 def _pad(x: np.ndarray, Tp: int, fill: float) -> np.ndarray:
     T = x.shape[0]
     if T == Tp:
@@ -49,32 +60,36 @@ def _pad(x: np.ndarray, Tp: int, fill: float) -> np.ndarray:
     return np.concatenate([x, np.full((Tp - T,) + x.shape[1:], fill, x.dtype)])
 
 
-def intra(r, w, k, a, b, dt=np.float64):
-    """The intra-chunk operators of one chunk (inputs [L, N]): a dict of arrays."""
+def intra(r, w, k, a, b, dt=np.float64, op=identity):
+    """The intra-chunk operators of one chunk (inputs [L, N]): a dict of arrays; ``op`` rounds the operands
+    of the Gram matrices and of the products with M."""
     r, w, k, a, b = (np.asarray(x, dt) for x in (r, w, k, a, b))
     cw = np.cumprod(w, axis=0)
     cx = cw / w
     rt, at, kh, bh = r * cw, a * cx, k / cw, b / cw
     PL = cw[-1]
     low, slow = np.tril(np.ones((L, L), dt)), np.tril(np.ones((L, L), dt), -1)
-    Aab, Aak = slow * (at @ bh.T), slow * (at @ kh.T)
-    Arb, Ark = low * (rt @ bh.T), low * (rt @ kh.T)
+    def mm(x, y):                               # a chunk operator's product (tensor cores)
+        return (op(x) @ op(y)).astype(dt)
+
+    Aab, Aak = slow * mm(at, bh.T), slow * mm(at, kh.T)
+    Arb, Ark = low * mm(rt, bh.T), low * mm(rt, kh.T)
     M = np.linalg.inv(np.eye(L, dtype=dt) - Aab).astype(dt)    # the kernel: forward substitution
-    Qa, Ca = M @ at, M @ Aak
+    Qa, Ca = mm(M, at), mm(M, Aak)
     Kt, Bt = kh * PL, bh * PL
     return dict(cw=cw, cx=cx, rt=rt, at=at, kh=kh, bh=bh, PL=PL, Aab=Aab, Aak=Aak, Arb=Arb, Ark=Ark,
-                Qa=Qa, Ca=Ca, Qr=rt + Arb @ Qa, Cr=Ark + Arb @ Ca, Kt=Kt, Bt=Bt,
-                Qb=M.T @ Bt, Db=(Arb @ M).T)
+                Qa=Qa, Ca=Ca, Qr=rt + mm(Arb, Qa), Cr=Ark + mm(Arb, Ca), Kt=Kt, Bt=Bt,
+                Qb=mm(M.T, bh) * PL, Db=mm(Arb, M).T)
 
 
-def _padded(T, r, w, k, v, a, b, dt, *extra):
+def _padded(T, r, w, k, v, a, b, dt, op, *extra):
     """The inputs padded to whole chunks (w = 1, the rest 0) and the records of every chunk."""
     nC = (T + L - 1) // L
     Tp = nC * L
     r, k, v, a, b, *extra = (_pad(np.asarray(x, dt), Tp, 0.0) for x in (r, k, v, a, b, *extra))
     w = _pad(np.asarray(w, dt), Tp, 1.0)
     o = [intra(r[c * L:c * L + L], w[c * L:c * L + L], k[c * L:c * L + L], a[c * L:c * L + L],
-               b[c * L:c * L + L], dt) for c in range(nC)]
+               b[c * L:c * L + L], dt, op) for c in range(nC)]
     return nC, (r, w, k, v, a, b, *extra), o
 
 
@@ -113,12 +128,12 @@ def _scan(walk, segs, start, N, dt, reverse=False):
     return [start if s == first else seg[s - d, 0] for s in range(S)]
 
 
-def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None, segments=1):
+def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None, segments=1, op=identity):
     """One (sequence, head): inputs [T, N], from the initial state ``s0`` [N, N] (None: 0). Returns
     y [T, N], U (= sa) [T, N] and the chunk-entering states S0 [nC, N, N]. ``segments`` > 1: the
     segmented scan of the kernels (:func:`_scan`; the chunk walks of a segment as the unsegmented one)."""
     T, N = r.shape
-    nC, (r, w, k, v, a, b), o = _padded(T, r, w, k, v, a, b, dt)
+    nC, (r, w, k, v, a, b), o = _padded(T, r, w, k, v, a, b, dt, op)
     y, U = np.zeros((nC * L, N), dt), np.zeros((nC * L, N), dt)
     S0 = np.zeros((nC, N, N), dt)
 
@@ -142,9 +157,9 @@ def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None, segments=1):
     return y[:T], U[:T], S0
 
 
-def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity):
+def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity, op=identity):
     """The key-space gradients of one chunk (all [L, N]): dr, dw, dk, da, db; ``rnd`` rounds the operands
-    of the products with S0 and dS (on tensor cores in the kernel).
+    of the products with S0 and dS, ``op`` those of the [L, L] products (on tensor cores in the kernel).
 
     The diagonal of Ark / Arb (r_t . k_t, r_t . b_t) does not depend on w: its gradient goes to dr, dk,
     db directly and stays out of the log-decay sums, where its two halves would only cancel (dw of the
@@ -155,10 +170,10 @@ def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity):
     def mm(x, y):                               # a product with S0 or dS (tensor cores)
         return (rnd(x).astype(np.float64) @ rnd(y).astype(np.float64)).astype(dt)
 
-    # [t, s] in fp32: at small T each entry is a whole gradient's coefficient (tf32 would show)
-    dYV, dYU = dY @ V.T, dY @ U.T
+    # [t, s]: at small T each entry is a whole gradient's coefficient (3xTF32 in the kernel with fp32 inputs)
+    dYV, dYU = (op(dY) @ op(V.T)).astype(dt), (op(dY) @ op(U.T)).astype(dt)
     dArk, dArb = slow * dYV, slow * dYU
-    dAak, dAab = slow * (dX @ V.T), slow * (dX @ U.T)
+    dAak, dAab = slow * (op(dX) @ op(V.T)).astype(dt), slow * (op(dX) @ op(U.T)).astype(dt)
     dKt, dBt = mm(V, dS), mm(U, dS)                               # S_L = V^T Kt + U^T Bt + ...
     drt = mm(dY, S0) + dArk @ kh + dArb @ bh
     dat = mm(dX, S0) + dAak @ kh + dAab @ bh
@@ -175,13 +190,13 @@ def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity):
                 da=dat * o["cx"], db=dbh / o["cw"] + r * du_rb)
 
 
-def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None, segments=1):
+def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None, segments=1, op=identity):
     """One (sequence, head): inputs [T, N]; the forward (from ``s0``, as :func:`forward`) recomputed here.
     Returns dr, dw, dk, dv, da, db, and given ``s0`` its gradient ds0 [N, N] too. ``segments`` > 1: the
     forward and the reverse pass as segmented scans (:func:`_scan` over the segments in reverse)."""
     T, N = r.shape
-    _, U, S0 = forward(r, w, k, v, a, b, rnd, dt, s0, segments)
-    nC, (r, w, k, v, a, b, dy, U), o = _padded(T, r, w, k, v, a, b, dt, dy, U)
+    _, U, S0 = forward(r, w, k, v, a, b, rnd, dt, s0, segments, op)
+    nC, (r, w, k, v, a, b, dy, U), o = _padded(T, r, w, k, v, a, b, dt, op, dy, U)
     g = {n: np.zeros((nC * L, N), dt) for n in ("dr", "dw", "dk", "dv", "da", "db")}
     dS_end, dX = np.zeros((nC, N, N), dt), np.zeros((nC * L, N), dt)
 
@@ -204,7 +219,7 @@ def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None, segment
     for c in range(nC):
         t = slice(c * L, c * L + L)
         for n, x in chunk_grads(o[c], S0[c], dS_end[c], U[t], v[t], dy[t], dX[t], r[t], w[t], k[t], b[t],
-                                rnd).items():
+                                rnd, op).items():
             g[n][t] = x
     grads = tuple(g[n][:T] for n in ("dr", "dw", "dk", "dv", "da", "db"))
     return grads if s0 is None else (*grads, ds0)
