@@ -26,7 +26,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("tests", "tests/gpu", "scripts")]
 
 import torch_twin  # noqa: E402  (test code: the twin and its recipes)
-from bf16_error_budget import PLAN_FP32, TODAY  # noqa: E402
+from bf16_error_budget import PLAN_FP32, STEP  # noqa: E402
 from conftest import make_training_like_params  # noqa: E402
 from test_bf16_yardstick import BATCH, FLOOR, HEAD_SIZES, KINDS, SLACK, _inputs  # noqa: E402
 from rwkvx.model import Model  # noqa: E402
@@ -60,8 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", required=True, help="kind-N<head size>-T<sequence length>, e.g. rwkv7-N64-T1024")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kernels", nargs="*", choices=tuple(torch_twin.KERNELS), default=list(TODAY),
-                    help="the kernels' roundings the emulation adds (default: the bf16 step's now)")
+    ap.add_argument("--kernels", nargs="*", choices=tuple(torch_twin.KERNELS), default=list(STEP),
+                    help="the kernels' roundings the emulation adds (default: the bf16 step's)")
     args = ap.parse_args()
     m = CASE.fullmatch(args.case)
     if not m or m["kind"] not in KINDS or int(m["N"]) not in HEAD_SIZES or int(m["T"]) not in BATCH:

@@ -50,18 +50,20 @@ from rwkvx.oracle import rel_err  # noqa: E402
 
 FAMILIES = tuple(torch_twin.FAMILIES)
 PLAN_FP32 = frozenset({"decay", "residual", "layernorm"})   # rwkvx.arena.FP32_ALWAYS, as families
-TODAY = ("wkv7_tf32", "moba_bf16")                            # the kernels' roundings in the bf16 step now
-# (label, kernel roundings, families promoted beyond the plan) of the --kernels table
+KERNEL_ROUNDINGS = ("wkv7_tf32", "moba_bf16")                 # the bf16 kernels' own roundings
+STEP = KERNEL_ROUNDINGS + ("ffn_kf_fp32",)                    # the bf16 step: relu² from the fp32 key product
+# (label, kernel roundings, families promoted beyond the plan) of the --kernels table; "k bf16": the
+# kernels' roundings with k rounded to bf16 before relu²
 KERNEL_VARIANTS = (
     ("plan, no kernel rounding", (), ()),
     ("plan + WKV7 one-pass TF32", ("wkv7_tf32",), ()),
     ("plan + MoBA bf16 P, dS", ("moba_bf16",), ()),
-    ("now (both)", TODAY, ()),
-    ("now, WKV7 operators 3xTF32 (SPLIT_OPERATORS)", ("wkv7_split", "moba_bf16"), ()),
-    ("now, every WKV7 product 3xTF32", ("wkv7_exact", "moba_bf16"), ()),
-    ("now, MoBA's dS a bf16 pair", ("wkv7_tf32", "moba_split_ds"), ()),
-    ("now, relu² from an fp32 kf", TODAY + ("ffn_kf_fp32",), ()),
-) + tuple((f"now + {fam} fp32", TODAY, (fam,)) for fam in ("ffn", "gn_gate", "lora"))
+    ("k bf16 (both roundings)", KERNEL_ROUNDINGS, ()),
+    ("k bf16, WKV7 operators 3xTF32 (SPLIT_OPERATORS)", ("wkv7_split", "moba_bf16"), ()),
+    ("k bf16, every WKV7 product 3xTF32", ("wkv7_exact", "moba_bf16"), ()),
+    ("k bf16, MoBA's dS a bf16 pair", ("wkv7_tf32", "moba_split_ds"), ()),
+    ("relu² from an fp32 kf (the bf16 step)", STEP, ()),
+) + tuple((f"k bf16 + {fam} fp32", KERNEL_ROUNDINGS, (fam,)) for fam in ("ffn", "gn_gate", "lora"))
 
 
 class Case:
