@@ -225,6 +225,15 @@ class Model:
             flat[off:off + size] = np.asarray(tensors[n], np.float32).ravel()
         return flat
 
+    def _pack_storage(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        """:meth:`_pack`'s image in the region's storage type (bf16: bits rounded to nearest), converted one
+        tensor at a time: a 7.2B model's bf16 copy never has a float32 image on the host."""
+        elem = self.layout.elems[region]
+        flat = np.zeros(self.layout.counts[region], storage_dtype(elem))
+        for n, (off, size) in self._tensors(region)[0].items():
+            flat[off:off + size] = to_storage(elem, np.asarray(tensors[n], np.float32).ravel())
+        return flat
+
     def _upload_region(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
         """Inverse of :meth:`_region`: one name-keyed tensor per parameter (or state), packed and uploaded
         (float32 values; a bf16 region takes only bf16 values, :func:`rwkvx.optim.bf16_moment_bits`)."""
@@ -240,8 +249,7 @@ class Model:
         check_params(self.cfg, params)
         self._upload_region("params", params)
         if self.layout.counts["params_x"]:
-            self.dev.upload(self.builder.buf("params_x"),
-                            to_storage(self.layout.elems["params_x"], self._pack("params_x", params)))
+            self.dev.upload(self.builder.buf("params_x"), self._pack_storage("params_x", params))
         self._frozen_params = dict(params) if self.layout.trains != "params" else None
 
     def params(self) -> ParamDict:
