@@ -20,6 +20,7 @@ from rwkvx.training import TrainConfig, Trainer
 from rwkvx.training.trainer import gpu_unavailable_reason
 
 from seeding import seeded_rng
+from tuned_models import random_states
 from test_cli import TINY, _log
 
 CFG = Config(vocab_size=256, n_embd=16, n_rwkv_layer=2, n_attn_layer=1, head_size=8,
@@ -194,7 +195,7 @@ def test_the_rwkv_package_runs_from_an_exported_state_file(tmp_path, monkeypatch
     cfg = Config(vocab_size=256, n_embd=128, head_size=64, n_rwkv_layer=2)
     params = {n: p.astype(np.float32) for n, p in random_params(cfg, 9).items()}
     rng = seeded_rng(9)
-    states = {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
+    states = random_states(cfg, rng)
     export_rwkv7_pth(tmp_path / "model.pth", cfg, params, dtype="fp32")
     export_states_pth(tmp_path / "state.pth", cfg, states)
     engine = package.RWKV(model=str(tmp_path / "model"), strategy="cpu fp32")

@@ -16,6 +16,7 @@ from rwkvx.state_tuning import state_name, state_shapes
 from rwkvx.step import StepBuilder
 
 from seeding import seeded_rng
+from tuned_models import random_states
 from test_model_plan import BASE, CONFIGS, host_buffers
 from test_wkv7_ops import launch_args
 
@@ -63,7 +64,7 @@ def test_state_tuned_forward_gives_the_oracles_logits(random_params, B):
     T = CONFIGS[0][2]
     rng = seeded_rng()
     params = {n: p.astype(np.float32) for n, p in random_params(cfg, int(rng.integers(1 << 31))).items()}
-    states = {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
+    states = random_states(cfg, rng)
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     L = Layout(cfg, B, T, H200, "fp32", recompute=True, methods={"wkv7": "sequential"}, tune_states=True)
     host = host_buffers(B, T)

@@ -8,10 +8,11 @@ import pytest
 from rwkvx import Config, generate
 from rwkvx.model import Model
 from rwkvx.oracle import Oracle, rel_err
-from rwkvx.state_tuning import state_shapes, zero_states
+from rwkvx.state_tuning import zero_states
 from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_batches, seeded_rng
+from tuned_models import random_states
 from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
 
 # T <= chunk * top_k: every past block is selected, so no selection near-ties between CPU and GPU;
@@ -23,11 +24,6 @@ CFG64 = Config(vocab_size=97, n_embd=128, head_size=64, n_rwkv_layer=2, n_attn_l
 T = 45
 SETTINGS = dict(tune="state", seq_len=T, lr=1e-2, lr_min=1e-3, warmup=1, steps=6, grad_clip=1.0,
                 weight_decay=0.1)
-
-
-def random_states(cfg, rng):
-    """Initial states of a state's size (a tuned one's scale), float32."""
-    return {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
 
 
 def frozen_bits(model: Model) -> dict[str, np.ndarray]:
