@@ -1,5 +1,5 @@
 """Training the released RWKV-7 sizes on one GPU, per fine-tuning mode: step time, tokens/s and device
-memory (report, don't assert). bf16, B = 1, T = 4096, recompute (the least memory), rwkv7-1.5b, -2.9b
+memory (report, don't assert). bf16, B = 1 and the largest B that fits, T = 4096, recompute (the least memory), rwkv7-1.5b, -2.9b
 and -7.2b, and state tuning and LoRA also at T = 1024 beside RWKV-PEFT's published peak memory for that
 setting (RTX 4090, bf16, ctx 1024, batch 1: state tuning 1.5B 5.3 GB, 2.9B 8.2 GB; LoRA 5.6 / 8.8 GB;
 ``extra_info["rwkv_peft_GB"]``):
@@ -17,12 +17,15 @@ values, so each orthogonal matrix is a seeded block of Gaussian values of its sc
 builds the model (its peak is the arena plus cuBLASLt's workspace), runs one step (graph capture,
 GEMM algorithms), then times ``ROUNDS`` steps by wall clock, each waiting for its loss.
 ``extra_info``: ms per step, tokens/s, the arena and the device's peak allocation and use, GiB.
+Rows ``-Bmax`` take the largest batch (up to ``MAX_B``) whose arena leaves ``HEADROOM`` of the free memory.
 Skipped without a GPU; rows whose arena does not fit the free memory are skipped with the sizes.
 
 Run: ``python -m pytest benchmarks/bench_finetune.py -k 7.2b --benchmark-columns=mean``
 """
 from __future__ import annotations
 
+import functools
+import gc
 import time
 
 import numpy as np
@@ -43,9 +46,12 @@ MODES = {"full": dict(moments="f32"), "full-lean": dict(moments="bf16"), "state"
 # RWKV-PEFT's published peaks (RTX 4090, bf16, ctx 1024, batch 1), GB
 RWKV_PEFT_GB = {("rwkv7-1.5b", "state"): 5.3, ("rwkv7-1.5b", "lora"): 5.6,
                 ("rwkv7-2.9b", "state"): 8.2, ("rwkv7-2.9b", "lora"): 8.8}
-RUNS = ([(preset, mode, 4096) for preset in SIZES for mode in MODES]
-        + [(preset, mode, 1024) for preset in SIZES for mode in ("state", "lora")])
-B, ROUNDS = 1, 3
+RUNS = [(preset, mode, T, batch) for preset in SIZES
+        for mode, T, batch in ([(mode, 4096, 1) for mode in MODES] + [(mode, 1024, 1) for mode in ("state", "lora")]
+                               + [(mode, 4096, "max") for mode in MODES])]
+ROUNDS = 3
+MAX_B = 256                     # the largest batch a "max" row tries
+HEADROOM = 2 << 30              # device memory left beside the arena (cuBLASLt workspace, modules, context)
 TILE = 1 << 20                  # random values per orthogonal matrix, tiled over it
 
 
@@ -55,24 +61,53 @@ def tiled_orthogonal(rng: np.random.Generator, shape: tuple[int, int], gain: flo
     return np.resize(block, shape)
 
 
-@pytest.mark.parametrize("preset, mode, T", RUNS, ids=[f"{p}-{m}-T{t}" for p, m, t in RUNS])
-def test_finetune_step(benchmark, dev, monkeypatch, preset, mode, T):
+@functools.lru_cache(maxsize=1)
+def random_params(preset: str) -> dict[str, np.ndarray]:
+    """One size's parameters, kept for its next rows (the rows run size by size; read only)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rwkvx.params, "orthogonal", tiled_orthogonal)
+        params = init_params(Config(**get_preset(preset)["model"]), 0)
+    for array in params.values():
+        array.flags.writeable = False
+    return params
+
+
+def arena_bytes(cfg: Config, B: int, T: int, dev, mode: str) -> int:
+    """The arena of one fine-tuning mode at batch B, by layout (nothing allocated)."""
+    opts = MODES[mode]
+    return Layout(cfg, B, T, dev.info, "bf16", True, tune_states=bool(opts.get("states")),
+                  moments=opts["moments"], lora=LORA if opts.get("lora") else None).total
+
+
+def largest_batch(cfg: Config, T: int, dev, mode: str, free: int) -> int:
+    """The largest B <= MAX_B whose arena leaves HEADROOM of ``free``; 0 when not even B = 1 does."""
+    lo, hi = 0, MAX_B
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if arena_bytes(cfg, mid, T, dev, mode) + HEADROOM <= free:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@pytest.mark.parametrize("preset, mode, T, batch", RUNS, ids=[f"{p}-{m}-T{t}-B{b}" for p, m, t, b in RUNS])
+def test_finetune_step(benchmark, dev, preset, mode, T, batch):
     from rwkvx.model import Model
     cfg = Config(**get_preset(preset)["model"])
     opts = MODES[mode]
     lora = LORA if opts.get("lora") else None
-    need = Layout(cfg, B, T, dev.info, "bf16", True, tune_states=bool(opts.get("states")),
-                  moments=opts["moments"], lora=lora).total
+    gc.collect()                                     # the previous row's model, before reading the free memory
     free = dev.memory_info()["free"]
-    if need > free:
-        pytest.skip(f"{preset} {mode}: the arena takes {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
-    monkeypatch.setattr(rwkvx.params, "orthogonal", tiled_orthogonal)
-    params = init_params(cfg, 0)
+    B = largest_batch(cfg, T, dev, mode, free) if batch == "max" else batch
+    need = arena_bytes(cfg, max(B, 1), T, dev, mode)
+    if B == 0 or need > free:
+        pytest.skip(f"{preset} {mode}: the arena takes {need / 2**30:.1f} GiB at B = 1, {free / 2**30:.1f} GiB free")
+    params = random_params(preset)
     dev.reset_peak()
     model = Model(cfg, params, B, T, precision="bf16", recompute=True, moments=opts["moments"],
                   states=zero_states(cfg) if opts.get("states") else None,
                   lora=init_factors(cfg, lora) if lora else None, lora_scale=LORA.scale)
-    del params
     model.configure_optimizer(Schedule(lr_max=1e-5, lr_min=1e-6, total_steps=100), 0.0, 1.0)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, T + 1))
     batch = (tokens[:, :-1], tokens[:, 1:])
@@ -84,6 +119,7 @@ def test_finetune_step(benchmark, dev, monkeypatch, preset, mode, T):
     benchmark.pedantic(lambda: model.train_step(*batch), rounds=1, iterations=1)
     mem = dev.memory_info()
     benchmark.extra_info.update({
+        "B": B,
         "ms_per_step": round(step_ms, 1),
         "tokens_per_s": round(B * T / (step_ms / 1e3)),
         "arena_GiB": round(model.memory_bytes() / 2**30, 2),
