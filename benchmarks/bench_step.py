@@ -3,7 +3,9 @@ every configuration of rwkvx.workloads.STEP_WORKLOADS in every precision, with a
 
 Each benchmark times with CUDA events on the model's stream (pytest-benchmark's own wall-clock rounds
 are one synchronised call each); ``extra_info`` carries the event-timed per-step milliseconds and the
-device memory. ``test_trainer_step_overlap`` times the whole training step through the Trainer (AdamW
+device memory, and the model FLOP utilisation (``mfu``: rwkvx.workloads.step_model_flops over the event time,
+as a share of the H200's dense peak for the precision's element type). The parameters are drawn on the
+device (``init_params(..., device="gpu")``: seconds at 2.9B). ``test_trainer_step_overlap`` times the whole training step through the Trainer (AdamW
 included, batches drawn by a BatchSampler): wall ms per step waiting for each loss (``Trainer.step``) and
 reading it after the next step is submitted (``Trainer.submit``), beside the step graph's own device ms.
 Skipped without a GPU.
@@ -13,15 +15,18 @@ import pytest
 
 from rwkvx import init_params
 from rwkvx.precision import PRECISION_NAMES
-from rwkvx.workloads import STEP_WORKLOADS
+from rwkvx.arena import Layout
+from rwkvx.workloads import H200_PEAK_TFLOPS, STEP_WORKLOADS, step_model_flops
 
 LONG = ("base_B1_T131072",)       # bf16 with recompute only (the other modes need more memory)
+BIG = ("pure1.5b_B4_T4096", "pure2.9b_B4_T4096")      # bf16 only, as these sizes train
 EAGER = ("small_B8_T512", "base_B8_T4096")
 
 RUNS = ([(name, "eager", "fp32", True) for name in EAGER]
         + [(name, "graph", precision, recompute) for recompute in (True, False)
-           for name in STEP_WORKLOADS if name not in LONG for precision in PRECISION_NAMES]
-        + [(name, "graph", "bf16", True) for name in LONG])
+           for name in STEP_WORKLOADS if name not in LONG + BIG for precision in PRECISION_NAMES]
+        + [(name, "graph", "bf16", True) for name in LONG]
+        + [(name, "graph", "bf16", recompute) for name in BIG for recompute in (True, False)])
 
 
 @pytest.mark.parametrize("name, mode, precision, recompute", RUNS,
@@ -30,9 +35,13 @@ def test_step(benchmark, dev, name, mode, precision, recompute):
     from rwkvx.model import Model
     from rwkvx.runtime import Graph, warm_time_ms
     cfg, B, T = STEP_WORKLOADS[name]
+    need = Layout(cfg, B, T, dev.info, precision, recompute).total
+    free = dev.memory_info()["free"]
+    if need > free:
+        pytest.skip(f"{name}: the arena takes {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
     rng = np.random.default_rng(0)
     dev.reset_peak()
-    model = Model(cfg, init_params(cfg, 0), B, T, precision=precision, recompute=recompute)
+    model = Model(cfg, init_params(cfg, 0, device="gpu"), B, T, precision=precision, recompute=recompute)
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     model.stage_batch(tokens, np.roll(tokens, -1, axis=1))
     model.run_step()              # warm-up: modules loaded, cuBLAS heuristics chosen
@@ -54,6 +63,7 @@ def test_step(benchmark, dev, name, mode, precision, recompute):
     benchmark.extra_info.update({
         "event_ms_per_step": round(step_ms, 3),
         "tokens_per_s": round(B * T / (step_ms / 1e3)),
+        "mfu": round(step_model_flops(cfg, B, T) / (step_ms * 1e-3) / (H200_PEAK_TFLOPS[precision] * 1e12), 3),
         "arena_GiB": round(model.memory_bytes() / 2**30, 2),
         "arena_KiB_per_token": round(model.layout.bytes_per_token() / 1024, 1),
         "peak_alloc_GiB": round(mem["peak_allocated"] / 2**30, 2),

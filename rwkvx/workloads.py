@@ -25,6 +25,9 @@ from .runtime.ops import DevPtr
 from .runtime.timing import warm_time_ms
 
 ALONE_REPEATS = 20          # runs of one launch timed alone (scripts/*_launches.py)
+# The H200 SXM's dense tensor-core peak per element type, TFLOP/s (fp32 without tensor cores): the
+# denominator of the model FLOP utilisation (MFU) the step benchmarks report.
+H200_PEAK_TFLOPS = {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9}
 
 
 class Workload(NamedTuple):
@@ -57,6 +60,8 @@ STEP_WORKLOADS: dict[str, Workload] = {
     "pure_B8_T4096": preset_workload("base", n_attn_layer=0),        # pure RWKV-7
     "pure_B16_T512": preset_workload("base", 16, 512, n_attn_layer=0),
     "base_B1_T131072": preset_workload("base", 1, 131072),          # one long sequence: within 40 GB
+    "pure1.5b_B4_T4096": preset_workload("rwkv7-1.5b", 4, 4096),        # the released sizes
+    "pure2.9b_B4_T4096": preset_workload("rwkv7-2.9b", 4, 4096),
 }
 
 
@@ -176,6 +181,20 @@ def moba_buffers(b: RandomBuffers, B: int, T: int, H: int, N: int, chunk: int,
     scratch = {name: (b(count, elem) if count else None)
                for name, (count, elem) in moba.scratch_sizes(B, T, H, N, chunk, top_k).items()}
     return [b(rc) for _ in range(4)], scratch
+
+
+def step_model_flops(cfg: Config, B: int, T: int) -> float:
+    """The model FLOPs of one training step (forward and backward, no recompute) of ``cfg`` at B x T: 6 per
+    GEMM weight element per token (head included, the embedding a lookup), 24 per WKV7 state element per
+    token (8 forward, 16 backward), and 12 N per (query, key) pair each MoBA head attends to (4 N forward:
+    Q·K and P·V; 8 N backward)."""
+    from .params import gemm_weights, param_shapes
+    shapes = param_shapes(cfg)
+    gemm = sum(int(np.prod(shapes[name])) for name in gemm_weights(cfg))
+    H, N = cfg.n_head, cfg.head_size
+    wkv = 24 * H * N * N * cfg.n_rwkv_layer
+    attn = 12 * N * H * cfg.n_attn_layer * moba_visible_keys(T, cfg.moba_chunk_size, cfg.moba_top_k)
+    return float(B * T * (6 * gemm + wkv) + B * attn)
 
 
 def moba_visible_keys(T: int, chunk: int, top_k: int) -> int:

@@ -2,6 +2,7 @@
 rwkvx.runtime.warm_time_ms: the named workloads are the presets' models, the kernel shapes are the model's,
 the visible-key count is the selection rule's, and the WKV7 benchmark's decay logits give the decay rwkvx's
 kernels read as RWKV-LM's clampw kernel computes it."""
+import dataclasses
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ from rwkvx.runtime import warm_time_ms
 from rwkvx.runtime.dtypes import round_to
 from rwkvx.runtime.timing import budget_repeats
 from rwkvx.workloads import (BASE, BASE_SHAPES, MOBA_SHAPES, STEP_WORKLOADS, WKV7_SHAPES, KernelShapes,
-                             moba_visible_keys, preset_workload, wkv7_decay, wkv7_decay_logit_grad,
+                             moba_visible_keys, preset_workload, step_model_flops, wkv7_decay, wkv7_decay_logit_grad,
                              wkv7_decay_logits)
 
 from seeding import seeded_rng
@@ -47,6 +48,22 @@ def test_named_shapes():
     wide = KernelShapes.of(preset_workload("rwkv7-1.5b", 4))
     assert WKV7_SHAPES["B4_T4096_H32"] == (wide.B, wide.T, wide.H) and wide.N == BASE_SHAPES.N
     assert MOBA_SHAPES["B8-T4096"] == (BASE_SHAPES.B, BASE_SHAPES.T, BASE_SHAPES.chunk)
+
+
+def test_step_model_flops():
+    """6 flops per GEMM weight element per token: the released 1.5B model (1.53B parameters, 0.13B of them
+    the embedding, a lookup) does 6 x ~1.4e9 per token; a MoBA block adds 12 N per visible (query, key) pair
+    and head over its projections' 6 per weight."""
+    pure = preset_workload("rwkv7-1.5b").config
+    per_token = step_model_flops(pure, 1, 1)
+    assert 6 * 1.3e9 < per_token < 6 * 1.5e9
+    assert step_model_flops(pure, 4, 4096) == pytest.approx(4 * 4096 * per_token)
+    cfg = Config(vocab_size=64, n_embd=32, n_rwkv_layer=1, n_attn_layer=1, head_size=16, moba_chunk_size=8,
+                 moba_top_k=2)
+    T = 8                                 # one chunk: query t sees keys 0..t
+    attn = step_model_flops(cfg, 1, T) - step_model_flops(dataclasses.replace(cfg, n_attn_layer=0), 1, T)
+    projections = 6 * T * (4 * 32 * 32 + 2 * 32 * 128)     # q, k, v, o and the block's FFN
+    assert attn == pytest.approx(projections + 12 * 16 * 2 * T * (T + 1) // 2)
 
 
 @pytest.mark.parametrize("T,chunk,top_k", [(1, 1, 1), (10, 3, 2), (37, 8, 3), (64, 16, 5), (512, 64, 3)])
