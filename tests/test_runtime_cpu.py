@@ -505,3 +505,37 @@ def test_gemm_algo_choice_from_the_cache_file_or_untimed(tmp_path, monkeypatch):
     other = G.linear(0x1000, 0x2000, 0x3000, rows=7, n_in=4, n_out=5)
     gemm_algos.choose(lt, {GemmShape.of(other): other})
     assert GemmShape.of(other).key() not in json.loads((tmp_path / gemm_algos.CACHE_FILE).read_text()).popitem()[1]
+
+
+# ---------------------------------------------------------------- host bf16 rounding
+def test_f32_to_bf16_bits_rounds_to_nearest_even():
+    """Every float32 bit pattern class (random patterns over the whole range, ties, the largest finite
+    values, infinities, NaNs, signed zeros) against the nearest of the two bf16 neighbours, computed in
+    float64; more values than one rounding slice, in a 2-D shape."""
+    from rwkvx.runtime.dtypes import _BF16_SLICE, bf16_bits_to_f32, f32_to_bf16_bits
+    rng = seeded_rng()
+    bits = rng.integers(0, 1 << 32, _BF16_SLICE + 4099, dtype=np.uint64).astype(np.uint32)
+    edges = [0x00000000, 0x80000000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFFFFFFF,
+             0x3F808000, 0x3F818000, 0x00008000, 0x00018000, 0x7F7F8000, 0x7F7F7FFF]
+    bits[:len(edges)] = edges
+    x = bits.view(np.float32)
+    got = f32_to_bf16_bits(x.reshape(-1, 1))
+    assert got.shape == (x.size, 1) and got.dtype == np.uint16
+    got = got.ravel()
+    nan = np.isnan(x)
+    assert np.isnan(bf16_bits_to_f32(got[nan])).all()
+    down = (bits[~nan] >> 16).astype(np.uint16)                    # truncation: towards zero
+    up = down + np.uint16(1)                                       # the next bf16 away from zero
+    v = x[~nan].astype(np.float64)
+    lo = bf16_bits_to_f32(down).astype(np.float64)
+    # past the largest finite bf16 the neighbour away from zero is infinity: nearest-even rounds to it
+    # from half an ulp up, as float32 -> bf16 conversion on the GPU does
+    top = np.abs(lo) == np.float64(bf16_bits_to_f32(np.uint16(0x7F7F)))
+    half_ulp = 2.0 ** (127 - 8)
+    with np.errstate(over="ignore", invalid="ignore"):
+        hi = np.where(np.abs(lo) == np.inf, lo, bf16_bits_to_f32(up).astype(np.float64))
+        d_lo, d_hi = np.abs(v - lo), np.abs(hi - v)
+        take_up = np.where(top, d_lo >= half_ulp, (d_hi < d_lo) | ((d_hi == d_lo) & (down & 1 == 1)))
+    want = np.where(take_up, up, down)
+    bad = np.flatnonzero(got[~nan] != want)
+    assert bad.size == 0, f"{bad.size} values rounded wrongly, e.g. bits {bits[~nan][bad[:4]]}"

@@ -30,15 +30,31 @@ def storage_dtype(elem: str) -> np.dtype:
     return np.dtype(_STORAGE[check_elem(elem)])
 
 
+_BF16_SLICE = 1 << 18          # float32 values rounded to bf16 at a time (1 MiB)
+
+
 def f32_to_bf16_bits(x) -> np.ndarray:
-    """bf16 bit patterns (uint16) of ``x`` rounded to nearest, ties to even (NaN stays NaN)."""
+    """bf16 bit patterns (uint16) of ``x`` rounded to nearest, ties to even (NaN stays NaN).
+
+    Rounds in 32-bit integers, a cache-sized slice at a time (a 7B-parameter model's bf16 copy is made on
+    the host); only NaN bit patterns can wrap around 2^32, and they are rewritten afterwards."""
     f = np.ascontiguousarray(x, dtype=np.float32)
-    u = f.view(np.uint32).astype(np.uint64)
-    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(f)
+    u = f.reshape(-1).view(np.uint32)
+    rounded = np.empty(u.size, np.uint16)
+    work = np.empty(min(_BF16_SLICE, u.size), np.uint32)
+    for start in range(0, u.size, _BF16_SLICE):
+        src = u[start:start + _BF16_SLICE]
+        w = work[:src.size]
+        np.right_shift(src, 16, out=w)
+        w &= 1                                  # ties to even: add 0x7FFF plus the kept part's lowest bit
+        w += 0x7FFF
+        w += src
+        w >>= 16
+        rounded[start:start + src.size] = w
+    nan = np.isnan(f.reshape(-1))
     if nan.any():
         rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)   # keep NaNs quiet NaNs
-    return rounded
+    return rounded.reshape(f.shape)
 
 
 def bf16_bits_to_f32(bits) -> np.ndarray:
