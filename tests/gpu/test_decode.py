@@ -8,7 +8,7 @@ whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in p
 replay per token gives the forward's logits at every position from the prompt's last on (fp32: <= 1e-5
 relative; up to 8 sequences the fused step, 9 the step with the forward's GEMMs), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
 generate reuses the decoder kept on the model (same tokens, nothing rebuilt, new weights seen); a
-state-tuned model's decoder starts from its initial states.
+state-tuned model's decoder starts from its initial states, a LoRA model's applies its factors.
 """
 from __future__ import annotations
 
@@ -339,9 +339,11 @@ def clear_tokens(cfg, params, B, T, rng, margin, tuned=None):
     pytest.skip("no draw without a near-tie of the MoBA gate")
 
 
-# state-tuned models: random initial WKV states (the decoder starts every sequence from them)
+# tuned models: random initial WKV states (the decoder starts every sequence from them) or random LoRA
+# factors (every adapted projection applies them); fused steps (B <= 8) and not
 TUNED = [("moba", "fp32", "state"), ("rwkv_only", "fp32", "state"), ("moba_b1_long_prompt", "fp32", "state"),
-         ("C256_N64", "tf32", "state")]
+         ("C256_N64", "tf32", "state"), ("moba", "fp32", "lora"), ("moba_b9", "fp32", "lora"),
+         ("C256_N64", "tf32", "lora")]
 
 
 @pytest.mark.parametrize("name, precision, tune", [(n, "fp32", None) for n in DECODE]
