@@ -15,6 +15,7 @@ from seeding import seeded_batches, seeded_rng
 from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
 from test_state_tuning_gpu import (CFG, CFG64, T, check_tuned_grads, check_tuning_matches_cpu,
                                    check_tuning_resumes_exactly, fp32_cases)
+from tuned_models import random_factors
 
 SETTINGS = LoraSettings(4, 8.0, tuple(TARGETS))     # every projection of both block kinds
 LORA = dict(tune="lora", lora_rank=4, lora_alpha=8.0, seq_len=T, lr=1e-2, lr_min=1e-3, warmup=1, steps=6,
@@ -64,7 +65,7 @@ def test_greedy_generation_from_a_lora_trainer_equals_the_merged_models(random_p
     trainer = Trainer(CFG, params, backend="gpu", batch_size=2, **LORA)
     rng = seeded_rng(45)
     settings = LoraSettings(LORA["lora_rank"], LORA["lora_alpha"], LORA["lora_targets"])
-    factors = {n: (0.3 * rng.standard_normal(s)).astype(np.float32) for n, s in lora_shapes(CFG, settings).items()}
+    factors = random_factors(CFG, settings, rng)
     trainer.backend.model.load_lora_factors(factors)
     prompt, n = rng.integers(0, CFG.vocab_size, 7), 16
     new = generate(trainer, prompt, n, temperature=0)
