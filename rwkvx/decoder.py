@@ -94,11 +94,13 @@ def weight_pointers(model_builder: StepBuilder) -> dict[str, DevPtr | None]:
 
 
 def own_span(layout: Layout) -> tuple[int, int]:
-    """(start, end): the bytes of ``layout``'s arena a decoder allocates, everything after the weight
-    and training regions (which the layout places first)."""
-    skipped = [n for n in WEIGHT_REGIONS + TRAINING_REGIONS if n in layout.offsets]
-    start = max(layout.offsets[n] + layout.nbytes(n) for n in skipped)
-    if any(off < start for n, off in layout.offsets.items() if n not in skipped):
+    """(start, end): the bytes of ``layout``'s arena a decoder allocates, from its first buffer that is
+    not a weight or training region (which the layout places first) to its end. ``start`` is a buffer's
+    offset, aligned as every offset is, so the decoder's buffers keep the layout's alignment (the end of
+    the last skipped region need not be: a bf16 copy of 4 mod 8 values ends 8 bytes off 16)."""
+    skipped = {n for n in WEIGHT_REGIONS + TRAINING_REGIONS if n in layout.offsets}
+    start = min(off for n, off in layout.offsets.items() if n not in skipped)
+    if any(layout.offsets[n] + layout.nbytes(n) > start for n in skipped):
         raise ValueError("decoder: the layout must place the weight and training regions first")
     return start, layout.total
 
