@@ -167,6 +167,7 @@ TINY = dict(vocab_size=16, n_embd=4, head_size=4, n_rwkv_layer=2, n_attn_layer=1
 RANK2 = LoraSettings(2, 3.0, tuple(TARGETS))
 LORA_CASES = [   # config, B, prompt window, max_len, prompt length, precision, adapter
     (SMALL, 2, 20, 40, 17, "fp32", RANK2),           # the fused step
+    (SMALL, 2, 20, 40, 17, "fp32", LoraSettings(2, 2.0, tuple(TARGETS))),   # scale 1: the update in dec_gemv
     (SMALL, 9, 20, 40, 17, "fp32", RANK2),           # the step with the forward's GEMMs
     (dict(vocab_size=300, n_embd=256, head_size=64, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=32,
           moba_top_k=3), 1, 40, 160, 40, "tf32", RANK2),

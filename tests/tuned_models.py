@@ -31,15 +31,22 @@ def random_factors(cfg: Config, settings: LoraSettings, rng) -> dict:
             .astype(np.float32) for n, s in lora_shapes(cfg, settings).items()}
 
 
+# tuned_model's LoRA kinds -> alpha of rank 2: scale 1.5, and scale 1 (the default settings' scale, under
+# which the step's update GEMM y += h·B is a plain residual add that the fused step takes as a dec_gemv job)
+LORA_ALPHA = {"lora": 3.0, "lora_unit": 2.0}
+
+
 def tuned_model(cfg: Config, tune: str | None, rng) -> dict:
-    """Random initial states (``tune="state"``) or LoRA factors (``"lora"``: rank 2 on every target ``cfg``
-    has, :func:`random_factors`) of ``cfg``, or nothing (None): ``{"oracle": keyword arguments of Oracle
-    and Model, "layout": those of Layout, "tensors": region -> name-keyed float32 tensors}``."""
+    """Random initial states (``tune="state"``) or LoRA factors (a key of :data:`LORA_ALPHA`: rank 2 on
+    every target ``cfg`` has, :func:`random_factors`) of ``cfg``, or nothing (None): ``{"oracle": keyword
+    arguments of Oracle and Model, "layout": those of Layout, "tensors": region -> name-keyed float32
+    tensors}``."""
     if tune == "state":
         states = random_states(cfg, rng)
         return dict(oracle=dict(states=states), layout=dict(tune_states=True), tensors={"states": states})
-    if tune == "lora":
-        settings = LoraSettings(2, 3.0, tuple(t for t in TARGETS if t.split(".")[0] != "moba" or cfg.n_attn_layer))
+    if tune in LORA_ALPHA:
+        settings = LoraSettings(2, LORA_ALPHA[tune],
+                                tuple(t for t in TARGETS if t.split(".")[0] != "moba" or cfg.n_attn_layer))
         factors = random_factors(cfg, settings, rng)
         return dict(oracle=dict(lora=factors, lora_scale=settings.scale), layout=dict(lora=settings),
                     tensors={"lora": factors})

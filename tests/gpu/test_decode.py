@@ -27,7 +27,7 @@ from rwkvx.runtime.dtypes import round_to
 from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
 
 from seeding import seeded_rng
-from tuned_models import tuned_model
+from tuned_models import LORA_ALPHA, tuned_model
 
 FWD_TOL = 1e-5
 
@@ -134,10 +134,11 @@ GEMV_JOBS = [(96, 64, False, "none", False), (40, 32, False, "tanh", False), (48
              (64, 20, True, "relu_sq", False), (64, 128, False, "none", True), (33, 96, True, "none", True),
              (1000, 768, False, "none", False), (23, 3072, False, "relu_sq", False)]
 # a LoRA model's step: each adapted projection's product beside its first factor x·A ([k, n] with n the
-# rank r, most lanes of the tile idle; k the model width or the FFN's), and an output's residual add
+# rank r, most lanes of the tile idle; k the model width or the FFN's), an output's residual add, and
+# (LoRA scale 1) the update h·B added in place ([k, n] with k = r: most warps' k range empty)
 LORA_GEMV_JOBS = [(64, 64, False, "none", False), (2, 64, True, "none", False), (256, 64, False, "none", False),
                   (2, 1024, True, "none", False), (1, 256, True, "none", False), (3, 20, True, "none", False),
-                  (64, 256, False, "none", True), (2, 256, True, "none", False)]
+                  (64, 256, False, "none", True), (64, 2, True, "none", True)]
 
 
 @pytest.mark.parametrize("specs", [GEMV_JOBS, LORA_GEMV_JOBS], ids=["shapes", "lora"])
@@ -348,14 +349,15 @@ def clear_tokens(cfg, params, B, T, rng, margin, tuned=None):
 
 
 # tuned models: random initial WKV states (the decoder starts every sequence from them) or random LoRA
-# factors (every adapted projection applies them); fused steps (B <= 8) and not
+# factors (every adapted projection applies them); fused steps (B <= 8) and not, LoRA scale 1.5 and 1
+# (tuned_models.LORA_ALPHA: at scale 1 the fused step adds the update in dec_gemv, else in a GEMM)
 TUNED = [("moba", "fp32", "state"), ("rwkv_only", "fp32", "state"), ("moba_b1_long_prompt", "fp32", "state"),
          ("C256_N64", "tf32", "state"), ("moba", "fp32", "lora"), ("moba_b9", "fp32", "lora"),
-         ("C256_N64", "tf32", "lora")]
+         ("C256_N64", "tf32", "lora"), ("moba", "fp32", "lora_unit"), ("C256_N64", "tf32", "lora_unit")]
 
 
-@pytest.mark.parametrize("name, precision", [(n, p) for n, p, tune in TUNED if tune == "lora"])
-def test_lora_decoder_step_graph_is_its_plan_run_op_by_op(dev, name, precision, training_like):
+@pytest.mark.parametrize("name, precision, tune", [c for c in TUNED if c[2] in LORA_ALPHA])
+def test_lora_decoder_step_graph_is_its_plan_run_op_by_op(dev, name, precision, tune, training_like):
     """A LoRA model's step replayed as its CUDA graph gives the logits of its plan run op by op (eagerly:
     under CUDA_LAUNCH_BLOCKING=1 a failing op is named, where a graph's replay names none), bit for bit,
     token after token from the same prefill."""
@@ -367,7 +369,7 @@ def test_lora_decoder_step_graph_is_its_plan_run_op_by_op(dev, name, precision, 
     cfg = Config(**kwargs)
     rng = seeded_rng()
     params = training_like(cfg, int(rng.integers(1 << 31)))
-    model = Model(cfg, params, B, T, precision=precision, **tuned_model(cfg, "lora", rng)["oracle"])
+    model = Model(cfg, params, B, T, precision=precision, **tuned_model(cfg, tune, rng)["oracle"])
     tokens = rng.integers(0, cfg.vocab_size, (B, T))
     decoder = Decoder(model, B, P, T)
     graph = decoder._graph
