@@ -2,8 +2,8 @@
 
 A Decoder serves one (model, batch size) pair for any prompt up to its capacities; it reads the weights
 from the model's own resident parameters (``params``, and ``params_x`` in bf16; a state-tuned model's
-initial WKV states ``states`` too, every sequence starting from them; a LoRA model is refused), so an
-optimizer step or
+initial WKV states ``states`` too, every sequence starting from them; a LoRA model's factors ``lora``
+(``lora_x``), applied by the adapted projections as in the forward), so an optimizer step or
 :meth:`rwkvx.model.Model.load_params` is seen by the next token without a copy. Everything else
 (activations, the carried state, the step's CUDA graph) is the decoder's own, allocated once;
 :func:`decoder_for` keeps one Decoder per batch size on the model, so a second ``generate`` builds
@@ -48,7 +48,6 @@ import numpy as np
 from .arena import Layout
 from .cu import decode, wkv7
 from .cu._common import carve, carved_bytes
-from .generation import LORA_ON_GPU
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
 from .runtime.kernel import XTYPE_DEFINE, KernelFile
@@ -59,8 +58,7 @@ from .step import StepBuilder
 from .validate import check_tokens
 
 # read from the model's arena, never copied: the weights, a state-tuned model's initial WKV states, a LoRA
-# layout's factors (and their bf16 copy: the step's plan applies them; the Decoder refuses a LoRA model);
-# what only training touches is never allocated
+# model's factors (and their bf16 copy); what only training touches is never allocated
 WEIGHT_REGIONS = ("params", "params_x", "states", "lora", "lora_x")
 TRAINING_REGIONS = ("grads", "adam_m", "adam_v", "state_grads", "state_m", "state_v", "lora_grads", "lora_m",
                     "lora_v")
@@ -96,11 +94,13 @@ def weight_pointers(model_builder: StepBuilder) -> dict[str, DevPtr | None]:
 
 
 def own_span(layout: Layout) -> tuple[int, int]:
-    """(start, end): the bytes of ``layout``'s arena a decoder allocates, everything after the weight
-    and training regions (which the layout places first)."""
-    skipped = [n for n in WEIGHT_REGIONS + TRAINING_REGIONS if n in layout.offsets]
-    start = max(layout.offsets[n] + layout.nbytes(n) for n in skipped)
-    if any(off < start for n, off in layout.offsets.items() if n not in skipped):
+    """(start, end): the bytes of ``layout``'s arena a decoder allocates, from its first buffer that is
+    not a weight or training region (which the layout places first) to its end. ``start`` is a buffer's
+    offset, aligned as every offset is, so the decoder's buffers keep the layout's alignment (the end of
+    the last skipped region need not be: a bf16 copy of 4 mod 8 values ends 8 bytes off 16)."""
+    skipped = {n for n in WEIGHT_REGIONS + TRAINING_REGIONS if n in layout.offsets}
+    start = min(off for n, off in layout.offsets.items() if n not in skipped)
+    if any(layout.offsets[n] + layout.nbytes(n) > start for n in skipped):
         raise ValueError("decoder: the layout must place the weight and training regions first")
     return start, layout.total
 
@@ -450,8 +450,6 @@ class Decoder:
         from .runtime import Graph
         if not isinstance(model, Model):
             raise TypeError(f"Decoder expects an rwkvx.Model, got {type(model).__name__}")
-        if model.layout.lora is not None:  # its decode step has not run correctly on a GPU yet
-            raise ValueError(LORA_ON_GPU)
         self.B, self.prompt_cap = _positive_int("batch", batch), _positive_int("prompt_cap", prompt_cap)
         self.max_len = _positive_int("max_len", max_len)
         # no reference back to the model, which keeps this decoder (decoder_for): dropping the model frees
@@ -459,9 +457,11 @@ class Decoder:
         self.dev, self.cfg = model.dev, model.cfg
         self.in_use = False     # between decoder_for handing it to a generation and that generation's close
         self.private = False    # built for one generation while the kept one was in use: freed at close
-        # a state-tuned model's layout: its weights packed as the model's, its initial states read
+        # the model's kind of layout (state tuning, LoRA): its weights packed as the model's, its states
+        # or factors read from the model
         self.layout = Layout(self.cfg, self.B, self.prompt_cap, self.dev.info, model.precision, recompute=True,
-                             methods=model.layout.methods, tune_states=model.layout.tune_states)
+                             methods=model.layout.methods, tune_states=model.layout.tune_states,
+                             lora=model.layout.lora)
         self.lengths: np.ndarray | None = None          # tokens fed so far per sequence (None: no prompt yet)
         B = self.B
         if B > self.layout.head_rows:

@@ -40,9 +40,10 @@ CASES = {   # name: (config, B, T, prompt length of each sequence, prompt window
 
 # tuned models: state tuning (every sequence starts from the initial WKV states; sequences with and
 # without a prefix through the forward, several WKV checkpoints) and LoRA (every target the model has,
-# the factors applied in the prefill's GEMMs and in the step's, fused step and not)
+# the factors applied in the prefill's GEMMs and in the step's, fused step and not; at scale 1 the fused
+# step's update products are dec_gemv residual jobs)
 TUNED = [(n, "state") for n in ("moba", "moba_long_prompt", "rwkv_only")] + [
-    (n, "lora") for n in ("moba", "rwkv_only", "moba_b9")]
+    (n, "lora") for n in ("moba", "rwkv_only", "moba_b9")] + [(n, "lora_unit") for n in ("moba", "rwkv_only")]
 
 
 @pytest.mark.parametrize("name, tune", [(n, None) for n in CASES] + TUNED)

@@ -5,13 +5,15 @@ earlier tokens."""
 import pytest
 
 from rwkvx import Config
-from rwkvx.decoder import (ACTIVATIONS, WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder, own_span, prefix_len,
-                           state_sizes, step_ops, weight_pointers)
+from rwkvx.decoder import (ACTIVATIONS, TRAINING_REGIONS, WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder,
+                           _gemv_jobs, own_span, prefix_len, state_sizes, step_ops, weight_pointers)
 from rwkvx.arena import Layout
+from rwkvx.lora import DEFAULT_TARGETS, TARGETS, LoraSettings, lora_shapes
 from rwkvx.precision import DEFAULT_PRECISION
 from rwkvx.cu import decode
 from rwkvx.cu._common import carve, carved_bytes
 from rwkvx.runtime.device import H200
+from rwkvx.runtime.dtypes import ELEM_BYTES
 from rwkvx.step import StepBuilder
 from rwkvx.runtime.ops import Copy, Gemm, Launch, flatten_ops
 
@@ -159,6 +161,93 @@ def test_moba_step_checks_its_shared_memory():
         build(cfg, 1, 16, 1 << 16, 9)
     assert decode.moba_smem_bytes(64, 512, 3, 1536 // 512) <= H200.smem_per_block
 
+
+
+TINY = dict(vocab_size=16, n_embd=4, head_size=4, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=4, moba_top_k=2)
+RANK2 = LoraSettings(2, 3.0, tuple(TARGETS))
+LORA_CASES = [   # config, B, prompt window, max_len, prompt length, precision, adapter
+    (SMALL, 2, 20, 40, 17, "fp32", RANK2),           # the fused step
+    (SMALL, 2, 20, 40, 17, "fp32", LoraSettings(2, 2.0, tuple(TARGETS))),   # scale 1: the update in dec_gemv
+    (SMALL, 9, 20, 40, 17, "fp32", RANK2),           # the step with the forward's GEMMs
+    (dict(vocab_size=300, n_embd=256, head_size=64, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=32,
+          moba_top_k=3), 1, 40, 160, 40, "tf32", RANK2),
+    (SMALL, 3, 20, 40, 17, "bf16", LoraSettings(3, 4.0, DEFAULT_TARGETS)),
+    (TINY, 1, 16, 20, 9, "bf16", LoraSettings(1, 4.0, ("ffn.key",))),   # a bf16 copy of 4 mod 8 values
+]
+
+
+def lora_build(kwargs, B, window, max_len, P, precision, settings):
+    """The layout, the buffers (start, end) a plan may touch — the decoder's own, each weight tensor and
+    LoRA factor at its place in the model's arena, the state arena's — and the prefill's and step's ops."""
+    layout = Layout(Config(**kwargs), B, window, H200, precision, recompute=True, lora=settings)
+    weights = weight_pointers(StepBuilder(layout, WEIGHTS, {}))
+    sizes = state_sizes(layout, max_len)
+    state = carve(STATE, sizes)
+    start, _ = own_span(layout)
+    buffers = [(BASE + off, BASE + off + layout.nbytes(n)) for n, off in layout.offsets.items()
+               if off >= start]
+    tensors = {"params": layout.region_offsets["params"], "params_x": layout.region_offsets["params_x"],
+               "lora": layout.lora_offsets, "lora_x": layout.lora_offsets if layout.counts["lora_x"] else {}}
+    for region, offsets in tensors.items():
+        elem = ELEM_BYTES[layout.elems[region]]
+        buffers += [(int(weights[region]) + elem * off, int(weights[region]) + elem * (off + size))
+                    for off, size in offsets.values()]
+    buffers += [(int(p), int(p) + count * ELEM_BYTES[elem]) for (count, elem), p in
+                zip(sizes.values(), state.values()) if p is not None]
+    args = (layout, BASE, weights, state, max_len)
+    prefill = PrefillBuilder(*args, (prefix_len(P, layout.methods["wkv7"]),) * B).forward()
+    return layout, buffers, prefill, step_ops(*args, 1 << 46, 1 << 47, 1 << 48)
+
+
+def accesses(op, B):
+    """(start, end, what) of every byte range a GEMM, a dec_gemv job (of B rows) or a copy reads or
+    writes."""
+    if isinstance(op, Gemm):
+        p = op.precision
+
+        def span(ptr, rows, cols, ld, elem, what):       # a column-major [rows, cols] operand
+            return int(ptr), int(ptr) + (ld * (cols - 1) + rows) * ELEM_BYTES[elem], what
+        a = (op.k, op.m) if op.transa else (op.m, op.k)
+        b = (op.n, op.k) if op.transb else (op.k, op.n)
+        out = [span(op.A, *a, op.lda, p.a, "A"), span(op.B, *b, op.ldb, p.b, "B"),
+               span(op.C if op.D is None else op.D, op.m, op.n, op.ldc, p.c, "D")]
+        return out + ([span(op.C, op.m, op.n, op.ldc, p.c, "C")] if op.beta else [])
+    if isinstance(op, Launch) and op.name == "dec_gemv":
+        out = []
+        for j, job in enumerate(_gemv_jobs(op)):
+            reads, wr = job.spans(B)
+            w = int(job.w), int(job.w) + job.n * job.k * ELEM_BYTES[job.w.elem]
+            out += [(*r, f"job {j} reads") for r in reads] + [(*wr, f"job {j} writes"), (*w, f"job {j} weight")]
+        return out
+    if isinstance(op, Copy):
+        return [(op.src, op.src + op.nbytes, "src"), (op.dst, op.dst + op.nbytes, "dst")]
+    return []
+
+
+@pytest.mark.parametrize("kwargs, B, window, max_len, P, precision, settings", LORA_CASES)
+def test_lora_plans_read_and_write_inside_one_buffer_each(kwargs, B, window, max_len, P, precision, settings):
+    """Every GEMM operand, dec_gemv job (x·A into lora_h with n = r, the Linear's product, the residual
+    add) and copy of a LoRA model's prefill and step lies inside one buffer: a weight tensor, a factor,
+    one of the decoder's buffers or of its state arena."""
+    layout, buffers, prefill, step = lora_build(kwargs, B, window, max_len, P, precision, settings)
+    for op in flatten_ops(prefill) + flatten_ops(step):
+        for lo, hi, what in accesses(op, B):
+            assert any(b0 <= lo and hi <= b1 for b0, b1 in buffers), (op, what, hex(lo), hi - lo)
+    factors = [op for op in flatten_ops(step) if isinstance(op, Launch) and op.name == "dec_gemv"
+               for job in _gemv_jobs(op) if job.n == settings.rank]
+    assert len(factors) == (len(lora_shapes(Config(**kwargs), settings)) // 2 if B <= decode.GEMV_ROWS else 0)
+
+
+@pytest.mark.parametrize("kwargs, B, window, max_len, P, precision, settings", LORA_CASES)
+def test_decoder_buffers_keep_the_layouts_alignment(kwargs, B, window, max_len, P, precision, settings):
+    """The decoder allocates its part of the layout from a buffer's offset: at an aligned allocation
+    every one of its buffers is 256-byte aligned, as in the model's arena, whatever the weight and
+    factor regions before it hold."""
+    layout = Layout(Config(**kwargs), B, window, H200, precision, recompute=True, lora=settings)
+    start, end = own_span(layout)
+    skipped = [n for n in WEIGHT_REGIONS + TRAINING_REGIONS if n in layout.offsets]
+    assert max(layout.offsets[n] + layout.nbytes(n) for n in skipped) <= start < end
+    assert all((off - start) % 256 == 0 for off in layout.offsets.values() if off >= start)
 
 class _FakeDecoder:
     """Stands in for rwkvx.decoder.Decoder (which needs a GPU) in decoder_for: records its builds; its

@@ -14,16 +14,40 @@ def random_states(cfg: Config, rng) -> dict:
     return {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}
 
 
+# the std of a random LoRA B factor; A's is 1/sqrt(in), so h = x·A is of x's size. The update s·h·B then
+# changes the logits by about their own size, as a trained adapter may, and the adapted model is as
+# sensitive to fp32 rounding as the base model (the oracle's float32 logits within ~5e-7 of its float64
+# ones). Factors of 0.3 x a standard normal made it some 30 times as sensitive (up to ~1e-5 from float64
+# alone), more than two fp32 paths can agree to within their 1e-5 limit, and its MoBA gate gaps some 1000
+# times the base model's, so TF32's relative error in them passed the absolute near-tie margin of the tf32
+# decoder test (these factors: gaps of 2 to 4 times the base model's).
+LORA_B_STD = 0.1
+
+
+def random_factors(cfg: Config, settings: LoraSettings, rng) -> dict:
+    """LoRA factors of ``settings`` for ``cfg``, float32, drawn from ``rng``: A [in, r] normal with std
+    1/sqrt(in), B [r, out] normal with std :data:`LORA_B_STD` (both non-zero)."""
+    return {n: (rng.standard_normal(s) * (1 / np.sqrt(s[0]) if n.endswith(".lora_A") else LORA_B_STD))
+            .astype(np.float32) for n, s in lora_shapes(cfg, settings).items()}
+
+
+# tuned_model's LoRA kinds -> alpha of rank 2: scale 1.5, and scale 1 (the default settings' scale, under
+# which the step's update GEMM y += h·B is a plain residual add that the fused step takes as a dec_gemv job)
+LORA_ALPHA = {"lora": 3.0, "lora_unit": 2.0}
+
+
 def tuned_model(cfg: Config, tune: str | None, rng) -> dict:
-    """Random initial states (``tune="state"``) or LoRA factors (``"lora"``: rank 2 on every target ``cfg``
-    has, both factors non-zero) of ``cfg``, or nothing (None): ``{"oracle": keyword arguments of Oracle
-    and Model, "layout": those of Layout, "tensors": region -> name-keyed float32 tensors}``."""
+    """Random initial states (``tune="state"``) or LoRA factors (a key of :data:`LORA_ALPHA`: rank 2 on
+    every target ``cfg`` has, :func:`random_factors`) of ``cfg``, or nothing (None): ``{"oracle": keyword
+    arguments of Oracle and Model, "layout": those of Layout, "tensors": region -> name-keyed float32
+    tensors}``."""
     if tune == "state":
         states = random_states(cfg, rng)
         return dict(oracle=dict(states=states), layout=dict(tune_states=True), tensors={"states": states})
-    if tune == "lora":
-        settings = LoraSettings(2, 3.0, tuple(t for t in TARGETS if t.split(".")[0] != "moba" or cfg.n_attn_layer))
-        factors = {n: (0.3 * rng.standard_normal(s)).astype(np.float32) for n, s in lora_shapes(cfg, settings).items()}
+    if tune in LORA_ALPHA:
+        settings = LoraSettings(2, LORA_ALPHA[tune],
+                                tuple(t for t in TARGETS if t.split(".")[0] != "moba" or cfg.n_attn_layer))
+        factors = random_factors(cfg, settings, rng)
         return dict(oracle=dict(lora=factors, lora_scale=settings.scale), layout=dict(lora=settings),
                     tensors={"lora": factors})
     return dict(oracle={}, layout={}, tensors={})

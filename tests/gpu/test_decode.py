@@ -8,7 +8,8 @@ whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in p
 replay per token gives the forward's logits at every position from the prompt's last on (fp32: <= 1e-5
 relative; up to 8 sequences the fused step, 9 the step with the forward's GEMMs), greedy rwkvx.generate on the GPU is the argmax of a full forward re-run, and a second
 generate reuses the decoder kept on the model (same tokens, nothing rebuilt, new weights seen); a
-state-tuned model's decoder starts from its initial states.
+state-tuned model's decoder starts from its initial states, a LoRA model's applies its factors (and its
+step's graph gives what its plan run op by op gives).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from rwkvx.runtime.dtypes import round_to
 from rwkvx.sampling import WEIGHT_BITS, WEIGHT_CUTOFF, Sampling, contract_exp, sample_rows
 
 from seeding import seeded_rng
-from tuned_models import tuned_model
+from tuned_models import LORA_ALPHA, tuned_model
 
 FWD_TOL = 1e-5
 
@@ -132,15 +133,22 @@ def test_dec_tmix(case, B, H, N, layer, ranks):
 GEMV_JOBS = [(96, 64, False, "none", False), (40, 32, False, "tanh", False), (48, 64, True, "sigmoid", False),
              (64, 20, True, "relu_sq", False), (64, 128, False, "none", True), (33, 96, True, "none", True),
              (1000, 768, False, "none", False), (23, 3072, False, "relu_sq", False)]
+# a LoRA model's step: each adapted projection's product beside its first factor x·A ([k, n] with n the
+# rank r, most lanes of the tile idle; k the model width or the FFN's), an output's residual add, and
+# (LoRA scale 1) the update h·B added in place ([k, n] with k = r: most warps' k range empty)
+LORA_GEMV_JOBS = [(64, 64, False, "none", False), (2, 64, True, "none", False), (256, 64, False, "none", False),
+                  (2, 1024, True, "none", False), (1, 256, True, "none", False), (3, 20, True, "none", False),
+                  (64, 256, False, "none", True), (64, 2, True, "none", True)]
 
 
+@pytest.mark.parametrize("specs", [GEMV_JOBS, LORA_GEMV_JOBS], ids=["shapes", "lora"])
 @pytest.mark.parametrize("B", [1, 3, 8])
-def test_dec_gemv(case, B):
+def test_dec_gemv(case, B, specs):
     """All eight jobs in one launch, each against its twin (a residual: its addend plus the product; the
     first residual job adds another buffer, left as it was, the second adds to its output in place)."""
     rng = seeded_rng()
     jobs, addends = [], {}
-    for j, (n, k, kn, epi, res) in enumerate(GEMV_JOBS):
+    for j, (n, k, kn, epi, res) in enumerate(specs):
         x = case.input(f"x{j}", rng.standard_normal((B, k)))
         w = case.input(f"w{j}", rng.standard_normal((k, n) if kn else (n, k)) / np.sqrt(k))
         if not res:
@@ -154,7 +162,7 @@ def test_dec_gemv(case, B):
             jobs.append(D.GemvJob(x, w, case.inout(f"o{j}", rng.standard_normal((B, n)), "f32"), n, k, kn,
                                   residual=True))
     out = case.run(D.gemv(jobs, B))
-    for j, (n, k, kn, epi, res) in enumerate(GEMV_JOBS):
+    for j, (n, k, kn, epi, res) in enumerate(specs):
         want = decode_gemv(case.seen[f"x{j}"], case.seen[f"w{j}"], kn, epi)
         if res:                  # fp32 out in every precision: the products of the rounded inputs, summed in fp32
             check(f"o{j}", out[f"o{j}"], case.seen[addends[j]] + want, FWD_TOL)
@@ -162,15 +170,16 @@ def test_dec_gemv(case, B):
             check(f"o{j}", out[f"o{j}"], want, tolerance(case.xtype, FWD_TOL))
 
 
+@pytest.mark.parametrize("specs", [GEMV_JOBS, LORA_GEMV_JOBS], ids=["shapes", "lora"])
 @pytest.mark.parametrize("B", [1, 8])
-def test_dec_gemv_rounds_operands_to_tf32(dev, B):
+def test_dec_gemv_rounds_operands_to_tf32(dev, B, specs):
     """The tf32 variant multiplies the operands rounded to TF32 (as the forward's tensor-core GEMMs): it
     equals the twin on the rounded operands to fp32 accumulation, far closer than the ~5e-4 of the
     rounding itself."""
     from harness import KernelCase
     from rwkvx.runtime.dtypes import round_tf32
     case, rng, jobs = KernelCase(dev, "f32"), seeded_rng(), []
-    shapes = [job[:4] for job in GEMV_JOBS if not job[4]]
+    shapes = [job[:4] for job in specs if not job[4]]
     for j, (n, k, kn, epi) in enumerate(shapes):
         x = case.input(f"x{j}", rng.standard_normal((B, k)))
         w = case.input(f"w{j}", rng.standard_normal((k, n) if kn else (n, k)) / np.sqrt(k))
@@ -339,9 +348,45 @@ def clear_tokens(cfg, params, B, T, rng, margin, tuned=None):
     pytest.skip("no draw without a near-tie of the MoBA gate")
 
 
-# state-tuned models: random initial WKV states (the decoder starts every sequence from them)
+# tuned models: random initial WKV states (the decoder starts every sequence from them) or random LoRA
+# factors (every adapted projection applies them); fused steps (B <= 8) and not, LoRA scale 1.5 and 1
+# (tuned_models.LORA_ALPHA: at scale 1 the fused step adds the update in dec_gemv, else in a GEMM)
 TUNED = [("moba", "fp32", "state"), ("rwkv_only", "fp32", "state"), ("moba_b1_long_prompt", "fp32", "state"),
-         ("C256_N64", "tf32", "state")]
+         ("C256_N64", "tf32", "state"), ("moba", "fp32", "lora"), ("moba_b9", "fp32", "lora"),
+         ("C256_N64", "tf32", "lora"), ("moba", "fp32", "lora_unit"), ("C256_N64", "tf32", "lora_unit")]
+
+
+@pytest.mark.parametrize("name, precision, tune", [c for c in TUNED if c[2] in LORA_ALPHA])
+def test_lora_decoder_step_graph_is_its_plan_run_op_by_op(dev, name, precision, tune, training_like):
+    """A LoRA model's step replayed as its CUDA graph gives the logits of its plan run op by op (eagerly:
+    under CUDA_LAUNCH_BLOCKING=1 a failing op is named, where a graph's replay names none), bit for bit,
+    token after token from the same prefill."""
+    import types
+
+    from rwkvx.decoder import Decoder
+    from rwkvx.model import Model
+    kwargs, B, T, P = DECODE[name]
+    cfg = Config(**kwargs)
+    rng = seeded_rng()
+    params = training_like(cfg, int(rng.integers(1 << 31)))
+    model = Model(cfg, params, B, T, precision=precision, **tuned_model(cfg, tune, rng)["oracle"])
+    tokens = rng.integers(0, cfg.vocab_size, (B, T))
+    decoder = Decoder(model, B, P, T)
+    graph = decoder._graph
+    try:
+        runs = []
+        for replay in (types.SimpleNamespace(launch=decoder._step_plan.run), graph):
+            decoder._graph = replay
+            lengths, logits = decoder.prefill(tokens[:, :P], Sampling(temperature=0.0)), []
+            for _ in range(4):
+                decoder.step(tokens[np.arange(B), lengths], np.zeros(B))
+                logits.append(decoder.logits())
+                lengths += 1
+            runs.append(np.stack(logits))
+        assert np.array_equal(*runs), "the step's graph and its plan run op by op differ"
+    finally:
+        decoder._graph = graph
+        decoder.free()
 
 
 @pytest.mark.parametrize("name, precision, tune", [(n, "fp32", None) for n in DECODE]

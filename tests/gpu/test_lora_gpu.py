@@ -1,7 +1,7 @@
 """LoRA on the GPU backend: the model's factor gradients against the float64 oracle's (docs/SPEC.md §4's
 model-level limits of tests/gpu/test_model_parity.py), a GPU LoRA run against the CPU backend's (the
 AdamW parity bounds of tests/gpu/test_train_gpu.py), every parameter bit for bit unchanged; exact resume
-from the LoRA file, graph replay == eager, the GPU decoder's refusal, the CLI; and a trained adapter
+from the LoRA file, graph replay == eager, greedy generation with the factors, the CLI; and a trained adapter
 merged into the weights gives the GPU model the loss the CPU backend computes for the adapted model."""
 import numpy as np
 import pytest
@@ -11,10 +11,11 @@ from rwkvx.lora import TARGETS, LoraSettings, init_factors, lora_shapes, merge
 from rwkvx.model import Model
 from rwkvx.training.trainer import Trainer
 
-from seeding import seeded_batches
+from seeding import seeded_batches, seeded_rng
 from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
 from test_state_tuning_gpu import (CFG, CFG64, T, check_tuned_grads, check_tuning_matches_cpu,
                                    check_tuning_resumes_exactly, fp32_cases)
+from tuned_models import random_factors
 
 SETTINGS = LoraSettings(4, 8.0, tuple(TARGETS))     # every projection of both block kinds
 LORA = dict(tune="lora", lora_rank=4, lora_alpha=8.0, seq_len=T, lr=1e-2, lr_min=1e-3, warmup=1, steps=6,
@@ -57,10 +58,26 @@ def test_gpu_lora_resumes_exactly(tmp_path, random_params, precision):
                                  dict(LORA, precision=precision), "lora", untrained)
 
 
-def test_generation_from_a_lora_model_is_refused_on_the_gpu(random_params):
-    trainer = Trainer(CFG, random_params(CFG, 45), backend="gpu", batch_size=2, **LORA)
-    with pytest.raises(ValueError, match="not LoRA factors"):
-        generate(trainer, np.array([1, 2, 3]), 2)
+def test_greedy_generation_from_a_lora_trainer_equals_the_merged_models(random_params):
+    """A LoRA Trainer on the GPU generates with its factors applied: the greedy tokens of the merged
+    weights' model (up to an fp32 near-tie), not the base model's."""
+    params = {k: v.astype(np.float32) for k, v in random_params(CFG, 45).items()}
+    trainer = Trainer(CFG, params, backend="gpu", batch_size=2, **LORA)
+    rng = seeded_rng(45)
+    settings = LoraSettings(LORA["lora_rank"], LORA["lora_alpha"], LORA["lora_targets"])
+    factors = random_factors(CFG, settings, rng)
+    trainer.backend.model.load_lora_factors(factors)
+    prompt, n = rng.integers(0, CFG.vocab_size, 7), 16
+    new = generate(trainer, prompt, n, temperature=0)
+    merged = Model(CFG, merge(CFG, params, factors, settings.scale), 1, len(prompt) + n)
+    logits = merged.forward(np.concatenate([prompt, new])[None])[0]
+    for i in range(n):
+        top = np.sort(logits[len(prompt) - 1 + i])
+        if top[-1] - top[-2] < 1e-3 * abs(top[-1]):         # a near-tie: the rest may diverge
+            break
+        assert new[i] == logits[len(prompt) - 1 + i].argmax(), f"token {i}"
+    base = Model(CFG, params, 1, len(prompt) + n)
+    assert not np.array_equal(new, generate(base, prompt, n, temperature=0)), "the factors were not read"
 
 
 def test_merged_adapter_on_the_gpu_matches_the_gpu_adapter(random_params):
