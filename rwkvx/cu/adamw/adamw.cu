@@ -122,10 +122,10 @@ struct AdamwK {
 static __device__ __forceinline__ void adamw_elem(float& p, float g, float& m, float& v, const AdamwK& k)
 {
     // the formulas of the twin oracle/adamw.py in its float32 operation order, every operation rounded
-    // (__fmul_rn / __fadd_rn are never contracted into an FMA): the twin's bits. A contracted
-    // m * b1 + omb1 * g moves m by a float32 ulp now and then, which moves the lean moments' stochastic
-    // rounding by a bf16 place; fed back, that place grows wherever m shrinks (a smaller binade, a sign
-    // change) and the stored moments stop being the twin's.
+    // (__fmul_rn / __fadd_rn are never contracted into an FMA): the twin's bits. Contracted,
+    // m * b1 + omb1 * g keeps m * b1 unrounded: where the two terms cancel, the rounding of m * b1 that
+    // the twin keeps is most of the new m (a relative difference far beyond a bf16 place), and elsewhere a
+    // float32 ulp now and then moves the lean moments' stochastic rounding by a bf16 place.
     g = __fmul_rn(g, k.gs);
     p = __fmul_rn(p, k.decay);
     m = __fadd_rn(__fmul_rn(m, k.b1), __fmul_rn(k.omb1, g));
