@@ -4,7 +4,8 @@ conventions, PyTorch AdamW semantics.
 This docstring is the contract shared by the fused GPU kernel and the CPU optimizer (``rwkvx.optim.AdamW``,
 which runs the functions below). Unlike the other twins this one does not compute everything in float64:
 it does the kernel's arithmetic (scalars in float64 rounded once to float32, the element update in
-float32 in the kernel's operation order), so that the two agree to rounding (fused multiply-adds aside).
+float32 in the kernel's operation order, which contracts no operation into an FMA), so that the two agree
+bit for bit (m and v always; p but for the device's float64 pow and cos in the scalars).
 
 Learning-rate schedule (:func:`learning_rate`), t = 1, 2, ... is the number of the step being taken
 (the first update uses t = 1)::

@@ -121,13 +121,17 @@ struct AdamwK {
 
 static __device__ __forceinline__ void adamw_elem(float& p, float g, float& m, float& v, const AdamwK& k)
 {
-    // the formulas of the twin oracle/adamw.py, same float32 operation order (FMA contraction aside)
-    g = g * k.gs;
-    p = p * k.decay;
-    m = m * k.b1 + k.omb1 * g;
-    v = v * k.b2 + k.omb2 * (g * g);
-    const float denom = sqrtf(v) / k.sbc2 + k.eps;
-    p = p - (k.step * m) / denom;
+    // the formulas of the twin oracle/adamw.py in its float32 operation order, every operation rounded
+    // (__fmul_rn / __fadd_rn are never contracted into an FMA): the twin's bits. Contracted,
+    // m * b1 + omb1 * g keeps m * b1 unrounded: where the two terms cancel, the rounding of m * b1 that
+    // the twin keeps is most of the new m (a relative difference far beyond a bf16 place), and elsewhere a
+    // float32 ulp now and then moves the lean moments' stochastic rounding by a bf16 place.
+    g = __fmul_rn(g, k.gs);
+    p = __fmul_rn(p, k.decay);
+    m = __fadd_rn(__fmul_rn(m, k.b1), __fmul_rn(k.omb1, g));
+    v = __fadd_rn(__fmul_rn(v, k.b2), __fmul_rn(k.omb2, __fmul_rn(g, g)));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.sbc2), k.eps);
+    p = __fsub_rn(p, __fdiv_rn(__fmul_rn(k.step, m), denom));
 }
 
 // Stochastic rounding of the bf16 moments (adamw_update_lean): the bits below bf16's are replaced by the

@@ -23,7 +23,8 @@ being made)::
     v = b2 * v + (1 - b2) * g * g
     p = p - (lr_p / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
     betas (0.9, 0.99), eps 1e-18. Scalars (lr_p/bc1, sqrt(bc2), 1 - lr_p*wd_p, b1, 1-b1, b2, 1-b2, eps,
-    clip) in float64, rounded once to float32; element arithmetic in float32 (FMA contraction aside).
+    clip) in float64, rounded once to float32; element arithmetic in float32, each operation rounded (no FMA
+    contraction: the twin's bits).
     The gradient buffer itself is not modified by clipping.
 
 Device state ``state`` float64 ``[STATE_DOUBLES]`` (:func:`state_array` builds it; upload once, or again

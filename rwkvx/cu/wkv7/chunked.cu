@@ -78,6 +78,35 @@ __device__ __forceinline__ long long tok(int bb, int T, int t, int H, int h) {  
     return (((long long)bb * T + t) * H + h) * HN;
 }
 
+// x . y over the HN keys, by the four lanes of a quad (lane q: keys q, q + 4, ...), compensated (Ogita,
+// Rump and Oishi's Dot2: each product's and each addition's rounding error summed on the side, in rounded
+// fp32 operations that are never contracted): the exact dot rounded once to fp32, to well below that
+// rounding, even where the terms cancel; the result in lane q = 0. WKV_EXACT takes the diagonals of the
+// Gram matrices from it (r_t.k_t, r_t.b_t, dy_t.v_t, dy_t.u_t): at T = 1 each is the whole scale of a
+// gradient (dv, da, dk, db), so its relative error is that gradient's, and a sum of 64 rounded terms
+// (3xTF32 on rt, bh: r and b scaled by cw and 1/cw first) loses digits wherever they cancel.
+template <class FX, class FY>
+__device__ __forceinline__ float quad_dot2(FX X, FY Y, int q) {
+    float s = 0.f, c = 0.f;
+    auto two_sum = [&](float p, float pe) {          // s + p exactly = t + e; e and pe go to c
+        const float t = __fadd_rn(s, p), z = __fsub_rn(t, s);
+        const float e = __fadd_rn(__fsub_rn(s, __fsub_rn(t, z)), __fsub_rn(p, z));
+        c = __fadd_rn(c, __fadd_rn(e, pe));
+        s = t;
+    };
+#pragma unroll
+    for (int j = q; j < HN; j += 4) {
+        const float x = X(j), y = Y(j), p = __fmul_rn(x, y);
+        two_sum(p, fmaf(x, y, -p));                  // fmaf: the product's rounding error, exactly
+    }
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) {
+        const float so = __shfl_xor_sync(0xffffffffu, s, o), co = __shfl_xor_sync(0xffffffffu, c, o);
+        two_sum(so, co);
+    }
+    return __fadd_rn(s, c);
+}
+
 // 4 elements of floatX, cp.async
 __device__ __forceinline__ void cp4x(float* d, const float* s) { cp16(d, s); }
 __device__ __forceinline__ void cp4x(__nv_bfloat16* d, const __nv_bfloat16* s) { cp8(d, s); }
@@ -153,6 +182,7 @@ wkv7c_intra(const floatX* __restrict__ r, const float* __restrict__ w, const flo
     __shared__ float Mi[L][LP];
     __shared__ float Wt[4][L][8];                    // per warp: one 16 x 8 tile, accumulator -> B operand
     __shared__ float PL[HN];
+    __shared__ float diag[2][L];                     // WKV_EXACT: the diagonals of Arb, Ark (quad_dot2)
     const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x;
     const int wid = tid >> 5, lane = tid & 31, nC = gridDim.x;
 
@@ -166,6 +196,13 @@ wkv7c_intra(const floatX* __restrict__ r, const float* __restrict__ w, const flo
         xr.store(rt, tid); xw.store(wv, tid); xk.store(kh, tid); xa.store(at, tid); xb.store(bh, tid);
     }
     __syncthreads();
+    if constexpr (EXACT) {                           // quad tid / 4: r_t.b_t (quads 0-15), r_t.k_t (16-31)
+        const int t = (tid >> 2) & (L - 1), m = tid >> 6;
+        const float(*Y)[SP] = m ? kh : bh;
+        const float d = quad_dot2([&](int j) { return rt[t][j]; }, [&](int j) { return Y[t][j]; }, tid & 3);
+        if ((tid & 3) == 0) diag[m][t] = d;
+        __syncthreads();                             // r, k, b read before the decay products rewrite them
+    }
     if (tid < HN) {                                  // one column: the decay products in token order
         float p = 1.f;
 #pragma unroll
@@ -190,7 +227,7 @@ wkv7c_intra(const floatX* __restrict__ r, const float* __restrict__ w, const flo
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int t = acc_m(e), s = 8 * nt + acc_n(e);
-                G[wid][t][s] = (wid < 2 ? s < t : s <= t) ? d[nt][e] : 0.f;
+                G[wid][t][s] = (wid < 2 ? s < t : s <= t) ? (EXACT && s == t ? diag[wid - 2][t] : d[nt][e]) : 0.f;
             }
     }
     __syncthreads();
@@ -643,6 +680,7 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const float* __restrict__ w, 
     __shared__ __align__(16) float Vs[L][SP], Us[L][SP], Ys[L][SP], Xs[L][SP];
     __shared__ float dA[4][L][L + 1];                              // dY V^T, dY U^T, dX V^T, dX U^T
     __shared__ float sds[HN];                                      // sum_i S0[i, j] dS[i, j]
+    __shared__ float diag[2][L];                                   // WKV_EXACT: dy_t.v_t, dy_t.u_t (quad_dot2)
     const int c = blockIdx.x, h = blockIdx.y, bb = blockIdx.z, tid = threadIdx.x, nt = blockDim.x;
     const int nC = gridDim.x, tq = tid / HN, j = tid % HN;
     const int wq = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
@@ -706,6 +744,14 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const float* __restrict__ w, 
         sd += __shfl_xor_sync(0xffffffffu, sd, 2);
         if (q == 0) sds[8 * wq + g] = sd;
     }
+    if constexpr (EXACT) {                           // the last 4 warps' quads: dy_t.v_t (0-15), dy_t.u_t (16-31)
+        const int e = tid - (4 * HN - 128), t = (e >> 2) & (L - 1), m = e >> 6;
+        if (e >= 0) {
+            const float(*Y)[SP] = m ? Us : Vs;
+            const float d = quad_dot2([&](int jj) { return Ys[t][jj]; }, [&](int jj) { return Y[t][jj]; }, e & 3);
+            if ((e & 3) == 0) diag[m][t] = d;
+        }
+    }
     if (wq < 4) {                                    // [L, L] products, warp wq the matrix dA[wq]
         const float(*X)[SP] = wq < 2 ? Ys : Xs;
         const float(*Y)[SP] = (wq & 1) ? Us : Vs;
@@ -752,7 +798,8 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const float* __restrict__ w, 
         dlcx[t][j] = dat[u] * att;
         E[t][j] = kt[u] * kht + bt[u] * bht;
         if (tt < T) {
-            const float dyv = dA[0][t][t], dyu = dA[1][t][t];    // dy_t . v_t, dy_t . u_t
+            const float dyv = EXACT ? diag[0][t] : dA[0][t][t];   // dy_t . v_t
+            const float dyu = EXACT ? diag[1][t] : dA[1][t][t];   // dy_t . u_t
             const long long o = tok(bb, T, tt, H, h) + j;
             const float cxt = t > 0 ? cw[t - 1][j] : 1.f;
             dr[o] = from_f32((drt[u] + kht * dyv + bht * dyu) * cwt);

@@ -5,7 +5,9 @@ operand of a tensor-core product with the state or its gradient (tf32), so that 
 kernels' rounding error (v and dy enter the products as hi + lo tf32 pairs: :func:`_split`); ``op`` is applied
 to the operands of the chunk operators' products (intra's Gram matrices and products with M, the gradient
 part's [L, L] products): 3xTF32 (about fp32) with fp32 inputs, one tf32 pass with bf16 inputs
-(ops.SPLIT_OPERATORS), identity (exact in ``dt``) by default.
+(ops.SPLIT_OPERATORS), identity (exact in ``dt``) by default. ``rnd`` = :func:`split3` is the chunked_exact
+kernels (WKV_EXACT), which also take the Gram matrices' diagonals r.k, r.b, dy.v, dy.u as compensated
+dots (:func:`row_dots`).
 Tested against the float64 oracle in tests/test_wkv7_chunked_model.py; the GPU kernels are tested
 against the oracle directly (tests/gpu/test_wkv7.py).
 
@@ -53,6 +55,12 @@ def split3(x):
     return _split(np.asarray(x, np.float32), round_tf32).astype(np.float32)
 
 
+def row_dots(x, y, dt):
+    """x_t . y_t for each row t, as the chunked_exact kernels take the Gram matrices' diagonals (compensated
+    fp32 dots, chunked.cu's quad_dot2): the exact dot rounded once to ``dt``."""
+    return (np.asarray(x, np.float64) * np.asarray(y, np.float64)).sum(axis=1).astype(dt)
+
+
 def _pad(x: np.ndarray, Tp: int, fill: float) -> np.ndarray:
     T = x.shape[0]
     if T == Tp:
@@ -60,9 +68,10 @@ def _pad(x: np.ndarray, Tp: int, fill: float) -> np.ndarray:
     return np.concatenate([x, np.full((Tp - T,) + x.shape[1:], fill, x.dtype)])
 
 
-def intra(r, w, k, a, b, dt=np.float64, op=identity):
+def intra(r, w, k, a, b, dt=np.float64, op=identity, exact=False):
     """The intra-chunk operators of one chunk (inputs [L, N]): a dict of arrays; ``op`` rounds the operands
-    of the Gram matrices and of the products with M."""
+    of the Gram matrices and of the products with M; ``exact`` (chunked_exact): the diagonals of Arb and
+    Ark are :func:`row_dots` of r with b and k."""
     r, w, k, a, b = (np.asarray(x, dt) for x in (r, w, k, a, b))
     cw = np.cumprod(w, axis=0)
     cx = cw / w
@@ -74,6 +83,9 @@ def intra(r, w, k, a, b, dt=np.float64, op=identity):
 
     Aab, Aak = slow * mm(at, bh.T), slow * mm(at, kh.T)
     Arb, Ark = low * mm(rt, bh.T), low * mm(rt, kh.T)
+    if exact:
+        np.fill_diagonal(Arb, row_dots(r, b, dt))
+        np.fill_diagonal(Ark, row_dots(r, k, dt))
     M = np.linalg.inv(np.eye(L, dtype=dt) - Aab).astype(dt)    # the kernel: forward substitution
     Qa, Ca = mm(M, at), mm(M, Aak)
     Kt, Bt = kh * PL, bh * PL
@@ -82,14 +94,14 @@ def intra(r, w, k, a, b, dt=np.float64, op=identity):
                 Qb=mm(M.T, bh) * PL, Db=mm(Arb, M).T)
 
 
-def _padded(T, r, w, k, v, a, b, dt, op, *extra):
+def _padded(T, r, w, k, v, a, b, dt, op, exact, *extra):
     """The inputs padded to whole chunks (w = 1, the rest 0) and the records of every chunk."""
     nC = (T + L - 1) // L
     Tp = nC * L
     r, k, v, a, b, *extra = (_pad(np.asarray(x, dt), Tp, 0.0) for x in (r, k, v, a, b, *extra))
     w = _pad(np.asarray(w, dt), Tp, 1.0)
     o = [intra(r[c * L:c * L + L], w[c * L:c * L + L], k[c * L:c * L + L], a[c * L:c * L + L],
-               b[c * L:c * L + L], dt, op) for c in range(nC)]
+               b[c * L:c * L + L], dt, op, exact) for c in range(nC)]
     return nC, (r, w, k, v, a, b, *extra), o
 
 
@@ -133,7 +145,7 @@ def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None, segments=1, 
     y [T, N], U (= sa) [T, N] and the chunk-entering states S0 [nC, N, N]. ``segments`` > 1: the
     segmented scan of the kernels (:func:`_scan`; the chunk walks of a segment as the unsegmented one)."""
     T, N = r.shape
-    nC, (r, w, k, v, a, b), o = _padded(T, r, w, k, v, a, b, dt, op)
+    nC, (r, w, k, v, a, b), o = _padded(T, r, w, k, v, a, b, dt, op, rnd is split3)
     y, U = np.zeros((nC * L, N), dt), np.zeros((nC * L, N), dt)
     S0 = np.zeros((nC, N, N), dt)
 
@@ -157,9 +169,10 @@ def forward(r, w, k, v, a, b, rnd=identity, dt=np.float64, s0=None, segments=1, 
     return y[:T], U[:T], S0
 
 
-def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity, op=identity):
+def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity, op=identity, exact=False):
     """The key-space gradients of one chunk (all [L, N]): dr, dw, dk, da, db; ``rnd`` rounds the operands
-    of the products with S0 and dS, ``op`` those of the [L, L] products (on tensor cores in the kernel).
+    of the products with S0 and dS, ``op`` those of the [L, L] products (on tensor cores in the kernel);
+    ``exact`` (chunked_exact): dy_t . v_t and dy_t . u_t are :func:`row_dots`.
 
     The diagonal of Ark / Arb (r_t . k_t, r_t . b_t) does not depend on w: its gradient goes to dr, dk,
     db directly and stays out of the log-decay sums, where its two halves would only cancel (dw of the
@@ -185,7 +198,10 @@ def chunk_grads(o, S0, dS, U, V, dY, dX, r, w, k, b, rnd=identity, op=identity):
     # dlog w_s = sum_{t>=s} dlcw_t + sum_{t>s} dlcx_t + dlog PL
     rev = lambda x: np.cumsum(x[::-1], axis=0)[::-1]          # noqa: E731
     dlw = rev(dlcw) + rev(dlcx) - dlcx + (dPL * PL)[None, :]
-    dv_rk, du_rb = np.diag(dYV)[:, None], np.diag(dYU)[:, None]
+    if exact:
+        dv_rk, du_rb = row_dots(dY, V, dt)[:, None], row_dots(dY, U, dt)[:, None]
+    else:
+        dv_rk, du_rb = np.diag(dYV)[:, None], np.diag(dYU)[:, None]
     return dict(dr=drt * o["cw"] + k * dv_rk + b * du_rb, dw=dlw / w, dk=dkh / o["cw"] + r * dv_rk,
                 da=dat * o["cx"], db=dbh / o["cw"] + r * du_rb)
 
@@ -196,7 +212,8 @@ def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None, segment
     forward and the reverse pass as segmented scans (:func:`_scan` over the segments in reverse)."""
     T, N = r.shape
     _, U, S0 = forward(r, w, k, v, a, b, rnd, dt, s0, segments, op)
-    nC, (r, w, k, v, a, b, dy, U), o = _padded(T, r, w, k, v, a, b, dt, op, dy, U)
+    exact = rnd is split3
+    nC, (r, w, k, v, a, b, dy, U), o = _padded(T, r, w, k, v, a, b, dt, op, exact, dy, U)
     g = {n: np.zeros((nC * L, N), dt) for n in ("dr", "dw", "dk", "dv", "da", "db")}
     dS_end, dX = np.zeros((nC, N, N), dt), np.zeros((nC * L, N), dt)
 
@@ -219,7 +236,7 @@ def backward(r, w, k, v, a, b, dy, rnd=identity, dt=np.float64, s0=None, segment
     for c in range(nC):
         t = slice(c * L, c * L + L)
         for n, x in chunk_grads(o[c], S0[c], dS_end[c], U[t], v[t], dy[t], dX[t], r[t], w[t], k[t], b[t],
-                                rnd, op).items():
+                                rnd, op, exact).items():
             g[n][t] = x
     grads = tuple(g[n][:T] for n in ("dr", "dw", "dk", "dv", "da", "db"))
     return grads if s0 is None else (*grads, ds0)
