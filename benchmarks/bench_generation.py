@@ -14,7 +14,8 @@ fed are a fixed random sequence, so every row does the same work.
   nothing built, the prompt's prefill and one step); and the device sampler ``dec_sample`` alone on
   V = 65536 logits (CUDA-event time per call, B = 1 and 256 rows).
 * GPU, the decode step at small batch (``test_gpu_decode_step``): the RWKV-7 0.1B (``rwkv7-0.1b``) and
-  the 0.22B RWKV-X (``base``) models in bf16 and tf32 at B = 1 and 8, the step's products in dec_gemv
+  1.5B (``rwkv7-1.5b``) and the 0.22B RWKV-X (``base``) models (parameters drawn on the device) in bf16
+  and tf32 at B = 1, 8 and 64, the step's products in dec_gemv
   (the small-batch path) and, for comparison, in the forward's GEMMs (the large-batch path): tokens/s
   (B per ``step``, wall clock), the graph's CUDA-event time per step (with the rows' sampling, and
   greedy: ``dec_sample``'s one pass), and the memory floor of a step: the bytes it must read (every
@@ -147,10 +148,10 @@ HBM_BYTES_PER_S = 4.3e12          # the H200's memory bandwidth
 DECODE_PROMPT = 64                # the small-batch rows' prompt (the step's cost hardly depends on it)
 
 
-@pytest.fixture(scope="module", params=["rwkv7-0.1b", "base"])
-def preset_params(request):
+@pytest.fixture(scope="module", params=["rwkv7-0.1b", "base", "rwkv7-1.5b"])
+def preset_params(request, dev):
     cfg = Config(**get_preset(request.param)["model"])
-    return request.param, cfg, init_params(cfg, 0)
+    return request.param, cfg, init_params(cfg, 0, device="gpu")
 
 
 def step_floor_bytes(cfg: Config, params: dict, B: int, precision: str) -> int:
@@ -162,7 +163,7 @@ def step_floor_bytes(cfg: Config, params: dict, B: int, precision: str) -> int:
 
 
 @pytest.mark.parametrize("path", ["dec_gemv", "gemm"])
-@pytest.mark.parametrize("B", [1, 8])
+@pytest.mark.parametrize("B", [1, 8, 64])
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
 def test_gpu_decode_step(benchmark, dev, preset_params, precision, B, path, monkeypatch):
     from rwkvx.cu import decode
