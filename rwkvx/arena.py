@@ -34,7 +34,7 @@ def _round_up(n: int, a: int = _ALIGN) -> int:
 FORWARD_STATE = {
     "rwkv": ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "hw", "ha", "hv",
              "hg", "decay", "kp", "vp", "wa", "wb", "y", "z", "ln1_mean", "ln1_rstd", "wkv_sa", "wkv_ckpt"),
-    "attn": ("h1_x", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist"),
+    "attn": ("h1_x", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist", "moba_olo"),
 }
 # Buffers stored in fp32 in every precision (docs/SPEC.md §4): the residual stream and its gradient, the
 # LayerNorm outputs the token shifts read and the gradients of every LayerNorm output, v_first's gradient
@@ -52,8 +52,9 @@ GEMM_COPIES = {"h1": "h1_x", "dx": "dx_x"}
 KF_PRE = "kf_pre"
 # What an attention block keeps for its backward even with recompute=True: the recompute skips the MoBA
 # forward, the one part of a block whose cost grows with the attended keys (T * chunk * top_k), for
-# B*T*(C + H) activations and the query lists per attention block.
-ATTENTION_KEPT = ("y", "moba_lse", "moba_idx", "moba_qlist")
+# B*T*(C + H) activations (in bf16 B*T*(2C + H): the output's residual olo too) and the query lists per
+# attention block.
+ATTENTION_KEPT = ("y", "moba_lse", "moba_idx", "moba_qlist", "moba_olo")
 CHANNEL_MIX_STATE = ("x1", "h2", "xk2", "kf", "ln2_mean", "ln2_rstd")
 # The WKV7 gradients that only feed the time mix's prep backward: f32 in every precision (its parameter
 # gradients sum them over the tokens after near-cancelling projections, where bf16 rounding would show).
@@ -201,7 +202,7 @@ class Layout:
         self._add("dx", R * C, self.elem_of("dx"))
         self._add("dlnout", R * C, self.elem_of("dlnout"))
         if cfg.n_attn_layer:
-            moba_sizes = moba.scratch_sizes(B, T, H, N, cfg.moba_chunk_size, cfg.moba_top_k)
+            moba_sizes = moba.scratch_sizes(B, T, H, N, cfg.moba_chunk_size, cfg.moba_top_k, X)
             for j in range(cfg.n_attn_layer):  # kept per block: the selection is read back after a step
                 self._add(f"moba_sel.{j}", *moba_sizes["sel"])
         # one block's transients, shared by every block (blocks run one after another)

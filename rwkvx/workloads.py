@@ -179,7 +179,7 @@ def moba_buffers(b: RandomBuffers, B: int, T: int, H: int, N: int, chunk: int,
     """q, k, v, o [B, T, H·N] and the scratch dict of one MoBA block (rwkvx.cu.moba.forward's arguments)."""
     rc = B * T * H * N
     scratch = {name: (b(count, elem) if count else None)
-               for name, (count, elem) in moba.scratch_sizes(B, T, H, N, chunk, top_k).items()}
+               for name, (count, elem) in moba.scratch_sizes(B, T, H, N, chunk, top_k, b.xtype).items()}
     return [b(rc) for _ in range(4)], scratch
 
 

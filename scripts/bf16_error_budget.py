@@ -18,8 +18,9 @@ that set in fp32). The MoBA blocks attend with the float64 twin's selection in e
 ``--kernels`` prints another table instead: the plan of docs/SPEC.md §4 (PLAN_FP32 families in fp32) with
 the kernels' own roundings added (``torch_twin.KERNELS``: the chunked WKV7's tf32 operands in one pass as
 the bf16 kernels take them, with the chunk operators split into 3xTF32 or every product in 3xTF32, MoBA's
-bf16 P and dS, and dS split into a bf16 pair), then the kernels as today with relu² taken from an fp32 kf
-and with one more family in fp32 each (KERNEL_VARIANTS).
+bf16 P and dS with the backward's delta from the output and its residual, delta from the bf16 output alone
+instead, and dS split into a bf16 pair), then the kernels as today with relu² taken from an fp32 kf and
+with one more family in fp32 each (KERNEL_VARIANTS).
 
     python scripts/bf16_error_budget.py --out budget.md [--batch 1 --seq-len 512 --seed 0 --head-size 64]
     python scripts/bf16_error_budget.py --kernels --out kernels.md --seq-len 1024 --head-size 32 64 --seed 0 1 2
@@ -58,6 +59,7 @@ KERNEL_VARIANTS = (
     ("plan, no kernel rounding", (), ()),
     ("plan + WKV7 one-pass TF32", ("wkv7_tf32",), ()),
     ("plan + MoBA bf16 P, dS", ("moba_bf16",), ()),
+    ("plan + MoBA bf16 P, dS, delta from the bf16 output", ("moba_bf16_delta",), ()),
     ("k bf16 (both roundings)", KERNEL_ROUNDINGS, ()),
     ("k bf16, WKV7 operators 3xTF32 (SPLIT_OPERATORS)", ("wkv7_split", "moba_bf16"), ()),
     ("k bf16, every WKV7 product 3xTF32", ("wkv7_exact", "moba_bf16"), ()),

@@ -37,6 +37,9 @@ def test_scratch_sizes_formula():
     total = sum(n for n, _ in s.values())
     assert total == (B * H * T * (K1 * N + 2 * K1 + 2) + B * H * nblk * (N + 1) + 3 * B * H * (nblk + 1)
                      + B * H * E)
+    assert s["olo"][0] == 0                       # f32 activations: the output is exact already
+    bf16 = moba.scratch_sizes(B, T, H, N, chunk, top_k, "bf16")
+    assert bf16 == {**s, "olo": (B * T * H * N, "bf16")}
     # top_k == 1: no selection buffers at all
     s1 = moba.scratch_sizes(1, 100, 2, 32, 16, 1)
     assert s1["sel"][0] == s1["part"][0] == s1["qlist"][0] == s1["kmean"][0] == 0 and s1["lse"][0] == 200
@@ -92,7 +95,7 @@ def test_builders_validate():
 
 
 def build_mma(B, T, H, N, chunk, top_k, xtype="f32"):
-    sc = moba.carve(1 << 30, B, T, H, N, chunk, top_k)
+    sc = moba.carve(1 << 30, B, T, H, N, chunk, top_k, xtype)
     p = [DevPtr(i * A, xtype) for i in range(1, 9)]
     fwd = moba.forward(*p[:4], sc, B, T, H, N, chunk, top_k, H200, method="mma")
     bwd = moba.backward(*p, sc, B, T, H, N, chunk, top_k, H200, method="mma")
@@ -122,6 +125,10 @@ def test_mma_builders(N, xtype):
         assert op.smem <= H200.smem_per_block
     smem = {op.name: op.smem for op in fwd + bwd}
     assert smem["moba_fwd_own_mma"] == moba.mma_smem_bytes(N, "MFWD", xtype)
+    # bf16: the forward writes the output's residual and the backward's delta reads it (the last argument)
+    olo = moba.carve(1 << 30, B, T, H, N, chunk, top_k, xtype)["olo"]
+    last = {op.name: op.args[-1] for op in fwd + bwd}
+    assert last["moba_fwd_own_mma"] == last["moba_bwd_delta"] == ("p", int(olo) if xtype == "bf16" else 0), last
     assert smem["moba_bwd_dkdv_mma"] == moba.mma_smem_bytes(N, "MKV", xtype)
 
 
@@ -139,6 +146,16 @@ def test_mma_smem_layouts_are_aligned_and_fit():
                 tiles = [v for name, v in offsets.items() if name.split("_")[-1] in ("Q", "K", "V", "DO")]
                 assert tiles[0] == 0 and all((v * esize) % 16 == 0 for v in tiles)
                 assert moba.mma_smem_bytes(N, group, xtype) <= H200.smem_per_block
+
+
+def test_bf16_needs_the_output_residual():
+    sc = moba.carve(1 << 30, 1, 64, 2, 64, 16, 3, "bf16")
+    p = [DevPtr(i * A, "bf16") for i in range(1, 9)]
+    del sc["olo"]
+    with pytest.raises(ValueError, match="olo"):
+        moba.forward(*p[:4], sc, 1, 64, 2, 64, 16, 3, H200)
+    with pytest.raises(ValueError, match="olo"):
+        moba.backward(*p, sc, 1, 64, 2, 64, 16, 3, H200, method="mma")
 
 
 def test_mma_method_validates():

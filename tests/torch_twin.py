@@ -75,7 +75,8 @@ KERNELS = {
     "wkv7_exact": "every product of the chunked WKV7 in 3xTF32, the state products included (chunked_exact's "
                   "products on bf16 inputs)",
     "moba_bf16": "MoBA's mma kernels: the probabilities P and dS rounded to bf16 as the second products' "
-                 "operands",
+                 "operands, delta from the output before its bf16 rounding (o + olo)",
+    "moba_bf16_delta": "the same with delta from the bf16 output alone (no residual olo kept)",
     "moba_split_ds": "the same with dS as a bf16 hi + lo pair for dq and dk (two mma per step), P still bf16",
     "ffn_kf_fp32": "the channel mix's relu^2 taken from kf in fp32 (the key GEMM's output, not kept) and "
                    "stored bf16; dkf and the rest of the family ffn as it is",
@@ -394,18 +395,21 @@ class MobaBf16(torch.autograd.Function):
     probabilities exp(s - max) rounded to bf16 as the operand of P V (the sum that normalises them
     unrounded); in the backward P = exp(s - lse) and dS = P (dP - delta) rounded to bf16 as the operands
     of dv = P^T dO, dq = dS K and dk = dS^T Q (``split_ds``: dS as a bf16 hi + lo pair), delta from the
-    output as stored (bf16 with ``store``). q, k, v [B, H, T, N] (the kernels' bf16 operands), ``visible``
-    [B, H, T, T]; float64 arithmetic."""
+    output as the kernels keep it: with ``store`` (o stored in bf16) the bf16 output plus its residual
+    olo rounded to bf16, with ``rounded_delta`` the bf16 output alone. q, k, v [B, H, T, N] (the kernels'
+    bf16 operands), ``visible`` [B, H, T, T]; float64 arithmetic."""
 
     @staticmethod
-    def forward(ctx, q, k, v, visible, store: bool, split_ds: bool = False):
+    def forward(ctx, q, k, v, visible, store: bool, split_ds: bool = False, rounded_delta: bool = False):
         scale = q.shape[-1] ** -0.5
         s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~visible, -torch.inf)
         m = s.amax(-1, keepdim=True)
         p = torch.exp(s - m)
         l = p.sum(-1, keepdim=True)
         o = (bf16_round(p) @ v) / l
-        ctx.save_for_backward(q, k, v, visible, m + torch.log(l), bf16_round(o) if store else o)
+        hi = bf16_round(o)
+        kept = o if not store else hi if rounded_delta else hi + bf16_round(o - hi)
+        ctx.save_for_backward(q, k, v, visible, m + torch.log(l), kept)
         ctx.split_ds = split_ds
         return o
 
@@ -419,7 +423,7 @@ class MobaBf16(torch.autograd.Function):
         hi = bf16_round(ds)
         ds = hi + bf16_round(ds - hi) if ctx.split_ds else hi
         return ((ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, bf16_round(p).transpose(-1, -2) @ do,
-                None, None, None)
+                None, None, None, None)
 
 
 def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor, kernel: str | None = None,
@@ -436,7 +440,8 @@ def _moba_attention(q, k, v, chunk: int, selection: torch.Tensor, kernel: str | 
     visible = chosen[..., blk] | ((blk[:, None] == blk[None, :]) & (pos[None, :] <= pos[:, None]))
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     if kernel is not None:
-        return MobaBf16.apply(qh, kh, vh, visible, store, kernel == "moba_split_ds").transpose(1, 2)
+        return MobaBf16.apply(qh, kh, vh, visible, store, kernel == "moba_split_ds",
+                              kernel == "moba_bf16_delta").transpose(1, 2)
     scores = (qh @ kh.transpose(-1, -2)) * N ** -0.5
     p = torch.softmax(scores.masked_fill(~visible, -torch.inf), dim=-1)
     return (p @ vh).transpose(1, 2)

@@ -5,7 +5,8 @@
 1. the selection first: it must equal the twin's wherever the twin's gate gap (last selected minus first
    left-out gate) is >= the precision's margin; near-ties may differ (the GPU gate is fp32), and the GPU
    selection is then what the twins are given for everything else;
-2. o and lse (fp32: <= 1e-5); 3. dq, dk, dv (fp32: <= 1e-4). bf16: docs/SPEC.md's 1e-2 on the rounded inputs.
+2. o and lse (fp32: <= 1e-5); 3. dq, dk, dv (fp32: <= 1e-4). bf16: docs/SPEC.md's 1e-2 on the rounded inputs,
+   and the output's residual olo (check_residual: o + olo within 1e-4 of the twin, method "exact").
 The tensor-core kernels (method "mma": tf32 for f32 activations, bf16 for bf16) against the same twins:
 tf32 <= 5e-3, bf16 <= 1e-2 (tests/test_moba_mma_emulation.py checks that budget on CPU).
 """
@@ -25,6 +26,7 @@ FWD_TOL = 1e-5
 BWD_TOL = 1e-4
 GAP = {"f32": 1e-4, "bf16": 1e-4}   # the gate is fp32 over the (rounded) q and block means in both
 MMA_TOL = {"f32": 5e-3, "bf16": 1e-2}  # tf32 / bf16 tensor cores, every output
+RESIDUAL_TOL = 1e-4   # o + olo against the fp32 output: its bf16 rounding alone is ~1e-3
 
 # id: (B, T, H, N, chunk, top_k, concentrated)
 CASES = {
@@ -83,8 +85,8 @@ def run_case(case, dev, B, T, H, N, chunk, top_k, concentrated, method="exact"):
                                                                 seeded_rng())))
     o, dq, dk, dv = (case.output(n, shape) for n in ("o", "dq", "dk", "dv"))
     scratch = {}
-    for name, (count, elem) in moba.scratch_sizes(B, T, H, N, chunk, top_k).items():
-        make = case.output if name in ("sel", "lse") else case.scratch
+    for name, (count, elem) in moba.scratch_sizes(B, T, H, N, chunk, top_k, case.xtype).items():
+        make = case.output if name in ("sel", "lse", "olo") else case.scratch
         scratch[name] = make(name, count, elem) if count else None
     ops = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, top_k, dev.info, method=method)
     ops += moba.backward(q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k, dev.info, method=method)
@@ -109,6 +111,8 @@ def run_case(case, dev, B, T, H, N, chunk, top_k, concentrated, method="exact"):
     bwd_tol = tolerance(case.xtype, BWD_TOL) if method == "exact" else MMA_TOL[case.xtype]
     o_ref, _ = moba_attention_forward(s["q"], s["k"], s["v"], chunk, top_k, selection=sel)
     check("o", got["o"], o_ref, fwd_tol)
+    if case.xtype == "bf16":
+        check_residual(got["o"], got["olo"], o_ref if method == "exact" else None)
     check("lse", got["lse"].reshape(B, H, T), moba_logsumexp(s["q"], s["k"], chunk, sel),
           FWD_TOL if method == "exact" else MMA_TOL[case.xtype])
     # 3. backward with the selection fixed
@@ -116,6 +120,18 @@ def run_case(case, dev, B, T, H, N, chunk, top_k, concentrated, method="exact"):
                                                                      top_k, sel)):
         check(name, got[name], ref, bwd_tol)
     return got, sel
+
+
+def check_residual(o, olo, o_fp32=None):
+    """bf16 olo is the residual of the output's rounding: below half an ulp of o, so that o + olo rounds to
+    o; where the forward's fp32 output is known (``o_fp32``, method "exact": the twin's, to fp32 sums),
+    o + olo holds it far closer than o (~2^-17 against ~2^-9 relative: the backward's delta is taken
+    from it)."""
+    o, olo = o.reshape(-1), olo.reshape(-1)
+    half_ulp = np.ldexp(1.0, np.frexp(o)[1] - 9)         # bf16: 8 mantissa bits, o = m * 2^e, 0.5 <= |m| < 1
+    assert np.all(np.abs(olo) <= half_ulp), "olo is not the residual of o's rounding"
+    if o_fp32 is not None:
+        check("o + olo", o + olo, o_fp32.reshape(-1), RESIDUAL_TOL)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -280,7 +280,8 @@ moba_fwd_past(const floatX* __restrict__ q, const floatX* __restrict__ k, const 
 extern "C" __global__ void __launch_bounds__(NTHR)
 moba_fwd_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
              const int* __restrict__ sel, const float* __restrict__ part, const float* __restrict__ lpart,
-             floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
+             floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale,
+             floatX* __restrict__ olo)
 {
     const MobaFwdSmem sm;
     int* qtok = sm.qtok;
@@ -308,11 +309,11 @@ moba_fwd_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const f
                 acc[i][c] = fmaf(acc[i][c], alpha, beta * pv);
             }
         });
-        floatX* orow = o + hd.hoff + (size_t)t * hd.tstride;
+        const size_t orow = hd.hoff + (size_t)t * hd.tstride;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const int col = tx + TX * c;
-            if (moba_col_ok(col)) orow[col] = from_f32(acc[i][c] / li);
+            if (moba_col_ok(col)) moba_store_out(o + orow, olo + orow, col, acc[i][c] / li);
         }
         if (tx == 0) lse[(size_t)bh * T + t] = mi + logf(li);
     }

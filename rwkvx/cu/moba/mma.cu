@@ -481,7 +481,8 @@ moba_fwd_past_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, co
 extern "C" __global__ void __launch_bounds__(MQT, MOBA_MMA_MINB_MFWD)
 moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, const floatX* __restrict__ v,
                  const int* __restrict__ sel, const float* __restrict__ part, const float* __restrict__ lpart,
-                 floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale)
+                 floatX* __restrict__ o, float* __restrict__ lse, int T, int H, int chunk, int K1, float scale,
+                 floatX* __restrict__ olo)
 {
     const MobaMFwdSmem sm;
     const int h = blockIdx.y, b = blockIdx.z, bh = b * H + h;
@@ -505,13 +506,13 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
                 acc[mt][nt][2 * i + 1] = fmaf(acc[mt][nt][2 * i + 1], alpha, beta * pv.y);
             }
         });
-        floatX* orow = o + hd.hoff + (size_t)t * hd.tstride;
+        const size_t orow = hd.hoff + (size_t)t * hd.tstride;
         const float inv = 1.f / li;
 #pragma unroll
-        for (int nt = 0; nt < MNT; ++nt) {
-            orow[mfrag_col(nt, 0)] = from_f32(acc[mt][nt][2 * i] * inv);
-            orow[mfrag_col(nt, 1)] = from_f32(acc[mt][nt][2 * i + 1] * inv);
-        }
+        for (int nt = 0; nt < MNT; ++nt)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                moba_store_out(o + orow, olo + orow, mfrag_col(nt, c), acc[mt][nt][2 * i + c] * inv);
         if ((threadIdx.x & 3) == 0) lse[(size_t)bh * T + t] = mi + logf(li);
     });
 }

@@ -4,7 +4,8 @@ compute, tile by tile, in fp32 with their roundings.
 Scores from operands rounded to the mma type (tf32: cvt.rna, 10 mantissa bits; bf16: inputs already bf16),
 online softmax over tiles of :data:`TILE` keys in the log2 domain (exp2, running max, rescaling), the past
 blocks' normalised partials merged by log-sum-exp in slot order, the backward's P = exp2(s - lse),
-dS = P (dP - delta) with P and dS rounded to the operand type for the second products. The order of the
+dS = P (dP - delta) with P and dS rounded to the operand type for the second products, delta from the
+output as the forward computed it (stored rounded plus the residual of that rounding, olo). The order of the
 sums inside a tile is the hardware's; only the roundings are modelled. Checked against the float64 twins
 (rwkvx.oracle) in tests/test_moba_mma_emulation.py.
 """
@@ -56,7 +57,7 @@ def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, chunk: 
             store: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, ...]:
     """(o, lse, dq, dk, dv) of the mma kernels' algorithm; q, k, v, do [B, T, H, N] as the kernel reads
     them, sel [B, H, T, K1]; ``operand`` a key of :data:`OPERAND` (how the products' operands are rounded);
-    ``store`` rounds what the kernel writes to floatX (o, read back by delta)."""
+    ``store`` rounds what the kernel writes to floatX (o and its residual olo, read back by delta)."""
     rnd = OPERAND[operand]
     B, T, H, N = q.shape
     K1 = sel.shape[3]
@@ -97,10 +98,10 @@ def emulate(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, chunk: 
                     mi = mnew
                 o[rows] = acc / li[:, None]
                 lse[b, h, rows] = mi + np.log(li)
-            o = store(o)
-            out["o"][b, :, h] = o
+            o_hi = store(o)
+            out["o"][b, :, h] = o_hi
             # backward (the sums' order inside a tile is the hardware's; only the roundings matter here)
-            D = (o * store(do[b, :, h].astype(np.float32))).sum(axis=1, dtype=np.float32)
+            D = ((o_hi + store(o - o_hi)) * store(do[b, :, h].astype(np.float32))).sum(axis=1, dtype=np.float32)
             blk = tok // chunk
             vis = (blk[None, :] == blk[:, None]) & (tok[None, :] <= tok[:, None])
             for s in range(K1):

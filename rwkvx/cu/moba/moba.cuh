@@ -24,6 +24,8 @@
 //   lpart  float [B, H, T, K1]      forward: logsumexp of that partial
 //   lse    float [B, H, T]          logsumexp (natural log) of the scaled scores over all visible keys
 //   delta  float [B, H, T]          backward: D_t = sum_n do[t,n] * o[t,n]
+//   olo    bf16  [B, T, H, N]       bf16 activations only: o - bf16(o), the fp32 output's residual (written
+//                                   by the forward, kept for the backward's delta)
 //
 // Forward:  (1) moba_kmean -> (2) moba_select -> (3) moba_scan -> (4) moba_fill -> (5) moba_fwd_past
 //           -> (6) moba_fwd_own
@@ -84,6 +86,20 @@ static __device__ __forceinline__ void moba_merge_partials(const int* __restrict
         moba_lse_merge(mi, li, lp, alpha, beta);
         add(part + (e0 + s) * HS, alpha, beta);
     }
+}
+
+// orow[c] = x rounded to floatX; in bf16 also lrow[c] = the rounding's residual (olo), so that the backward's delta
+// is taken from the fp32 output: from the rounded output alone, sum_u dS_tu = D_t(P) - D_t is off by do.(o -
+// bf16(o)) and dq_t, dk_u pick up that error times the P-weighted mean of k, q (docs/PERFORMANCE.md, "bf16
+// accuracy"). o + olo holds x to about 16 bits.
+static __device__ __forceinline__ void moba_store_out(floatX* __restrict__ orow, floatX* __restrict__ lrow, int c,
+                                                      float x)
+{
+    const floatX hi = from_f32(x);
+    orow[c] = hi;
+#if FLOATX_BF16
+    lrow[c] = from_f32(x - to_f32(hi));
+#endif
 }
 
 // The dq partials of query t (part rows from entry e0 = (bh*T + t)*K1, slots in order, a negative sel

@@ -25,22 +25,27 @@ qlist      int32 [B, H, E]            per (b,h) and block j, the entries t*K1 + 
 part       [B, H, T, K1, N]           forward: partial outputs per (query, slot); backward: partial dq
 lpart      [B, H, T, K1]              forward: logsumexp of each partial output
 delta      [B, H, T]                  backward: sum_n do * o per query
+olo        bf16 [B, T, H, N]          bf16 activations only: o - bf16(o), the fp32 output's residual
 =========  =========================  ======================================================================
 
 ``scratch`` arguments are dicts name -> pointer with the keys of :func:`scratch_sizes` (zero-size
 buffers may be None / absent). Nothing needs zeroing. Between :func:`forward` and :func:`backward` on the
-same q, k, v, keep ``o``, ``sel``, ``lse``, ``idx`` and ``qlist``; the others are transient
+same q, k, v, keep ``o``, ``olo``, ``sel``, ``lse``, ``idx`` and ``qlist``; the others are transient
 (``part`` is overwritten by the backward; ``kmean``/``cnt``/``lpart`` are only used inside the forward,
 ``delta`` only inside the backward).
 
 Usage::
 
-    sizes = moba.scratch_sizes(B, T, H, N, chunk, top_k)          # name -> (elements, element type)
+    sizes = moba.scratch_sizes(B, T, H, N, chunk, top_k, xtype)   # name -> (elements, element type)
     ops  = moba.forward(q, k, v, o, scratch, B, T, H, N, chunk, top_k, dev)
     ops += moba.backward(q, k, v, o, do, dq, dk, dv, scratch, B, T, H, N, chunk, top_k, dev)
 
 Determinism: no floating-point atomics; replays are bit-identical (see moba.cuh's header).
-Numerics: gate in fp32 (fmaf chain over n), scores, online softmax and all sums in fp32.
+Numerics: gate in fp32 (fmaf chain over n), scores, online softmax and all sums in fp32. With bf16
+activations the forward also writes the residual ``olo`` of the bf16 output, and the backward's
+delta = sum_n do * (o + olo) is the fp32 output's: delta taken from the rounded output alone breaks
+sum_u dS = 0, which leaks delta's error into dq and dk along the mean of k and q
+(docs/PERFORMANCE.md, "bf16 accuracy").
 
 ``method`` (forward and backward, the same for both): ``"exact"`` (default) computes the attention in
 fp32 on CUDA cores; ``"mma"`` (head sizes :data:`MMA_HEAD_SIZES`) on tensor cores: bf16 m16n8k16 for bf16
@@ -72,7 +77,7 @@ METHODS = ("exact", "mma")
 MMA_HEAD_SIZES = (32, 64, 128)   # head sizes of the tensor-core kernels
 MMA_ROWS = 16 * (NTHR // 32)     # queries (forward, dq) or keys (dk/dv) per mma CTA: 16 per warp
 
-SCRATCH_NAMES = ("sel", "lse", "kmean", "cnt", "idx", "qlist", "part", "lpart", "delta")
+SCRATCH_NAMES = ("sel", "lse", "kmean", "cnt", "idx", "qlist", "part", "lpart", "delta", "olo")
 
 
 def tiles(N: int) -> dict[str, int]:
@@ -220,7 +225,8 @@ MOBA_SELECT = SELECT_CU.kernel("moba_select", q=X_IN, kmean=F32_IN, sel=I32_OUT,
                         nblk=INT)
 MOBA_SCAN = SELECT_CU.kernel("moba_scan", cnt=I32_IN, idx=I32_OUT, nblk=INT)
 MOBA_FILL = SELECT_CU.kernel("moba_fill", sel=I32_IN, idx=I32_IN, qlist=I32_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT)
-MOBA_BWD_DELTA = SELECT_CU.kernel("moba_bwd_delta", o=X_IN, dout=X_IN, delta=F32_OUT, B=INT, T=INT, H=INT)
+MOBA_BWD_DELTA = SELECT_CU.kernel("moba_bwd_delta", o=X_IN, dout=X_IN, delta=F32_OUT, B=INT, T=INT, H=INT,
+                                  olo=X_IN.opt())
 _QKV = dict(q=X_IN, k=X_IN, v=X_IN)
 _BWD_IN = dict(**_QKV, dout=X_IN, lse=F32_IN, delta=F32_IN)
 # The attention kernels: the same parameters for both methods (the mma names end in "_mma").
@@ -228,7 +234,7 @@ _ATTENTION = {
     "fwd_past": dict(**_QKV, idx=I32_IN, qlist=I32_IN, part=F32_OUT, lpart=F32_OUT, **_SIZES, K1=INT, nblk=INT,
                      Emax=INT, scale=FLOAT),
     "fwd_own": dict(**_QKV, sel=I32_IN.opt(), part=F32_IN.opt(), lpart=F32_IN.opt(), o=X_OUT, lse=F32_OUT,
-                    **_SIZES, K1=INT, scale=FLOAT),
+                    **_SIZES, K1=INT, scale=FLOAT, olo=X_OUT.opt()),
     "bwd_dq_past": dict(**_BWD_IN, idx=I32_IN, qlist=I32_IN, part=F32_OUT, **_SIZES, K1=INT, nblk=INT, Emax=INT,
                         scale=FLOAT),
     "bwd_dq_own": dict(**_BWD_IN, sel=I32_IN.opt(), part=F32_IN.opt(), dq=X_OUT, **_SIZES, K1=INT, scale=FLOAT),
@@ -301,11 +307,13 @@ def emax(T: int, chunk: int, top_k: int) -> int:
     return total
 
 
-def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dict[str, tuple[int, str]]:
-    """(elements, element type) of each scratch buffer (0 where unused). Total, with K1 = top_k-1,
-    nblk = ceil(T/chunk), E <= T*K1:  4 * (B*H*T*(K1*N + 2*K1 + 2) + B*H*nblk*(N + 1) + 3*B*H*(nblk+1)
-    + B*H*E) bytes, i.e. about 4*B*T*C*K1 bytes (the partials) plus O(B*H*T*K1). The same for both
-    methods (the tensor-core kernels keep their tiles in shared memory only)."""
+def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int,
+                  xtype: str = "f32") -> dict[str, tuple[int, str]]:
+    """(elements, element type) of each scratch buffer (0 where unused) for activations of type ``xtype``.
+    Total, with K1 = top_k-1, nblk = ceil(T/chunk), E <= T*K1:  4 * (B*H*T*(K1*N + 2*K1 + 2) +
+    B*H*nblk*(N + 1) + 3*B*H*(nblk+1) + B*H*E) bytes, i.e. about 4*B*T*C*K1 bytes (the partials) plus
+    O(B*H*T*K1), and with bf16 activations 2*B*T*C bytes more (olo). The same for both methods (the
+    tensor-core kernels keep their tiles in shared memory only)."""
     B, T, H, N, chunk, top_k = (int(x) for x in (B, T, H, N, chunk, top_k))
     K1 = top_k - 1
     nblk = nblocks(T, chunk)
@@ -322,17 +330,18 @@ def scratch_sizes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dic
         "part": (BH * T * K1 * N if E else 0, "f32"),
         "lpart": (BH * T * K1 if E else 0, "f32"),
         "delta": (BH * T, "f32"),
+        "olo": (BH * T * N if xtype == "bf16" else 0, "bf16"),
     }
 
 
-def carve(base: int, B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> dict:
+def carve(base: int, B: int, T: int, H: int, N: int, chunk: int, top_k: int, xtype: str = "f32") -> dict:
     """The scratch buffers laid out from device address ``base``: the dict the builders take."""
-    return _common.carve(base, scratch_sizes(B, T, H, N, chunk, top_k))
+    return _common.carve(base, scratch_sizes(B, T, H, N, chunk, top_k, xtype))
 
 
-def scratch_bytes(B: int, T: int, H: int, N: int, chunk: int, top_k: int) -> int:
+def scratch_bytes(B: int, T: int, H: int, N: int, chunk: int, top_k: int, xtype: str = "f32") -> int:
     """Bytes of :func:`carve`'s layout."""
-    return _common.carved_bytes(scratch_sizes(B, T, H, N, chunk, top_k))
+    return _common.carved_bytes(scratch_sizes(B, T, H, N, chunk, top_k, xtype))
 
 
 def _get(scratch: dict, name: str):
@@ -340,6 +349,11 @@ def _get(scratch: dict, name: str):
     if buf is None:
         raise ValueError(f"moba: scratch[{name!r}] is required here (see scratch_sizes)")
     return buf
+
+
+def _residual(scratch: dict, xtype: str):
+    """The output's residual buffer olo: required with bf16 activations, None otherwise."""
+    return _get(scratch, "olo") if xtype == "bf16" else None
 
 
 class _Problem(NamedTuple):
@@ -372,10 +386,11 @@ def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: in
 
     Launches (K1 = top_k-1 > 0 and T > chunk): moba_kmean, moba_select, moba_scan, moba_fill,
     moba_fwd_past, moba_fwd_own. top_k == 1: moba_fwd_own only; T <= chunk: kmean, select (all -1), own.
-    ``method="mma"``: the attention kernels are moba_fwd_past_mma, moba_fwd_own_mma (see the module doc)."""
+    ``method="mma"``: the attention kernels are moba_fwd_past_mma, moba_fwd_own_mma (see the module doc).
+    bf16 activations: also writes scratch olo."""
     xtype, K1, nblk, E, att, var, scale = _problem("forward", B, T, H, N, chunk, top_k, dev, method,
                                                    q=q, k=k, v=v, o=o)
-    lse = _get(scratch, "lse")
+    lse, olo = _get(scratch, "lse"), _residual(scratch, xtype)
     ops = []
     sel = cnt = None
     if K1 > 0:
@@ -404,7 +419,7 @@ def forward(q, k, v, o, scratch: dict, B: int, T: int, H: int, N: int, chunk: in
     ops.append(att.kernels["fwd_own"].launch((nblk * tpc, H, B), (att.qthreads, 1, 1), xtype=xtype, variant=var,
                                    smem=att.smem["fwd"], q=q, k=k, v=v, sel=sel if k1_eff else None,
                                    part=part, lpart=lpart, o=o, lse=lse, T=T, H=H, chunk=chunk, K1=k1_eff,
-                                   scale=scale))
+                                   scale=scale, olo=olo))
     return ops
 
 
@@ -413,14 +428,14 @@ def backward(q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, 
     """dq, dk, dv (written) of MoBA attention with the forward's selection held fixed.
 
     Needs the scratch of the :func:`forward` that produced ``o`` on the same q, k, v (sel, lse, idx,
-    qlist); uses ``delta`` and ``part`` as scratch. Launches: moba_bwd_delta, moba_bwd_dq_past (when some
+    qlist; olo with bf16 activations); uses ``delta`` and ``part`` as scratch. Launches: moba_bwd_delta, moba_bwd_dq_past (when some
     query has a past block), moba_bwd_dq_own, moba_bwd_dkdv (``method="mma"``: their ``_mma`` versions)."""
     xtype, K1, nblk, E, att, var, scale = _problem("backward", B, T, H, N, chunk, top_k, dev, method, q=q, k=k,
                                                    v=v, o=o, do=do, dq=dq, dk=dk, dv=dv)
     lse, delta = _get(scratch, "lse"), _get(scratch, "delta")
     common = dict(q=q, k=k, v=v, dout=do, lse=lse, delta=delta)
     ops = [MOBA_BWD_DELTA.launch((math.ceil(B * T * H / 4), 1, 1), (128, 1, 1), xtype=xtype, variant=var,
-                                 o=o, dout=do, delta=delta, B=B, T=T, H=H)]
+                                 o=o, dout=do, delta=delta, B=B, T=T, H=H, olo=_residual(scratch, xtype))]
     sel = idx = qlist = part = None
     if E > 0:
         sel, idx = _get(scratch, "sel"), _get(scratch, "idx")

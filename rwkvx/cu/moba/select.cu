@@ -233,12 +233,12 @@ moba_fill(const int* __restrict__ sel, const int* __restrict__ idx, int* __restr
 }
 
 // ------------------------------------------------------------------------------------------------
-// (7) backward: delta[bh, t] = sum_n do[b,t,h,n] * o[b,t,h,n]; one warp per (b, t, h)
-//     grid ceil(B*T*H / 4), block 128
+// (7) backward: delta[bh, t] = sum_n do[b,t,h,n] * o[b,t,h,n] with the output as the forward computed it in
+//     fp32 (bf16: o + olo, moba_store_out); one warp per (b, t, h). grid ceil(B*T*H / 4), block 128
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(128)
 moba_bwd_delta(const floatX* __restrict__ o, const floatX* __restrict__ dout, float* __restrict__ delta,
-               int B, int T, int H)
+               int B, int T, int H, const floatX* __restrict__ olo)
 {
     const long long row = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
@@ -246,7 +246,12 @@ moba_bwd_delta(const floatX* __restrict__ o, const floatX* __restrict__ dout, fl
     const floatX* orow = o + row * HS;
     const floatX* drow = dout + row * HS;
     float s = 0.f;
+#if FLOATX_BF16
+    const floatX* lrow = olo + row * HS;
+    for (int n = lane; n < HS; n += 32) s = fmaf(to_f32(orow[n]) + to_f32(lrow[n]), to_f32(drow[n]), s);
+#else
     for (int n = lane; n < HS; n += 32) s = fmaf(to_f32(orow[n]), to_f32(drow[n]), s);
+#endif
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(FULL_MASK, s, off);
     if (lane == 0) {
