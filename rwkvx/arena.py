@@ -239,10 +239,13 @@ class Layout:
                     shared[kept_by] = {"wkv_records": (count, "f32"), **shared[kept_by]}
             else:
                 self._add("wkv_" + name, count, "f32")
+        per_block = {}          # what every attention block keeps as its own copy (attention is never block 0)
         if cfg.n_attn_layer:
             for name, (count, elem) in moba_sizes.items():
                 if name in SHARED_MOBA_SCRATCH:
                     shared["moba"]["moba_" + name] = (count, elem)
+                elif "moba_" + name in ATTENTION_KEPT:
+                    per_block["moba_" + name] = (count, elem)
                 elif name != "sel":
                     self._add("moba_" + name, count, elem)
         self._add_shared(shared)
@@ -254,7 +257,9 @@ class Layout:
             else:
                 kept = ATTENTION_KEPT if kind == "attn" else ()
             for name in kept:
-                if name in self.counts:
+                if name in per_block:
+                    self._add(f"{name}@{pos}", *per_block[name])
+                elif name in self.counts:
                     self._add(f"{name}@{pos}", self.counts[name], self.elems[name])
 
     def _parameter_regions(self, cfg: Config, bf16_operands: bool) -> dict[str, dict[str, tuple[int, int]]]:
