@@ -102,6 +102,9 @@ def test_chunked_exact_t1_gradients_at_cancelling_dots(grad):
     s0 = 0.5 * rng.standard_normal((1, 1, 64, 64))
     f32 = lambda z: z.astype(np.float32).astype(np.float64)     # noqa: E731 - the inputs a kernel reads
     args, dy, s0 = [f32(x[n]) for n in "rwkvab"], f32(dy), f32(s0)
+    r, k, v, b = (args["rwkvab".index(n)][0, 0, 0] for n in "rkvb")
+    u, w = {"da": (r, b), "dk": (dy[0, 0, 0], v), "dv": (r, k)}[grad]
+    assert abs(u @ w) < 1e-2 * np.abs(u * w).sum(), "the draw no longer cancels: pick a new seed"
     want = wkv7_backward(*args, dy, state=s0)
     rnd, op, dt, tol = PRECISIONS["3xtf32"]
     got = CM.backward(*(z[0, :, 0] for z in args), dy[0, :, 0], rnd=rnd, dt=dt, s0=s0[0, 0], op=op)

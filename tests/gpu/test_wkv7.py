@@ -346,6 +346,10 @@ def test_wkv7_chunked_exact_t1_cancelling_dots(dev, seed):
     """T = 1 from s0: dv, da, dk are dy, s0^T dy, r scaled by r.k, r.b, dy.v alone, so each one's relative
     error is that dot's; chunked_exact takes them as compensated dots, within the fp32 kernel limit also
     where their terms cancel."""
+    x, dy = make_inputs(1, 1, 1, 64, seeded_rng(seed))      # the draws run_case makes with this seed
+    grad = dict((s, g) for g, s in CANCELLING_SEEDS)[seed]
+    u, w = {"da": (x["r"], x["b"]), "dk": (dy, x["v"]), "dv": (x["r"], x["k"])}[grad]
+    assert abs(np.sum(u * w)) < 1e-2 * np.sum(np.abs(u * w)), "the draw no longer cancels: pick a new seed"
     run_case(KernelCase(dev, "f32"), dev, 1, 1, 1, 64, method="chunked_exact", state=True, seed=seed)
 
 

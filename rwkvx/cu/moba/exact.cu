@@ -313,7 +313,7 @@ moba_fwd_own(const floatX* __restrict__ q, const floatX* __restrict__ k, const f
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const int col = tx + TX * c;
-            if (moba_col_ok(col)) moba_store_out(o + orow, olo + orow, col, acc[i][c] / li);
+            if (moba_col_ok(col)) moba_store_out(o, olo, orow, col, acc[i][c] / li);
         }
         if (tx == 0) lse[(size_t)bh * T + t] = mi + logf(li);
     }

@@ -512,7 +512,7 @@ moba_fwd_own_mma(const floatX* __restrict__ q, const floatX* __restrict__ k, con
         for (int nt = 0; nt < MNT; ++nt)
 #pragma unroll
             for (int c = 0; c < 2; ++c)
-                moba_store_out(o + orow, olo + orow, mfrag_col(nt, c), acc[mt][nt][2 * i + c] * inv);
+                moba_store_out(o, olo, orow, mfrag_col(nt, c), acc[mt][nt][2 * i + c] * inv);
         if ((threadIdx.x & 3) == 0) lse[(size_t)bh * T + t] = mi + logf(li);
     });
 }

@@ -88,17 +88,17 @@ static __device__ __forceinline__ void moba_merge_partials(const int* __restrict
     }
 }
 
-// orow[c] = x rounded to floatX; in bf16 also lrow[c] = the rounding's residual (olo), so that the backward's delta
-// is taken from the fp32 output: from the rounded output alone, sum_u dS_tu = D_t(P) - D_t is off by do.(o -
+// o[row + c] = x rounded to floatX; in bf16 also olo[row + c] = the rounding's residual, so that the backward's
+// delta is taken from the fp32 output: from the rounded output alone, sum_u dS_tu = D_t(P) - D_t is off by do.(o -
 // bf16(o)) and dq_t, dk_u pick up that error times the P-weighted mean of k, q (docs/PERFORMANCE.md, "bf16
-// accuracy"). o + olo holds x to about 16 bits.
-static __device__ __forceinline__ void moba_store_out(floatX* __restrict__ orow, floatX* __restrict__ lrow, int c,
-                                                      float x)
+// accuracy"). o + olo holds x to about 16 bits. olo is null (and never offset) unless FLOATX_BF16.
+static __device__ __forceinline__ void moba_store_out(floatX* __restrict__ o, floatX* __restrict__ olo, size_t row,
+                                                      int c, float x)
 {
     const floatX hi = from_f32(x);
-    orow[c] = hi;
+    o[row + c] = hi;
 #if FLOATX_BF16
-    lrow[c] = from_f32(x - to_f32(hi));
+    olo[row + c] = from_f32(x - to_f32(hi));
 #endif
 }
 

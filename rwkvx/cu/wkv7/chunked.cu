@@ -80,8 +80,9 @@ __device__ __forceinline__ long long tok(int bb, int T, int t, int H, int h) {  
 
 // x . y over the HN keys, by the four lanes of a quad (lane q: keys q, q + 4, ...), compensated (Ogita,
 // Rump and Oishi's Dot2: each product's and each addition's rounding error summed on the side, in rounded
-// fp32 operations that are never contracted): the exact dot rounded once to fp32, to well below that
-// rounding, even where the terms cancel; the result in lane q = 0. WKV_EXACT takes the diagonals of the
+// fp32 operations that are never contracted): as accurate as the dot summed in twice fp32's precision and
+// then rounded to fp32, so it keeps its digits where the terms cancel up to a condition number of ~1e7; the
+// result in lane q = 0. WKV_EXACT takes the diagonals of the
 // Gram matrices from it (r_t.k_t, r_t.b_t, dy_t.v_t, dy_t.u_t): at T = 1 each is the whole scale of a
 // gradient (dv, da, dk, db), so its relative error is that gradient's, and a sum of 64 rounded terms
 // (3xTF32 on rt, bh: r and b scaled by cw and 1/cw first) loses digits wherever they cancel.
@@ -197,6 +198,7 @@ wkv7c_intra(const floatX* __restrict__ r, const float* __restrict__ w, const flo
     }
     __syncthreads();
     if constexpr (EXACT) {                           // quad tid / 4: r_t.b_t (quads 0-15), r_t.k_t (16-31)
+        static_assert(8 * L == WKV_INTRA_THREADS, "wkv7c_intra: one quad per (diagonal, token)");
         const int t = (tid >> 2) & (L - 1), m = tid >> 6;
         const float(*Y)[SP] = m ? kh : bh;
         const float d = quad_dot2([&](int j) { return rt[t][j]; }, [&](int j) { return Y[t][j]; }, tid & 3);
@@ -745,6 +747,7 @@ wkv7c_backward_grads(const floatX* __restrict__ r, const float* __restrict__ w, 
         if (q == 0) sds[8 * wq + g] = sd;
     }
     if constexpr (EXACT) {                           // the last 4 warps' quads: dy_t.v_t (0-15), dy_t.u_t (16-31)
+        static_assert(8 * L == 128 && 4 * HN >= 128, "one quad of the last 4 warps per (diagonal, token)");
         const int e = tid - (4 * HN - 128), t = (e >> 2) & (L - 1), m = e >> 6;
         if (e >= 0) {
             const float(*Y)[SP] = m ? Us : Vs;

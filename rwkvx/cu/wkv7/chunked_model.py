@@ -55,9 +55,10 @@ def split3(x):
     return _split(np.asarray(x, np.float32), round_tf32).astype(np.float32)
 
 
-def row_dots(x, y, dt):
+def row_dots(x: np.ndarray, y: np.ndarray, dt) -> np.ndarray:
     """x_t . y_t for each row t, as the chunked_exact kernels take the Gram matrices' diagonals (compensated
-    fp32 dots, chunked.cu's quad_dot2): the exact dot rounded once to ``dt``."""
+    fp32 dots, chunked.cu's quad_dot2): modelled as the float64 dot rounded once to ``dt``, which the kernel's
+    doubled-precision sum matches up to a condition number of ~1e7."""
     return (np.asarray(x, np.float64) * np.asarray(y, np.float64)).sum(axis=1).astype(dt)
 
 
