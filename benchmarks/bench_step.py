@@ -1,22 +1,23 @@
 """GPU step timings (report, don't assert): eager plan vs CUDA-graph replay, and peak device memory, for
-every configuration of rwkvx.workloads.STEP_WORKLOADS in every precision, with and without recompute.
+every configuration of rwkvx.workloads.STEP_WORKLOADS in every precision, with and without recompute
+(the released 1.5B and 2.9B shapes in bf16 only).
 
 Each benchmark times with CUDA events on the model's stream (pytest-benchmark's own wall-clock rounds
-are one synchronised call each); ``extra_info`` carries the event-timed per-step milliseconds and the
-device memory, and the model FLOP utilisation (``mfu``: rwkvx.workloads.step_model_flops over the event time,
-as a share of the H200's dense peak for the precision's element type). The parameters are drawn on the
-device (``init_params(..., device="gpu")``: seconds at 2.9B). ``test_trainer_step_overlap`` times the whole training step through the Trainer (AdamW
-included, batches drawn by a BatchSampler): wall ms per step waiting for each loss (``Trainer.step``) and
-reading it after the next step is submitted (``Trainer.submit``), beside the step graph's own device ms.
-Skipped without a GPU.
+are one synchronised call each); ``extra_info`` carries the event-timed per-step milliseconds, the
+device memory and the model FLOP utilisation (``mfu``: rwkvx.workloads.mfu, the model FLOPs over the
+event time as a share of the H200's dense peak for the precision's arithmetic). The parameters are
+drawn on the device (``init_params(..., device="gpu")``: seconds at 2.9B). ``test_trainer_step_overlap``
+times the whole training step through the Trainer (AdamW included, batches drawn by a BatchSampler):
+wall ms per step waiting for each loss (``Trainer.step``) and reading it after the next step is
+submitted (``Trainer.submit``), beside the step graph's own device ms. Skipped without a GPU.
 """
 import numpy as np
 import pytest
 
 from rwkvx import init_params
-from rwkvx.precision import PRECISION_NAMES
 from rwkvx.arena import Layout
-from rwkvx.workloads import H200_PEAK_TFLOPS, STEP_WORKLOADS, step_model_flops
+from rwkvx.precision import PRECISION_NAMES
+from rwkvx.workloads import STEP_WORKLOADS, mfu
 
 LONG = ("base_B1_T131072",)       # bf16 with recompute only (the other modes need more memory)
 BIG = ("pure1.5b_B4_T4096", "pure2.9b_B4_T4096")      # bf16 only, as these sizes train
@@ -63,7 +64,7 @@ def test_step(benchmark, dev, name, mode, precision, recompute):
     benchmark.extra_info.update({
         "event_ms_per_step": round(step_ms, 3),
         "tokens_per_s": round(B * T / (step_ms / 1e3)),
-        "mfu": round(step_model_flops(cfg, B, T) / (step_ms * 1e-3) / (H200_PEAK_TFLOPS[precision] * 1e12), 3),
+        "mfu": round(mfu(cfg, B, T, step_ms, precision), 3),
         "arena_GiB": round(model.memory_bytes() / 2**30, 2),
         "arena_KiB_per_token": round(model.layout.bytes_per_token() / 1024, 1),
         "peak_alloc_GiB": round(mem["peak_allocated"] / 2**30, 2),

@@ -187,7 +187,9 @@ def step_model_flops(cfg: Config, B: int, T: int) -> float:
     """The model FLOPs of one training step (forward and backward, no recompute) of ``cfg`` at B x T: 6 per
     GEMM weight element per token (head included, the embedding a lookup), 24 per WKV7 state element per
     token (8 forward, 16 backward), and 12 N per (query, key) pair each MoBA head attends to (4 N forward:
-    Q·K and P·V; 8 N backward)."""
+    Q·K and P·V; 8 N backward). Model FLOPs count no recomputation: the MoBA backward's own recomputed
+    scores (``benchmarks/bench_moba.py`` counts the kernels' 10 N) and the recompute's second forward are
+    work the model does not need."""
     from .params import gemm_weights, param_shapes
     shapes = param_shapes(cfg)
     gemm = sum(int(np.prod(shapes[name])) for name in gemm_weights(cfg))
@@ -195,6 +197,12 @@ def step_model_flops(cfg: Config, B: int, T: int) -> float:
     wkv = 24 * H * N * N * cfg.n_rwkv_layer
     attn = 12 * N * H * cfg.n_attn_layer * moba_visible_keys(T, cfg.moba_chunk_size, cfg.moba_top_k)
     return float(B * T * (6 * gemm + wkv) + B * attn)
+
+
+def mfu(cfg: Config, B: int, T: int, step_ms: float, precision: str) -> float:
+    """The model FLOP utilisation of a training step of ``step_ms``: :func:`step_model_flops` per second as
+    a share of the H200's dense peak for ``precision``'s arithmetic (:data:`H200_PEAK_TFLOPS`)."""
+    return step_model_flops(cfg, B, T) / (step_ms * 1e-3) / (H200_PEAK_TFLOPS[precision] * 1e12)
 
 
 def moba_visible_keys(T: int, chunk: int, top_k: int) -> int:

@@ -18,7 +18,7 @@ from rwkvx.presets import get_preset
 from rwkvx._core import Plan
 from rwkvx.runtime import EventTimer
 from rwkvx.runtime.ops import Gemm, Launch, flatten_ops
-from rwkvx.workloads import H200_PEAK_TFLOPS, step_model_flops
+from rwkvx.workloads import mfu
 
 
 def op_family(op) -> str:
@@ -58,9 +58,9 @@ def main() -> None:
         fam[0] += ms
         fam[1] += 1
     summed = sum(v[0] for v in per_family.values())
-    mfu = step_model_flops(cfg, B, T) / (total * 1e-3) / (H200_PEAK_TFLOPS[args.precision] * 1e12)
+    utilisation = mfu(cfg, B, T, total, args.precision)
     print(f"config {args.preset} B={B} T={T} {args.precision} recompute={model.recompute}: step {total:.2f} ms, "
-          f"MFU {100 * mfu:.1f}% of the H200's peak (ops timed one by one: {summed:.2f} ms, {len(step_ops)} ops)")
+          f"MFU {100 * utilisation:.1f}% of the H200's peak (ops timed one by one: {summed:.2f} ms, {len(step_ops)} ops)")
     print(f"{'op family':<58}{'count':>6}{'ms':>10}{'%':>7}")
     for name, (ms, n) in sorted(per_family.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         print(f"{name:<58}{n:>6}{ms:>10.2f}{100 * ms / summed:>7.1f}")
