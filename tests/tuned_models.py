@@ -17,9 +17,9 @@ def random_states(cfg: Config, rng) -> dict:
 # the std of a random LoRA B factor; A's is 1/sqrt(in), so h = x·A is of x's size. The update s·h·B then
 # changes the logits by about their own size, as a trained adapter may, and the adapted model is as
 # sensitive to fp32 rounding as the base model (the oracle's float32 logits within ~5e-7 of its float64
-# ones). Factors of 0.3 x a standard normal made it some 30 times as sensitive (up to ~1e-5 from float64
+# ones). Factors of 0.3 x a standard normal make it some 30 times as sensitive (up to ~1e-5 from float64
 # alone), more than two fp32 paths can agree to within their 1e-5 limit, and its MoBA gate gaps some 1000
-# times the base model's, so TF32's relative error in them passed the absolute near-tie margin of the tf32
+# times the base model's, so TF32's relative error in them passes the absolute near-tie margin of the tf32
 # decoder test (these factors: gaps of 2 to 4 times the base model's).
 LORA_B_STD = 0.1
 
