@@ -37,7 +37,7 @@ def f32_to_bf16_bits(x) -> np.ndarray:
     """bf16 bit patterns (uint16) of ``x`` rounded to nearest, ties to even (NaN stays NaN).
 
     Rounds in 32-bit integers, a cache-sized slice at a time (a 7B-parameter model's bf16 copy is made on
-    the host); only NaN bit patterns can wrap around 2^32, and they are rewritten afterwards."""
+    the host); only NaN bit patterns can wrap around 2^32, and they are rewritten."""
     f = np.ascontiguousarray(x, dtype=np.float32)
     u = f.reshape(-1).view(np.uint32)
     rounded = np.empty(u.size, np.uint16)
@@ -50,10 +50,10 @@ def f32_to_bf16_bits(x) -> np.ndarray:
         w += 0x7FFF
         w += src
         w >>= 16
+        nan = (src & 0x7FFFFFFF) > 0x7F800000
+        if nan.any():
+            w[nan] = (src[nan] >> 16) | 0x40    # keep NaNs quiet NaNs
         rounded[start:start + src.size] = w
-    nan = np.isnan(f.reshape(-1))
-    if nan.any():
-        rounded[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)   # keep NaNs quiet NaNs
     return rounded.reshape(f.shape)
 
 
