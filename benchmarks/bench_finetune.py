@@ -1,7 +1,8 @@
 """Training the released RWKV-7 sizes on one GPU, per fine-tuning mode: step time, tokens/s and device
 memory (report, don't assert). bf16, recompute (the least memory), T = 4096 at B = 1 and at the largest B
 that fits, rwkv7-1.5b, -2.9b and -7.2b, and state tuning and LoRA also at T = 1024 beside RWKV-PEFT's
-published peak memory for that setting (RTX 4090, bf16, ctx 1024, batch 1: state tuning 1.5B 5.3 GB, 2.9B 8.2 GB; LoRA 5.6 / 8.8 GB;
+published peak memory for that setting (RTX 4090, bf16, ctx 1024, batch 1: state tuning 1.5B 5.3 GB,
+2.9B 8.2 GB; LoRA 5.6 / 8.8 GB;
 ``extra_info["rwkv_peft_GB"]``):
 
 * ``full``: every parameter trains, AdamW moments in float32 (18 bytes a parameter);

@@ -60,7 +60,8 @@ def main() -> None:
     summed = sum(v[0] for v in per_family.values())
     utilisation = mfu(cfg, B, T, total, args.precision)
     print(f"config {args.preset} B={B} T={T} {args.precision} recompute={model.recompute}: step {total:.2f} ms, "
-          f"MFU {100 * utilisation:.1f}% of the H200's peak (ops timed one by one: {summed:.2f} ms, {len(step_ops)} ops)")
+          f"MFU {100 * utilisation:.1f}% of the H200's peak "
+          f"(ops timed one by one: {summed:.2f} ms, {len(step_ops)} ops)")
     print(f"{'op family':<58}{'count':>6}{'ms':>10}{'%':>7}")
     for name, (ms, n) in sorted(per_family.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         print(f"{name:<58}{n:>6}{ms:>10.2f}{100 * ms / summed:>7.1f}")

@@ -162,7 +162,6 @@ def test_moba_step_checks_its_shared_memory():
     assert decode.moba_smem_bytes(64, 512, 3, 1536 // 512) <= H200.smem_per_block
 
 
-
 TINY = dict(vocab_size=16, n_embd=4, head_size=4, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=4, moba_top_k=2)
 RANK2 = LoraSettings(2, 3.0, tuple(TARGETS))
 LORA_CASES = [   # config, B, prompt window, max_len, prompt length, precision, adapter
@@ -248,6 +247,7 @@ def test_decoder_buffers_keep_the_layouts_alignment(kwargs, B, window, max_len, 
     skipped = [n for n in WEIGHT_REGIONS + TRAINING_REGIONS if n in layout.offsets]
     assert max(layout.offsets[n] + layout.nbytes(n) for n in skipped) <= start < end
     assert all((off - start) % 256 == 0 for off in layout.offsets.values() if off >= start)
+
 
 class _FakeDecoder:
     """Stands in for rwkvx.decoder.Decoder (which needs a GPU) in decoder_for: records its builds; its

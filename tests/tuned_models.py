@@ -24,7 +24,7 @@ def random_states(cfg: Config, rng) -> dict:
 LORA_B_STD = 0.1
 
 
-def random_factors(cfg: Config, settings: LoraSettings, rng) -> dict:
+def random_factors(cfg: Config, settings: LoraSettings, rng: np.random.Generator) -> dict:
     """LoRA factors of ``settings`` for ``cfg``, float32, drawn from ``rng``: A [in, r] normal with std
     1/sqrt(in), B [r, out] normal with std :data:`LORA_B_STD` (both non-zero)."""
     return {n: (rng.standard_normal(s) * (1 / np.sqrt(s[0]) if n.endswith(".lora_A") else LORA_B_STD))

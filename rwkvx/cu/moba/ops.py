@@ -428,8 +428,9 @@ def backward(q, k, v, o, do, dq, dk, dv, scratch: dict, B: int, T: int, H: int, 
     """dq, dk, dv (written) of MoBA attention with the forward's selection held fixed.
 
     Needs the scratch of the :func:`forward` that produced ``o`` on the same q, k, v (sel, lse, idx,
-    qlist; olo with bf16 activations); uses ``delta`` and ``part`` as scratch. Launches: moba_bwd_delta, moba_bwd_dq_past (when some
-    query has a past block), moba_bwd_dq_own, moba_bwd_dkdv (``method="mma"``: their ``_mma`` versions)."""
+    qlist; olo with bf16 activations); uses ``delta`` and ``part`` as scratch. Launches: moba_bwd_delta,
+    moba_bwd_dq_past (when some query has a past block), moba_bwd_dq_own, moba_bwd_dkdv (``method="mma"``:
+    their ``_mma`` versions)."""
     xtype, K1, nblk, E, att, var, scale = _problem("backward", B, T, H, N, chunk, top_k, dev, method, q=q, k=k,
                                                    v=v, o=o, do=do, dq=dq, dk=dk, dv=dv)
     lse, delta = _get(scratch, "lse"), _get(scratch, "delta")
