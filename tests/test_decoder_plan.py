@@ -172,6 +172,11 @@ LORA_CASES = [   # config, B, prompt window, max_len, prompt length, precision, 
           moba_top_k=3), 1, 40, 160, 40, "tf32", RANK2),
     (SMALL, 3, 20, 40, 17, "bf16", LoraSettings(3, 4.0, DEFAULT_TARGETS)),
     (TINY, 1, 16, 20, 9, "bf16", LoraSettings(1, 4.0, ("ffn.key",))),   # a bf16 copy of 4 mod 8 values
+    # tests/gpu/test_decode.py's "moba" and "moba_b9" decoders, at their own prompt windows
+    (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=2, moba_chunk_size=8,
+          moba_top_k=3), 2, 5, 64, 5, "fp32", RANK2),
+    (dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=8,
+          moba_top_k=2), 9, 30, 40, 30, "fp32", RANK2),
 ]
 
 
@@ -194,7 +199,8 @@ def lora_build(kwargs, B, window, max_len, P, precision, settings):
     buffers += [(int(p), int(p) + count * ELEM_BYTES[elem]) for (count, elem), p in
                 zip(sizes.values(), state.values()) if p is not None]
     args = (layout, BASE, weights, state, max_len)
-    prefill = PrefillBuilder(*args, (prefix_len(P, layout.methods["wkv7"]),) * B).forward()
+    prefix = prefix_len(P, layout.methods["wkv7"])      # 0: shorter than a checkpoint, no prefill pass
+    prefill = PrefillBuilder(*args, (prefix,) * B).forward() if prefix else []
     return layout, buffers, prefill, step_ops(*args, 1 << 46, 1 << 47, 1 << 48)
 
 
