@@ -218,17 +218,10 @@ class Model:
                                                     storage_dtype(elem)))
         return {n: flat[off:off + size].reshape(shapes[n]).copy() for n, (off, size) in offsets.items()}
 
-    def _pack(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        """The float32 flat image of region ``region`` holding its tensors of the name-keyed ``tensors``."""
-        flat = np.zeros(self.layout.counts[region], np.float32)
-        for n, (off, size) in self._tensors(region)[0].items():
-            flat[off:off + size] = np.asarray(tensors[n], np.float32).ravel()
-        return flat
-
-    def _pack_storage(self, region: str, tensors: dict[str, np.ndarray]) -> np.ndarray:
-        """:meth:`_pack`'s image in the region's storage type (bf16: bits rounded to nearest), converted one
-        tensor at a time: a 7.2B model's bf16 copy never has a float32 image on the host."""
-        elem = self.layout.elems[region]
+    def _pack(self, region: str, tensors: dict[str, np.ndarray], elem: str = "f32") -> np.ndarray:
+        """The flat image of region ``region`` holding its tensors of the name-keyed ``tensors``, in the host
+        storage of ``elem`` (bf16: bits rounded to nearest), converted one tensor at a time: a 7.2B model's
+        bf16 copy never has a float32 image on the host."""
         flat = np.zeros(self.layout.counts[region], storage_dtype(elem))
         for n, (off, size) in self._tensors(region)[0].items():
             flat[off:off + size] = to_storage(elem, np.asarray(tensors[n], np.float32).ravel())
@@ -249,7 +242,7 @@ class Model:
         check_params(self.cfg, params)
         self._upload_region("params", params)
         if self.layout.counts["params_x"]:
-            self.dev.upload(self.builder.buf("params_x"), self._pack_storage("params_x", params))
+            self.dev.upload(self.builder.buf("params_x"), self._pack("params_x", params, self.layout.elems["params_x"]))
         self._frozen_params = dict(params) if self.layout.trains != "params" else None
 
     def params(self) -> ParamDict:

@@ -22,6 +22,6 @@ def test_bf16_copy_packed_per_tensor_equals_the_whole_image(random_params, tune_
     model._tensors = lambda region: Model._tensors(model, region)
     params = {n: p.astype(np.float32) for n, p in random_params(cfg, 5).items()}
     whole = to_storage("bf16", Model._pack(model, "params_x", params))
-    per_tensor = Model._pack_storage(model, "params_x", params)
+    per_tensor = Model._pack(model, "params_x", params, "bf16")
     assert per_tensor.dtype == np.uint16 and per_tensor.size == model.layout.counts["params_x"] > 0
     np.testing.assert_array_equal(per_tensor, whole)
