@@ -33,7 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("tests", 
 import torch_twin  # noqa: E402  (test code: the twin and its recipes)
 from bf16_error_budget import PLAN_FP32, STEP  # noqa: E402
 from conftest import make_training_like_params  # noqa: E402
-from test_bf16_yardstick import BATCH, FLOOR, HEAD_SIZES, KINDS, SLACK, _inputs  # noqa: E402
+from test_bf16_yardstick import BATCH, FLOOR, HEAD_SIZES, KINDS, SLACK, _inputs, allowance  # noqa: E402
 from rwkvx.model import Model  # noqa: E402
 from rwkvx.oracle import rel_err  # noqa: E402
 
@@ -46,7 +46,7 @@ def compare(ref: dict[str, np.ndarray], got: dict[str, dict[str, np.ndarray]], s
     each other source and the tensors whose names contain one of ``show``."""
     errors = {src: {n: rel_err(g[n], want) for n, want in ref.items()} for src, g in got.items()}
     yard = errors["yardstick"]
-    ratio = {src: {n: e / (SLACK * max(yard[n], FLOOR)) for n, e in errs.items()} for src, errs in errors.items()}
+    ratio = {src: {n: e / allowance(yard[n]) for n, e in errs.items()} for src, errs in errors.items()}
     others = [src for src in got if src != "yardstick"]
     both = "rwkvx" in got
     rows = ["| | " + " | ".join(f"{src} error" for src in got) + " | "

@@ -44,7 +44,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("tests", 
 
 import torch_twin  # noqa: E402  (test code: the twin and its recipes)
 from conftest import make_training_like_params  # noqa: E402
-from test_bf16_yardstick import FLOOR, HEAD_SIZES, KINDS, SIZES, SLACK  # noqa: E402
+from test_bf16_yardstick import FLOOR, HEAD_SIZES, KINDS, SIZES, SLACK, allowance  # noqa: E402
 from rwkvx import Config  # noqa: E402
 from rwkvx.atomic_io import atomic_write  # noqa: E402
 from rwkvx.oracle import rel_err  # noqa: E402
@@ -100,7 +100,7 @@ class Case:
     def ratio(self, errors: dict[str, float]) -> float:
         """The largest error / allowance over the tensors; the criterion holds where it is <= 1 and the
         median is no more than autocast's."""
-        return max(e / (SLACK * max(self.yard[n], FLOOR)) for n, e in errors.items())
+        return max(e / allowance(self.yard[n]) for n, e in errors.items())
 
     def meets(self, errors: dict[str, float]) -> bool:
         """The yardstick's criterion (tests/gpu/test_bf16_yardstick.py) against autocast."""
@@ -117,7 +117,7 @@ def _row(case: Case, label: str, errors: dict[str, float]) -> str:
 
 def _over(case: Case, errors: dict[str, float]) -> str:
     """The tensors over the allowance, worst first, with their ratios (the --kernels table's last column)."""
-    over = sorted(((e / (SLACK * max(case.yard[n], FLOOR)), n) for n, e in errors.items()), reverse=True)
+    over = sorted(((e / allowance(case.yard[n]), n) for n, e in errors.items()), reverse=True)
     return " " + ", ".join(f"{n} {r:.2f}" for r, n in over if r > 1) + " |" if case.kernel_table else ""
 
 

@@ -48,6 +48,11 @@ TABLE_ENV = "RWKVX_ERROR_TABLE"
 TABLE_HEADER = "case,seed,tensor,rwkvx_err,yardstick_err\n"
 
 
+def allowance(yardstick_err: float) -> float:
+    """The largest error of a bf16 gradient the test accepts beside the yardstick's error on it."""
+    return SLACK * max(yardstick_err, FLOOR)
+
+
 def _inputs(kind, N, T, seed, params_factory):
     cfg = Config(**SIZES, **KINDS[kind], head_size=N)
     B = BATCH[T]
@@ -114,7 +119,7 @@ def test_bf16_gradients_within_the_pytorch_yardstick(kind, N, T, seed, training_
     record_property("errors", {"median": (mine, theirs), "worst": worst, "loss": loss_errs})
     print(f"\n{case} seed {seed}: loss {loss_errs[0]:.2e} (yardstick {loss_errs[1]:.2e}); gradients median "
           f"{mine:.2e} (yardstick {theirs:.2e}), worst {worst[0]} {worst[1]:.2e} (yardstick {worst[2]:.2e})")
-    over = sorted((row for row in rows if row[1] > SLACK * max(row[2], FLOOR)), key=lambda row: row[2] / row[1])
+    over = sorted((row for row in rows if row[1] > allowance(row[2])), key=lambda row: row[2] / row[1])
     assert not over, (f"{case} seed {seed}: {len(over)} gradient(s) less accurate than {SLACK} x the PyTorch "
                       f"yardstick (floor {FLOOR}); worst first (tensor, rwkvx, yardstick): "
                       + ", ".join(f"{n} {m:.2e} {t:.2e}" for n, m, t in over[:8]))
