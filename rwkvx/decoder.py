@@ -2,13 +2,12 @@
 
 A Decoder serves one (model, batch size) pair for any prompt up to its capacities; it reads the weights
 from the model's own resident parameters (``params``, and ``params_x`` in bf16; a state-tuned model's
-initial WKV states ``states`` too, every sequence starting from them), so an optimizer step or
+initial WKV states ``states`` too, every sequence starting from them; a LoRA model's factors ``lora``
+(``lora_x``), applied by the adapted projections as in the forward), so an optimizer step or
 :meth:`rwkvx.model.Model.load_params` is seen by the next token without a copy. Everything else
 (activations, the carried state, the step's CUDA graph) is the decoder's own, allocated once;
 :func:`decoder_for` keeps one Decoder per batch size on the model, so a second ``generate`` builds
-nothing. A LoRA model is refused for now: the plan applies its factors (the layout carries the adapter
-settings, the step reads ``lora`` / ``lora_x`` as the forward does, checked by CPU emulation), but that step
-has not yet passed its GPU tests.
+nothing.
 
 **Prefill** (once per batch of prompts, each of its own length P_b): each prompt's first ``prefix_b``
 tokens run through the model's forward kernels in parallel (the chunked WKV7 where the precision uses
@@ -49,7 +48,6 @@ import numpy as np
 from .arena import Layout
 from .cu import decode, wkv7
 from .cu._common import carve, carved_bytes
-from .generation import LORA_ON_GPU
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
 from .runtime.kernel import XTYPE_DEFINE, KernelFile
@@ -452,8 +450,6 @@ class Decoder:
         from .runtime import Graph
         if not isinstance(model, Model):
             raise TypeError(f"Decoder expects an rwkvx.Model, got {type(model).__name__}")
-        if model.layout.lora is not None:
-            raise ValueError(LORA_ON_GPU)
         self.B, self.prompt_cap = _positive_int("batch", batch), _positive_int("prompt_cap", prompt_cap)
         self.max_len = _positive_int("max_len", max_len)
         # no reference back to the model, which keeps this decoder (decoder_for): dropping the model frees

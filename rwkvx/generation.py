@@ -133,10 +133,6 @@ def _check_options(max_new_tokens: Any, temperature: Any, top_p: Any, seed: Any,
         raise ValueError(f"end_token must be None or a token id in [0, {vocab_size}), got {end_token!r}")
 
 
-LORA_ON_GPU = ("the GPU decoder does not take LoRA models yet (its adapted step has not passed its GPU tests): "
-               "generate from the merged weights (rwkvx.lora.merge; CLI sample --lora) or on the CPU (backend 'cpu')")
-
-
 def open_session(source: Any, batch: int, prompt_len: int, max_len: int) -> Session:
     """The session of ``source`` (Trainer, Model or Oracle) for ``batch`` sequences whose prompts have
     at most ``prompt_len`` tokens and that grow to at most ``max_len`` tokens fed to the model."""

@@ -356,18 +356,7 @@ TUNED = [("moba", "fp32", "state"), ("rwkv_only", "fp32", "state"), ("moba_b1_lo
          ("C256_N64", "tf32", "lora"), ("moba", "fp32", "lora_unit"), ("C256_N64", "tf32", "lora_unit")]
 
 
-# the Decoder refuses LoRA models (rwkvx.generation.LORA_ON_GPU) until these rows pass on a GPU: to run
-# them, drop the refusal in Decoder.__init__ and this mark together
-LORA_REFUSED = pytest.mark.xfail(strict=True, raises=ValueError,
-                                 reason="the GPU decoder refuses LoRA models until its LoRA rows pass")
-
-
-def tuned_rows(rows: list[tuple[str, str, str]]) -> list:
-    """``rows`` as parameters, the LoRA ones marked :data:`LORA_REFUSED`."""
-    return [pytest.param(*row, marks=[LORA_REFUSED] if row[2] in LORA_ALPHA else []) for row in rows]
-
-
-@pytest.mark.parametrize("name, precision, tune", tuned_rows([c for c in TUNED if c[2] in LORA_ALPHA]))
+@pytest.mark.parametrize("name, precision, tune", [c for c in TUNED if c[2] in LORA_ALPHA])
 def test_lora_decoder_step_graph_is_its_plan_run_op_by_op(dev, name, precision, tune, training_like):
     """A LoRA model's step replayed as its CUDA graph gives the logits of its plan run op by op (eagerly:
     under CUDA_LAUNCH_BLOCKING=1 a failing op is named, where a graph's replay names none), bit for bit,
@@ -401,7 +390,7 @@ def test_lora_decoder_step_graph_is_its_plan_run_op_by_op(dev, name, precision, 
 
 
 @pytest.mark.parametrize("name, precision, tune", [(n, "fp32", None) for n in DECODE]
-                         + [("moba", "tf32", None), ("C256_N64", "tf32", None)] + tuned_rows(TUNED))
+                         + [("moba", "tf32", None), ("C256_N64", "tf32", None)] + TUNED)
 def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision, tune, training_like):
     """Sequence b's prompt has P - 3b tokens (at least 1), so the sequences run from different prefixes
     at different positions; every position a step sees gives the forward's logits and selection, and

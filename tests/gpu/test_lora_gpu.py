@@ -15,7 +15,6 @@ from seeding import seeded_batches, seeded_rng
 from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
 from test_state_tuning_gpu import (CFG, CFG64, T, check_tuned_grads, check_tuning_matches_cpu,
                                    check_tuning_resumes_exactly, fp32_cases)
-from test_decode import LORA_REFUSED
 from tuned_models import random_factors
 
 SETTINGS = LoraSettings(4, 8.0, tuple(TARGETS))     # every projection of both block kinds
@@ -59,7 +58,6 @@ def test_gpu_lora_resumes_exactly(tmp_path, random_params, precision):
                                  dict(LORA, precision=precision), "lora", untrained)
 
 
-@LORA_REFUSED
 def test_greedy_generation_from_a_lora_trainer_equals_the_merged_models(random_params):
     """A LoRA Trainer on the GPU generates with its factors applied: the greedy tokens of the merged
     weights' model (up to an fp32 near-tie), not the base model's."""
