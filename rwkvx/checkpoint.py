@@ -335,8 +335,9 @@ def load_checkpoint(path: str | os.PathLike, cfg: Config | None = None
     unexpected = sorted(set(params) - set(expected))
     if unexpected:
         raise ValueError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])}")
-    params = {n: params[n].astype(np.float32, copy=False) for n in expected}
-    for name, value in params.items():     # after the float32 cast: a float64 beyond its range is Inf
+    with np.errstate(over="ignore"):       # a float64 beyond float32's range becomes Inf, refused below
+        params = {n: params[n].astype(np.float32, copy=False) for n in expected}
+    for name, value in params.items():
         bad = ~np.isfinite(value)
         if bad.any():
             where = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), value.shape))
