@@ -317,3 +317,38 @@ def test_decoder_for_gives_a_generation_its_own_decoder_while_the_kept_one_is_in
         assert own.freed and not kept.freed
     kept.close()
     assert D.decoder_for(model, 1, 10, 40) is kept
+
+
+@pytest.mark.parametrize("tune", [None, "state"])
+def test_a_decoder_keeps_the_weights_it_reads_allocated_when_nobody_keeps_its_model(monkeypatch, tune):
+    """Decoder(Model(...), ...), as the decode-step benchmark builds it: the model is dropped at once, and
+    the weights (a state-tuned model's initial states, which the prefill copies, too) must stay allocated
+    while the decoder lives (tests/lazy_device.py frees a buffer when it is garbage-collected, as the
+    device does: before the decoder held the model's arena, its prefill read freed memory and the H200
+    reported an illegal address); they are freed with the decoder."""
+    import gc
+
+    import numpy as np
+
+    from lazy_device import install
+    from rwkvx import init_params
+    from rwkvx.decoder import Decoder
+    from rwkvx.model import Model
+    from rwkvx.sampling import Sampling
+    from seeding import seeded_rng
+    from tuned_models import tuned_model
+
+    dev = install(monkeypatch)
+    cfg = Config(vocab_size=50, n_embd=32, head_size=16, n_rwkv_layer=2)
+    tuned = tuned_model(cfg, tune, seeded_rng())
+    decoder = Decoder(Model(cfg, init_params(cfg, 0), 1, 1, precision="bf16", **tuned["oracle"]), 1, 32, 48)
+    gc.collect()
+    weights = {n: p for n, p in decoder.weights.items() if p is not None}
+    for name, ptr in weights.items():
+        dev.mem.bytes(int(ptr), decoder.layout.nbytes(name))       # IndexError once freed
+    assert decoder.prefill([np.arange(20) % cfg.vocab_size], Sampling(temperature=0.0)).tolist() == [16]
+    decoder.step(np.array([3]), np.array([0.5]))                     # runs the plan's copies on the stand-in
+    del decoder
+    gc.collect()
+    with pytest.raises(IndexError):
+        dev.mem.bytes(int(weights["params"]), 1)
