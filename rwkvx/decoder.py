@@ -4,8 +4,9 @@ A Decoder serves one (model, batch size) pair for any prompt up to its capacitie
 from the model's own resident parameters (``params``, and ``params_x`` in bf16; a state-tuned model's
 initial WKV states ``states`` too, every sequence starting from them; a LoRA model's factors ``lora``
 (``lora_x``), applied by the adapted projections as in the forward), so an optimizer step or
-:meth:`rwkvx.model.Model.load_params` is seen by the next token without a copy. Everything else
-(activations, the carried state, the step's CUDA graph) is the decoder's own, allocated once;
+:meth:`rwkvx.model.Model.load_params` is seen by the next token without a copy, and holds the model's
+arena, so the weights stay allocated while the decoder lives even if nobody keeps the model. Everything
+else (activations, the carried state, the step's CUDA graph) is the decoder's own, allocated once;
 :func:`decoder_for` keeps one Decoder per batch size on the model, so a second ``generate`` builds
 nothing.
 
@@ -453,8 +454,11 @@ class Decoder:
         self.B, self.prompt_cap = _positive_int("batch", batch), _positive_int("prompt_cap", prompt_cap)
         self.max_len = _positive_int("max_len", max_len)
         # no reference back to the model, which keeps this decoder (decoder_for): dropping the model frees
-        # both at once; a running generation holds the model itself
+        # both at once; a running generation holds the model itself. The model's arena, which the weights
+        # are read from, is held: a decoder whose model nobody keeps (Decoder(Model(...), ...)) would
+        # otherwise read freed memory from its first prefill on
         self.dev, self.cfg = model.dev, model.cfg
+        self._weight_arena = model.arena
         self.in_use = False     # between decoder_for handing it to a generation and that generation's close
         self.private = False    # built for one generation while the kept one was in use: freed at close
         # the model's kind of layout (state tuning, LoRA): its weights packed as the model's, its states
@@ -585,6 +589,7 @@ class Decoder:
         for buf in (self.arena, self.state_arena, self._pinned_prompt, self._pinned_in, self._pinned_draws,
                     self._pinned_next):
             buf.close()
+        self._weight_arena = None           # the model's: freed with the model (or now, if nobody keeps it)
         self.lengths = None
 
 

@@ -1,9 +1,10 @@
 """A stand-in for rwkvx.runtime.Device on the CPU whose stream runs the enqueued work only when the host
 waits for it (an event, a download, synchronize): a pinned buffer written before the step that reads it
 has run is what that step sees, so host-side ordering mistakes show. Device and pinned memory are one
-:class:`emulator.Memory`; a plan runs its copies and memsets, the cross-entropy launch (the per-token
-loss := float(target)) and AdamW's step count, nothing else — each result names the batch and the step
-it came from. :func:`install` puts it, its plans, events and graphs in place of the real ones."""
+:class:`emulator.Memory` (device memory leaves it when its buffer is freed or garbage-collected); a plan
+runs its copies and memsets, the cross-entropy launch (the per-token loss := float(target)) and AdamW's
+step count, nothing else — each result names the batch and the step it came from. :func:`install` puts
+it, its plans, events and graphs in place of the real ones."""
 import types
 
 import numpy as np
@@ -38,7 +39,7 @@ class LazyDevice:
         return addr
 
     def alloc(self, nbytes):
-        return types.SimpleNamespace(ptr=self._region(nbytes), nbytes=nbytes)
+        return LazyBuffer(self, self._region(nbytes), nbytes)
 
     def memory_info(self) -> dict:
         """An idle H200's memory, all of it free (what recompute="auto" reads)."""
@@ -65,6 +66,21 @@ class LazyDevice:
         out = np.empty(shape, dtype)
         out.view(np.uint8).ravel()[:] = self.mem.bytes(as_ptr(ptr, "download"), out.nbytes)
         return out
+
+
+class LazyBuffer:
+    """Device memory of the stand-in: freed by :meth:`close` or when garbage-collected, as the real
+    device's buffers are (its region leaves the memory: a later access raises IndexError)."""
+
+    def __init__(self, dev, ptr, nbytes):
+        self.dev, self.ptr, self.nbytes = dev, ptr, nbytes
+
+    def close(self):
+        ptr, self.ptr = self.ptr, 0
+        self.dev.mem.regions[:] = [(base, buf) for base, buf in self.dev.mem.regions if base != ptr]
+
+    def __del__(self):
+        self.close()
 
 
 class LazyPinned:

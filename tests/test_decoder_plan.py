@@ -1,12 +1,17 @@
 """The GPU decoder's op lists, built on the CPU (no device; plans assume an H200): the prompt's forward
 with its state copies and the one-token step, every pointer inside the decoder's own part of its arena,
 the state arena or the model's weights, the step on B rows with decode.cu where a block looks at
-earlier tokens."""
+earlier tokens; on a stand-in device (tests/lazy_device.py), a decoder keeps its model's weights
+allocated."""
+import gc
+
+import numpy as np
 import pytest
 
-from rwkvx import Config
-from rwkvx.decoder import (ACTIVATIONS, TRAINING_REGIONS, WEIGHT_REGIONS, DecodeStepBuilder, PrefillBuilder,
-                           _gemv_jobs, own_span, prefix_len, state_sizes, step_ops, weight_pointers)
+from lazy_device import install
+from rwkvx import Config, init_params
+from rwkvx.decoder import (ACTIVATIONS, TRAINING_REGIONS, WEIGHT_REGIONS, DecodeStepBuilder, Decoder,
+                           PrefillBuilder, _gemv_jobs, own_span, prefix_len, state_sizes, step_ops, weight_pointers)
 from rwkvx.arena import Layout
 from rwkvx.lora import DEFAULT_TARGETS, TARGETS, LoraSettings, lora_shapes
 from rwkvx.precision import DEFAULT_PRECISION
@@ -16,6 +21,10 @@ from rwkvx.runtime.device import H200
 from rwkvx.runtime.dtypes import ELEM_BYTES
 from rwkvx.step import StepBuilder
 from rwkvx.runtime.ops import Copy, Gemm, Launch, flatten_ops
+from rwkvx.model import Model
+from rwkvx.sampling import Sampling
+from seeding import seeded_rng
+from tuned_models import tuned_model
 
 BASE, STATE, WEIGHTS = 1 << 40, 1 << 42, 1 << 44
 SMALL = dict(vocab_size=67, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=2, moba_chunk_size=8,
@@ -317,3 +326,26 @@ def test_decoder_for_gives_a_generation_its_own_decoder_while_the_kept_one_is_in
         assert own.freed and not kept.freed
     kept.close()
     assert D.decoder_for(model, 1, 10, 40) is kept
+
+
+@pytest.mark.parametrize("tune", [None, "state"])
+def test_a_decoder_keeps_the_weights_it_reads_allocated_when_nobody_keeps_its_model(monkeypatch, tune):
+    """Decoder(Model(...), ...), as the decode-step benchmark builds it: the model is dropped at once, and
+    the weights (a state-tuned model's initial states, which the prefill copies, too) must stay allocated
+    while the decoder lives (tests/lazy_device.py frees a buffer when it is garbage-collected, as the
+    device does; on a GPU the prefill's first GEMM would read unmapped memory: an illegal address); they
+    are freed with the decoder."""
+    dev = install(monkeypatch)
+    cfg = Config(vocab_size=50, n_embd=32, head_size=16, n_rwkv_layer=2)
+    tuned = tuned_model(cfg, tune, seeded_rng())
+    decoder = Decoder(Model(cfg, init_params(cfg, 0), 1, 1, precision="bf16", **tuned["oracle"]), 1, 32, 48)
+    gc.collect()
+    weights = {n: p for n, p in decoder.weights.items() if p is not None}
+    for name, ptr in weights.items():
+        dev.mem.bytes(int(ptr), decoder.layout.nbytes(name))       # IndexError once freed
+    assert decoder.prefill([np.arange(20) % cfg.vocab_size], Sampling(temperature=0.0)).tolist() == [16]
+    decoder.step(np.array([3]), np.array([0.5]))                     # runs the plan's copies on the stand-in
+    del decoder
+    gc.collect()
+    with pytest.raises(IndexError):
+        dev.mem.bytes(int(weights["params"]), 1)
