@@ -339,6 +339,10 @@ def _tm_gn_bwd(mem, a, op):
         mem.write(a[out], g[name])
 
 
+def _done_by_another_twin(mem, a, op):
+    """A part of what another kernel's twin computes whole (the parts' intermediates are not emulated)."""
+
+
 def _wkv7_backward(mem, a, op):
     """The gradients whole: the twin of the row-split kernel and its reduce (wkv7_backward_reduce) at once."""
     N, H, T = _head_size(op), a["H"], a["T"]
@@ -348,10 +352,6 @@ def _wkv7_backward(mem, a, op):
     x = [_bthn(mem, a[n], B, T, H, N) for n in "rwkvab"]
     for name, grad in zip(("dr", "dw", "dk", "dv", "da", "db"), O.wkv7_backward(*x, _bthn(mem, a["dy"], B, T, H, N))):
         mem.write(a[name], grad)
-
-
-def _done_by_wkv7_backward(mem, a, op):
-    pass
 
 
 def _tm_prep_bwd(mem, a, op):
@@ -382,11 +382,28 @@ def _moba_fwd_own(mem, a, op):
     # K1 is 0 here also when no query has a past block: own blocks only, as with top_k = 1
     T, H, chunk, N, B = a["T"], a["H"], a["chunk"], _head_size(op), op.grid[2]
     qkv = (_bthn(mem, a[n], B, T, H, N) for n in "qkv")
-    mem.write(a["o"], O.moba_attention_forward(*qkv, chunk, a["K1"] + 1)[0])
+    o = O.moba_attention_forward(*qkv, chunk, a["K1"] + 1)[0]
+    mem.write(a["o"], o)
+    if a["olo"]:                    # bf16: the rounding residual of o
+        mem.write(a["olo"], o - mem.read(a["o"], o.size, o.shape))
 
 
-def _done_by_moba_fwd_own(mem, a, op):
-    pass
+def _moba_backward(mem, a, B: int, op) -> tuple:
+    """(dq, dk, dv) of the whole attention from q, k, v and dout, the selection recomputed as
+    :func:`_moba_fwd_own` does (lse, delta and the partial sums, the other backward kernels' work, unused)."""
+    T, H, chunk, N = a["T"], a["H"], a["chunk"], _head_size(op)
+    return O.moba_attention_backward(*(_bthn(mem, a[n], B, T, H, N) for n in ("q", "k", "v", "dout")), chunk,
+                                     a["K1"] + 1, None)
+
+
+def _moba_bwd_dq_own(mem, a, op):
+    mem.write(a["dq"], _moba_backward(mem, a, op.grid[2], op)[0])
+
+
+def _moba_bwd_dkdv(mem, a, op):
+    _, dk, dv = _moba_backward(mem, a, op.grid[2] // a["H"], op)
+    mem.write(a["dk"], dk)
+    mem.write(a["dv"], dv)
 
 
 def _dec_shift(mem, a, op):
@@ -530,16 +547,19 @@ KERNELS = {
     "tm_tanh_fwd": _elementwise(np.tanh), "tm_sigmoid_fwd": _elementwise(lambda x: 1 / (1 + np.exp(-x))),
     "tm_prep_fwd": _tm_prep_fwd, "wkv7_forward": _wkv7_forward, "tm_gn_fwd": _tm_gn_fwd,
     "cm_shift_mix": _cm_shift_mix, "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,
-    "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
-    "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
+    "moba_select": _done_by_another_twin, "moba_scan": _done_by_another_twin, "moba_fill": _done_by_another_twin,
+    "moba_fwd_past": _done_by_another_twin, "moba_fwd_own": _moba_fwd_own, "moba_bwd_delta": _done_by_another_twin,
+    "moba_bwd_dq_past": _done_by_another_twin, "moba_bwd_dq_own": _moba_bwd_dq_own, "moba_bwd_dkdv": _moba_bwd_dkdv,
     "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
     "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift, "dec_tmix": _dec_tmix,
     "cross_entropy_loss": _cross_entropy_loss, "ln_backward_dx": _ln_backward_dx,
     "ln_backward_dwdb": _parameter_partials, "reduce_partials": _reduce_partials,
     "cm_relu_sq_backward": _cm_relu_sq_backward, "cm_mix_backward": _cm_mix_backward, "tm_gn_bwd": _tm_gn_bwd,
-    "wkv7_backward": _wkv7_backward, "wkv7_backward_reduce": _done_by_wkv7_backward, "tm_prep_bwd": _tm_prep_bwd,
+    "wkv7_backward": _wkv7_backward, "wkv7_backward_reduce": _done_by_another_twin, "tm_prep_bwd": _tm_prep_bwd,
     "tm_tanh_bwd": _elementwise_backward(O.tanh_backward), "tm_sigmoid_bwd": _elementwise_backward(O.sigmoid_backward),
     "tm_shift_bwd": _tm_shift_bwd, "embedding_backward": _embedding_backward,
     "init_normal": _init_normal, "init_uniform": _init_uniform, "chol_diag": _chol_diag, "trsm_rows": _trsm_rows,
     "gram_deviation": _gram_deviation, "store_f32": _store_f32,
 }
+KERNELS.update({name + "_mma": KERNELS[name] for name in ("moba_fwd_past", "moba_fwd_own", "moba_bwd_dq_past",
+                                                           "moba_bwd_dq_own", "moba_bwd_dkdv")})
