@@ -169,7 +169,8 @@ def _rowmajor(mem, ptr, rows, cols, ld, elem="f64"):
     """A writable [rows, cols] view of the storage of a row-major matrix (or a block of one) with leading
     dimension ``ld``."""
     size = ELEM_BYTES[elem]
-    return np.lib.stride_tricks.as_strided(mem.array(ptr, elem, ld * (rows - 1) + cols), (rows, cols), (size * ld, size))
+    flat = mem.array(ptr, elem, ld * (rows - 1) + cols)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (size * ld, size))
 
 
 def _gemm(mem, g: Gemm) -> None:
