@@ -2,12 +2,17 @@
 the buffers its arguments point at, GEMMs are column-major float64 products, copies are copies.
 
 What this checks is the plumbing of a plan (which buffer each op reads and writes, offsets, strides,
-sizes, the order of ops), not the CUDA code: the kernels' own tests (tests/gpu) compare them to the same
-twins. The kernels of the forward, of the decoder's step, of the device initialisation (GEMMs in fp32 or
-fp64) and of the RWKV blocks' backward are emulated,
+sizes, element types, the order of ops), not the CUDA code: the kernels' own tests (tests/gpu) compare
+them to the same twins. Buffers hold their element types: a bf16 buffer 2-byte values, rounded to nearest
+on every store (a kernel's or a GEMM's output, computed in float64, is rounded once), so a bf16 step shows
+the roundings of its stores and no others. :class:`Memory`'s exact mode takes those out too.
+The kernels of the forward, of the decoder's step, of the device initialisation (GEMMs in fp32 or
+fp64) and of the RWKV and MoBA blocks' backward are emulated,
 the backward's for the input gradients they pass on: the parameters' gradients (the partial sums the
 kernels leave for reduce_partials, the embedding's) are not computed; reduce_partials and
-embedding_backward write NaN to them, so a result that reads them shows it. An unknown kernel raises.
+embedding_backward write NaN to them, so a result that reads them shows it. Kernels that compute part of
+what one twin computes whole (the WKV7 backward's reduce, MoBA's selection, partial outputs and delta)
+do nothing. An unknown kernel raises.
 """
 from __future__ import annotations
 
