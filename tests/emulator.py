@@ -2,12 +2,17 @@
 the buffers its arguments point at, GEMMs are column-major float64 products, copies are copies.
 
 What this checks is the plumbing of a plan (which buffer each op reads and writes, offsets, strides,
-sizes, the order of ops), not the CUDA code: the kernels' own tests (tests/gpu) compare them to the same
-twins. The kernels of the forward, of the decoder's step, of the device initialisation (GEMMs in fp32 or
-fp64) and of the RWKV blocks' backward are emulated,
+sizes, element types, the order of ops), not the CUDA code: the kernels' own tests (tests/gpu) compare
+them to the same twins. Buffers hold their element types: a bf16 buffer 2-byte values, rounded to nearest
+on every store (a kernel's or a GEMM's output, computed in float64, is rounded once), so a bf16 step shows
+the roundings of its stores and no others. :class:`Memory`'s exact mode takes those out too.
+The kernels of the forward, of the decoder's step, of the device initialisation (GEMMs in fp32 or
+fp64) and of the RWKV and MoBA blocks' backward are emulated,
 the backward's for the input gradients they pass on: the parameters' gradients (the partial sums the
 kernels leave for reduce_partials, the embedding's) are not computed; reduce_partials and
-embedding_backward write NaN to them, so a result that reads them shows it. An unknown kernel raises.
+embedding_backward write NaN to them, so a result that reads them shows it. Kernels that compute part of
+what one twin computes whole (the WKV7 backward's reduce, MoBA's selection, partial outputs and delta)
+do nothing. An unknown kernel raises.
 """
 from __future__ import annotations
 
@@ -17,61 +22,122 @@ import rwkvx.cu  # noqa: F401  (declares every kernel)
 from rwkvx import oracle as O
 from rwkvx.cu import init
 from rwkvx.oracle import init as O_init
-from rwkvx.runtime.dtypes import ELEM_BYTES
-from rwkvx.runtime.kernel import KernelFile
-from rwkvx.runtime.ops import Copy, CopyDtoH, CopyHtoD, Gemm, Launch, Memset, flatten_ops
-
-_NP = {"f32": np.float32, "i32": np.int32, "f64": np.float64}
+from rwkvx.runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype, to_storage
+from rwkvx.runtime.kernel import XTYPE_DEFINE, KernelFile
+from rwkvx.runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, Launch, Memset, flatten_ops
 
 
 class Memory:
-    """Address ranges backed by numpy byte arrays (device arenas and pinned host buffers alike)."""
+    """Address ranges backed by numpy byte arrays (device arenas and pinned host buffers alike).
 
-    def __init__(self):
-        self.regions: list[tuple[int, np.ndarray]] = []
+    ``exact``: every 2-byte slot also has a float64 shadow, and a float (f32, bf16) element reads back
+    the value last written to it, unrounded, for as long as its bytes are those that store wrote (after
+    another store to them, the bytes as they are): the plan's data flow with the roundings of its stores
+    taken out, so that a buffer read after another one overwrote it still shows."""
+
+    def __init__(self, exact: bool = False):
+        self.exact = exact
+        self.regions: list[tuple[int, np.ndarray, np.ndarray | None]] = []
 
     def add(self, base: int, nbytes: int) -> np.ndarray:
         buf = np.zeros(nbytes, np.uint8)
-        self.regions.append((int(base), buf))
+        self.regions.append((int(base), buf, np.zeros((nbytes + 1) // 2) if self.exact else None))
         return buf
 
-    def bytes(self, addr: int, nbytes: int) -> np.ndarray:
-        for base, buf in self.regions:
+    def _region(self, addr: int, nbytes: int) -> tuple[int, np.ndarray, np.ndarray | None]:
+        for base, buf, shadow in self.regions:
             if base <= addr and addr + nbytes <= base + buf.size:
-                return buf[addr - base:addr - base + nbytes]
+                return base, buf, shadow
         raise IndexError(f"no memory at 0x{addr:x} (+{nbytes})")
 
-    def array(self, addr: int, elem: str, count: int) -> np.ndarray:
-        """A writable view of ``count`` ``elem`` elements at ``addr``."""
-        return self.bytes(addr, count * ELEM_BYTES[elem]).view(_NP[elem])
+    def bytes(self, addr: int, nbytes: int) -> np.ndarray:
+        base, buf, _ = self._region(addr, nbytes)
+        return buf[addr - base:addr - base + nbytes]
 
-    def read(self, addr: int, count: int, shape=None, elem: str = "f32") -> np.ndarray:
-        a = self.array(addr, elem, count).astype(np.float64 if elem != "i32" else np.int64)
+    def _shadow(self, addr: int, nbytes: int, step: int = 1) -> np.ndarray | None:
+        """The shadow slots of ``nbytes`` at ``addr``, every ``step``-th (an element's first), or None."""
+        base, _, shadow = self._region(addr, nbytes)
+        if shadow is None:
+            return None
+        start = (addr - base) // 2
+        return shadow[start:start + (nbytes + 1) // 2:step]
+
+    def _exact(self, addr: int, elem: str, count: int) -> np.ndarray | None:
+        """The unrounded values of ``count`` float elements at ``addr`` (None: not exact, or not floats)."""
+        if elem not in ("f32", "bf16"):
+            return None
+        return self._shadow(addr, count * ELEM_BYTES[elem], ELEM_BYTES[elem] // 2)
+
+    def array(self, addr: int, elem: str, count: int) -> np.ndarray:
+        """A writable view of the storage of ``count`` ``elem`` elements at ``addr`` (bf16: uint16 bits)."""
+        return self.bytes(addr, count * ELEM_BYTES[elem]).view(storage_dtype(elem))
+
+    def read(self, addr: int, count: int, shape=None, elem: str | None = None) -> np.ndarray:
+        """``count`` elements at ``addr`` as float64 (int64 for i32); ``elem`` defaults to the element type
+        of a :class:`~rwkvx.runtime.ops.DevPtr` ``addr``, else f32."""
+        elem = elem or getattr(addr, "elem", "f32")
+        stored = self.array(addr, elem, count)
+        a = from_storage(elem, stored).astype(np.float64 if elem != "i32" else np.int64)
+        exact = self._exact(addr, elem, count)
+        if exact is not None:
+            a = np.where(to_storage(elem, exact) == stored, exact, a)
         return a.reshape(shape) if shape is not None else a
 
-    def write(self, addr: int, values, elem: str = "f32") -> None:
-        values = np.asarray(values)
-        self.array(addr, elem, values.size)[:] = values.ravel()
+    def write(self, addr: int, values, elem: str | None = None, index: np.ndarray | None = None) -> None:
+        """Store ``values`` at ``addr`` as ``elem`` (default as in :meth:`read`), rounding to nearest as a
+        kernel's store does; with ``index``, at those element positions from ``addr`` (a scatter)."""
+        elem = elem or getattr(addr, "elem", "f32")
+        values = np.asarray(values).ravel()
+        at = slice(None) if index is None else np.ravel(index)
+        count = values.size if index is None else int(at.max()) + 1
+        self.array(addr, elem, count)[at] = to_storage(elem, values)
+        exact = self._exact(addr, elem, count)
+        if exact is not None:
+            exact[at] = values
+
+    def copy(self, dst: int, src: int, nbytes: int) -> None:
+        """``nbytes`` from ``src`` to ``dst`` (and their exact values)."""
+        self.bytes(dst, nbytes)[:] = self.bytes(src, nbytes).copy()
+        if self.exact:
+            self._shadow(dst, nbytes)[:] = self._shadow(src, nbytes).copy()
+
+    def zero(self, addr: int, nbytes: int) -> None:
+        """``nbytes`` at ``addr`` set to zero bytes (and zero values)."""
+        self.bytes(addr, nbytes)[:] = 0
+        if self.exact:
+            self._shadow(addr, nbytes)[:] = 0
 
 
-def arena_memory(layout, base: int, host: dict[str, int], tensors: dict[str, dict[str, np.ndarray]]) -> Memory:
+def arena_memory(layout, base: int, host: dict[str, int], tensors: dict[str, dict[str, np.ndarray]],
+                 exact: bool = False) -> Memory:
     """Memory holding the arena of ``layout`` at ``base`` (zeros) and the pinned buffers ``host`` (name ->
-    address), with name-keyed float32 ``tensors`` written into their flat regions ("params", "states",
-    "lora": at the layout's offsets of that region)."""
-    mem = Memory()
+    address), with name-keyed ``tensors`` written into their flat regions ("params", "states", "lora":
+    at the layout's offsets of that region, and into the region's bf16 GEMM copy where the layout has one,
+    rounded to nearest as the model's upload does). ``exact``: :class:`Memory`'s."""
+    mem = Memory(exact)
     mem.add(base, layout.total)
     for name, ptr in host.items():
         mem.add(ptr, layout.nbytes(name))
-    offsets = {"params": layout.region_offsets["params"], "states": layout.state_offsets, "lora": layout.lora_offsets}
-    for region, values in tensors.items():
-        for n, (off, _) in offsets[region].items():
-            mem.write(base + layout.offsets[region] + 4 * off, values[n])
+    regions = {"params": {"params": layout.region_offsets["params"], "params_x": layout.region_offsets["params_x"]},
+               "states": {"states": layout.state_offsets},
+               "lora": {"lora": layout.lora_offsets, "lora_x": layout.lora_offsets}}
+    for source, values in tensors.items():
+        for region, offsets in regions[source].items():
+            if not layout.counts.get(region):
+                continue
+            elem = layout.elems[region]
+            for n, (off, _) in offsets.items():
+                mem.write(base + layout.offsets[region] + ELEM_BYTES[elem] * off, values[n], elem)
     return mem
 
 
 def _args(op: Launch) -> dict:
+    """The arguments of launch ``op`` by name, pointers as :class:`~rwkvx.runtime.ops.DevPtr` of their
+    declared element type (``floatX`` resolved by the launch's defines)."""
     kernel = KernelFile.registry[op.module].kernels[op.name]
-    return {name: value for (name, _), (_, value) in zip(kernel.params, op.args)}
+    xtype = "bf16" if int(dict(op.defines).get(XTYPE_DEFINE, 0)) else "f32"
+    return {name: DevPtr(value, xtype if decl.elem == "x" else decl.elem) if decl.kind == "ptr" else value
+            for (name, decl), (_, value) in zip(kernel.params, op.args)}
 
 
 def _head_size(op: Launch) -> int:
@@ -83,9 +149,9 @@ def run_memory_op(mem: Memory, op) -> bool:
     if isinstance(op, (Copy, CopyHtoD, CopyDtoH)):
         src = op.host_ptr if isinstance(op, CopyHtoD) else op.src
         dst = op.host_ptr if isinstance(op, CopyDtoH) else op.dst
-        mem.bytes(dst, op.nbytes)[:] = mem.bytes(src, op.nbytes).copy()
+        mem.copy(dst, src, op.nbytes)
     elif isinstance(op, Memset):
-        mem.bytes(op.ptr, op.nbytes)[:] = 0
+        mem.zero(op.ptr, op.nbytes)
     else:
         return False
     return True
@@ -104,27 +170,30 @@ def run(mem: Memory, ops) -> None:
             raise TypeError(f"cannot emulate {op!r}")
 
 
-def _colmajor(mem, ptr, rows, cols, ld, elem="f32"):
-    flat = mem.array(ptr, elem, ld * (cols - 1) + rows)
-    size = ELEM_BYTES[elem]
-    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (size, size * ld))
-
-
 def _rowmajor(mem, ptr, rows, cols, ld, elem="f64"):
-    """A writable [rows, cols] view with leading dimension ``ld`` (a row-major matrix or a block of one)."""
-    return _colmajor(mem, ptr, cols, rows, ld, elem).T
+    """A writable [rows, cols] view of the storage of a row-major matrix (or a block of one) with leading
+    dimension ``ld``."""
+    size = ELEM_BYTES[elem]
+    flat = mem.array(ptr, elem, ld * (rows - 1) + cols)
+    return np.lib.stride_tricks.as_strided(flat, (rows, cols), (size * ld, size))
 
 
 def _gemm(mem, g: Gemm) -> None:
-    elem = g.precision.a
-    if elem not in ("f32", "f64"):
-        raise NotImplementedError("emulated GEMMs are fp32 or fp64")
-    A = _colmajor(mem, g.A, g.k, g.m, g.lda, elem).T if g.transa else _colmajor(mem, g.A, g.m, g.k, g.lda, elem)
-    B = _colmajor(mem, g.B, g.n, g.k, g.ldb, elem).T if g.transb else _colmajor(mem, g.B, g.k, g.n, g.ldb, elem)
-    out = g.alpha * (A.astype(np.float64) @ B.astype(np.float64))
+    """D = alpha op(A) op(B) + beta C in float64 from the operands as stored (a bf16 GEMM's products are
+    exact in its fp32 accumulation; TF32's operand rounding is not emulated), rounded once to D's type."""
+    p = g.precision
+
+    def at(rows, cols, ld, trans=False):         # element positions of op(M) [rows, cols], M column-major
+        return np.add.outer(np.arange(rows) * (ld if trans else 1), np.arange(cols) * (1 if trans else ld))
+
+    def operand(ptr, rows, cols, ld, elem, trans=False):
+        index = at(rows, cols, ld, trans)
+        return mem.read(ptr, int(index.max()) + 1, elem=elem)[index]
+
+    out = g.alpha * (operand(g.A, g.m, g.k, g.lda, p.a, g.transa) @ operand(g.B, g.k, g.n, g.ldb, p.b, g.transb))
     if g.beta:
-        out += g.beta * _colmajor(mem, g.C, g.m, g.n, g.ldc, elem)
-    _colmajor(mem, g.D, g.m, g.n, g.ldc, elem)[...] = out
+        out += g.beta * operand(g.C, g.m, g.n, g.ldc, p.c)
+    mem.write(g.D, out, p.c, at(g.m, g.n, g.ldc))
 
 
 # ---------------------------------------------------------------- kernels, by name
@@ -237,8 +306,8 @@ def _ln_backward_dx(mem, a, op):
     R, C = a["R"], a["C"]
     x, dy = mem.read(a["x"], R * C, (R, C)), mem.read(a["dy"], R * C, (R, C))
     _write_or_add(mem, a["dx"], O.layernorm_backward(x, mem.read(a["w"], C), dy)[0], a["accumulate"])
-    if a["dx_copy"]:
-        raise NotImplementedError("emulated LayerNorm backwards are fp32 (no GEMM-operand copy)")
+    if a["dx_copy"]:                    # the bf16 GEMM operand of the fp32 result
+        mem.write(a["dx_copy"], mem.read(a["dx"], R * C))
 
 
 def _cm_relu_sq_backward(mem, a, op):
@@ -276,6 +345,10 @@ def _tm_gn_bwd(mem, a, op):
         mem.write(a[out], g[name])
 
 
+def _done_by_another_twin(mem, a, op):
+    """A part of what another kernel's twin computes whole (the parts' intermediates are not emulated)."""
+
+
 def _wkv7_backward(mem, a, op):
     """The gradients whole: the twin of the row-split kernel and its reduce (wkv7_backward_reduce) at once."""
     N, H, T = _head_size(op), a["H"], a["T"]
@@ -285,10 +358,6 @@ def _wkv7_backward(mem, a, op):
     x = [_bthn(mem, a[n], B, T, H, N) for n in "rwkvab"]
     for name, grad in zip(("dr", "dw", "dk", "dv", "da", "db"), O.wkv7_backward(*x, _bthn(mem, a["dy"], B, T, H, N))):
         mem.write(a[name], grad)
-
-
-def _done_by_wkv7_backward(mem, a, op):
-    pass
 
 
 def _tm_prep_bwd(mem, a, op):
@@ -319,11 +388,28 @@ def _moba_fwd_own(mem, a, op):
     # K1 is 0 here also when no query has a past block: own blocks only, as with top_k = 1
     T, H, chunk, N, B = a["T"], a["H"], a["chunk"], _head_size(op), op.grid[2]
     qkv = (_bthn(mem, a[n], B, T, H, N) for n in "qkv")
-    mem.write(a["o"], O.moba_attention_forward(*qkv, chunk, a["K1"] + 1)[0])
+    o = O.moba_attention_forward(*qkv, chunk, a["K1"] + 1)[0]
+    mem.write(a["o"], o)
+    if a["olo"]:                    # bf16: the rounding residual of o
+        mem.write(a["olo"], o - mem.read(a["o"], o.size, o.shape))
 
 
-def _done_by_moba_fwd_own(mem, a, op):
-    pass
+def _moba_backward(mem, a, B: int, op) -> tuple:
+    """(dq, dk, dv) of the whole attention from q, k, v and dout, the selection recomputed as
+    :func:`_moba_fwd_own` does (lse, delta and the partial sums, the other backward kernels' work, unused)."""
+    T, H, chunk, N = a["T"], a["H"], a["chunk"], _head_size(op)
+    return O.moba_attention_backward(*(_bthn(mem, a[n], B, T, H, N) for n in ("q", "k", "v", "dout")), chunk,
+                                     a["K1"] + 1, None)
+
+
+def _moba_bwd_dq_own(mem, a, op):
+    mem.write(a["dq"], _moba_backward(mem, a, op.grid[2], op)[0])
+
+
+def _moba_bwd_dkdv(mem, a, op):
+    _, dk, dv = _moba_backward(mem, a, op.grid[2] // a["H"], op)
+    mem.write(a["dk"], dk)
+    mem.write(a["dv"], dv)
 
 
 def _dec_shift(mem, a, op):
@@ -467,16 +553,19 @@ KERNELS = {
     "tm_tanh_fwd": _elementwise(np.tanh), "tm_sigmoid_fwd": _elementwise(lambda x: 1 / (1 + np.exp(-x))),
     "tm_prep_fwd": _tm_prep_fwd, "wkv7_forward": _wkv7_forward, "tm_gn_fwd": _tm_gn_fwd,
     "cm_shift_mix": _cm_shift_mix, "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,
-    "moba_select": _done_by_moba_fwd_own, "moba_scan": _done_by_moba_fwd_own, "moba_fill": _done_by_moba_fwd_own,
-    "moba_fwd_past": _done_by_moba_fwd_own, "moba_fwd_own": _moba_fwd_own,
+    "moba_select": _done_by_another_twin, "moba_scan": _done_by_another_twin, "moba_fill": _done_by_another_twin,
+    "moba_fwd_past": _done_by_another_twin, "moba_fwd_own": _moba_fwd_own, "moba_bwd_delta": _done_by_another_twin,
+    "moba_bwd_dq_past": _done_by_another_twin, "moba_bwd_dq_own": _moba_bwd_dq_own, "moba_bwd_dkdv": _moba_bwd_dkdv,
     "dec_shift": _dec_shift, "dec_wkv7": _dec_wkv7, "dec_moba": _dec_moba, "dec_sample": _dec_sample,
     "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift, "dec_tmix": _dec_tmix,
     "cross_entropy_loss": _cross_entropy_loss, "ln_backward_dx": _ln_backward_dx,
     "ln_backward_dwdb": _parameter_partials, "reduce_partials": _reduce_partials,
     "cm_relu_sq_backward": _cm_relu_sq_backward, "cm_mix_backward": _cm_mix_backward, "tm_gn_bwd": _tm_gn_bwd,
-    "wkv7_backward": _wkv7_backward, "wkv7_backward_reduce": _done_by_wkv7_backward, "tm_prep_bwd": _tm_prep_bwd,
+    "wkv7_backward": _wkv7_backward, "wkv7_backward_reduce": _done_by_another_twin, "tm_prep_bwd": _tm_prep_bwd,
     "tm_tanh_bwd": _elementwise_backward(O.tanh_backward), "tm_sigmoid_bwd": _elementwise_backward(O.sigmoid_backward),
     "tm_shift_bwd": _tm_shift_bwd, "embedding_backward": _embedding_backward,
     "init_normal": _init_normal, "init_uniform": _init_uniform, "chol_diag": _chol_diag, "trsm_rows": _trsm_rows,
     "gram_deviation": _gram_deviation, "store_f32": _store_f32,
 }
+KERNELS.update({name + "_mma": KERNELS[name] for name in ("moba_fwd_past", "moba_fwd_own", "moba_bwd_dq_past",
+                                                           "moba_bwd_dq_own", "moba_bwd_dkdv")})
