@@ -44,6 +44,10 @@ class Memory:
         self.regions.append((int(base), buf, np.zeros((nbytes + 1) // 2) if self.exact else None))
         return buf
 
+    def remove(self, base: int) -> None:
+        """Free the region added at ``base`` (a later access to it raises IndexError)."""
+        self.regions[:] = [region for region in self.regions if region[0] != base]
+
     def _region(self, addr: int, nbytes: int) -> tuple[int, np.ndarray, np.ndarray | None]:
         for base, buf, shadow in self.regions:
             if base <= addr and addr + nbytes <= base + buf.size:

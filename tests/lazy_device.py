@@ -77,7 +77,7 @@ class LazyBuffer:
 
     def close(self):
         ptr, self.ptr = self.ptr, 0
-        self.dev.mem.regions[:] = [(base, buf) for base, buf in self.dev.mem.regions if base != ptr]
+        self.dev.mem.remove(ptr)
 
     def __del__(self):
         self.close()

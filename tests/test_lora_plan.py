@@ -22,8 +22,8 @@ from rwkvx.step import StepBuilder
 from seeding import seeded_rng
 from test_model_plan import BASE, CONFIGS, host_buffers
 from test_wkv7_ops import launch_args
+from tuned_models import CFG64, GRADIENT_LORA, T, adapter_factors
 
-ALL = LoraSettings(4, 8.0, tuple(TARGETS))          # every target: each projection of both block kinds
 
 
 def gemms_on(ops, addr: int, operands: str) -> list:
@@ -36,14 +36,14 @@ def gemms_on(ops, addr: int, operands: str) -> list:
 def test_lora_step_plan(precision, recompute):
     cfg = Config(**CONFIGS[1][0])                        # RWKV and attention blocks interleaved
     B, T = 2, CONFIGS[1][2]
-    L = Layout(cfg, B, T, H200, precision, recompute, lora=ALL)
+    L = Layout(cfg, B, T, H200, precision, recompute, lora=GRADIENT_LORA)
     assert L.trains == "lora" and L.counts["adam_m"] == L.counts["adam_v"] == 0
-    shapes = lora_shapes(cfg, ALL)
+    shapes = lora_shapes(cfg, GRADIENT_LORA)
     assert list(L.lora_offsets) == list(shapes) and len(shapes) == 2 * 6 * cfg.n_blocks
     n = sum(s[1] for s in L.lora_offsets.values())
     assert all(L.counts[r] >= n and L.elems[r] == "f32" for r in ("lora", "lora_grads", "lora_m", "lora_v"))
     assert L.counts["lora_x"] == (L.counts["lora"] if precision == "bf16" else 0)
-    assert L.counts["lora_h"] == B * T * ALL.rank and L.elems["lora_h"] == L.xtype
+    assert L.counts["lora_h"] == B * T * GRADIENT_LORA.rank and L.elems["lora_h"] == L.xtype
     _, table_lrmul = adamw.build_table(adamw.flat_layout(shapes)[0])
     assert L.adam_chunks == len(table_lrmul)
 
@@ -63,9 +63,9 @@ def test_lora_step_plan(precision, recompute):
         uses_a = gemms_on(step, at(operand, a), "AB")
         assert len(uses_a) == 2 + again + 1, weight
         uses_b = gemms_on(step, at(operand, b), "AB")
-        assert len(uses_b) == 1 + again + 1 and uses_b[0].alpha == ALL.scale and uses_b[0].beta == 1.0, weight
+        assert len(uses_b) == 1 + again + 1 and uses_b[0].alpha == GRADIENT_LORA.scale and uses_b[0].beta == 1.0, weight
         assert len(gemms_on(step, at("lora_grads", a), "D")) == 1 == len(gemms_on(step, at("lora_grads", b), "D"))
-        assert gemms_on(step, at("lora_grads", b), "D")[0].alpha == ALL.scale
+        assert gemms_on(step, at("lora_grads", b), "D")[0].alpha == GRADIENT_LORA.scale
     if precision == "bf16":     # bf16 operands (the factors' copy), fp32 accumulation and factor gradients
         gemms = [op for op in step if isinstance(op, Gemm)]
         assert {(op.precision.a, op.precision.b, op.precision.compute) for op in gemms} == {("bf16", "bf16", "fp32")}
@@ -84,7 +84,7 @@ def test_lora_step_plan(precision, recompute):
 def test_lora_layout_refuses_what_it_cannot_hold():
     cfg = Config(**CONFIGS[0][0])
     with pytest.raises(ValueError, match="choose one"):
-        Layout(cfg, 1, 16, H200, "fp32", True, tune_states=True, lora=ALL._replace(targets=("att.key",)))
+        Layout(cfg, 1, 16, H200, "fp32", True, tune_states=True, lora=GRADIENT_LORA._replace(targets=("att.key",)))
     with pytest.raises(TypeError, match="LoraSettings"):
         Layout(cfg, 1, 16, H200, "fp32", True, lora={"rank": 4})
 
@@ -161,10 +161,9 @@ def test_emulated_lora_step_matches_the_oracle(random_params, recompute):
 
 
 def random_draw(cfg: Config, settings: LoraSettings, B: int, T: int, rng) -> tuple[dict, np.ndarray, np.ndarray]:
-    """Factors of a trained adapter's scale (A and B non-zero: every factor gets a gradient), float32, and
-    tokens and targets [B, T] (tests/gpu/test_lora_gpu.py's draw)."""
-    factors = {n: (0.3 * rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)
-               for n, s in lora_shapes(cfg, settings).items()}
+    """The factors of a large adapter (tuned_models.adapter_factors) and tokens and targets [B, T]:
+    tests/gpu/test_lora_gpu.py's draw."""
+    factors = adapter_factors(cfg, settings, rng)
     tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
     return factors, tokens, targets
 
@@ -190,11 +189,11 @@ def test_emulated_bf16_lora_step_has_the_oracles_data_flow(random_params, recomp
     B, T = CONFIGS[1][1:]
     rng = seeded_rng()
     params = {n: p.astype(np.float32) for n, p in random_params(cfg, int(rng.integers(1 << 31))).items()}
-    factors, tokens, targets = random_draw(cfg, ALL, B, T, rng)
-    mem, L, _, ops = step = emulated_step(cfg, params, factors, ALL, tokens, targets, "bf16", recompute,
+    factors, tokens, targets = random_draw(cfg, GRADIENT_LORA, B, T, rng)
+    mem, L, _, ops = step = emulated_step(cfg, params, factors, GRADIENT_LORA, tokens, targets, "bf16", recompute,
                                           {"wkv7": "sequential"}, exact=True)
     assert L.elems["lora_h"] == L.elems["lora_x"] == L.elems["logits"] == "bf16"
-    oracle = Oracle(cfg, params, dtype=np.float64, lora=factors, lora_scale=ALL.scale)
+    oracle = Oracle(cfg, params, dtype=np.float64, lora=factors, lora_scale=GRADIENT_LORA.scale)
     run(mem, ops.stage_tokens + ops.forward + ops.head[0])
     V = cfg.vocab_size
     logits = mem.read(BASE + L.offsets["logits"], B * T * V, (B, T, V), "bf16")
@@ -216,7 +215,7 @@ BF16_RATIO = 16
 
 
 def check_bf16_rounding_error(cfg: Config, params: dict, factors: dict, tokens, targets,
-                              settings: LoraSettings = ALL) -> dict[str, float]:
+                              settings: LoraSettings = GRADIENT_LORA) -> dict[str, float]:
     """The bf16 step emulated with its stores rounded (tests/emulator.py: bf16 buffers as 2-byte values,
     rounded to nearest): every factor's gradient within BF16_RATIO x 2^15 x the float32 oracle's error on it.
     The relative errors against the float64 oracle, by factor."""
@@ -242,15 +241,15 @@ def test_lora_step_bf16_error_is_the_draws(training_like, case):
     B, T = CONFIGS[case][1:]
     rng = seeded_rng()
     params = training_like(cfg, int(rng.integers(1 << 31)))
-    settings = ALL._replace(targets=tuple(t for t in TARGETS if cfg.n_attn_layer or not t.startswith("moba.")))
-    assert max(check_bf16_rounding_error(cfg, params, *random_draw(cfg, settings, B, T, rng), settings).values()) > 1e-3
+    settings = GRADIENT_LORA._replace(targets=tuple(t for t in TARGETS
+                                                    if cfg.n_attn_layer or not t.startswith("moba.")))
+    errors = check_bf16_rounding_error(cfg, params, *random_draw(cfg, settings, B, T, rng), settings)
+    assert max(errors.values()) > 1e-3
 
 
 # A draw on which the H200's bf16 LoRA gradients missed tests/gpu/test_lora_gpu.py's limit of 5e-2
 # (test_lora_gradients_match_oracle_reduced_precision[bf16]: block 0's receptance factors 2.19e-1 and 1.83e-1,
 # its key factors 1.46e-1 and 1.34e-1): that test's model and draw
-GPU_CFG = Config(vocab_size=97, n_embd=128, head_size=64, n_rwkv_layer=2, n_attn_layer=1, moba_chunk_size=16,
-                 moba_top_k=3)
 GPU_SEED = 2601034392035683061
 
 
@@ -258,11 +257,12 @@ def test_the_gpu_bf16_lora_miss_is_the_draws(training_like):
     """On the draw the H200 missed, the bf16 step's data flow is the oracle's (exact memory) and its rounded
     stores alone miss block 0's receptance factors by as much as the GPU did (2.2e-1), within the bound
     the float32 oracle's own error there sets: the miss is the draw's, not a defect of the step."""
-    cfg, B, T = GPU_CFG, 3, 45
+    cfg, B = CFG64, 3
     params = training_like(cfg, 42)
-    factors, tokens, targets = random_draw(cfg, ALL, B, T, seeded_rng(GPU_SEED))
-    _, ref = Oracle(cfg, params, dtype=np.float64, lora=factors, lora_scale=ALL.scale).loss_and_grads(tokens, targets)
-    exact = emulated_grads(cfg, params, factors, ALL, tokens, targets, exact=True)
+    factors, tokens, targets = random_draw(cfg, GRADIENT_LORA, B, T, seeded_rng(GPU_SEED))
+    oracle = Oracle(cfg, params, dtype=np.float64, lora=factors, lora_scale=GRADIENT_LORA.scale)
+    _, ref = oracle.loss_and_grads(tokens, targets)
+    exact = emulated_grads(cfg, params, factors, GRADIENT_LORA, tokens, targets, exact=True)
     assert all(rel_err(g, ref[n]) <= 1e-12 for n, g in exact.items())
     errors = check_bf16_rounding_error(cfg, params, factors, tokens, targets)
     assert errors["rwkv.blocks.0.att.receptance.lora_A"] > 0.15

@@ -1,5 +1,6 @@
 """Random tuned tensors for tests that compare a tuned model on two paths (the decoder and the forward,
-an emulated plan and the oracle): initial WKV states or LoRA factors of a Config."""
+an emulated plan and the oracle, the GPU step and the oracle): initial WKV states or LoRA factors of a
+Config, and the small models the tuned gradients are checked on."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +8,17 @@ import numpy as np
 from rwkvx import Config
 from rwkvx.lora import TARGETS, LoraSettings, lora_shapes
 from rwkvx.state_tuning import state_shapes
+
+
+# The models of the tuned-gradient tests. T <= chunk * top_k: every past block is selected, so no selection
+# near-ties between CPU and GPU; T = 45 is not a multiple of the chunked WKV7's 16 tokens
+CFG = Config(vocab_size=97, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=1,
+             moba_chunk_size=16, moba_top_k=3)
+CFG64 = Config(vocab_size=97, n_embd=128, head_size=64, n_rwkv_layer=2, n_attn_layer=1,
+               moba_chunk_size=16, moba_top_k=3)
+T = 45
+# the tuned-gradient tests' adapter: rank 4 on every projection of both block kinds
+GRADIENT_LORA = LoraSettings(4, 8.0, tuple(TARGETS))
 
 
 def random_states(cfg: Config, rng) -> dict:
@@ -29,6 +41,14 @@ def random_factors(cfg: Config, settings: LoraSettings, rng: np.random.Generator
     1/sqrt(in), B [r, out] normal with std :data:`LORA_B_STD` (both non-zero)."""
     return {n: (rng.standard_normal(s) * (1 / np.sqrt(s[0]) if n.endswith(".lora_A") else LORA_B_STD))
             .astype(np.float32) for n, s in lora_shapes(cfg, settings).items()}
+
+
+def adapter_factors(cfg: Config, settings: LoraSettings, rng: np.random.Generator) -> dict:
+    """LoRA factors of ``settings`` for ``cfg`` of a large adapter (A and B both 0.3 x a standard normal
+    over sqrt(their rows): every factor gets a gradient, and the update is as large as the training-like
+    weights it adapts, or larger), float32, drawn from ``rng``."""
+    return {n: (0.3 * rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)
+            for n, s in lora_shapes(cfg, settings).items()}
 
 
 # tuned_model's LoRA kinds -> alpha of rank 2: scale 1.5, and scale 1 (the default settings' scale, under

@@ -7,26 +7,46 @@ import numpy as np
 import pytest
 
 from rwkvx import generate
-from rwkvx.lora import TARGETS, LoraSettings, init_factors, lora_shapes, merge
+from rwkvx.lora import LoraSettings, init_factors, merge
 from rwkvx.model import Model
+from rwkvx.oracle import Oracle, rel_err
 from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_batches, seeded_rng
 from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
-from test_state_tuning_gpu import (CFG, CFG64, T, check_tuned_grads, check_tuning_matches_cpu,
-                                   check_tuning_resumes_exactly, fp32_cases)
-from tuned_models import random_factors
+from test_state_tuning_gpu import (check_tuned_grads, check_tuning_matches_cpu, check_tuning_resumes_exactly,
+                                   fp32_cases, random_batch)
+from tuned_models import CFG, CFG64, GRADIENT_LORA, T, adapter_factors, random_factors
 
-SETTINGS = LoraSettings(4, 8.0, tuple(TARGETS))     # every projection of both block kinds
 LORA = dict(tune="lora", lora_rank=4, lora_alpha=8.0, seq_len=T, lr=1e-2, lr_min=1e-3, warmup=1, steps=6,
             grad_clip=1.0, weight_decay=0.1, lora_targets=("att.key", "att.output", "ffn.value", "moba.value"))
 
 
-def with_factors(cfg, rng):
-    """Factors of a trained adapter's scale (B not zero, so every factor gets a gradient), float32."""
-    factors = {n: (0.3 * rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)
-               for n, s in lora_shapes(cfg, SETTINGS).items()}
-    return dict(lora=factors, lora_scale=SETTINGS.scale)
+def with_factors(cfg, rng, B: int):
+    """A large adapter's factors (tuned_models.adapter_factors: every factor gets a gradient) and a random batch."""
+    factors = adapter_factors(cfg, GRADIENT_LORA, rng)
+    return dict(lora=factors, lora_scale=GRADIENT_LORA.scale), *random_batch(cfg, rng, B)
+
+
+def bf16_storable_factors(params: dict):
+    """:func:`with_factors` for a model of ``params``, redrawn until bf16 storage alone keeps every factor's
+    gradient within half the bf16 limit: the step emulated on the CPU with its stores rounded to bf16
+    (tests/test_lora_plan.py, tests/emulator.py). On some draws the gradients of these large adapters are
+    that sensitive to the rounding of the forward's operands (block 0's receptance and key factors up to
+    0.3 off from bf16 storage alone, a third of the draws over the limit), whoever computes them; the GPU's
+    own roundings must then fit in the other half."""
+    from test_lora_plan import emulated_grads
+    limit = TRAINING_LIKE_TOLERANCES["bf16"][1]
+
+    def draw(cfg, rng, B: int):
+        for _ in range(20):
+            kwargs, tokens, targets = with_factors(cfg, rng, B)
+            ref = Oracle(cfg, params, dtype=np.float64, **kwargs).loss_and_grads(tokens, targets)[1]
+            stored = emulated_grads(cfg, params, kwargs["lora"], GRADIENT_LORA, tokens, targets, exact=False)
+            if all(rel_err(g, ref[n]) <= limit / 2 for n, g in stored.items()):
+                return kwargs, tokens, targets
+        pytest.skip("no draw whose bf16-stored factor gradients are within half the limit")
+    return draw
 
 
 @fp32_cases
@@ -38,8 +58,9 @@ def test_lora_gradients_match_oracle_fp32(random_params, cfg, wkv7, recompute, B
 
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 def test_lora_gradients_match_oracle_reduced_precision(training_like, precision):
-    check_tuned_grads(CFG64, training_like(CFG64, 42), 3, precision, *TRAINING_LIKE_TOLERANCES[precision],
-                      with_factors)
+    params = training_like(CFG64, 42)
+    check_tuned_grads(CFG64, params, 3, precision, *TRAINING_LIKE_TOLERANCES[precision],
+                      bf16_storable_factors(params) if precision == "bf16" else with_factors)
 
 
 def test_gpu_lora_matches_cpu(random_params):

@@ -12,16 +12,9 @@ from rwkvx.state_tuning import zero_states
 from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_batches, seeded_rng
-from tuned_models import random_states
+from tuned_models import CFG, CFG64, T, random_states
 from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
 
-# T <= chunk * top_k: every past block is selected, so no selection near-ties between CPU and GPU;
-# T = 45 is not a multiple of the chunked WKV7's 16 tokens
-CFG = Config(vocab_size=97, n_embd=64, head_size=16, n_rwkv_layer=3, n_attn_layer=1,
-             moba_chunk_size=16, moba_top_k=3)
-CFG64 = Config(vocab_size=97, n_embd=128, head_size=64, n_rwkv_layer=2, n_attn_layer=1,
-               moba_chunk_size=16, moba_top_k=3)
-T = 45
 SETTINGS = dict(tune="state", seq_len=T, lr=1e-2, lr_min=1e-3, warmup=1, steps=6, grad_clip=1.0,
                 weight_decay=0.1)
 
@@ -34,13 +27,12 @@ def frozen_bits(model: Model) -> dict[str, np.ndarray]:
 
 
 def check_tuned_grads(cfg, params, B, precision, loss_tol, tol, tuned, methods=None, recompute=True):
-    """Loss and gradients of a Model with the random tensors to tune ``tuned(cfg, rng)`` (keyword
-    arguments of both Model and Oracle: ``states=...`` or ``lora=..., lora_scale=...``) against the
-    float64 oracle's; the tensors and the parameters unchanged."""
+    """Loss and gradients of a Model with the random tensors to tune and the batch of ``tuned(cfg, rng, B)``
+    (keyword arguments of both Model and Oracle: ``states=...`` or ``lora=..., lora_scale=...``; tokens and
+    targets [B, T]) against the float64 oracle's; the tensors and the parameters unchanged."""
     rng = seeded_rng()
-    kwargs = tuned(cfg, rng)
+    kwargs, tokens, targets = tuned(cfg, rng, B)
     tensors = kwargs.get("states") or kwargs["lora"]
-    tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
     model = Model(cfg, params, B, T, precision=precision, methods=methods, recompute=recompute, **kwargs)
     before = frozen_bits(model)
     model.poison()
@@ -67,8 +59,15 @@ def fp32_cases(test):
     return test
 
 
-def with_states(cfg, rng):
-    return dict(states=random_states(cfg, rng))
+def random_batch(cfg, rng, B: int) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and targets [B, T] of ``cfg``, drawn from ``rng``."""
+    tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
+    return tokens, targets
+
+
+def with_states(cfg, rng, B: int):
+    """Random initial states and a random batch."""
+    return dict(states=random_states(cfg, rng)), *random_batch(cfg, rng, B)
 
 
 @fp32_cases
