@@ -2,7 +2,8 @@
 GEMMs and copies as such): the prompt window's forward with its state copies after each sequence's
 prefix (prompts of different lengths), then one step per token from there, each sequence at its own
 position, gives the oracle's logits at every position the steps see (a state-tuned model's: every
-sequence from the initial WKV states; a LoRA model's: every adapted projection with its factors). This checks the decoder's plumbing (what each op reads and
+sequence from the initial WKV states; a LoRA model's: every adapted projection with its factors). The benchmarks' model shapes run too (a few blocks of each, in bf16 through the emulator's exact mode,
+and tf32). This checks the decoder's plumbing (what each op reads and
 writes, the copies' offsets and strides, the position and token inputs) without a GPU; the kernels
 themselves are checked against the same twins by tests/gpu/test_decode.py."""
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from emulator import Memory, run
 from rwkvx import Config
+from rwkvx.presets import get_preset
 from rwkvx.decoder import own_span, prefill_ops, prefix_len, state_sizes, step_ops, weight_pointers
 from rwkvx.arena import Layout
 from rwkvx.step import StepBuilder
@@ -46,24 +48,18 @@ TUNED = [(n, "state") for n in ("moba", "moba_long_prompt", "rwkv_only")] + [
     (n, "lora") for n in ("moba", "rwkv_only", "moba_b9")] + [(n, "lora_unit") for n in ("moba", "rwkv_only")]
 
 
-@pytest.mark.parametrize("name, tune", [(n, None) for n in CASES] + TUNED)
-def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tune, random_params):
-    kwargs, B, T, lens, window = CASES[name]
-    cfg = Config(**kwargs)
-    rng = seeded_rng()
-    seed = int(rng.integers(1 << 31))
-    params = {n: p.astype(np.float32) for n, p in random_params(cfg, seed).items()}
-    tuned = tuned_model(cfg, tune, rng)
-    oracle = Oracle(cfg, params, dtype=np.float32, **tuned["oracle"])
-    for _ in range(20):            # no near-tie of the MoBA gate (two float32 paths may break it apart)
-        tokens = rng.integers(0, cfg.vocab_size, (B, T))
-        gaps = Oracle(cfg, params).moba_gate_gaps(tokens)
-        if all((g >= 1e-4).all() for g in gaps):
-            break
-    want = oracle.forward(tokens)
-
-    mem = Memory()
-    layout = Layout(cfg, B, window, H200, "fp32", recompute=True, methods=SEQUENTIAL, **tuned["layout"])
+def emulated_decode(cfg, params, tokens, lens, window, rng, precision="fp32", tuned=None, exact=False):
+    """The decoder's prefill (each sequence's prefix of its prompt of ``lens[b]`` tokens, a window of
+    ``window``) then one step per token to the end of ``tokens`` [B, T], emulated on ``precision``'s
+    layout (``exact``: :class:`Memory`'s exact mode, the stores' roundings taken out): (relative error of
+    the step's logits against ``want`` at that position, sequence, position) of every step of every
+    active sequence, ``want`` being the oracle's forward with ``tuned``'s states or factors. Asserts the
+    step's sampled tokens are the contract's on its logits."""
+    tuned = tuned or dict(oracle={}, layout={}, tensors={})
+    B, T = tokens.shape
+    want = Oracle(cfg, params, dtype=np.float32, **tuned["oracle"]).forward(tokens)
+    mem = Memory(exact)
+    layout = Layout(cfg, B, window, H200, precision, recompute=True, methods=SEQUENTIAL, **tuned["layout"])
     start, end = own_span(layout)
     mem.add(BASE + start, end - start)              # the decoder's own part of the layout
     weights_of = StepBuilder(layout, WEIGHTS, {})   # the model's weights (states, factors), in another arena
@@ -81,12 +77,17 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tune, rand
     prefill = prefill_ops(layout, BASE, weights, state, carved_bytes(sizes), T, prefixes, pin_prompt)
     step = step_ops(layout, BASE, weights, state, T, pin_in, pin_draws, pin_next)
 
-    offsets = {"params": layout.region_offsets["params"], "states": layout.state_offsets, "lora": layout.lora_offsets}
-    for region, tensors in {"params": params, **tuned["tensors"]}.items():
-        flat = np.zeros(layout.counts[region], np.float32)
-        for n, (off, size) in offsets[region].items():
-            flat[off:off + size] = tensors[n].ravel()
-        mem.write(weights[region], flat)
+    offsets = {"params": layout.region_offsets["params"], "params_x": layout.region_offsets["params_x"],
+               "states": layout.state_offsets, "lora": layout.lora_offsets, "lora_x": layout.lora_offsets}
+    copies = {"params": ("params", "params_x"), "states": ("states",), "lora": ("lora", "lora_x")}
+    for source, tensors in {"params": params, **tuned["tensors"]}.items():
+        for region in copies[source]:       # the fp32 tensors and their bf16 GEMM copy where the layout has one
+            if not layout.counts.get(region):
+                continue
+            flat = np.zeros(layout.counts[region])
+            for n, (off, size) in offsets[region].items():
+                flat[off:off + size] = tensors[n].ravel()
+            mem.write(weights[region], flat, layout.elems[region])
     mem.write(STATE, np.full(carved_bytes(sizes) // 4, np.nan, np.float32))   # the prefill zeroes it
     window_tokens = np.zeros((B, window), np.int64)
     for b, n in enumerate(prefixes):
@@ -104,12 +105,58 @@ def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tune, rand
                            *np.where(active, lengths, lengths - 1)], "i32")
         mem.write(pin_draws, [*u, temperature, top_p, top_k], "f64")
         run(mem, step)
-        logits = mem.read(BASE + layout.offsets["logits"], B * cfg.vocab_size, (B, cfg.vocab_size))
+        logits = mem.read(BASE + layout.offsets["logits"], B * cfg.vocab_size, (B, cfg.vocab_size),
+                          layout.elems["logits"])
         errs += [(rel_err(logits[b], want[b, lengths[b]]), b, lengths[b]) for b in np.flatnonzero(active)]
         np.testing.assert_array_equal(mem.read(pin_next, B, elem="i32"),       # the step's sampler's choice
                                       sample_rows(logits.astype(np.float32), u, temperature, top_k, top_p))
         lengths += active
-    worst = max(errs)
+    return errs
+
+
+def gate_safe_tokens(cfg, params, rng, B, T):
+    """Tokens [B, T] with no near-tie of the MoBA gate (two float32 paths may break it apart)."""
+    for _ in range(20):
+        tokens = rng.integers(0, cfg.vocab_size, (B, T))
+        if all((g >= 1e-4).all() for g in Oracle(cfg, params).moba_gate_gaps(tokens)):
+            break
+    return tokens
+
+
+@pytest.mark.parametrize("name, tune", [(n, None) for n in CASES] + TUNED)
+def test_decoder_plans_give_the_oracle_logits_at_every_position(name, tune, random_params):
+    kwargs, B, T, lens, window = CASES[name]
+    cfg = Config(**kwargs)
+    rng = seeded_rng()
+    seed = int(rng.integers(1 << 31))
+    params = {n: p.astype(np.float32) for n, p in random_params(cfg, seed).items()}
+    tuned = tuned_model(cfg, tune, rng)
+    tokens = gate_safe_tokens(cfg, params, rng, B, T)
+    worst = max(emulated_decode(cfg, params, tokens, lens, window, rng, tuned=tuned))
     assert worst[0] <= 1e-5, f"seed {seed}: sequence {worst[1]} position {worst[2]}: {worst[0]:.2e}"
     if tune:        # the states or factors were read: the logits differ from the untuned model's
-        assert rel_err(Oracle(cfg, params, dtype=np.float32).forward(tokens), want) > 1e-2
+        assert rel_err(Oracle(cfg, params, dtype=np.float32).forward(tokens), Oracle(cfg, params, dtype=np.float32,
+                       **tuned["oracle"]).forward(tokens)) > 1e-2
+
+
+# the benchmarks' models (rwkv7-0.1b; the 0.22B RWKV-X's MoBA block, chunk 512, top 3) with fewer blocks and
+# a small vocabulary: every width, head size and LoRA rank of the preset, a prompt of 64 tokens
+PRESETS = {
+    "rwkv7-0.1b": dict(get_preset("rwkv7-0.1b")["model"], n_rwkv_layer=2, vocab_size=300),
+    "base": dict(get_preset("base")["model"], n_rwkv_layer=2, n_attn_layer=1, vocab_size=300),
+}
+PROMPTS = (64, 57, 60, 64, 49, 63, 58, 64)      # each sequence's prompt (B <= 8), in a window of 64
+
+
+@pytest.mark.parametrize("preset, precision, B", [("rwkv7-0.1b", "bf16", 8), ("rwkv7-0.1b", "tf32", 1),
+                                                  ("base", "bf16", 1), ("base", "tf32", 8)])
+def test_decoder_plans_at_preset_shapes(preset, precision, B, random_params):
+    """The decoder at a preset's shapes in bf16 (the emulator's exact mode: its stores' roundings taken
+    out, so the plan's data flow, buffer types and offsets must give the oracle's logits) and tf32."""
+    cfg = Config(**PRESETS[preset])
+    rng = seeded_rng()
+    seed = int(rng.integers(1 << 31))
+    params = {n: p.astype(np.float32) for n, p in random_params(cfg, seed).items()}
+    tokens = gate_safe_tokens(cfg, params, rng, B, 68)
+    worst = max(emulated_decode(cfg, params, tokens, PROMPTS[:B], 64, rng, precision, exact=precision == "bf16"))
+    assert worst[0] <= 1e-5, f"seed {seed}: sequence {worst[1]} position {worst[2]}: {worst[0]:.2e}"
