@@ -48,3 +48,18 @@ def test_rows_without_a_finite_maximum(row):
     for temperature, top_p, top_k in OPTIONS:
         for u in (0.0, 0.3, 0.77, 0.999):
             assert dec_sample(row, u, temperature, top_p, top_k) == sample_token(row, u, temperature, top_k, top_p)
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_descents_over_the_presets_vocabulary(options):
+    """V = 65536 (the rwkv7 and RWKV-X presets' vocabulary), logits rounded to bf16 as the bf16 step
+    stores them (thousands of exact ties): the byte-wise descents over every key of the row, and the
+    masses they add (up to V·2^32), still choose the contract's token."""
+    from rwkvx.runtime.dtypes import from_storage, to_storage
+    rng = seeded_rng()
+    temperature, top_p, top_k = options
+    for scale in (1.0, 3.0, 12.0):
+        row = from_storage("bf16", to_storage("bf16", rng.standard_normal(65536) * scale)).astype(np.float32)
+        u = float(rng.random())
+        assert dec_sample(row, u, temperature, top_p, top_k) == sample_token(row, u, temperature, top_k, top_p), \
+            f"scale {scale}, u {u}, options {options}"

@@ -6,7 +6,8 @@ implementation token for token (rwkvx.oracle.decode_sample) and its frequencies 
 probabilities, then the whole rwkvx.decoder.Decoder against the GPU model's own forward: the prompt in
 parallel plus one graph replay per token gives the forward's logits at every position from the prefill's
 on, up to a MoBA near-tie that the two break differently (fp32: <= 1e-5 relative; up to 8 sequences the
-fused step, 9 the step with the forward's GEMMs), greedy rwkvx.generate on the GPU is the argmax of a full
+fused step, 9 the step with the forward's GEMMs; also the benchmarked presets' sizes with fewer blocks, as
+dec_gemv is at their products' sizes), greedy rwkvx.generate on the GPU is the argmax of a full
 forward re-run, and a second generate reuses the decoder kept on the model (same tokens, nothing rebuilt,
 new weights seen); a state-tuned model's decoder starts from its initial states, a LoRA model's applies its
 factors (and its step's graph gives what its plan run op by op gives).
@@ -20,6 +21,7 @@ from harness import KernelCase, check, tolerance
 from rwkvx import Config
 from rwkvx.config import DECAY_SCALE
 from rwkvx.config import LN_EPS
+from rwkvx.presets import get_preset
 from rwkvx.oracle import (Oracle, decode_gemv, decode_moba, decode_sample, decode_shift, decode_time_mix, decode_wkv7,
                           layernorm_forward, moba_block_means, rel_err)
 from rwkvx.cu import decode as D
@@ -141,8 +143,18 @@ LORA_GEMV_JOBS = [(64, 64, False, "none", False), (2, 64, True, "none", False), 
                   (2, 1024, True, "none", False), (1, 256, True, "none", False), (3, 20, True, "none", False),
                   (64, 256, False, "none", True), (64, 2, True, "none", True)]
 
+# the products of the benchmarked presets' steps at their sizes: rwkv7-0.1b / the 0.22B RWKV-X (C 768, F 3072:
+# the head over V = 65536, the FFN's key and value, the gate's LoRA first layer) and rwkv7-1.5b (C 2048, F
+# 8192: the FFN's key and value, whose rows dec_gemv splits in the most k-slices, the decay's LoRA first
+# layer of rank 96, a projection)
+PRESET_GEMV_JOBS = [(65536, 768, False, "none", False), (3072, 768, False, "relu_sq", False),
+                    (768, 3072, False, "none", True), (128, 768, True, "sigmoid", False),
+                    (8192, 2048, False, "relu_sq", False), (2048, 8192, False, "none", True),
+                    (96, 2048, True, "tanh", False), (2048, 2048, False, "none", False)]
+GEMV_SPECS = {"shapes": GEMV_JOBS, "lora": LORA_GEMV_JOBS, "presets": PRESET_GEMV_JOBS}
 
-@pytest.mark.parametrize("specs", [GEMV_JOBS, LORA_GEMV_JOBS], ids=["shapes", "lora"])
+
+@pytest.mark.parametrize("specs", GEMV_SPECS.values(), ids=GEMV_SPECS.keys())
 @pytest.mark.parametrize("B", [1, 3, 8])
 def test_dec_gemv(case, B, specs):
     """All eight jobs in one launch, each against its twin (a residual: its addend plus the product; the
@@ -171,7 +183,7 @@ def test_dec_gemv(case, B, specs):
             check(f"o{j}", out[f"o{j}"], want, tolerance(case.xtype, FWD_TOL))
 
 
-@pytest.mark.parametrize("specs", [GEMV_JOBS, LORA_GEMV_JOBS], ids=["shapes", "lora"])
+@pytest.mark.parametrize("specs", GEMV_SPECS.values(), ids=GEMV_SPECS.keys())
 @pytest.mark.parametrize("B", [1, 8])
 def test_dec_gemv_rounds_operands_to_tf32(dev, B, specs):
     """The tf32 variant multiplies the operands rounded to TF32 (as the forward's tensor-core GEMMs): it
@@ -331,6 +343,10 @@ DECODE = {   # name: (config, B, T, prompt length)
                      moba_top_k=2), 9, 40, 30),
     "C256_N64": (dict(vocab_size=300, n_embd=256, head_size=64, n_rwkv_layer=2, n_attn_layer=1,
                       moba_chunk_size=32, moba_top_k=3), 1, 160, 40),
+    # the benchmarked presets with fewer blocks: every other size theirs (V 65536, C 768, the LoRA ranks,
+    # MoBA's chunk of 512), a prompt of 64 tokens
+    "preset_rwkv7_0.1b": (dict(get_preset("rwkv7-0.1b")["model"], n_rwkv_layer=2), 8, 72, 64),
+    "preset_base": (dict(get_preset("base")["model"], n_rwkv_layer=2, n_attn_layer=1), 4, 72, 64),
 }
 LOGIT_TOL = {"fp32": 1e-5, "tf32": 5e-3}
 
@@ -391,7 +407,8 @@ def test_lora_decoder_step_graph_is_its_plan_run_op_by_op(dev, name, precision, 
 
 
 @pytest.mark.parametrize("name, precision, tune", [(n, "fp32", None) for n in DECODE]
-                         + [("moba", "tf32", None), ("C256_N64", "tf32", None)] + TUNED)
+                         + [(n, "tf32", None) for n in ("moba", "C256_N64", "preset_rwkv7_0.1b", "preset_base")]
+                         + TUNED)
 def test_decoder_logits_equal_the_forward_at_every_position(dev, name, precision, tune, training_like):
     """Sequence b's prompt has P - 3b tokens (at least 1), so the sequences run from different prefixes
     at different positions; every position a step sees gives the forward's logits and selection, and
