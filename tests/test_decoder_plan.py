@@ -349,3 +349,26 @@ def test_a_decoder_keeps_the_weights_it_reads_allocated_when_nobody_keeps_its_mo
     gc.collect()
     with pytest.raises(IndexError):
         dev.mem.bytes(int(weights["params"]), 1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_preset_step_kernels_compile_without_spills(precision):
+    """Every decode kernel build the benchmarked presets' steps launch (the 0.22B RWKV-X: RWKV and MoBA
+    blocks, head size 64; fused up to 8 sequences, not above) compiles for sm_90 without spilling."""
+    from rwkvx.runtime import nvrtc
+    ok, why = nvrtc.nvrtc_available()
+    if not ok:
+        pytest.skip(f"NVRTC is not usable: {why}")
+    cfg = Config(**CONFIGS[-1][0])
+    builds: dict[tuple, set[str]] = {}
+    for B in (1, decode.GEMV_ROWS + 1):
+        for op in step_kernels(cfg, B, precision):
+            if isinstance(op, Launch) and op.module.startswith("decode/"):
+                builds.setdefault((op.module, op.defines), set()).add(op.name)
+    assert {n for names in builds.values() for n in names} == {"dec_ln_shift", "dec_gemv", "dec_tmix", "dec_wkv7",
+                                                                  "dec_moba", "dec_sample"}
+    for (module, defines), names in builds.items():
+        usage = nvrtc.resource_usage(module, "sm_90", defines)
+        for name in names:
+            assert usage[name]["spill_stores"] == 0 and usage[name]["spill_loads"] == 0, (module, defines, name,
+                                                                                         usage[name])
