@@ -1,9 +1,11 @@
 """What a wheel of the package holds: pyproject.toml lists every package folder of rwkvx/ (the oracle is
 rwkvx.oracle, from oracle/) and ships every kernel family's CUDA sources; a folder left out would be
 missing from a non-editable install, where the editable install the tests run under still finds it."""
-import tomllib
 from pathlib import Path
 
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
 ROOT = Path(__file__).resolve().parent.parent
 
 
