@@ -1,6 +1,7 @@
 """Data parallel on the CPU: sharded batches, the world-size-1 path, and whole jobs of oracle ranks
 through the real launcher (``--gpus N --device cpu``): N ranks x B == 1 rank x N*B, resume on another
-number of ranks, only rank 0 writing, a failing or hung rank ending the job with a clear error."""
+number of ranks, only rank 0 writing, a failing or hung rank ending the job with a clear error; state
+tuning and LoRA on ranks of one process (threads) against one rank, step by step."""
 import csv
 import os
 import signal
@@ -21,6 +22,7 @@ from rwkvx.dist import World
 from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_rng
+from test_dist_store import on_all, start_world
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--device", "cpu", "--cpu-dtype", "float64", "--n-embd", "32", "--n-layer", "1",
@@ -78,6 +80,10 @@ def test_world_size_one_is_the_plain_step():
     kw = dict(backend="cpu", batch_size=2, seq_len=24, lr=3e-3, warmup=2, steps=5, grad_clip=0.5)
     plain = Trainer(cfg, init_params(cfg, 1), **kw)
     single = Trainer(cfg, init_params(cfg, 1), world=World.single(), **kw)
+
+    def shard(a, world):   # this rank's half of the global batch
+        return a[2 * world.rank:2 * world.rank + 2]
+
     sampler = BatchSampler(seeded_rng(0).integers(0, 64, 4000), 2, 24, seed=3)
     for _ in range(4):
         x, y = sampler.next()
@@ -111,6 +117,46 @@ def test_two_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
     for n in p1:   # float64 oracle: the averages differ from the 2B sums by float64 rounding only
         np.testing.assert_allclose(p2[n], p1[n], rtol=0, atol=1e-6, err_msg=n)
     assert sorted(os.listdir(two)) == ["checkpoint.safetensors", "log.csv", "loss.png", "run.json"]
+
+
+@pytest.mark.parametrize("tune", ["state", "lora"])
+def test_tuning_on_two_ranks_equals_one_rank_with_twice_the_batch(tune, random_params):
+    """State tuning and LoRA: 2 ranks x B=2 have the losses and the tuned tensors of 1 rank x B=4 after
+    every step (float64 oracle: up to rounding), the ranks agree exactly and the model stays bit for bit.
+    The model is random: a fresh one's zero output matrices would leave the states without a gradient."""
+    cfg = Config(vocab_size=64, n_embd=32, head_size=16, n_rwkv_layer=1, n_attn_layer=1,
+                 moba_chunk_size=8, moba_top_k=2)
+    start = random_params(cfg, 5)
+    frozen = {n: p.astype(np.float32) for n, p in start.items()}
+    kw = dict(backend="cpu", cpu_dtype="float64", tune=tune, seq_len=16, lr=1e-2, lr_min=1e-3, warmup=1,
+              steps=3, grad_clip=1.0, weight_decay=0.1, lora_rank=2, seed=3)
+    tuned = {"state": lambda t: t.states, "lora": lambda t: t.lora}[tune]
+    one = Trainer(cfg, start, batch_size=4, **kw)
+    worlds = start_world(2)
+    ranks = on_all(worlds, lambda w: Trainer(cfg, start, batch_size=2, world=w, **kw))
+    first = tuned(one)
+
+    def shard(a, world):   # this rank's half of the global batch
+        return a[2 * world.rank:2 * world.rank + 2]
+
+    sampler = BatchSampler(seeded_rng(0).integers(0, 64, 4000), 4, 16, seed=3)
+    for _ in range(3):
+        x, y = sampler.next()
+        loss = one.step(x, y)
+        losses = on_all(worlds, lambda w: ranks[w.rank].step(shard(x, w), shard(y, w)))
+        assert losses[0] == losses[1] == pytest.approx(loss, rel=1e-9)
+        for key, value in one.last_stats.items():   # the gradient norm: the ranks' gradients are averaged
+            assert ranks[0].last_stats[key] == ranks[1].last_stats[key] == pytest.approx(value, rel=1e-9), key
+        got = [tuned(t) for t in ranks]
+        for n, want in tuned(one).items():
+            assert np.array_equal(got[0][n], got[1][n]), n
+            np.testing.assert_allclose(got[0][n], want, rtol=0, atol=1e-6, err_msg=n)
+    evals = on_all(worlds, lambda w: ranks[w.rank].evaluate(shard(x, w), shard(y, w)))
+    assert evals[0] == evals[1] == pytest.approx(one.evaluate(x, y), rel=1e-9)
+    assert all(not np.array_equal(tuned(one)[n], first[n]) for n in first)    # every tuned tensor trained
+    for trainer in (one, *ranks):
+        assert all(np.array_equal(trainer.params[n], frozen[n]) for n in frozen)
+    on_all(worlds, lambda w: w.close())
 
 
 def test_resume_on_another_number_of_ranks(tmp_path):
