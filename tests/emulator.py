@@ -112,16 +112,10 @@ class Memory:
             self._shadow(addr, nbytes)[:] = 0
 
 
-def arena_memory(layout, base: int, host: dict[str, int], tensors: dict[str, dict[str, np.ndarray]],
-                 exact: bool = False) -> Memory:
-    """Memory holding the arena of ``layout`` at ``base`` (zeros) and the pinned buffers ``host`` (name ->
-    address), with name-keyed ``tensors`` written into their flat regions ("params", "states", "lora":
-    at the layout's offsets of that region, and into the region's bf16 GEMM copy where the layout has one,
-    rounded to nearest as the model's upload does). ``exact``: :class:`Memory`'s."""
-    mem = Memory(exact)
-    mem.add(base, layout.total)
-    for name, ptr in host.items():
-        mem.add(ptr, layout.nbytes(name))
+def write_tensors(mem: Memory, layout, base: int, tensors: dict[str, dict[str, np.ndarray]]) -> None:
+    """Write name-keyed ``tensors`` into the flat regions of ``layout``'s arena at ``base`` ("params",
+    "states", "lora": at the layout's offsets of that region, and into the region's bf16 GEMM copy where
+    the layout has one, rounded to nearest as the model's upload does)."""
     regions = {"params": {"params": layout.region_offsets["params"], "params_x": layout.region_offsets["params_x"]},
                "states": {"states": layout.state_offsets},
                "lora": {"lora": layout.lora_offsets, "lora_x": layout.lora_offsets}}
@@ -132,6 +126,17 @@ def arena_memory(layout, base: int, host: dict[str, int], tensors: dict[str, dic
             elem = layout.elems[region]
             for n, (off, _) in offsets.items():
                 mem.write(base + layout.offsets[region] + ELEM_BYTES[elem] * off, values[n], elem)
+
+
+def arena_memory(layout, base: int, host: dict[str, int], tensors: dict[str, dict[str, np.ndarray]],
+                 exact: bool = False) -> Memory:
+    """Memory holding the arena of ``layout`` at ``base`` (zeros) and the pinned buffers ``host`` (name ->
+    address), with ``tensors`` written as :func:`write_tensors` does. ``exact``: :class:`Memory`'s."""
+    mem = Memory(exact)
+    mem.add(base, layout.total)
+    for name, ptr in host.items():
+        mem.add(ptr, layout.nbytes(name))
+    write_tensors(mem, layout, base, tensors)
     return mem
 
 

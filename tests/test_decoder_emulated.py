@@ -2,14 +2,15 @@
 GEMMs and copies as such): the prompt window's forward with its state copies after each sequence's
 prefix (prompts of different lengths), then one step per token from there, each sequence at its own
 position, gives the oracle's logits at every position the steps see (a state-tuned model's: every
-sequence from the initial WKV states; a LoRA model's: every adapted projection with its factors). The benchmarks' model shapes run too (a few blocks of each, in bf16 through the emulator's exact mode,
-and tf32). This checks the decoder's plumbing (what each op reads and
-writes, the copies' offsets and strides, the position and token inputs) without a GPU; the kernels
-themselves are checked against the same twins by tests/gpu/test_decode.py."""
+sequence from the initial WKV states; a LoRA model's: every adapted projection with its factors). The
+benchmarks' model shapes run too (a few blocks of each, in bf16 through the emulator's exact mode, and
+tf32). This checks the decoder's plumbing (what each op reads and writes, the copies' offsets and
+strides, the position and token inputs) without a GPU; the kernels themselves are checked against the
+same twins by tests/gpu/test_decode.py."""
 import numpy as np
 import pytest
 
-from emulator import Memory, run
+from emulator import Memory, run, write_tensors
 from rwkvx import Config
 from rwkvx.presets import get_preset
 from rwkvx.decoder import own_span, prefill_ops, prefix_len, state_sizes, step_ops, weight_pointers
@@ -77,17 +78,7 @@ def emulated_decode(cfg, params, tokens, lens, window, rng, precision="fp32", tu
     prefill = prefill_ops(layout, BASE, weights, state, carved_bytes(sizes), T, prefixes, pin_prompt)
     step = step_ops(layout, BASE, weights, state, T, pin_in, pin_draws, pin_next)
 
-    offsets = {"params": layout.region_offsets["params"], "params_x": layout.region_offsets["params_x"],
-               "states": layout.state_offsets, "lora": layout.lora_offsets, "lora_x": layout.lora_offsets}
-    copies = {"params": ("params", "params_x"), "states": ("states",), "lora": ("lora", "lora_x")}
-    for source, tensors in {"params": params, **tuned["tensors"]}.items():
-        for region in copies[source]:       # the fp32 tensors and their bf16 GEMM copy where the layout has one
-            if not layout.counts.get(region):
-                continue
-            flat = np.zeros(layout.counts[region])
-            for n, (off, size) in offsets[region].items():
-                flat[off:off + size] = tensors[n].ravel()
-            mem.write(weights[region], flat, layout.elems[region])
+    write_tensors(mem, layout, WEIGHTS, {"params": params, **tuned["tensors"]})
     mem.write(STATE, np.full(carved_bytes(sizes) // 4, np.nan, np.float32))   # the prefill zeroes it
     window_tokens = np.zeros((B, window), np.int64)
     for b, n in enumerate(prefixes):

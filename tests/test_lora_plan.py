@@ -22,7 +22,7 @@ from rwkvx.step import StepBuilder
 from seeding import seeded_rng
 from test_model_plan import BASE, CONFIGS, host_buffers
 from test_wkv7_ops import launch_args
-from tuned_models import CFG64, GRADIENT_LORA, T, adapter_factors
+from tuned_models import CFG64, GRADIENT_LORA, T, adapter_factors, random_batch
 
 
 
@@ -164,8 +164,7 @@ def random_draw(cfg: Config, settings: LoraSettings, B: int, T: int, rng) -> tup
     """The factors of a large adapter (tuned_models.adapter_factors) and tokens and targets [B, T]:
     tests/gpu/test_lora_gpu.py's draw."""
     factors = adapter_factors(cfg, settings, rng)
-    tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
-    return factors, tokens, targets
+    return factors, *random_batch(cfg, rng, B, T)
 
 
 def emulated_grads(cfg: Config, params: dict, factors: dict, settings: LoraSettings, tokens, targets,

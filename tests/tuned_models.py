@@ -21,6 +21,12 @@ T = 45
 GRADIENT_LORA = LoraSettings(4, 8.0, tuple(TARGETS))
 
 
+def random_batch(cfg: Config, rng: np.random.Generator, B: int, length: int = T) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and targets [B, length] of ``cfg``, drawn from ``rng``."""
+    tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, length))
+    return tokens, targets
+
+
 def random_states(cfg: Config, rng) -> dict:
     """Initial WKV states of a tuned state's scale (0.5 x a standard normal), float32, drawn from ``rng``."""
     return {n: (0.5 * rng.standard_normal(s)).astype(np.float32) for n, s in state_shapes(cfg).items()}

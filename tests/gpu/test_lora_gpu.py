@@ -14,18 +14,19 @@ from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_batches, seeded_rng
 from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
-from test_state_tuning_gpu import (check_tuned_grads, check_tuning_matches_cpu, check_tuning_resumes_exactly,
-                                   fp32_cases, random_batch)
-from tuned_models import CFG, CFG64, GRADIENT_LORA, T, adapter_factors, random_factors
+from test_lora_plan import emulated_grads, random_draw
+from test_state_tuning_gpu import check_tuned_grads, check_tuning_matches_cpu, check_tuning_resumes_exactly, fp32_cases
+from tuned_models import CFG, CFG64, GRADIENT_LORA, T, random_factors
 
 LORA = dict(tune="lora", lora_rank=4, lora_alpha=8.0, seq_len=T, lr=1e-2, lr_min=1e-3, warmup=1, steps=6,
             grad_clip=1.0, weight_decay=0.1, lora_targets=("att.key", "att.output", "ffn.value", "moba.value"))
 
 
 def with_factors(cfg, rng, B: int):
-    """A large adapter's factors (tuned_models.adapter_factors: every factor gets a gradient) and a random batch."""
-    factors = adapter_factors(cfg, GRADIENT_LORA, rng)
-    return dict(lora=factors, lora_scale=GRADIENT_LORA.scale), *random_batch(cfg, rng, B)
+    """A large adapter's factors and a random batch (tests/test_lora_plan.py's draw: every factor gets a
+    gradient)."""
+    factors, tokens, targets = random_draw(cfg, GRADIENT_LORA, B, T, rng)
+    return dict(lora=factors, lora_scale=GRADIENT_LORA.scale), tokens, targets
 
 
 def bf16_storable_factors(params: dict):
@@ -35,7 +36,6 @@ def bf16_storable_factors(params: dict):
     that sensitive to the rounding of the forward's operands (block 0's receptance and key factors up to
     0.3 off from bf16 storage alone, a third of the draws over the limit), whoever computes them; the GPU's
     own roundings must then fit in the other half."""
-    from test_lora_plan import emulated_grads
     limit = TRAINING_LIKE_TOLERANCES["bf16"][1]
 
     def draw(cfg, rng, B: int):

@@ -12,7 +12,7 @@ from rwkvx.state_tuning import zero_states
 from rwkvx.training.trainer import Trainer
 
 from seeding import seeded_batches, seeded_rng
-from tuned_models import CFG, CFG64, T, random_states
+from tuned_models import CFG, CFG64, T, random_batch, random_states
 from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES
 
 SETTINGS = dict(tune="state", seq_len=T, lr=1e-2, lr_min=1e-3, warmup=1, steps=6, grad_clip=1.0,
@@ -57,12 +57,6 @@ def fp32_cases(test):
                                          ids=["N16-sequential", "N64-sequential", "N64-chunked_exact"])):
         test = mark(test)
     return test
-
-
-def random_batch(cfg, rng, B: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and targets [B, T] of ``cfg``, drawn from ``rng``."""
-    tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
-    return tokens, targets
 
 
 def with_states(cfg, rng, B: int):
