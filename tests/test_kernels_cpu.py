@@ -1,0 +1,150 @@
+"""rwkvx's CUDA kernels executed on the CPU (tests/cuda_cpu: the kernel files compiled by g++, every GPU
+thread a fiber) through the GPU tests' own case functions at small shapes: against the float64 twins with
+the GPU tests' limits, each case run twice (threads in increasing, then decreasing order) with
+bit-identical results. And the tool's own failures: a missing barrier, an out-of-bounds write, a
+deadlock, a copy read before its wait. Skipped, with the reason, where g++ or x86-64 is missing."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+
+from cuda_cpu.executor import CpuDevice, KernelFault, unavailable_reason  # noqa: E402
+from harness import KernelCase, check  # noqa: E402
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, KernelFile  # noqa: E402
+
+import test_wkv7 as wkv7  # noqa: E402
+from seeding import seeded_rng  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    """One CPU device for the module (its compiled kernel files are kept)."""
+    return CpuDevice()
+
+
+# ------------------------------------------------------------------------------------------ WKV7 sequential
+SEQUENTIAL = [  # (B, T, H, N, state): T below and past the staging (8 / 16 tokens) and the checkpoint chunk
+    # (8); B*H small, so the default splits are the largest (the backward's partial sums and their reduce);
+    # N = 128 needs the backward split; from s0 with B > 1 (ds0's reduce over the sequences)
+    (1, 1, 1, 16, False), (2, 21, 2, 16, False), (3, 19, 2, 16, True), (2, 17, 1, 64, False), (2, 11, 1, 64, True),
+    (1, 9, 1, 128, False),
+]
+
+
+@pytest.mark.parametrize("xtype", ["f32", "bf16"])
+@pytest.mark.parametrize("B,T,H,N,state", SEQUENTIAL, ids=[f"B{b}-T{t}-H{h}-N{n}{'-s0' * s}" for b, t, h, n, s in SEQUENTIAL])
+def test_wkv7_sequential(cpu, xtype, B, T, H, N, state):
+    """wkv7/sequential.cu forward and backward (and its reduces) against the twins."""
+    wkv7.run_case(KernelCase(cpu, xtype), cpu, B, T, H, N, state=state)
+
+
+def test_wkv7_sequential_all_splits(cpu):
+    """Every forward row split gives the same bits; every backward split is right (N = 16, fp32)."""
+    wkv7.test_wkv7_all_splits(cpu, "f32", 16)
+
+
+# ------------------------------------------------------------------------------------------ the tool fails
+TOY = KernelFile("cpuexec_toy/toy")
+TOY_SOURCE = r"""
+#include "common.cuh"
+#include "cp_async.cuh"
+// y[i] = x[63 - i] through shared memory; `fence` 0 leaves out the barrier between the write and the read
+extern "C" __global__ void reverse(const float* x, float* y, int fence) {
+    __shared__ float s[64];
+    s[threadIdx.x] = x[threadIdx.x];
+    if (fence) __syncthreads();
+    y[threadIdx.x] = s[63 - threadIdx.x];
+}
+// y[i + shift] = x[i]
+extern "C" __global__ void shifted(const float* x, float* y, int shift) { y[threadIdx.x + shift] = x[threadIdx.x]; }
+// lanes 0..15 shuffle with the whole warp while lanes 16..31 wait at the block barrier
+extern "C" __global__ void split_warp(const float* x, float* y, int unused) {
+    float v = x[threadIdx.x];
+    if (threadIdx.x < 16) v = __shfl_xor_sync(0xffffffffu, v, 1);
+    __syncthreads();
+    y[threadIdx.x] = v;
+}
+// y = x through shared memory by cp.async; `wait` 0 reads before the wait for the copy
+extern "C" __global__ void staged(const float* x, float* y, int wait) {
+    __shared__ __align__(16) float s[64];
+    if (threadIdx.x < 16) { cp16(s + 4 * threadIdx.x, x + 4 * threadIdx.x); cp_commit(); }
+    if (wait && threadIdx.x < 16) cp_wait<0>();
+    __syncthreads();
+    y[threadIdx.x] = s[threadIdx.x];
+}
+"""
+_TOY_ARGS = dict(x=F32_IN, y=F32_OUT)
+TOY_REVERSE = TOY.kernel("reverse", **_TOY_ARGS, fence=INT)
+TOY_SHIFTED = TOY.kernel("shifted", **_TOY_ARGS, shift=INT)
+TOY_SPLIT_WARP = TOY.kernel("split_warp", **_TOY_ARGS, unused=INT)
+TOY_STAGED = TOY.kernel("staged", **_TOY_ARGS, wait=INT)
+del KernelFile.registry[TOY.module]      # not a file of rwkvx/cu: the declaration checks must not see it
+
+
+@pytest.fixture(scope="module")
+def toy_cpu():
+    """A CPU device that knows the toy kernels' source."""
+    return CpuDevice(sources=[(TOY, TOY_SOURCE)])
+
+
+def _toy(dev, kernel, flag: int):
+    """Run toy ``kernel`` on 64 threads with its int argument ``flag``; (outputs, the input it saw)."""
+    case = KernelCase(dev, "f32")
+    x = case.input("x", seeded_rng().standard_normal(64), "f32")
+    y = case.output("y", 64, "f32")
+    return case, kernel.launch((1, 1, 1), (64, 1, 1), x=x, y=y, **{kernel.params[-1][0]: flag})
+
+
+def test_missing_barrier_shows_between_thread_orders(toy_cpu):
+    """With the barrier the two runs (increasing, decreasing thread order) agree and are right; without it
+    they differ, which the harness's rerun reports."""
+    case, op = _toy(toy_cpu, TOY_REVERSE, 1)
+    check("y", case.run([op])["y"], case.seen["x"][::-1], 0.0)
+    case, op = _toy(toy_cpu, TOY_REVERSE, 0)
+    with pytest.raises(AssertionError, match="second run differs"):
+        case.run([op])
+
+
+def test_out_of_bounds_write_names_the_buffer(toy_cpu):
+    """A write one element past the end of y (64 floats, a 256-byte buffer) hits its canary."""
+    case, op = _toy(toy_cpu, TOY_SHIFTED, 0)
+    check("y", case.run([op])["y"], case.seen["x"], 0.0)
+    case, op = _toy(toy_cpu, TOY_SHIFTED, 1)
+    with pytest.raises(KernelFault, match="shifted wrote out of bounds of the buffer of argument.s. y "):
+        case.run([op])
+
+
+def test_deadlock_is_reported(toy_cpu):
+    """Half a warp at a full-warp shuffle, the other half at __syncthreads: neither can complete."""
+    case, op = _toy(toy_cpu, TOY_SPLIT_WARP, 0)
+    with pytest.raises(KernelFault, match=r"deadlock in kernel split_warp, block \(0,0,0\): threads 0-15 wait at "
+                                          r"__shfl_xor_sync \(mask 0xffffffff\); threads 16-63 wait at __syncthreads"):
+        case.run([op])
+
+
+def test_copy_read_before_its_wait_is_stale(toy_cpu):
+    """cp.async copies land at the cp_wait that retires their group: read before it, shared memory still
+    holds its undefined start (NaN here)."""
+    case, op = _toy(toy_cpu, TOY_STAGED, 1)
+    check("y", case.run([op])["y"], case.seen["x"], 0.0)
+    case, op = _toy(toy_cpu, TOY_STAGED, 0)
+    assert np.isnan(case.run([op])["y"]).all()
+
+
+def test_launch_limits_are_the_drivers(toy_cpu):
+    """A block of more than 1024 threads, or more dynamic shared memory than sm_90 allows, is refused."""
+    case, _ = _toy(toy_cpu, TOY_REVERSE, 1)
+    x, y = case.input("x2", np.zeros(64), "f32"), case.output("y2", 64, "f32")
+    big_block = TOY_REVERSE.launch((1, 1, 1), (2048, 1, 1), x=x, y=y, fence=1)
+    big_smem = TOY_REVERSE.launch((1, 1, 1), (64, 1, 1), smem=toy_cpu.info.smem_per_block + 16, x=x, y=y, fence=1)
+    with pytest.raises(ValueError, match="exceeds the limits"):
+        toy_cpu.plan([big_block]).run()
+    with pytest.raises(ValueError, match="dynamic shared memory"):
+        toy_cpu.plan([big_smem]).run()
