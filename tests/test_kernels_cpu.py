@@ -50,6 +50,24 @@ def test_wkv7_sequential_all_splits(cpu):
     wkv7.test_wkv7_all_splits(cpu, "f32", 16)
 
 
+# ------------------------------------------------------------------------------------------ WKV7 chunked
+CHUNKED = [  # (xtype, method, B, T, H, N, state, segments, key warps): one and two warps per 8 state rows, the
+    # one walk and the segmented scan (2 segments: no carry; 3: the carry kernel), T not a multiple of the
+    # chunk (16); tf32 products (the TF32 limit in fp32, bf16's limit) and 3xTF32 (the fp32 limit)
+    ("f32", "chunked", 2, 37, 1, 32, False, 1, 1), ("f32", "chunked", 1, 75, 1, 32, False, 3, 2),
+    ("bf16", "chunked", 1, 40, 2, 64, True, None, 2), ("f32", "chunked_exact", 2, 37, 1, 32, True, 2, 2),
+]
+
+
+@pytest.mark.parametrize("xtype,method,B,T,H,N,state,segments,key_warps", CHUNKED,
+                         ids=[f"{x}-{m}-B{b}-T{t}-H{h}-N{n}{'-s0' * s}-S{g}-kw{k}" for x, m, b, t, h, n, s, g, k in CHUNKED])
+def test_wkv7_chunked(cpu, monkeypatch, xtype, method, B, T, H, N, state, segments, key_warps):
+    """wkv7/chunked.cu (tensor-core mma, cp.async staging, named barriers): every kernel of the forward and
+    the backward against the twins."""
+    monkeypatch.setattr(wkv7.W, "chunked_key_warps", lambda *_: key_warps)
+    wkv7.run_case(KernelCase(cpu, xtype), cpu, B, T, H, N, method=method, state=state, segments=segments)
+
+
 # ------------------------------------------------------------------------------------------ the tool fails
 TOY = KernelFile("cpuexec_toy/toy")
 TOY_SOURCE = r"""
