@@ -5,6 +5,7 @@ bit-identical results. And the tool's own failures: a missing barrier, an out-of
 deadlock, a copy read before its wait. Skipped, with the reason, where g++ or x86-64 is missing."""
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from cuda_cpu.executor import CpuDevice, KernelFault, unavailable_reason  # noqa
 from harness import KernelCase, check  # noqa: E402
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, KernelFile  # noqa: E402
 
+import test_channelmix  # noqa: E402
+import test_layernorm  # noqa: E402
+import test_timemix  # noqa: E402
 import test_wkv7 as wkv7  # noqa: E402
 from seeding import seeded_rng  # noqa: E402
 
@@ -66,6 +70,40 @@ def test_wkv7_chunked(cpu, monkeypatch, xtype, method, B, T, H, N, state, segmen
     the backward against the twins."""
     monkeypatch.setattr(wkv7.W, "chunked_key_warps", lambda *_: key_warps)
     wkv7.run_case(KernelCase(cpu, xtype), cpu, B, T, H, N, method=method, state=state, segments=segments)
+
+
+# ------------------------------------------------------------------------------------------ element-wise families
+ELEMENTWISE = [  # (a GPU test of tests/gpu, its parameters after case and dev): small shapes of each kernel,
+    # few head sizes (each one a compile)
+    (test_layernorm.test_forward, dict(R=5, C=8, save_stats=True)),
+    (test_layernorm.test_forward, dict(R=19, C=256, save_stats=False)),
+    (test_layernorm.test_backward, dict(R=19, C=256, stats_valid=False, accumulate=True)),
+    (test_layernorm.test_backward, dict(R=5, C=8, stats_valid=True, accumulate=False)),
+    (test_channelmix.test_shift_mix, dict(B=3, T=7, C=64, rpt=None)),
+    (test_channelmix.test_mix_backward, dict(B=5, T=1, C=8, rpt=3, accumulate=True)),
+    (test_channelmix.test_mix_backward, dict(B=3, T=7, C=64, rpt=None, accumulate=False)),
+    (test_channelmix.test_relu_sq, dict(n=3 * 1001)),
+    (test_channelmix.test_relu_sq_unaligned, {}),
+    (test_timemix.test_shift_forward, dict(C=64, N=16, rpt=5)),
+    (test_timemix.test_shift_backward, dict(C=192, N=64, rpt=None, accumulate=True)),
+    (test_timemix.test_activations, dict(kind="tanh", n=1001, inplace=True)),
+    (test_timemix.test_activations, dict(kind="sigmoid", n=test_timemix.R * 32, inplace=False)),
+    (test_timemix.test_prep_forward, dict(C=64, N=16, rpt=None, layer=3)),
+    (test_timemix.test_prep_backward, dict(C=64, N=16, rpt=5, layer=3, extras=True, vf_acc=True)),
+    (test_timemix.test_prep_backward, dict(C=192, N=64, rpt=None, layer=0, extras=False, vf_acc=False)),
+    (test_timemix.test_gn_forward, dict(C=64, N=16, rpt=None)),
+    (test_timemix.test_gn_backward, dict(C=192, N=64, rpt=5)),
+]
+
+
+@pytest.mark.parametrize("xtype", ["f32", "bf16"])
+@pytest.mark.parametrize("test,params", ELEMENTWISE, ids=[
+    f"{t.__module__}.{t.__name__}[{','.join(f'{k}={v}' for k, v in p.items())}]" for t, p in ELEMENTWISE])
+def test_elementwise(cpu, xtype, test, params):
+    """LayerNorm, channel mix and time mix kernels (and the reduce of their partial sums): the GPU test
+    itself, on the CPU device."""
+    extra = {"rng": seeded_rng()} if "rng" in inspect.signature(test).parameters else {}
+    test(case=KernelCase(cpu, xtype), dev=cpu, **extra, **params)
 
 
 # ------------------------------------------------------------------------------------------ the tool fails

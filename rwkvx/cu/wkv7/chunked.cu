@@ -42,7 +42,7 @@
 // Deterministic: no atomics, fixed summation orders.
 
 #include "common.cuh"
-#include "block.cuh"
+#include "ptx.cuh"
 #include "cp_async.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC) \
     || !defined(WKV_INTRA_THREADS) || !defined(WKV_SPLIT_OPERATORS) || !defined(WKV_EXACT)
