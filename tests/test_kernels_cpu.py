@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 
 from cuda_cpu.executor import CpuDevice, KernelFault, unavailable_reason  # noqa: E402
 from harness import KernelCase, check  # noqa: E402
-from rwkvx.runtime.kernel import F32_IN, F32_OUT, INT, KernelFile  # noqa: E402
+from rwkvx.runtime.kernel import F32_IN, F32_OUT, I32_OUT, INT, KernelFile  # noqa: E402
 
 import test_channelmix  # noqa: E402
 import test_layernorm  # noqa: E402
@@ -135,12 +135,25 @@ extern "C" __global__ void staged(const float* x, float* y, int wait) {
     __syncthreads();
     y[threadIdx.x] = s[threadIdx.x];
 }
+// each warp collective of one warp of lanes holding v = 10 l + 1 (and v > 15 as the vote), subgroups of `width`
+extern "C" __global__ void collectives(int* y, int width) {
+    const int l = threadIdx.x, v = 10 * l + 1;
+    y[l] = __shfl_sync(0xffffffffu, v, 5 * l + 3, width);
+    y[32 + l] = __shfl_up_sync(0xffffffffu, v, 3, width);
+    y[64 + l] = __shfl_down_sync(0xffffffffu, v, 3, width);
+    y[96 + l] = __shfl_xor_sync(0xffffffffu, v, 5, width);
+    y[128 + l] = (int)__ballot_sync(0xffffffffu, v > 15 && l % 3);
+    y[160 + l] = __any_sync(0xffffffffu, l == 31) + 2 * __all_sync(0xffffffffu, l < 31) + 4 * __all_sync(0xffffffffu, l < 32);
+    if (l < 16) y[192 + l] = __shfl_xor_sync(0x0000ffffu, v, 1);    // a mask of half the warp
+    __syncwarp();
+}
 """
 _TOY_ARGS = dict(x=F32_IN, y=F32_OUT)
 TOY_REVERSE = TOY.kernel("reverse", **_TOY_ARGS, fence=INT)
 TOY_SHIFTED = TOY.kernel("shifted", **_TOY_ARGS, shift=INT)
 TOY_SPLIT_WARP = TOY.kernel("split_warp", **_TOY_ARGS, unused=INT)
 TOY_STAGED = TOY.kernel("staged", **_TOY_ARGS, wait=INT)
+TOY_COLLECTIVES = TOY.kernel("collectives", y=I32_OUT, width=INT)
 del KernelFile.registry[TOY.module]      # not a file of rwkvx/cu: the declaration checks must not see it
 
 
@@ -192,6 +205,27 @@ def test_copy_read_before_its_wait_is_stale(toy_cpu):
     check("y", case.run([op])["y"], case.seen["x"], 0.0)
     case, op = _toy(toy_cpu, TOY_STAGED, 0)
     assert np.isnan(case.run([op])["y"]).all()
+
+
+@pytest.mark.parametrize("width", [32, 8])
+def test_warp_collectives(toy_cpu, width):
+    """Shuffles (index, up, down, xor) within subgroups of ``width`` lanes, votes, a half-warp mask: the
+    values CUDA's documentation gives (a source lane outside the subgroup reads the lane's own value)."""
+    case = KernelCase(toy_cpu, "f32")
+    y = case.output("y", 224, "i32")
+    out = case.run([TOY_COLLECTIVES.launch((1, 1, 1), (32, 1, 1), y=y, width=width)])["y"]
+    lane = np.arange(32)
+    v, seg = 10 * lane + 1, lane - lane % width
+    src = {"idx": seg + (5 * lane + 3) % width,
+           "up": np.where(lane % width >= 3, lane - 3, lane),
+           "down": np.where(lane % width + 3 < width, lane + 3, lane),
+           "xor": np.where((lane ^ 5) < seg + width, lane ^ 5, lane)}
+    for i, (name, s) in enumerate(src.items()):
+        np.testing.assert_array_equal(out[32 * i:32 * i + 32], v[s], err_msg=name)
+    ballot = sum(1 << int(k) for k in lane if 10 * k + 1 > 15 and k % 3)
+    assert (out[128:160] == np.int32(np.uint32(ballot).view(np.int32))).all()
+    assert (out[160:192] == 1 + 0 + 4).all()
+    np.testing.assert_array_equal(out[192:208], v[lane[:16] ^ 1])
 
 
 def test_launch_limits_are_the_drivers(toy_cpu):

@@ -112,14 +112,15 @@ def compile_file(kf: KernelFile, defines: tuple[tuple[str, str], ...], text: str
     if lib.exists():
         return lib
     folder.mkdir(parents=True, exist_ok=True)
-    source_path = folder / f"{lib.stem}.cu"
-    source_path.write_text(src)
-    wrapper = folder / f"{lib.stem}.cpp"
-    wrapper.write_text(wrapper_source(kf, source_path))
     fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
-        res = subprocess.run(["g++", *flags, str(wrapper), "-o", tmp], capture_output=True, text=True)
+        with tempfile.TemporaryDirectory() as work:      # the sources g++ reads: this process's own copies
+            source_path = Path(work) / f"{module.replace('/', '_')}.cu"
+            source_path.write_text(src)
+            wrapper = Path(work) / "launch.cpp"
+            wrapper.write_text(wrapper_source(kf, source_path))
+            res = subprocess.run(["g++", *flags, str(wrapper), "-o", tmp], capture_output=True, text=True)
         if res.returncode:
             raise RuntimeError(f"g++ failed to compile {module}.cu for the CPU ({' '.join(f'-D{n}={v}' for n, v in defines)})"
                                f":\n{res.stderr[-6000:]}")
