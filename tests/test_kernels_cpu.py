@@ -1,8 +1,8 @@
 """rwkvx's CUDA kernels executed on the CPU (tests/cuda_cpu: the kernel files compiled by g++, every GPU
 thread a fiber) through the GPU tests' own case functions at small shapes: against the float64 twins with
 the GPU tests' limits, each case run twice (threads in increasing, then decreasing order) with
-bit-identical results. And the tool's own failures: a missing barrier, an out-of-bounds write, a
-deadlock, a copy read before its wait. Skipped, with the reason, where g++ or x86-64 is missing."""
+bit-identical results. And the tool's own failures: a missing barrier, out-of-bounds writes, a deadlock,
+a copy read before its wait; and its warp collectives against CUDA's documented results. Skipped, with the reason, where g++ or x86-64 is missing."""
 from __future__ import annotations
 
 import inspect
@@ -19,7 +19,11 @@ from harness import KernelCase, check  # noqa: E402
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, I32_OUT, INT, KernelFile  # noqa: E402
 
 import test_channelmix  # noqa: E402
+import test_decode  # noqa: E402
+import test_embedding  # noqa: E402
 import test_layernorm  # noqa: E402
+import test_moba  # noqa: E402
+import test_reduce  # noqa: E402
 import test_timemix  # noqa: E402
 import test_wkv7 as wkv7  # noqa: E402
 from seeding import seeded_rng  # noqa: E402
@@ -72,8 +76,8 @@ def test_wkv7_chunked(cpu, monkeypatch, xtype, method, B, T, H, N, state, segmen
     wkv7.run_case(KernelCase(cpu, xtype), cpu, B, T, H, N, method=method, state=state, segments=segments)
 
 
-# ------------------------------------------------------------------------------------------ element-wise families
-ELEMENTWISE = [  # (a GPU test of tests/gpu, its parameters after case and dev): small shapes of each kernel,
+# ------------------------------------------------------------------------------------------ other families
+FAMILY_TESTS = [  # (a GPU test of tests/gpu, its parameters but case, dev and rng): small shapes of each kernel,
     # few head sizes (each one a compile)
     (test_layernorm.test_forward, dict(R=5, C=8, save_stats=True)),
     (test_layernorm.test_forward, dict(R=19, C=256, save_stats=False)),
@@ -93,17 +97,26 @@ ELEMENTWISE = [  # (a GPU test of tests/gpu, its parameters after case and dev):
     (test_timemix.test_prep_backward, dict(C=192, N=64, rpt=None, layer=0, extras=False, vf_acc=False)),
     (test_timemix.test_gn_forward, dict(C=64, N=16, rpt=None)),
     (test_timemix.test_gn_backward, dict(C=192, N=64, rpt=5)),
+    (test_reduce.test_partials, dict(P=37, nout=3, C=40, by=8, accumulate=True)),
+    (test_embedding.test_embedding_forward_backward, dict(B=3, T=100, V=7, C=64, kind="uniform")),
+    (test_decode.test_dec_shift, dict(B=3, C=64, nmix=6)),
+    (test_decode.test_dec_ln_shift, dict(B=3, C=64, nmix=6)),
+    (test_decode.test_dec_wkv7, dict(B=2, H=3, N=16)),
+    (test_decode.test_dec_tmix, dict(B=3, H=2, N=16, layer=0, ranks=(10, 6, 0, 7))),
+    (test_moba.test_moba_forward_backward, dict(name="N4-chunk1")),
 ]
+# each test with a KernelCase in both element types, the others (their own types) once
+FAMILY_CASES = [(t, p, x) for t, p in FAMILY_TESTS
+                for x in (("f32", "bf16") if "case" in inspect.signature(t).parameters else ("f32",))]
 
 
-@pytest.mark.parametrize("xtype", ["f32", "bf16"])
-@pytest.mark.parametrize("test,params", ELEMENTWISE, ids=[
-    f"{t.__module__}.{t.__name__}[{','.join(f'{k}={v}' for k, v in p.items())}]" for t, p in ELEMENTWISE])
-def test_elementwise(cpu, xtype, test, params):
-    """LayerNorm, channel mix and time mix kernels (and the reduce of their partial sums): the GPU test
-    itself, on the CPU device."""
-    extra = {"rng": seeded_rng()} if "rng" in inspect.signature(test).parameters else {}
-    test(case=KernelCase(cpu, xtype), dev=cpu, **extra, **params)
+@pytest.mark.parametrize("test,params,xtype", FAMILY_CASES, ids=[
+    f"{t.__module__}.{t.__name__}[{','.join(f'{k}={v}' for k, v in p.items())}]-{x}" for t, p, x in FAMILY_CASES])
+def test_family(cpu, test, params, xtype):
+    """LayerNorm, channel mix, time mix, reduce, embedding, the decoder's step kernels and MoBA's selection
+    and exact attention: the GPU test itself, on the CPU device."""
+    given = {"case": KernelCase(cpu, xtype), "dev": cpu, "rng": seeded_rng()}
+    test(**{k: v for k, v in given.items() if k in inspect.signature(test).parameters}, **params)
 
 
 # ------------------------------------------------------------------------------------------ the tool fails
@@ -120,6 +133,13 @@ extern "C" __global__ void reverse(const float* x, float* y, int fence) {
 }
 // y[i + shift] = x[i]
 extern "C" __global__ void shifted(const float* x, float* y, int shift) { y[threadIdx.x + shift] = x[threadIdx.x]; }
+// y[i] = x[i] through dynamic shared memory (64 floats) at an offset of `shift` elements
+extern "C" __global__ void dynamic_shifted(const float* x, float* y, int shift) {
+    extern __shared__ float dyn[];
+    dyn[threadIdx.x + shift] = x[threadIdx.x];
+    __syncthreads();
+    y[threadIdx.x] = dyn[threadIdx.x + shift];
+}
 // lanes 0..15 shuffle with the whole warp while lanes 16..31 wait at the block barrier
 extern "C" __global__ void split_warp(const float* x, float* y, int unused) {
     float v = x[threadIdx.x];
@@ -151,6 +171,7 @@ extern "C" __global__ void collectives(int* y, int width) {
 _TOY_ARGS = dict(x=F32_IN, y=F32_OUT)
 TOY_REVERSE = TOY.kernel("reverse", **_TOY_ARGS, fence=INT)
 TOY_SHIFTED = TOY.kernel("shifted", **_TOY_ARGS, shift=INT)
+TOY_DYNAMIC_SHIFTED = TOY.kernel("dynamic_shifted", **_TOY_ARGS, shift=INT)
 TOY_SPLIT_WARP = TOY.kernel("split_warp", **_TOY_ARGS, unused=INT)
 TOY_STAGED = TOY.kernel("staged", **_TOY_ARGS, wait=INT)
 TOY_COLLECTIVES = TOY.kernel("collectives", y=I32_OUT, width=INT)
@@ -163,12 +184,12 @@ def toy_cpu():
     return CpuDevice(sources=[(TOY, TOY_SOURCE)])
 
 
-def _toy(dev, kernel, flag: int):
-    """Run toy ``kernel`` on 64 threads with its int argument ``flag``; (outputs, the input it saw)."""
+def _toy(dev, kernel, flag: int, smem: int = 0):
+    """The case and the launch of toy ``kernel`` on 64 threads with its int argument ``flag``."""
     case = KernelCase(dev, "f32")
     x = case.input("x", seeded_rng().standard_normal(64), "f32")
     y = case.output("y", 64, "f32")
-    return case, kernel.launch((1, 1, 1), (64, 1, 1), x=x, y=y, **{kernel.params[-1][0]: flag})
+    return case, kernel.launch((1, 1, 1), (64, 1, 1), smem=smem, x=x, y=y, **{kernel.params[-1][0]: flag})
 
 
 def test_missing_barrier_shows_between_thread_orders(toy_cpu):
@@ -187,6 +208,15 @@ def test_out_of_bounds_write_names_the_buffer(toy_cpu):
     check("y", case.run([op])["y"], case.seen["x"], 0.0)
     case, op = _toy(toy_cpu, TOY_SHIFTED, 1)
     with pytest.raises(KernelFault, match="shifted wrote out of bounds of the buffer of argument.s. y "):
+        case.run([op])
+
+
+def test_write_past_dynamic_shared_memory(toy_cpu):
+    """A write one element past the launch's dynamic shared memory (64 floats) hits the canary after it."""
+    case, op = _toy(toy_cpu, TOY_DYNAMIC_SHIFTED, 0, smem=256)
+    check("y", case.run([op])["y"], case.seen["x"], 0.0)
+    case, op = _toy(toy_cpu, TOY_DYNAMIC_SHIFTED, 1, smem=256)
+    with pytest.raises(KernelFault, match=r"dynamic_shifted, block \(0,0,0\): wrote past its 256 bytes of dynamic"):
         case.run([op])
 
 

@@ -59,14 +59,27 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def kernel_source(module: str, text: str | None = None) -> str:
-    """rwkvx/cu/<module>.cu (or the source ``text`` of a declared file outside rwkvx/cu) with its dynamic
-    shared memory declaration made a pointer into the launch's."""
-    src = (CU_DIR / f"{module}.cu").read_text() if text is None else text
-    return _EXTERN_SHARED.sub(r"\1* const \2 = reinterpret_cast<\1*>(cpuexec_dynamic_smem());", src)
+def cpu_source(src: str) -> str:
+    """CUDA source with its dynamic shared memory declarations (in a kernel or at namespace scope) made
+    constant pointers to the CPU runtime's buffer."""
+    return _EXTERN_SHARED.sub(r"\1* const \2 = reinterpret_cast<\1*>(cpuexec_smem);", src)
 
 
-def wrapper_source(kf: KernelFile, source_path: Path) -> str:
+def _write_tree(dest: Path, module: str, text: str | None) -> None:
+    """rwkvx/cu's kernel files and headers, as :func:`cpu_source` makes them, under ``dest`` (those
+    tests/cuda_cpu/include replaces left out, so no include finds them), and the compiled file as
+    ``<module>.cu`` (source ``text``, else rwkvx/cu's)."""
+    replaced = {p.name for p in INCLUDE.iterdir()}
+    for p in CU_DIR.rglob("*"):
+        if p.suffix in (".cu", ".cuh") and not (p.parent == CU_DIR and p.name in replaced):
+            (dest / p.relative_to(CU_DIR)).parent.mkdir(parents=True, exist_ok=True)
+            (dest / p.relative_to(CU_DIR)).write_text(cpu_source(p.read_text()))
+    if text is not None:
+        (dest / f"{module}.cu").parent.mkdir(parents=True, exist_ok=True)
+        (dest / f"{module}.cu").write_text(cpu_source(text))
+
+
+def wrapper_source(kf: KernelFile) -> str:
     """The translation unit of one kernel file: the file itself and ``cpuexec_launch``, which calls kernel
     number ``k`` (declaration order) with its arguments from an array of 8-byte slots."""
     calls, names = [], []
@@ -76,7 +89,7 @@ def wrapper_source(kf: KernelFile, source_path: Path) -> str:
         names.append(f'"{k.name}"')
     fns = ", ".join(f"cpuexec_k{i}" for i in range(len(calls)))
     return "\n".join([
-        f'#include "{source_path}"', *calls,
+        f'#include "{kf.module}.cu"', *calls,
         'extern "C" int cpuexec_launch(int k, const uint64_t* args, const unsigned* grid, const unsigned* block,',
         "                              unsigned long long smem, int descending, char* err, int errlen) {",
         f"    static void (*const fns[])(const uint64_t*) = {{{fns}}};",
@@ -98,15 +111,18 @@ def _headers_digest() -> bytes:
     return h.digest()
 
 
-def compile_file(kf: KernelFile, defines: tuple[tuple[str, str], ...], text: str | None = None) -> Path:
+def compile_file(kf: KernelFile, defines: tuple[tuple[str, str], ...], text: str | None = None,
+                 smem_bytes: int = H200.smem_per_block) -> Path:
     """The shared library of declared kernel file ``kf`` (rwkvx/cu/<module>.cu, or the source ``text``)
-    compiled with ``defines`` (cached; built when missing)."""
+    compiled with ``defines``, for launches of up to ``smem_bytes`` of dynamic shared memory (cached;
+    built when missing)."""
     module = kf.module
-    src = kernel_source(module, text)
-    flags = [*CXX_FLAGS, "-include", str(INCLUDE / "cuda_cpu.h"), f"-I{INCLUDE}", f"-I{CU_DIR}",
+    src = (CU_DIR / f"{module}.cu").read_text() if text is None else text
+    flags = [*CXX_FLAGS, "-include", str(INCLUDE / "cuda_cpu.h"), f"-DCPUEXEC_DYNAMIC_SMEM_BYTES={smem_bytes}",
              *(f"-D{n}={v}" for n, v in defines)]
-    key = hashlib.sha256(b"\0".join([_compiler_id(), _headers_digest(), src.encode(), "\0".join(flags).encode(),
-                                     repr([(k.name, k.params) for k in kf.kernels.values()]).encode()])).hexdigest()
+    wrapper = wrapper_source(kf)
+    key = hashlib.sha256(b"\0".join([_compiler_id(), _headers_digest(), src.encode(), wrapper.encode(),
+                                     "\0".join(flags).encode()])).hexdigest()
     folder = cache_root() / "cpuexec"
     lib = folder / f"{module.replace('/', '_')}-{key[:24]}.so"
     if lib.exists():
@@ -116,11 +132,10 @@ def compile_file(kf: KernelFile, defines: tuple[tuple[str, str], ...], text: str
     os.close(fd)
     try:
         with tempfile.TemporaryDirectory() as work:      # the sources g++ reads: this process's own copies
-            source_path = Path(work) / f"{module.replace('/', '_')}.cu"
-            source_path.write_text(src)
-            wrapper = Path(work) / "launch.cpp"
-            wrapper.write_text(wrapper_source(kf, source_path))
-            res = subprocess.run(["g++", *flags, str(wrapper), "-o", tmp], capture_output=True, text=True)
+            _write_tree(Path(work) / "cu", module, text)
+            (Path(work) / "launch.cpp").write_text(wrapper)
+            res = subprocess.run(["g++", *flags, f"-I{INCLUDE}", f"-I{Path(work) / 'cu'}", str(Path(work) / "launch.cpp"),
+                                  "-o", tmp], capture_output=True, text=True)
         if res.returncode:
             raise RuntimeError(f"g++ failed to compile {module}.cu for the CPU ({' '.join(f'-D{n}={v}' for n, v in defines)})"
                                f":\n{res.stderr[-6000:]}")
@@ -225,7 +240,7 @@ class CpuDevice:
         key = (op.module, op.defines)
         if key not in self._libs:
             kf, text = self.sources[op.module] if op.module in self.sources else (KernelFile.registry[op.module], None)
-            lib = ctypes.CDLL(str(compile_file(kf, op.defines, text)))
+            lib = ctypes.CDLL(str(compile_file(kf, op.defines, text, self.info.smem_per_block)))
             lib.cpuexec_launch.restype = ctypes.c_int
             lib.cpuexec_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_ulonglong, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]

@@ -32,8 +32,8 @@
 #define __align__(n) __attribute__((aligned(n)))
 // Blocks run one at a time, so a block's shared variables can be static storage, in a section of their
 // own that every block starts with filled with 0xff bytes (NaN floats): shared memory starts undefined on
-// the GPU, so a read before a write shows. (The loader rewrites the one `extern __shared__` array into
-// the launch's dynamic shared memory, which starts the same way.)
+// the GPU, so a read before a write shows. (The executor rewrites `extern __shared__` arrays into
+// pointers to the dynamic shared memory buffer below, which starts the same way.)
 #define __shared__ static __attribute__((section("cpuexec_shared")))
 extern "C" char __start_cpuexec_shared[] __attribute__((weak, visibility("hidden")));
 extern "C" char __stop_cpuexec_shared[] __attribute__((weak, visibility("hidden")));
@@ -120,7 +120,7 @@ cpuexec_switch:
 )");
 
 enum State { RUN, BAR, WARP, DONE };
-enum WarpOp { W_SYNC, W_SHFL, W_UP, W_DOWN, W_XOR, W_BALLOT, W_ANY, W_ALL, W_CUSTOM };
+enum WarpOp { W_SYNC, W_SHFL, W_UP, W_DOWN, W_XOR, W_BALLOT, W_ANY, W_ALL, W_MATCH_ANY, W_CUSTOM };
 // a collective computed over the warp's lanes once all have arrived (e.g. an mma): lane payloads in lane order
 typedef void (*WarpFn)(void* const* payload, unsigned mask);
 
@@ -152,7 +152,7 @@ struct Runtime {
     void (*kernel)(const uint64_t*) = nullptr;
     const uint64_t* args = nullptr;
     const char* name = "";
-    std::vector<unsigned char> dyn_smem;
+    size_t dyn_smem_bytes = 0;      // of the running launch
     std::string error;
 };
 static Runtime rt;
@@ -249,6 +249,11 @@ inline bool resolve_warp(int base, unsigned mask) {
             case W_BALLOT: f.result = vote; break;
             case W_ANY: f.result = vote != 0; break;
             case W_ALL: f.result = vote == mask; break;
+            case W_MATCH_ANY:
+                f.result = 0;
+                for (int m = 0; m < 32; ++m)
+                    if ((mask >> m & 1) && L[m].value == f.value) f.result |= 1u << m;
+                break;
             default: f.result = L[src].value; break;
         }
         f.state = RUN;
@@ -424,6 +429,9 @@ template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int m, int width
 }
 inline unsigned __ballot_sync(unsigned mask, int p) { return cpuexec::warp_op(cpuexec::W_BALLOT, mask, p != 0, 0, 32, "__ballot_sync"); }
 inline int __any_sync(unsigned mask, int p) { return (int)cpuexec::warp_op(cpuexec::W_ANY, mask, p != 0, 0, 32, "__any_sync"); }
+template <class T> inline unsigned __match_any_sync(unsigned mask, T v) {
+    return cpuexec::warp_op(cpuexec::W_MATCH_ANY, mask, cpuexec_bits(v), 0, 32, "__match_any_sync");
+}
 inline int __all_sync(unsigned mask, int p) { return (int)cpuexec::warp_op(cpuexec::W_ALL, mask, p != 0, 0, 32, "__all_sync"); }
 
 // Blocks run one at a time and a fiber is never interrupted: every read-modify-write is atomic.
@@ -433,6 +441,16 @@ template <class T> inline T atomicMax(T* p, T v) { T old = *p; *p = old > v ? ol
 template <class T> inline T atomicMin(T* p, T v) { T old = *p; *p = old < v ? old : v; return old; }
 template <class T> inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
 template <class T> inline T atomicCAS(T* p, T cmp, T v) { T old = *p; if (old == cmp) *p = v; return old; }
+
+// Dynamic shared memory: one buffer of the most a launch may have (CPUEXEC_DYNAMIC_SMEM_BYTES, defined by
+// the executor), at a fixed address, so that `extern __shared__` arrays at namespace scope can be
+// rewritten to constant pointers into it; canary bytes after the launch's part catch writes past it.
+#ifndef CPUEXEC_DYNAMIC_SMEM_BYTES
+#error "CPUEXEC_DYNAMIC_SMEM_BYTES comes from tests/cuda_cpu/executor.py"
+#endif
+constexpr int SMEM_CANARY_BYTES = 256;
+constexpr unsigned char SMEM_CANARY = 0xa5;
+alignas(128) static unsigned char cpuexec_smem[CPUEXEC_DYNAMIC_SMEM_BYTES + SMEM_CANARY_BYTES];
 
 // ---- the launch entry (called by tests/cuda_cpu/executor.py through ctypes) ------------------------------
 // grid, block: 3 dimensions each; smem: dynamic shared memory bytes; err: room for a message on failure.
@@ -449,25 +467,33 @@ inline int cpuexec_launch_impl(void (*kernel)(const uint64_t*), const char* name
     init_stacks(rt.n);
     if (!rt.stacks) { std::snprintf(err, errlen, "kernel %s: no memory for %d fiber stacks", name, rt.n); return 1; }
     rt.fibers.assign(rt.n, Fiber());
-    rt.dyn_smem.assign(smem + 16, 0);
+    if (smem > CPUEXEC_DYNAMIC_SMEM_BYTES) {
+        std::snprintf(err, errlen, "kernel %s: %llu bytes of dynamic shared memory, more than the %d the CPU runtime has",
+                      name, smem, CPUEXEC_DYNAMIC_SMEM_BYTES);
+        return 1;
+    }
+    rt.dyn_smem_bytes = smem;
     for (unsigned z = 0; z < grid[2]; ++z)
         for (unsigned y = 0; y < grid[1]; ++y)
             for (unsigned x = 0; x < grid[0]; ++x) {
                 blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
                 // shared memory starts undefined on the GPU: NaN bytes here make a read before a write show
-                std::memset(rt.dyn_smem.data(), 0xff, rt.dyn_smem.size());
+                std::memset(cpuexec_smem, 0xff, smem);
+                std::memset(cpuexec_smem + smem, SMEM_CANARY, SMEM_CANARY_BYTES);
                 if (__start_cpuexec_shared != __stop_cpuexec_shared)
                     std::memset(__start_cpuexec_shared, 0xff, __stop_cpuexec_shared - __start_cpuexec_shared);
                 if (!run_block(descending != 0)) {
                     std::snprintf(err, errlen, "%s", rt.error.c_str());
                     return 1;
                 }
+                for (int i = 0; i < SMEM_CANARY_BYTES; ++i)
+                    if (cpuexec_smem[smem + i] != SMEM_CANARY) {
+                        std::snprintf(err, errlen, "kernel %s, block (%u,%u,%u): wrote past its %llu bytes of dynamic "
+                                      "shared memory", name, x, y, z, smem);
+                        return 1;
+                    }
             }
     return 0;
 }
 
-// dynamic shared memory of the running launch (16-byte aligned) and its size
-inline unsigned char* cpuexec_dynamic_smem() {
-    return (unsigned char*)(((uintptr_t)cpuexec::rt.dyn_smem.data() + 15) & ~(uintptr_t)15);
-}
-inline unsigned cpuexec_dynamic_smem_size() { return (unsigned)(cpuexec::rt.dyn_smem.size() - 16); }
+inline unsigned cpuexec_dynamic_smem_size() { return (unsigned)cpuexec::rt.dyn_smem_bytes; }
