@@ -103,18 +103,25 @@ FAMILY_TESTS = [  # (a GPU test of tests/gpu, its parameters but case, dev and r
     (test_decode.test_dec_ln_shift, dict(B=3, C=64, nmix=6)),
     (test_decode.test_dec_wkv7, dict(B=2, H=3, N=16)),
     (test_decode.test_dec_tmix, dict(B=3, H=2, N=16, layer=0, ranks=(10, 6, 0, 7))),
+    (test_decode.test_dec_gemv, dict(B=3, specs=test_decode.GEMV_SPECS["shapes"])),
+    (test_decode.test_dec_gemv, dict(B=1, specs=test_decode.GEMV_SPECS["lora"])),
     (test_moba.test_moba_forward_backward, dict(name="N4-chunk1")),
 ]
+def _short(value) -> str:
+    """A test parameter in a test id: GEMV_SPECS' lists by their name."""
+    return next((k for k, v in test_decode.GEMV_SPECS.items() if v is value), str(value))
+
+
 # each test with a KernelCase in both element types, the others (their own types) once
 FAMILY_CASES = [(t, p, x) for t, p in FAMILY_TESTS
                 for x in (("f32", "bf16") if "case" in inspect.signature(t).parameters else ("f32",))]
 
 
 @pytest.mark.parametrize("test,params,xtype", FAMILY_CASES, ids=[
-    f"{t.__module__}.{t.__name__}[{','.join(f'{k}={v}' for k, v in p.items())}]-{x}" for t, p, x in FAMILY_CASES])
+    f"{t.__module__}.{t.__name__}[{','.join(f'{k}={_short(v)}' for k, v in p.items())}]-{x}" for t, p, x in FAMILY_CASES])
 def test_family(cpu, test, params, xtype):
-    """LayerNorm, channel mix, time mix, reduce, embedding, the decoder's step kernels and MoBA's selection
-    and exact attention: the GPU test itself, on the CPU device."""
+    """LayerNorm, channel mix, time mix, reduce, embedding, the decoder's step kernels and tf32 GEMV, MoBA's
+    selection and exact attention: the GPU test itself, on the CPU device."""
     given = {"case": KernelCase(cpu, xtype), "dev": cpu, "rng": seeded_rng()}
     test(**{k: v for k, v in given.items() if k in inspect.signature(test).parameters}, **params)
 

@@ -84,7 +84,15 @@ inline float __saturatef(float x) { return x != x ? 0.f : fminf(fmaxf(x, 0.f), 1
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
 inline int __ffs(unsigned x) { return __builtin_ffs(x); }
+// loads and stores with cache hints: plain accesses here
 template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcs(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T __ldca(const T* p) { return *p; }
+template <class T> inline T __ldlu(const T* p) { return *p; }
+template <class T> inline void __stcs(T* p, T v) { *p = v; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }
+template <class T> inline void __stwb(T* p, T v) { *p = v; }
 inline void __threadfence() {}
 inline void __threadfence_block() {}
 
