@@ -106,6 +106,7 @@ FAMILY_TESTS = [  # (a GPU test of tests/gpu, its parameters but case, dev and r
     (test_decode.test_dec_gemv, dict(B=3, specs=test_decode.GEMV_SPECS["shapes"])),
     (test_decode.test_dec_gemv, dict(B=1, specs=test_decode.GEMV_SPECS["lora"])),
     (test_moba.test_moba_forward_backward, dict(name="N4-chunk1")),
+    (test_moba.test_moba_mma_forward_backward, dict(name="T-le-chunk")),
 ]
 def _short(value) -> str:
     """A test parameter in a test id: GEMV_SPECS' lists by their name."""
@@ -121,7 +122,7 @@ FAMILY_CASES = [(t, p, x) for t, p in FAMILY_TESTS
     f"{t.__module__}.{t.__name__}[{','.join(f'{k}={_short(v)}' for k, v in p.items())}]-{x}" for t, p, x in FAMILY_CASES])
 def test_family(cpu, test, params, xtype):
     """LayerNorm, channel mix, time mix, reduce, embedding, the decoder's step kernels and tf32 GEMV, MoBA's
-    selection and exact attention: the GPU test itself, on the CPU device."""
+    selection, exact and tensor-core attention: the GPU test itself, on the CPU device."""
     given = {"case": KernelCase(cpu, xtype), "dev": cpu, "rng": seeded_rng()}
     test(**{k: v for k, v in given.items() if k in inspect.signature(test).parameters}, **params)
 
