@@ -14,27 +14,49 @@ __device__ __forceinline__ float round_tf32(float x) { return __uint_as_float(to
 
 namespace cpuexec {
 struct MmaTf32Lane { float* d; const unsigned* a; const unsigned* b; };
+struct MmaBf16Lane { float* d; unsigned a[4], b[2]; };
 
-inline void mma_tf32_warp(void* const* payload, unsigned) {
-    double A[16][8], B[8][8], C[16][8];
-    auto tf = [](unsigned u) { return (double)__uint_as_float(u & 0xffffe000u); };
+// D = A B + C of one warp's m16n8kK product (C and D 16x8 fp32, lane (g, q) holding (g, 2q), (g, 2q+1),
+// (g+8, 2q), (g+8, 2q+1)): each lane's A and B fragments placed by `operands(lane, g, q, A, B)`
+template <int K, class Lane, class Operands>
+inline void mma_warp(void* const* payload, Operands operands) {
+    double A[16][K], B[K][8], C[16][8];
     for (int lane = 0; lane < 32; ++lane) {
-        const MmaTf32Lane& m = *static_cast<const MmaTf32Lane*>(payload[lane]);
+        const Lane& m = *static_cast<const Lane*>(payload[lane]);
         const int g = lane >> 2, q = lane & 3;
-        A[g][q] = tf(m.a[0]); A[g + 8][q] = tf(m.a[1]); A[g][q + 4] = tf(m.a[2]); A[g + 8][q + 4] = tf(m.a[3]);
-        B[q][g] = tf(m.b[0]); B[q + 4][g] = tf(m.b[1]);
+        operands(m, g, q, A, B);
         C[g][2 * q] = m.d[0]; C[g][2 * q + 1] = m.d[1]; C[g + 8][2 * q] = m.d[2]; C[g + 8][2 * q + 1] = m.d[3];
     }
     auto D = [&](int i, int j) {
         double s = C[i][j];
-        for (int k = 0; k < 8; ++k) s += A[i][k] * B[k][j];
+        for (int k = 0; k < K; ++k) s += A[i][k] * B[k][j];
         return (float)s;
     };
     for (int lane = 0; lane < 32; ++lane) {
-        const MmaTf32Lane& m = *static_cast<const MmaTf32Lane*>(payload[lane]);
+        const Lane& m = *static_cast<const Lane*>(payload[lane]);
         const int g = lane >> 2, q = lane & 3;
         m.d[0] = D(g, 2 * q); m.d[1] = D(g, 2 * q + 1); m.d[2] = D(g + 8, 2 * q); m.d[3] = D(g + 8, 2 * q + 1);
     }
+}
+
+inline void mma_tf32_warp(void* const* payload, unsigned) {
+    mma_warp<8, MmaTf32Lane>(payload, [](const MmaTf32Lane& m, int g, int q, double (&A)[16][8], double (&B)[8][8]) {
+        auto tf = [](unsigned u) { return (double)__uint_as_float(u & 0xffffe000u); };
+        A[g][q] = tf(m.a[0]); A[g + 8][q] = tf(m.a[1]); A[g][q + 4] = tf(m.a[2]); A[g + 8][q + 4] = tf(m.a[3]);
+        B[q][g] = tf(m.b[0]); B[q + 4][g] = tf(m.b[1]);
+    });
+}
+
+inline double bf16_half(unsigned u, int hi) { return cpuexec_bf16_bits_to_f32((unsigned short)(u >> (16 * hi))); }
+
+inline void mma_bf16_warp(void* const* payload, unsigned) {
+    mma_warp<16, MmaBf16Lane>(payload, [](const MmaBf16Lane& m, int g, int q, double (&A)[16][16], double (&B)[16][8]) {
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * q + h] = bf16_half(m.a[0], h); A[g + 8][2 * q + h] = bf16_half(m.a[1], h);
+            A[g][2 * q + 8 + h] = bf16_half(m.a[2], h); A[g + 8][2 * q + 8 + h] = bf16_half(m.a[3], h);
+            B[2 * q + h][g] = bf16_half(m.b[0], h); B[2 * q + 8 + h][g] = bf16_half(m.b[1], h);
+        }
+    });
 }
 }  // namespace cpuexec
 
@@ -45,34 +67,6 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4], 
 }
 
 namespace cpuexec {
-struct MmaBf16Lane { float* d; unsigned a[4], b[2]; };
-
-inline double bf16_half(unsigned u, int hi) { return cpuexec_bf16_bits_to_f32((unsigned short)(u >> (16 * hi))); }
-
-inline void mma_bf16_warp(void* const* payload, unsigned) {
-    double A[16][16], B[16][8], C[16][8];
-    for (int lane = 0; lane < 32; ++lane) {
-        const MmaBf16Lane& m = *static_cast<const MmaBf16Lane*>(payload[lane]);
-        const int g = lane >> 2, q = lane & 3;
-        for (int h = 0; h < 2; ++h) {
-            A[g][2 * q + h] = bf16_half(m.a[0], h); A[g + 8][2 * q + h] = bf16_half(m.a[1], h);
-            A[g][2 * q + 8 + h] = bf16_half(m.a[2], h); A[g + 8][2 * q + 8 + h] = bf16_half(m.a[3], h);
-            B[2 * q + h][g] = bf16_half(m.b[0], h); B[2 * q + 8 + h][g] = bf16_half(m.b[1], h);
-        }
-        C[g][2 * q] = m.d[0]; C[g][2 * q + 1] = m.d[1]; C[g + 8][2 * q] = m.d[2]; C[g + 8][2 * q + 1] = m.d[3];
-    }
-    auto D = [&](int i, int j) {
-        double s = C[i][j];
-        for (int k = 0; k < 16; ++k) s += A[i][k] * B[k][j];
-        return (float)s;
-    };
-    for (int lane = 0; lane < 32; ++lane) {
-        const MmaBf16Lane& m = *static_cast<const MmaBf16Lane*>(payload[lane]);
-        const int g = lane >> 2, q = lane & 3;
-        m.d[0] = D(g, 2 * q); m.d[1] = D(g, 2 * q + 1); m.d[2] = D(g + 8, 2 * q); m.d[3] = D(g + 8, 2 * q + 1);
-    }
-}
-
 struct LdmatrixLane { unsigned* r[4]; const unsigned short* row; };
 
 // register i of lane l: two elements of matrix i, whose row j lane 8i + j addresses
