@@ -39,8 +39,9 @@ class Memory:
         self.exact = exact
         self.regions: list[tuple[int, np.ndarray, np.ndarray | None]] = []
 
-    def add(self, base: int, nbytes: int) -> np.ndarray:
-        buf = np.zeros(nbytes, np.uint8)
+    def add(self, base: int, nbytes: int, buf: np.ndarray | None = None) -> np.ndarray:
+        """A region of ``nbytes`` at ``base``: zeros, or the uint8 array ``buf`` (memory that exists elsewhere)."""
+        buf = np.zeros(nbytes, np.uint8) if buf is None else buf
         self.regions.append((int(base), buf, np.zeros((nbytes + 1) // 2) if self.exact else None))
         return buf
 

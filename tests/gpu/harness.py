@@ -1,4 +1,5 @@
-"""The one GPU test harness of tests/gpu: buffers for a kernel test, run twice, compared bit for bit.
+"""The one GPU test harness of tests/gpu: buffers for a kernel test, run twice, compared bit for bit. It
+also drives tests/cuda_cpu's CPU device, which runs the same kernels on the CPU (tests/test_kernels_cpu.py).
 
 A :class:`KernelCase` owns the device buffers of one test. ``input`` uploads values rounded to the
 buffer's element type and keeps, in ``case.seen[name]``, the float64 values the kernel reads (the
@@ -94,8 +95,7 @@ class KernelCase:
     def run(self, ops=None, plan=None) -> dict[str, np.ndarray]:
         """Run ``ops`` (or a ``plan`` built on these buffers) twice from the same buffer contents; outputs
         must agree bit for bit. Returns them (float64)."""
-        from rwkvx._core import Plan
-        plan = plan or Plan(self.dev, ops)
+        plan = plan or self._plan(ops)
         runs = []
         for _ in range(2):
             self.reset()
@@ -105,6 +105,15 @@ class KernelCase:
             assert np.array_equal(first.view(np.uint8), runs[1][name].view(np.uint8)), \
                 f"{name}: the second run differs from the first (not deterministic)"
         return {name: from_storage(self._bufs[name][1], raw).astype(np.float64) for name, raw in runs[0].items()}
+
+    def _plan(self, ops):
+        """A plan of ``ops`` on the case's device: the device's own where it has one (tests/cuda_cpu's CPU
+        device, whose runs alternate the order of a block's threads), else rwkvx._core.Plan."""
+        make = getattr(self.dev, "plan", None)
+        if make is not None:
+            return make(ops)
+        from rwkvx._core import Plan
+        return Plan(self.dev, ops)
 
     def untouched(self, name: str, out: np.ndarray) -> bool:
         """True when output ``name`` still holds its poison everywhere (the kernel did not write it)."""

@@ -66,23 +66,16 @@ static __device__ __forceinline__ MPair mpair_of(float a, float b)
 // c += A (16 x 16) * B (16 x 8)
 static __device__ __forceinline__ void mma16(float (&c)[4], const MPair (&a)[4], const MPair (&b)[2])
 {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0].r), "r"(a[1].r), "r"(a[2].r), "r"(a[3].r), "r"(b[0].r), "r"(b[1].r));
+    mma_bf16(c, a[0].r, a[1].r, a[2].r, a[3].r, b[0].r, b[1].r);
 }
-// ldmatrix x4: lane l gives the address of row l % 8 of 8x8 matrix l / 8 (16 contiguous bytes); register i
-// of lane l receives matrix i's row l / 4, elements 2(l%4), 2(l%4)+1 (.trans: rows 2(l%4), 2(l%4)+1 of
-// column l / 4, i.e. the matrix transposed).
+// ldmatrix x4 (mma.cuh's) into operand pairs
 static __device__ __forceinline__ void ldsm_x4(MPair (&r)[4], const floatX* p)
 {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0].r), "=r"(r[1].r), "=r"(r[2].r), "=r"(r[3].r) : "r"(smem_addr(p)));
+    ldmatrix_x4(r[0].r, r[1].r, r[2].r, r[3].r, p);
 }
 static __device__ __forceinline__ void ldsm_x4_trans(MPair (&r)[4], const floatX* p)
 {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0].r), "=r"(r[1].r), "=r"(r[2].r), "=r"(r[3].r) : "r"(smem_addr(p)));
+    ldmatrix_x4_trans(r[0].r, r[1].r, r[2].r, r[3].r, p);
 }
 // The row / column offsets each lane addresses. ldsm_row16 / ldsm_col16: matrices (rows 0-7, cols 0-7),
 // (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15) of a 16x16 block;

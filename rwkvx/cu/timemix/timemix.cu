@@ -30,6 +30,7 @@
 // come from the declaration in rwkvx/cu/timemix/ops.py.
 
 #include "common.cuh"
+#include "ptx.cuh"
 #if !defined(HEAD_SIZE) || !defined(TM_DECAY_SCALE) || !defined(TM_GN_EPS) || !defined(TM_L2_EPS)
 #error "timemix/timemix.cu: HEAD_SIZE and the TM_* constants come from rwkvx/cu/timemix/ops.py"
 #endif
@@ -176,7 +177,7 @@ extern "C" __global__ void tm_shift_bwd(const float* x,
 #pragma unroll
             for (int j = 0; j < 6; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(m[j].v[e]));
+                for (int e = 0; e < 4; ++e) opaque(m[j].v[e]);
             const int t0 = row % T;
 #pragma unroll
             for (int k = 0; k < SR; ++k) {

@@ -42,6 +42,7 @@
 // Deterministic: no atomics, fixed summation orders.
 
 #include "common.cuh"
+#include "ptx.cuh"
 #include "cp_async.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_L) || !defined(WKV_STAGES) || !defined(WKV_FREC) || !defined(WKV_BREC) \
     || !defined(WKV_INTRA_THREADS) || !defined(WKV_SPLIT_OPERATORS) || !defined(WKV_EXACT)
@@ -396,7 +397,7 @@ __device__ __forceinline__ void group_sum(float (&d1)[4], float (&d2)[4], float*
         const float* theirs = xch + (1 - wk) * 8 * 32;
 #pragma unroll
         for (int e = 0; e < 4; ++e) { mine[e * 32 + lane] = d1[e]; mine[(4 + e) * 32 + lane] = d2[e]; }
-        asm volatile("bar.sync %0, 64;" :: "r"(1 + group) : "memory");
+        named_barrier<64>(1 + group);
 #pragma unroll
         for (int e = 0; e < 4; ++e) { d1[e] += theirs[e * 32 + lane]; d2[e] += theirs[(4 + e) * 32 + lane]; }
     }
@@ -432,9 +433,7 @@ __device__ __forceinline__ void carry_chunk(float* Cw, const float* Rs, const BF
 // The launch must give the dynamic shared memory this layout needs (rwkvx/cu/wkv7/ops.py computes it).
 template <class R>
 __device__ __forceinline__ void check_smem(int NR, int ngroups) {
-    unsigned have;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
-    if (have < 4u * state_smem_floats<R>(NR, ngroups)) __trap();
+    if (dynamic_smem_size() < 4u * state_smem_floats<R>(NR, ngroups)) __trap();
 }
 // A state-pass thread's place: group (8 state rows), warp wk of the group (keys wk*KH .. +KH-1), and the
 // group's tiles in shared memory

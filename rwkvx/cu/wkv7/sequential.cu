@@ -43,6 +43,7 @@
 // block (and per chunk boundary for the backward's checkpoint loads), nothing in the per-token work.
 
 #include "common.cuh"
+#include "cp_async.cuh"
 #if !defined(HEAD_SIZE) || !defined(WKV_Q) || !defined(WKV_CHUNK) || !defined(WKV_BWD_MAXT)
 #error "wkv7/sequential.cu: HEAD_SIZE, WKV_Q, WKV_CHUNK and WKV_BWD_MAXT come from rwkvx/cu/wkv7/ops.py"
 #endif
@@ -58,23 +59,11 @@ constexpr int BWD_MINB = HN >= 128 ? 1 : 2;                 // 2 blocks/SM (<= 1
 
 // ---- small helpers ---------------------------------------------------------------------------
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned r;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
 // copy 4 elements (16 bytes of float, 8 of bf16) global -> shared, asynchronously
-__device__ __forceinline__ void cp_async4(float* dst_smem, const float* src_gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(smem_addr(dst_smem)), "l"(src_gmem)
-                 : "memory");
-}
+__device__ __forceinline__ void cp_async4(float* dst_smem, const float* src_gmem) { cp16(dst_smem, src_gmem); }
 __device__ __forceinline__ void cp_async4(__nv_bfloat16* dst_smem, const __nv_bfloat16* src_gmem) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(smem_addr(dst_smem)), "l"(src_gmem)
-                 : "memory");
+    cp8(dst_smem, src_gmem);
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int K>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(K) : "memory"); }
 
 // Stage `cnt` tokens (from token tstart) of one [B,T,H,N] tensor into dst [LS][HN] with cp.async.
 // src points at X + h*HN; token t of sequence bb lives at src + ((bb*T + t)*H)*HN.

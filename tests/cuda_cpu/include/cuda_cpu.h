@@ -1,0 +1,507 @@
+// tests/cuda_cpu/include/cuda_cpu.h -- what a CUDA kernel file needs to compile with g++ and run on the CPU:
+// the CUDA keywords, vector types, built-in variables and intrinsics, and a runtime in which every GPU
+// thread of a block is a fiber. Force-included (g++ -include) before the kernel file; tests/cuda_cpu/
+// executor.py compiles each kernel file with it into a shared library (see tests/cuda_cpu/README.md).
+//
+// Scheduling: the blocks of a grid run one after another; within a block every thread runs until it
+// reaches a synchronisation point (a block or named barrier, a warp collective, an mma) or exits, in
+// increasing or decreasing thread order (the launch's `descending`). A synchronisation point completes
+// when all of its participants have arrived; its threads then run again, in the same order. Nothing
+// runs in parallel, so a plain read-modify-write is atomic; a missing barrier shows as a difference
+// between the two orders. A point that can never complete is a deadlock: the launch fails naming it.
+#pragma once
+#if !defined(__x86_64__)
+#error "the CPU kernel runtime switches fibers with x86-64 assembly"
+#endif
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <sys/mman.h>
+#include <vector>
+
+// ---- keywords ---------------------------------------------------------------------------------------
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+// Blocks run one at a time, so a block's shared variables can be static storage, in a section of their
+// own that every block starts with filled with 0xff bytes (NaN floats): shared memory starts undefined on
+// the GPU, so a read before a write shows. (The executor rewrites `extern __shared__` arrays into
+// pointers to the dynamic shared memory buffer below, which starts the same way.)
+#define __shared__ static __attribute__((section("cpuexec_shared")))
+extern "C" char __start_cpuexec_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_cpuexec_shared[] __attribute__((weak, visibility("hidden")));
+
+// ---- vector types -----------------------------------------------------------------------------------
+struct uint3 { unsigned x, y, z; };
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+struct __align__(8) float2 { float x, y; };
+struct __align__(16) float4 { float x, y, z, w; };
+struct __align__(8) uint2 { unsigned x, y; };
+struct __align__(16) uint4 { unsigned x, y, z, w; };
+struct __align__(8) int2 { int x, y; };
+struct __align__(16) int4 { int x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline int2 make_int2(int x, int y) { return {x, y}; }
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+
+static uint3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
+static constexpr int warpSize = 32;
+
+// ---- arithmetic intrinsics (the fast-math ones computed to fp32 accuracy) ----------------------------
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+inline float __frcp_rn(float x) { return 1.f / x; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float __saturatef(float x) { return x != x ? 0.f : fminf(fmaxf(x, 0.f), 1.f); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
+inline int __ffs(unsigned x) { return __builtin_ffs(x); }
+// loads and stores with cache hints: plain accesses here
+template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldcs(const T* p) { return *p; }
+template <class T> inline T __ldcg(const T* p) { return *p; }
+template <class T> inline T __ldca(const T* p) { return *p; }
+template <class T> inline T __ldlu(const T* p) { return *p; }
+template <class T> inline void __stcs(T* p, T v) { *p = v; }
+template <class T> inline void __stcg(T* p, T v) { *p = v; }
+template <class T> inline void __stwb(T* p, T v) { *p = v; }
+inline void __threadfence() {}
+inline void __threadfence_block() {}
+
+// ---- the fiber runtime ----------------------------------------------------------------------------------
+namespace cpuexec {
+
+// switch(save, next): store this stack pointer at *save, continue on the stack `next` (callee-saved
+// registers on the stacks; a new fiber's stack starts with zeros for them and fiber_main as return address)
+extern "C" void cpuexec_switch(void** save, void* next);
+asm(R"(
+    .text
+    .p2align 4
+    .hidden cpuexec_switch
+    .globl cpuexec_switch
+    .type cpuexec_switch, @function
+cpuexec_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cpuexec_switch, .-cpuexec_switch
+)");
+
+enum State { RUN, BAR, WARP, DONE };
+enum WarpOp { W_SYNC, W_SHFL, W_UP, W_DOWN, W_XOR, W_BALLOT, W_ANY, W_ALL, W_MATCH_ANY, W_CUSTOM };
+// a collective computed over the warp's lanes once all have arrived (e.g. an mma): lane payloads in lane order
+typedef void (*WarpFn)(void* const* payload, unsigned mask);
+
+struct AsyncCopy { void* dst; const void* src; int bytes, src_bytes; int group; };
+
+struct Fiber {
+    void* sp;
+    State state;
+    int bar_id, bar_count;          // BAR: the barrier and its thread count (-1: every thread of the block)
+    WarpOp op;                      // WARP: the collective, its member mask, this lane's value and argument
+    unsigned mask, value, result;
+    int arg, width;
+    WarpFn fn;
+    void* payload;
+    const char* what;               // the synchronisation point, for messages
+    std::vector<AsyncCopy> copies;  // cp.async copies issued and not yet performed
+    int committed;                  // commit groups closed so far
+};
+
+constexpr size_t STACK_BYTES = 256 * 1024;
+constexpr size_t PAGE = 4096;
+
+struct Runtime {
+    std::vector<Fiber> fibers;
+    char* stacks = nullptr;
+    size_t stacks_for = 0;          // fibers the stack area holds
+    void* sched_sp = nullptr;
+    int cur = -1, n = 0;
+    void (*kernel)(const uint64_t*) = nullptr;
+    const uint64_t* args = nullptr;
+    const char* name = "";
+    size_t dyn_smem_bytes = 0;      // of the running launch
+    std::string error;
+};
+static Runtime rt;
+
+inline int lane_of(int t) { return t & 31; }
+
+// The calling fiber parks until the scheduler runs it again.
+inline void park() { Fiber& f = rt.fibers[rt.cur]; cpuexec_switch(&f.sp, rt.sched_sp); }
+
+inline void fail(const std::string& msg) {
+    if (rt.error.empty()) rt.error = msg;
+}
+
+inline std::string where(int t) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "kernel %s, block (%u,%u,%u), thread %d", rt.name, blockIdx.x, blockIdx.y,
+                  blockIdx.z, t);
+    return buf;
+}
+
+[[noreturn]] inline void fiber_exit() {
+    Fiber& f = rt.fibers[rt.cur];
+    f.state = DONE;
+    f.copies.clear();               // copies never waited for: a kernel that reads them sees stale data
+    cpuexec_switch(&f.sp, rt.sched_sp);
+    __builtin_unreachable();
+}
+
+extern "C" void cpuexec_fiber_main() {
+    rt.kernel(rt.args);
+    fiber_exit();
+}
+
+inline void init_stacks(int n) {
+    if ((size_t)n <= rt.stacks_for) return;
+    if (rt.stacks) munmap(rt.stacks, rt.stacks_for * STACK_BYTES);
+    rt.stacks = (char*)mmap(nullptr, n * STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                            -1, 0);
+    if (rt.stacks == MAP_FAILED) { rt.stacks = nullptr; rt.stacks_for = 0; return; }
+    for (int i = 0; i < n; ++i) mprotect(rt.stacks + i * STACK_BYTES, PAGE, PROT_NONE);   // overflow guard
+    rt.stacks_for = n;
+}
+
+inline void start_fiber(int t) {
+    Fiber& f = rt.fibers[t];
+    void** top = (void**)(rt.stacks + (t + 1) * STACK_BYTES);
+    *--top = nullptr;                                   // fiber_main's return address slot (never used)
+    *--top = (void*)&cpuexec_fiber_main;
+    for (int i = 0; i < 6; ++i) *--top = nullptr;       // rbp rbx r12 r13 r14 r15
+    f.sp = top;
+    f.state = RUN;
+    f.copies.clear();
+    f.committed = 0;
+}
+
+// Collective results for the lanes of `mask` (all at the same WARP point); false after a failure.
+inline bool resolve_warp(int base, unsigned mask) {
+    Fiber* L = &rt.fibers[base];
+    const Fiber& first = L[__builtin_ctz(mask)];
+    for (int l = 0; l < 32; ++l) {
+        if (!(mask >> l & 1)) continue;
+        if (L[l].mask != mask || L[l].op != first.op || L[l].fn != first.fn) {
+            fail(where(base + l) + ": lanes of one warp collective disagree (" + L[l].what + " vs " + first.what +
+                 ", mask or operation differs)");
+            return false;
+        }
+    }
+    unsigned vote = 0;
+    for (int l = 0; l < 32; ++l)
+        if (mask >> l & 1) vote |= (L[l].value != 0u) << l;
+    if (first.op == W_CUSTOM) {
+        void* payload[32] = {};
+        for (int l = 0; l < 32; ++l)
+            if (mask >> l & 1) payload[l] = L[l].payload;
+        first.fn(payload, mask);
+    }
+    for (int l = 0; l < 32; ++l) {
+        if (!(mask >> l & 1)) continue;
+        Fiber& f = L[l];
+        const int w = f.width, seg = l & ~(w - 1);
+        int src = l;
+        switch (f.op) {
+            case W_SHFL: src = seg + (f.arg & (w - 1)); break;
+            case W_UP: src = l - f.arg >= seg ? l - f.arg : l; break;
+            case W_DOWN: src = l + f.arg < seg + w ? l + f.arg : l; break;
+            case W_XOR: src = (l ^ f.arg) < seg + w ? (l ^ f.arg) : l; break;
+            default: break;
+        }
+        if (src < 0 || src > 31 || !(mask >> src & 1)) {
+            fail(where(base + l) + ": " + f.what + " reads lane " + std::to_string(src) + ", which is not in its mask");
+            return false;
+        }
+        switch (f.op) {
+            case W_BALLOT: f.result = vote; break;
+            case W_ANY: f.result = vote != 0; break;
+            case W_ALL: f.result = vote == mask; break;
+            case W_MATCH_ANY:
+                f.result = 0;
+                for (int m = 0; m < 32; ++m)
+                    if ((mask >> m & 1) && L[m].value == f.value) f.result |= 1u << m;
+                break;
+            default: f.result = L[src].value; break;
+        }
+        f.state = RUN;
+    }
+    return true;
+}
+
+// Complete every synchronisation point whose participants have all arrived; whether any completed.
+inline bool resolve() {
+    bool any = false;
+    for (int base = 0; base < rt.n; base += 32) {
+        for (int l = 0; l < 32 && base + l < rt.n; ++l) {
+            Fiber& f = rt.fibers[base + l];
+            if (f.state != WARP) continue;
+            const unsigned mask = f.mask;
+            if (!(mask >> l & 1)) {
+                fail(where(base + l) + ": " + f.what + " with a mask that does not hold the calling lane");
+                return false;
+            }
+            bool ready = true;
+            for (int m = 0; m < 32; ++m) {
+                if (!(mask >> m & 1)) continue;
+                if (base + m >= rt.n || rt.fibers[base + m].state == DONE) {
+                    fail(where(base + l) + ": " + f.what + " waits for lane " + std::to_string(m) +
+                         ", which has exited or does not exist");
+                    return false;
+                }
+                ready = ready && rt.fibers[base + m].state == WARP;
+            }
+            if (ready) {
+                if (!resolve_warp(base, mask)) return false;
+                any = true;
+            }
+        }
+    }
+    // block barriers: id -> arrived threads; -1 counts every thread that has not exited
+    int live = 0;
+    for (int t = 0; t < rt.n; ++t) live += rt.fibers[t].state != DONE;
+    for (int id = 0; id < 16; ++id) {
+        int arrived = 0, count = 0;
+        for (int t = 0; t < rt.n; ++t) {
+            const Fiber& f = rt.fibers[t];
+            if (f.state == BAR && f.bar_id == id) {
+                if (arrived && f.bar_count != count) {
+                    fail(where(t) + ": barrier " + std::to_string(id) + " reached with different thread counts");
+                    return false;
+                }
+                count = f.bar_count;
+                ++arrived;
+            }
+        }
+        if (!arrived) continue;
+        const int need = count < 0 ? live : count;
+        if (arrived > need) {
+            fail("kernel " + std::string(rt.name) + ": " + std::to_string(arrived) + " threads at barrier " +
+                 std::to_string(id) + ", which expects " + std::to_string(need));
+            return false;
+        }
+        if (arrived == need) {
+            for (int t = 0; t < rt.n; ++t)
+                if (rt.fibers[t].state == BAR && rt.fibers[t].bar_id == id) rt.fibers[t].state = RUN;
+            any = true;
+        }
+    }
+    return any;
+}
+
+// what thread t waits at, in words
+inline std::string waits_at(int t) {
+    const Fiber& f = rt.fibers[t];
+    char buf[96];
+    if (f.state == BAR)
+        std::snprintf(buf, sizeof buf, " (barrier %d, %s)", f.bar_id,
+                      f.bar_count < 0 ? "all threads" : (std::to_string(f.bar_count) + " threads").c_str());
+    else
+        std::snprintf(buf, sizeof buf, " (mask 0x%08x)", f.mask);
+    return std::string(f.what) + buf;
+}
+
+// The threads that have not exited, runs of consecutive threads waiting at the same point.
+inline std::string deadlock() {
+    std::string msg = "deadlock in kernel " + std::string(rt.name) + ", block (" + std::to_string(blockIdx.x) + "," +
+                      std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) + "):";
+    for (int t = 0; t < rt.n;) {
+        if (rt.fibers[t].state == DONE) { ++t; continue; }
+        const std::string at = waits_at(t);
+        int e = t + 1;
+        while (e < rt.n && rt.fibers[e].state != DONE && waits_at(e) == at) ++e;
+        msg += (e - t > 1 ? " threads " + std::to_string(t) + "-" + std::to_string(e - 1) : " thread " + std::to_string(t)) +
+               " wait at " + at + ";";
+        t = e;
+    }
+    return msg + " none of these can complete";
+}
+
+inline void set_thread(int t) {
+    threadIdx.x = t % blockDim.x;
+    threadIdx.y = t / blockDim.x % blockDim.y;
+    threadIdx.z = t / (blockDim.x * blockDim.y);
+}
+
+// Run one block to its end; false (rt.error set) on a failure.
+inline bool run_block(bool descending) {
+    for (int t = 0; t < rt.n; ++t) start_fiber(t);
+    for (;;) {
+        for (int i = 0; i < rt.n; ++i) {
+            const int t = descending ? rt.n - 1 - i : i;
+            if (rt.fibers[t].state != RUN) continue;
+            rt.cur = t;
+            set_thread(t);
+            cpuexec_switch(&rt.sched_sp, rt.fibers[t].sp);
+            if (!rt.error.empty()) return false;
+        }
+        bool waiting = false;
+        for (int t = 0; t < rt.n; ++t) waiting = waiting || rt.fibers[t].state != DONE;
+        if (!waiting) return true;
+        // every thread has parked or exited: unless a point completes now, none ever will
+        const bool progressed = resolve();
+        if (!rt.error.empty()) return false;
+        if (!progressed) { fail(deadlock()); return false; }
+    }
+}
+
+// ---- what the kernel calls ------------------------------------------------------------------------------
+inline int linear_tid() { return rt.cur; }
+
+inline void barrier(int id, int count, const char* what) {
+    Fiber& f = rt.fibers[rt.cur];
+    f.state = BAR; f.bar_id = id; f.bar_count = count; f.what = what;
+    park();
+}
+
+inline unsigned warp_op(WarpOp op, unsigned mask, unsigned value, int arg, int width, const char* what,
+                        WarpFn fn = nullptr, void* payload = nullptr) {
+    Fiber& f = rt.fibers[rt.cur];
+    if (width < 1 || width > 32 || (width & (width - 1))) {
+        fail(where(rt.cur) + ": " + what + " with width " + std::to_string(width) + " (a power of 2 up to 32)");
+        fiber_exit();
+    }
+    f.state = WARP; f.op = op; f.mask = mask; f.value = value; f.arg = arg; f.width = width; f.what = what;
+    f.fn = fn; f.payload = payload;
+    park();
+    return rt.fibers[rt.cur].result;
+}
+
+[[noreturn]] inline void trap(const char* what) {
+    fail(where(rt.cur) + ": " + what);
+    fiber_exit();
+}
+
+}  // namespace cpuexec
+
+inline void __syncthreads() { cpuexec::barrier(0, -1, "__syncthreads"); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { cpuexec::warp_op(cpuexec::W_SYNC, mask, 0, 0, 32, "__syncwarp"); }
+[[noreturn]] inline void __trap() { cpuexec::trap("__trap()"); }
+
+template <class T> inline unsigned cpuexec_bits(T v) {
+    static_assert(sizeof(T) == 4, "warp shuffles of 4-byte values only");
+    unsigned u; std::memcpy(&u, &v, 4); return u;
+}
+template <class T> inline T cpuexec_from_bits(unsigned u) { T v; std::memcpy(&v, &u, 4); return v; }
+template <class T> inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+    return cpuexec_from_bits<T>(cpuexec::warp_op(cpuexec::W_SHFL, mask, cpuexec_bits(v), src, width, "__shfl_sync"));
+}
+template <class T> inline T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
+    return cpuexec_from_bits<T>(cpuexec::warp_op(cpuexec::W_UP, mask, cpuexec_bits(v), (int)d, width, "__shfl_up_sync"));
+}
+template <class T> inline T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
+    return cpuexec_from_bits<T>(cpuexec::warp_op(cpuexec::W_DOWN, mask, cpuexec_bits(v), (int)d, width, "__shfl_down_sync"));
+}
+template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int m, int width = 32) {
+    return cpuexec_from_bits<T>(cpuexec::warp_op(cpuexec::W_XOR, mask, cpuexec_bits(v), m, width, "__shfl_xor_sync"));
+}
+inline unsigned __ballot_sync(unsigned mask, int p) { return cpuexec::warp_op(cpuexec::W_BALLOT, mask, p != 0, 0, 32, "__ballot_sync"); }
+inline int __any_sync(unsigned mask, int p) { return (int)cpuexec::warp_op(cpuexec::W_ANY, mask, p != 0, 0, 32, "__any_sync"); }
+template <class T> inline unsigned __match_any_sync(unsigned mask, T v) {
+    return cpuexec::warp_op(cpuexec::W_MATCH_ANY, mask, cpuexec_bits(v), 0, 32, "__match_any_sync");
+}
+inline int __all_sync(unsigned mask, int p) { return (int)cpuexec::warp_op(cpuexec::W_ALL, mask, p != 0, 0, 32, "__all_sync"); }
+
+// Blocks run one at a time and a fiber is never interrupted: every read-modify-write is atomic.
+template <class T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <class T> inline T atomicSub(T* p, T v) { T old = *p; *p = old - v; return old; }
+template <class T> inline T atomicMax(T* p, T v) { T old = *p; *p = old > v ? old : v; return old; }
+template <class T> inline T atomicMin(T* p, T v) { T old = *p; *p = old < v ? old : v; return old; }
+template <class T> inline T atomicExch(T* p, T v) { T old = *p; *p = v; return old; }
+template <class T> inline T atomicCAS(T* p, T cmp, T v) { T old = *p; if (old == cmp) *p = v; return old; }
+
+// Dynamic shared memory: one buffer of the most a launch may have (CPUEXEC_DYNAMIC_SMEM_BYTES, defined by
+// the executor), at a fixed address, so that `extern __shared__` arrays at namespace scope can be
+// rewritten to constant pointers into it; canary bytes after the launch's part catch writes past it.
+#ifndef CPUEXEC_DYNAMIC_SMEM_BYTES
+#error "CPUEXEC_DYNAMIC_SMEM_BYTES comes from tests/cuda_cpu/executor.py"
+#endif
+constexpr int SMEM_CANARY_BYTES = 256;
+constexpr unsigned char SMEM_CANARY = 0xa5;
+alignas(128) static unsigned char cpuexec_smem[CPUEXEC_DYNAMIC_SMEM_BYTES + SMEM_CANARY_BYTES];
+
+// ---- the launch entry (called by tests/cuda_cpu/executor.py through ctypes) ------------------------------
+// grid, block: 3 dimensions each; smem: dynamic shared memory bytes; err: room for a message on failure.
+// Returns 0, or 1 with the message in err.
+inline int cpuexec_launch_impl(void (*kernel)(const uint64_t*), const char* name, const uint64_t* args,
+                               const unsigned* grid, const unsigned* block, unsigned long long smem, int descending,
+                               char* err, int errlen) {
+    using namespace cpuexec;
+    rt.error.clear();
+    rt.kernel = kernel; rt.args = args; rt.name = name;
+    gridDim.x = grid[0]; gridDim.y = grid[1]; gridDim.z = grid[2];
+    blockDim.x = block[0]; blockDim.y = block[1]; blockDim.z = block[2];
+    rt.n = (int)(block[0] * block[1] * block[2]);
+    init_stacks(rt.n);
+    if (!rt.stacks) { std::snprintf(err, errlen, "kernel %s: no memory for %d fiber stacks", name, rt.n); return 1; }
+    rt.fibers.assign(rt.n, Fiber());
+    if (smem > CPUEXEC_DYNAMIC_SMEM_BYTES) {
+        std::snprintf(err, errlen, "kernel %s: %llu bytes of dynamic shared memory, more than the %d the CPU runtime has",
+                      name, smem, CPUEXEC_DYNAMIC_SMEM_BYTES);
+        return 1;
+    }
+    rt.dyn_smem_bytes = smem;
+    for (unsigned z = 0; z < grid[2]; ++z)
+        for (unsigned y = 0; y < grid[1]; ++y)
+            for (unsigned x = 0; x < grid[0]; ++x) {
+                blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
+                // shared memory starts undefined on the GPU: NaN bytes here make a read before a write show
+                std::memset(cpuexec_smem, 0xff, smem);
+                std::memset(cpuexec_smem + smem, SMEM_CANARY, SMEM_CANARY_BYTES);
+                if (__start_cpuexec_shared != __stop_cpuexec_shared)
+                    std::memset(__start_cpuexec_shared, 0xff, __stop_cpuexec_shared - __start_cpuexec_shared);
+                if (!run_block(descending != 0)) {
+                    std::snprintf(err, errlen, "%s", rt.error.c_str());
+                    return 1;
+                }
+                for (int i = 0; i < SMEM_CANARY_BYTES; ++i)
+                    if (cpuexec_smem[smem + i] != SMEM_CANARY) {
+                        std::snprintf(err, errlen, "kernel %s, block (%u,%u,%u): wrote past its %llu bytes of dynamic "
+                                      "shared memory", name, x, y, z, smem);
+                        return 1;
+                    }
+            }
+    return 0;
+}
+
+inline unsigned cpuexec_dynamic_smem_size() { return (unsigned)cpuexec::rt.dyn_smem_bytes; }

@@ -1,0 +1,9 @@
+// tests/cuda_cpu/include/ptx.cuh -- the CPU stand-in for rwkvx/cu/ptx.cuh (same functions).
+#pragma once
+
+// bar.sync id, COUNT: completes when COUNT threads of the block have arrived at barrier `id`
+template <int COUNT>
+__device__ __forceinline__ void named_barrier(int id) { cpuexec::barrier(id, COUNT, "bar.sync (named barrier)"); }
+__device__ __forceinline__ unsigned dynamic_smem_size() { return cpuexec_dynamic_smem_size(); }
+// a register-allocation hint on the GPU; nothing to do here
+__device__ __forceinline__ void opaque(float&) {}
