@@ -13,12 +13,13 @@ emulation leaves out (fp32 arithmetic, an order of sums, or a kernel rounding no
 Each ``--fp32 FAMILY...`` is one more emulated variant: the plan with those families of
 ``torch_twin.FAMILIES`` also in fp32 (``--fp32`` alone: the plan itself); all variants share one float64
 reference and one yardstick, which take nearly all of a CPU run's time. ``--cache DIR`` (with ``--cpu``)
-keeps those two in DIR, one file per case and seed, and a later run on the same inputs reads them back.
+keeps those two in DIR, one file per case and seed, and a later run on the same inputs reads them back
+(the file records a hash of the inputs, not of the twin's code).
 
     python scripts/bf16_emulation_check.py --case rwkv7-N64-T1024 --seed 0 [--kernels wkv7_split moba_bf16]
     python scripts/bf16_emulation_check.py --case hybrid-N64-T1024 --seed 2 --cpu --tensors moba.1.att.
     python scripts/bf16_emulation_check.py --case rwkv7-N64-T1024 --seed 0 --cpu --cache /tmp/bf16ref \
-        --fp32 --fp32 rkv --fp32 drkv --tensors ln1.bias
+        --fp32 --fp32 r kv --fp32 drkv --tensors ln1.bias
 
 Needs rwkvx's GPU and PyTorch with CUDA (the twins run there; about a minute per case). ``--cpu``: the
 emulation and the yardstick alone, on the CPU with the float64 twin's own selection (no GPU; at the
@@ -139,7 +140,7 @@ def emulations(cfg: Config, params: dict[str, np.ndarray], tokens: np.ndarray, t
     def compute() -> References:
         t0 = time.time()
         result = twin("float64")
-        own = result.selection if selection is None and cfg.n_attn_layer else selection or []
+        own = result.selection if selection is None else selection     # [] without MoBA blocks
         yard = torch_twin.loss_and_grads(cfg, params, tokens, targets, "autocast_bf16", device,
                                          selection=own or None).grads
         print(f"float64 reference and yardstick in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
@@ -173,7 +174,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="no GPU: the emulation and the yardstick on the CPU, the float64 twin's selection")
     ap.add_argument("--cache", type=Path, metavar="DIR",
                     help="with --cpu: a folder (outside the repository) that keeps each case's float64 reference "
-                         "and yardstick, for later runs on the same case and seed")
+                         "and yardstick, for later runs on the same inputs (a file is kept for the inputs it was "
+                         "computed on; clear the folder after changing the twin's float64 or autocast recipe)")
     ap.add_argument("--tensors", nargs="*", default=[], help="also print the tensors whose names contain these")
     args = ap.parse_args(argv)
     m = CASE.fullmatch(args.case)

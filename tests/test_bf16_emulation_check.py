@@ -46,11 +46,11 @@ def test_fp32_variants_on_the_command_line(script):
     args = script.parse_args(["--case", "rwkv7-N64-T1024"])
     assert args.case == ("rwkv7", 64, 1024) and args.fp32 == [[]] and args.cache is None
     args = script.parse_args(["--case", "hybrid-N64-T4096", "--seed", "1", "--cpu", "--cache", "/tmp/c",
-                              "--fp32", "--fp32", "rkv", "--fp32", "drkv", "lora"])
-    assert args.fp32 == [[], ["rkv"], ["drkv", "lora"]] and args.cache == Path("/tmp/c")
-    assert [script.variant(v) for v in args.fp32] == ["emulation", "emulation + rkv fp32",
+                              "--fp32", "--fp32", "r", "--fp32", "drkv", "lora"])
+    assert args.fp32 == [[], ["r"], ["drkv", "lora"]] and args.cache == Path("/tmp/c")
+    assert [script.variant(v) for v in args.fp32] == ["emulation", "emulation + r fp32",
                                                       "emulation + drkv, lora fp32"]
-    assert script.variant(["decay", "rkv", "rkv"]) == "emulation + rkv fp32"      # decay is the plan's already
+    assert script.variant(["decay", "r", "r"]) == "emulation + r fp32"      # decay is the plan's already
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -75,10 +75,10 @@ def test_variants_share_one_cached_reference(script, inputs, tmp_path, monkeypat
 
     monkeypatch.setattr(torch_twin, "loss_and_grads", counted)
     cache = tmp_path / "case.npz"
-    variants = [[], ["rkv"], ["drkv", "lora"], ["rkv"]]
+    variants = [[], ["r"], ["drkv", "lora"], ["r"]]
     ref, got = script.emulations(cfg, params, tokens, targets, variants, ["moba_bf16"], cache=cache)
     assert recipes == ["float64", "autocast_bf16"] + ["rwkvx_bf16"] * 3 and cache.exists()
-    assert list(got) == ["emulation", "emulation + rkv fp32", "emulation + drkv, lora fp32", "yardstick"]
+    assert list(got) == ["emulation", "emulation + r fp32", "emulation + drkv, lora fp32", "yardstick"]
     want = twin(cfg, params, tokens, targets)
     assert all(np.array_equal(ref[n], g) for n, g in want.grads.items())
     plan_lora = twin(cfg, params, tokens, targets, "rwkvx_bf16", selection=want.selection, kernels=["moba_bf16"],
@@ -100,7 +100,7 @@ def test_variants_share_one_cached_reference(script, inputs, tmp_path, monkeypat
 def test_compare_counts_the_tensors_over_the_bound(script):
     ref = {"a": np.ones(4), "b": np.ones(4)}
     got = {"emulation": {"a": np.full(4, 1.05), "b": np.full(4, 1.01)},
-           "emulation + rkv fp32": {"a": np.full(4, 1.01), "b": np.full(4, 1.01)},
+           "emulation + r fp32": {"a": np.full(4, 1.01), "b": np.full(4, 1.01)},
            "yardstick": {"a": np.full(4, 1.02), "b": np.full(4, 1.02)}}
     rows = script.compare(ref, got)
     assert rows[-1] == "| tensors over the bound | | | | 1 | 0 |"

@@ -146,10 +146,10 @@ def test_every_rounding_family_moves_the_rwkvx_bf16_emulation(training_like):
     assert np.median(every) > 1e-3 and max(every) <= 0.25, (np.median(every), max(every))
 
 
-def test_rkv_values_and_drkv_gradients_round_the_projections_between_them(random_params, monkeypatch):
-    """``rkv`` rounds the projections' stored values and ``drkv`` their stored gradients, and the two
-    together make exactly the roundings of the single family they split: per RWKV-7 block r, k, v with
-    dr, dk, dv, and the WKV7's dr before dr2 joins it; per MoBA block q, k, v with dq, dk, dv."""
+def test_r_kv_values_and_drkv_gradients_round_the_projections_between_them(random_params, monkeypatch):
+    """``r`` and ``kv`` round the projections' stored values and ``drkv`` their stored gradients, and the
+    three together make exactly the roundings of the single family they split: per RWKV-7 block r, k, v
+    with dr, dk, dv, and the WKV7's dr before dr2 joins it; per MoBA block q, k, v with dq, dk, dv."""
     cfg, params, tokens, targets = _case("hybrid", random_params, 10)      # 2 RWKV-7 blocks, 1 MoBA block
     blocks = cfg.n_rwkv_layer + cfg.n_attn_layer
     calls = []
@@ -167,9 +167,10 @@ def test_rkv_values_and_drkv_gradients_round_the_projections_between_them(random
                                   fp32_families=torch_twin.FAMILIES.keys() - rounded)
         return Counter(calls)
 
-    assert roundings({"rkv"}) == {(True, False): 3 * blocks}
+    assert roundings({"r"}) == {(True, False): blocks}
+    assert roundings({"kv"}) == {(True, False): 2 * blocks}
     assert roundings({"drkv"}) == {(False, True): 3 * blocks + cfg.n_rwkv_layer}
-    assert roundings({"rkv", "drkv"}) == {(True, True): 3 * blocks, (False, True): cfg.n_rwkv_layer}
+    assert roundings({"r", "kv", "drkv"}) == {(True, True): 3 * blocks, (False, True): cfg.n_rwkv_layer}
 
 
 def test_bad_arguments_are_refused(random_params):

@@ -56,7 +56,9 @@ FAMILIES = {
     "shift": "the token-shift mixes xr .. xg, xk2 and their gradients",
     "lora": "the LoRA hiddens hw, ha, hv, hg (before and after tanh / sigmoid), outputs wl, al, vl, and "
             "their gradients",
-    "rkv": "the projections r, k, v (MoBA's q, k, v): their values, which the WKV7 / MoBA and the bonus term read",
+    "r": "the receptance r's value (MoBA's q), which the WKV7 / MoBA and the bonus term read",
+    "kv": "the key and value projections' values k, v (MoBA's k, v), which the time mix's prep (k', v', kk), block "
+          "0's WKV7 and MoBA read",
     "drkv": "the projections' gradients dr, dk, dv (MoBA's dq, dk, dv) the GEMMs read, and the WKV7's dr before "
             "the bonus term's dr2 is added to it",
     "decay": "the WKV7 decay exp(-e^-1/2 sigmoid(w0 + wl)) the recurrence reads",
@@ -330,12 +332,12 @@ def _time_mix(P, pre, layer, x, v_first, N, rd):
     H = C // N
     xx = _shift(x) - x
     xr, xw, xk, xv, xa, xg = (rd(x + xx * P[a + m], "shift") for m in MIXES)
-    r = rd(rd.linear(xr, P[a + "receptance.weight"]), "rkv", "drkv")
+    r = rd(rd.linear(xr, P[a + "receptance.weight"]), "r", "drkv")
     w = P[a + "w0"] + rd(_lora(rd, xw, P, a + "w1", a + "w2", "tanh"), "lora")     # the decay's logit
     if rd.decay_logit:
         w = rd.value(w, "decay")
-    k = rd(rd.linear(xk, P[a + "key.weight"]), "rkv", "drkv")
-    v = rd(rd.linear(xv, P[a + "value.weight"]), "rkv", "drkv")
+    k = rd(rd.linear(xk, P[a + "key.weight"]), "kv", "drkv")
+    v = rd(rd.linear(xv, P[a + "value.weight"]), "kv", "drkv")
     rate = torch.sigmoid(P[a + "a0"] + rd(_lora(rd, xa, P, a + "a1", a + "a2"), "lora"))
     g = rd(_lora(rd, xg, P, a + "g1", a + "g2", "sigmoid"), "gn_gate")
     kk = F.normalize((k * P[a + "k_k"]).view(B, T, H, N), dim=-1, p=2.0, eps=L2_EPS).view(B, T, C)
@@ -456,8 +458,8 @@ def _attention(P, pre, x, cfg, forced, rd):
     a = pre + "att."
     B, T, C = x.shape
     N = cfg.head_size
-    q, k, v = (rd(rd.linear(x, P[a + n + ".weight"]), "rkv", "drkv").view(B, T, C // N, N)
-               for n in ("receptance", "key", "value"))
+    q, k, v = (rd(rd.linear(x, P[a + n + ".weight"]), family, "drkv").view(B, T, C // N, N)
+               for n, family in (("receptance", "r"), ("key", "kv"), ("value", "kv")))
     own, gaps = moba_select(q, k, cfg.moba_chunk_size, cfg.moba_top_k)
     selection = own if forced is None else forced
     kernel = next((name for name in rd.kernels if name.startswith("moba_")), None)
