@@ -4,6 +4,8 @@ twin and by gradcheck) and keeps an fp32 state under bf16 inputs, its autocast b
 stays near float64, and its emulation of rwkvx's bf16 plan is float64 itself with every rounding family
 promoted and is moved by each family alone. These vouch for the twin as the reference and the yardstick
 of tests/gpu/test_bf16_yardstick.py, and for the emulation of scripts/bf16_error_budget.py. Skipped without PyTorch (a test-only dependency)."""
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -142,6 +144,33 @@ def test_every_rounding_family_moves_the_rwkvx_bf16_emulation(training_like):
         assert max(errors(torch_twin.FAMILIES.keys() - {family})) > 1e-6, family
     every = errors(())
     assert np.median(every) > 1e-3 and max(every) <= 0.25, (np.median(every), max(every))
+
+
+def test_r_kv_values_and_drkv_gradients_round_the_projections_between_them(random_params, monkeypatch):
+    """``r`` and ``kv`` round the projections' stored values and ``drkv`` their stored gradients, and the
+    three together make exactly the roundings of the single family they split: per RWKV-7 block r, k, v
+    with dr, dk, dv, and the WKV7's dr before dr2 joins it; per MoBA block q, k, v with dq, dk, dv."""
+    cfg, params, tokens, targets = _case("hybrid", random_params, 10)      # 2 RWKV-7 blocks, 1 MoBA block
+    blocks = cfg.n_rwkv_layer + cfg.n_attn_layer
+    calls = []
+    round_apply = torch_twin._Round.apply
+
+    def counted(x, value, grad):
+        calls.append((value, grad))
+        return round_apply(x, value, grad)
+
+    monkeypatch.setattr(torch_twin._Round, "apply", counted)
+
+    def roundings(rounded):
+        calls.clear()
+        torch_twin.loss_and_grads(cfg, params, tokens, targets, "rwkvx_bf16",
+                                  fp32_families=torch_twin.FAMILIES.keys() - rounded)
+        return Counter(calls)
+
+    assert roundings({"r"}) == {(True, False): blocks}
+    assert roundings({"kv"}) == {(True, False): 2 * blocks}
+    assert roundings({"drkv"}) == {(False, True): 3 * blocks + cfg.n_rwkv_layer}
+    assert roundings({"r", "kv", "drkv"}) == {(True, True): 3 * blocks, (False, True): cfg.n_rwkv_layer}
 
 
 def test_bad_arguments_are_refused(random_params):

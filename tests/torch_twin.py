@@ -56,7 +56,11 @@ FAMILIES = {
     "shift": "the token-shift mixes xr .. xg, xk2 and their gradients",
     "lora": "the LoRA hiddens hw, ha, hv, hg (before and after tanh / sigmoid), outputs wl, al, vl, and "
             "their gradients",
-    "rkv": "the projections r, k, v (MoBA's q, k, v) and their gradients dr, dk, dv",
+    "r": "the receptance r's value (MoBA's q), which the WKV7 / MoBA and the bonus term read",
+    "kv": "the key and value projections' values k, v (MoBA's k, v), which the time mix's prep (k', v', kk), block "
+          "0's WKV7 and MoBA read",
+    "drkv": "the projections' gradients dr, dk, dv (MoBA's dq, dk, dv) the GEMMs read, and the WKV7's dr before "
+            "the bonus term's dr2 is added to it",
     "decay": "the WKV7 decay exp(-e^-1/2 sigmoid(w0 + wl)) the recurrence reads",
     "wkv_in": "the other WKV7 inputs k', v', wa, wb (their gradients are fp32 in rwkvx)",
     "y": "the WKV7 / MoBA output y and its gradient",
@@ -155,9 +159,12 @@ class Rounding:
         self.decay_logit = decay_logit
         self.kernels = frozenset(kernels)
 
-    def __call__(self, x: torch.Tensor, family: str) -> torch.Tensor:
-        """x as a stored buffer of ``family``: its value and its gradient rounded."""
-        return _Round.apply(x, True, True) if family in self.rounded else x
+    def __call__(self, x: torch.Tensor, family: str, grad_family: str | None = None) -> torch.Tensor:
+        """x as a stored buffer of ``family``: its value rounded, and its gradient as a stored buffer of
+        ``grad_family`` (by default ``family`` too)."""
+        value = family in self.rounded
+        grad = (family if grad_family is None else grad_family) in self.rounded
+        return _Round.apply(x, value, grad) if value or grad else x
 
     def value(self, x: torch.Tensor, family: str) -> torch.Tensor:
         """x with its value rounded (a buffer whose gradient rwkvx keeps in fp32, or never stores)."""
@@ -325,12 +332,12 @@ def _time_mix(P, pre, layer, x, v_first, N, rd):
     H = C // N
     xx = _shift(x) - x
     xr, xw, xk, xv, xa, xg = (rd(x + xx * P[a + m], "shift") for m in MIXES)
-    r = rd(rd.linear(xr, P[a + "receptance.weight"]), "rkv")
+    r = rd(rd.linear(xr, P[a + "receptance.weight"]), "r", "drkv")
     w = P[a + "w0"] + rd(_lora(rd, xw, P, a + "w1", a + "w2", "tanh"), "lora")     # the decay's logit
     if rd.decay_logit:
         w = rd.value(w, "decay")
-    k = rd(rd.linear(xk, P[a + "key.weight"]), "rkv")
-    v = rd(rd.linear(xv, P[a + "value.weight"]), "rkv")
+    k = rd(rd.linear(xk, P[a + "key.weight"]), "kv", "drkv")
+    v = rd(rd.linear(xv, P[a + "value.weight"]), "kv", "drkv")
     rate = torch.sigmoid(P[a + "a0"] + rd(_lora(rd, xa, P, a + "a1", a + "a2"), "lora"))
     g = rd(_lora(rd, xg, P, a + "g1", a + "g2", "sigmoid"), "gn_gate")
     kk = F.normalize((k * P[a + "k_k"]).view(B, T, H, N), dim=-1, p=2.0, eps=L2_EPS).view(B, T, C)
@@ -344,7 +351,7 @@ def _time_mix(P, pre, layer, x, v_first, N, rd):
     wa, wb = (rd.value(t, "wkv_in") for t in (-kk, kk * rate))
     round_decay = "decay" in rd.rounded and not rd.decay_logit
     kernel = next((name for name in rd.kernels if name.startswith("wkv7_")), None)
-    y = rd(wkv7(rd.grad(r, "rkv"), w, k, v, wa, wb, N, rd.recipe, round_decay, kernel), "y")
+    y = rd(wkv7(rd.grad(r, "drkv"), w, k, v, wa, wb, N, rd.recipe, round_decay, kernel), "y")
     y = F.group_norm(y.view(B * T, C), H, P[a + "ln_x.weight"], P[a + "ln_x.bias"], GN_EPS).view(B, T, C)
     r, k, v = (rd.grad(t, "gn_gate").view(B, T, H, N) for t in (r, k, v))      # the bonus term's gradients
     bonus = (r * k * P[a + "r_k"]).sum(dim=-1, keepdim=True)
@@ -451,8 +458,8 @@ def _attention(P, pre, x, cfg, forced, rd):
     a = pre + "att."
     B, T, C = x.shape
     N = cfg.head_size
-    q, k, v = (rd(rd.linear(x, P[a + n + ".weight"]), "rkv").view(B, T, C // N, N)
-               for n in ("receptance", "key", "value"))
+    q, k, v = (rd(rd.linear(x, P[a + n + ".weight"]), family, "drkv").view(B, T, C // N, N)
+               for n, family in (("receptance", "r"), ("key", "kv"), ("value", "kv")))
     own, gaps = moba_select(q, k, cfg.moba_chunk_size, cfg.moba_top_k)
     selection = own if forced is None else forced
     kernel = next((name for name in rd.kernels if name.startswith("moba_")), None)
