@@ -174,6 +174,9 @@ extern "C" __global__ void collectives(int* y, int width) {
     y[160 + l] = __any_sync(0xffffffffu, l == 31) + 2 * __all_sync(0xffffffffu, l < 31) + 4 * __all_sync(0xffffffffu, l < 32);
     if (l < 16) y[192 + l] = __shfl_xor_sync(0x0000ffffu, v, 1);    // a mask of half the warp
     __syncwarp();
+    const long long w = __shfl_xor_sync(0xffffffffu, ((long long)(l + 100) << 32) | v, 5, width);   // 8 bytes
+    y[224 + 2 * l] = (int)(w & 0xffffffff);
+    y[225 + 2 * l] = (int)(w >> 32);
 }
 """
 _TOY_ARGS = dict(x=F32_IN, y=F32_OUT)
@@ -247,10 +250,11 @@ def test_copy_read_before_its_wait_is_stale(toy_cpu):
 
 @pytest.mark.parametrize("width", [32, 8])
 def test_warp_collectives(toy_cpu, width):
-    """Shuffles (index, up, down, xor) within subgroups of ``width`` lanes, votes, a half-warp mask: the
-    values CUDA's documentation gives (a source lane outside the subgroup reads the lane's own value)."""
+    """Shuffles (index, up, down, xor) within subgroups of ``width`` lanes, votes, a half-warp mask, an
+    8-byte shuffle: the values CUDA's documentation gives (a source lane outside the subgroup reads the
+    lane's own value)."""
     case = KernelCase(toy_cpu, "f32")
-    y = case.output("y", 224, "i32")
+    y = case.output("y", 288, "i32")
     out = case.run([TOY_COLLECTIVES.launch((1, 1, 1), (32, 1, 1), y=y, width=width)])["y"]
     lane = np.arange(32)
     v, seg = 10 * lane + 1, lane - lane % width
@@ -264,6 +268,8 @@ def test_warp_collectives(toy_cpu, width):
     assert (out[128:160] == np.int32(np.uint32(ballot).view(np.int32))).all()
     assert (out[160:192] == 1 + 0 + 4).all()
     np.testing.assert_array_equal(out[192:208], v[lane[:16] ^ 1])
+    np.testing.assert_array_equal(out[224::2], v[src["xor"]])
+    np.testing.assert_array_equal(out[225::2], lane[src["xor"]] + 100)
 
 
 def test_launch_limits_are_the_drivers(toy_cpu):

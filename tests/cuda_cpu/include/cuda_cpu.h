@@ -80,6 +80,13 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float x) { return sqrtf(x); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double x) { return sqrt(x); }
 inline float __saturatef(float x) { return x != x ? 0.f : fminf(fmaxf(x, 0.f), 1.f); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
@@ -419,21 +426,30 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) { cpuexec::warp_op(cpuexec::
 [[noreturn]] inline void __trap() { cpuexec::trap("__trap()"); }
 
 template <class T> inline unsigned cpuexec_bits(T v) {
-    static_assert(sizeof(T) == 4, "warp shuffles of 4-byte values only");
+    static_assert(sizeof(T) == 4, "a warp collective of 4-byte values only");
     unsigned u; std::memcpy(&u, &v, 4); return u;
 }
-template <class T> inline T cpuexec_from_bits(unsigned u) { T v; std::memcpy(&v, &u, 4); return v; }
+// A shuffle of a 4-byte value, or of an 8-byte one as two shuffles of its halves (as CUDA's own double and
+// 64-bit integer overloads are made).
+template <class T, class Shuffle> inline T cpuexec_shuffle(T v, Shuffle shuffle) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "warp shuffles of 4- or 8-byte values only");
+    unsigned words[sizeof(T) / 4];
+    std::memcpy(words, &v, sizeof(T));
+    for (unsigned& w : words) w = shuffle(w);
+    std::memcpy(&v, words, sizeof(T));
+    return v;
+}
 template <class T> inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
-    return cpuexec_from_bits<T>(cpuexec::warp_op(cpuexec::W_SHFL, mask, cpuexec_bits(v), src, width, "__shfl_sync"));
+    return cpuexec_shuffle(v, [&](unsigned u) { return cpuexec::warp_op(cpuexec::W_SHFL, mask, u, src, width, "__shfl_sync"); });
 }
 template <class T> inline T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
-    return cpuexec_from_bits<T>(cpuexec::warp_op(cpuexec::W_UP, mask, cpuexec_bits(v), (int)d, width, "__shfl_up_sync"));
+    return cpuexec_shuffle(v, [&](unsigned u) { return cpuexec::warp_op(cpuexec::W_UP, mask, u, (int)d, width, "__shfl_up_sync"); });
 }
 template <class T> inline T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
-    return cpuexec_from_bits<T>(cpuexec::warp_op(cpuexec::W_DOWN, mask, cpuexec_bits(v), (int)d, width, "__shfl_down_sync"));
+    return cpuexec_shuffle(v, [&](unsigned u) { return cpuexec::warp_op(cpuexec::W_DOWN, mask, u, (int)d, width, "__shfl_down_sync"); });
 }
 template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int m, int width = 32) {
-    return cpuexec_from_bits<T>(cpuexec::warp_op(cpuexec::W_XOR, mask, cpuexec_bits(v), m, width, "__shfl_xor_sync"));
+    return cpuexec_shuffle(v, [&](unsigned u) { return cpuexec::warp_op(cpuexec::W_XOR, mask, u, m, width, "__shfl_xor_sync"); });
 }
 inline unsigned __ballot_sync(unsigned mask, int p) { return cpuexec::warp_op(cpuexec::W_BALLOT, mask, p != 0, 0, 32, "__ballot_sync"); }
 inline int __any_sync(unsigned mask, int p) { return (int)cpuexec::warp_op(cpuexec::W_ANY, mask, p != 0, 0, 32, "__any_sync"); }
