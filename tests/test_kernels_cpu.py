@@ -17,11 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from cuda_cpu.executor import CpuDevice, KernelFault, unavailable_reason  # noqa: E402
 from harness import KernelCase, check  # noqa: E402
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, I32_OUT, INT, KernelFile  # noqa: E402
+from rwkvx.runtime.nvrtc import CU_DIR  # noqa: E402
 
 import test_channelmix  # noqa: E402
 import test_decode  # noqa: E402
 import test_embedding  # noqa: E402
 import test_layernorm  # noqa: E402
+import test_loss  # noqa: E402
 import test_moba  # noqa: E402
 import test_reduce  # noqa: E402
 import test_timemix  # noqa: E402
@@ -107,6 +109,10 @@ FAMILY_TESTS = [  # (a GPU test of tests/gpu, its parameters but case, dev and r
     (test_decode.test_dec_gemv, dict(B=1, specs=test_decode.GEMV_SPECS["lora"])),
     (test_moba.test_moba_forward_backward, dict(name="N4-chunk1")),
     (test_moba.test_moba_mma_forward_backward, dict(name="T-le-chunk")),
+    (test_loss.test_cross_entropy, dict(R=37, V=1001, n_ign=5, in_place=False)),
+    (test_loss.test_cross_entropy, dict(R=5, V=4096, n_ign=1, in_place=True)),
+    (test_loss.test_cross_entropy, dict(R=16, V=3, n_ign=2, in_place=False)),
+    (test_loss.test_loss_only_and_extreme_logits, {}),
 ]
 def _short(value) -> str:
     """A test parameter in a test id: GEMV_SPECS' lists by their name."""
@@ -282,3 +288,21 @@ def test_launch_limits_are_the_drivers(toy_cpu):
         toy_cpu.plan([big_block]).run()
     with pytest.raises(ValueError, match="dynamic shared memory"):
         toy_cpu.plan([big_smem]).run()
+
+
+@pytest.mark.parametrize("change, error", [
+    ("", r"second run differs|non-finite"),
+    ("mbarrier_wait_parity<1>(&cl_bar);", r"deadlock in kernel cross_entropy_loss, block \(0,0,0\)'s cluster .*"
+                                          r"wait at mbarrier.try_wait.parity \(shared address \d+, parity 1\)"),
+], ids=["no-wait", "wrong-phase"])
+def test_cluster_exchange_faults_show(change, error):
+    """loss.cu's cluster exchange (st.async into the other blocks' shared memory, counted on their
+    mbarriers) without its mbarrier wait reads the slots before the other blocks' stores land; waiting for
+    a phase that never completes is a deadlock."""
+    kf = KernelFile.registry["loss/loss"]
+    src = (CU_DIR / "loss/loss.cu").read_text()
+    wait = "mbarrier_wait_parity<0>(&cl_bar);"
+    assert src.count(wait) == 1
+    dev = CpuDevice(sources=[(kf, src.replace(wait, change))])
+    with pytest.raises((AssertionError, KernelFault), match=error):
+        test_loss.test_cross_entropy(KernelCase(dev, "f32"), 5, 4096, 1, False)

@@ -7,9 +7,8 @@ host waits for it, events, graphs as their plans, an idle H200's memory info; :f
 in place) whose memory is real host memory at real addresses — :class:`~cuda_cpu.executor.CpuBuffer`\\ s,
 device and pinned alike, each between canaries — and whose plans run every op through
 :class:`~cuda_cpu.executor.CpuDevice`: every launch by the kernel's own code compiled by g++, every GEMM
-in float64 from its stored operands rounded once to D's type, copies and memsets. The kernels of
-:data:`TWINS` run by their float64 twins of tests/emulator.py, each listed with the reason; any other op
-the CPU cannot run fails naming it. Plans run with a block's threads in increasing order, then
+in float64 from its stored operands rounded once to D's type, copies and memsets; an op the CPU cannot
+run fails naming it. Plans run with a block's threads in increasing order, then
 decreasing, alternately, so a missing barrier changes results between runs.
 """
 from __future__ import annotations
@@ -17,18 +16,13 @@ from __future__ import annotations
 import lazy_device
 from cuda_cpu.executor import CpuBuffer, CpuDevice
 
-# kernels whose code the CPU cannot run, run by their twins instead: name -> why
-TWINS = {"cross_entropy_loss": "loss/loss.cu is a thread-block cluster launch (DSMEM, mbarriers, st.async), "
-                               "which tests/cuda_cpu does not emulate"}
-
-
 class CpuStepDevice(lazy_device.LazyDevice):
     """A :class:`~lazy_device.LazyDevice` over real host memory whose plans run on a
     :class:`~cuda_cpu.executor.CpuDevice` (see the module docstring)."""
 
     def __init__(self):
         super().__init__()
-        self.cpu = CpuDevice(self.info, twins=TWINS)
+        self.cpu = CpuDevice(self.info)
         self._held: dict[int, CpuBuffer] = {}       # the live allocations (CpuDevice keeps weak references)
         self.plans_run = 0
 
