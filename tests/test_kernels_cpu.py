@@ -107,6 +107,7 @@ FAMILY_TESTS = [  # (a GPU test of tests/gpu, its parameters but case, dev and r
     (test_decode.test_dec_tmix, dict(B=3, H=2, N=16, layer=0, ranks=(10, 6, 0, 7))),
     (test_decode.test_dec_gemv, dict(B=3, specs=test_decode.GEMV_SPECS["shapes"])),
     (test_decode.test_dec_gemv, dict(B=1, specs=test_decode.GEMV_SPECS["lora"])),
+    (test_decode.test_dec_sample_is_the_contract, dict(B=2, V=1000)),
     (test_moba.test_moba_forward_backward, dict(name="N4-chunk1")),
     (test_moba.test_moba_mma_forward_backward, dict(name="T-le-chunk")),
     (test_loss.test_cross_entropy, dict(R=37, V=1001, n_ign=5, in_place=False)),

@@ -15,9 +15,23 @@ __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
     return r;
 }
-// Arrive at the cluster barrier (no memory ordering), and wait until every thread of the cluster has arrived.
+// The u64 at shared::cluster address `addr` (cluster_map).
+__device__ __forceinline__ unsigned long long ld_shared_cluster_u64(unsigned addr) {
+    unsigned long long v;
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
+    return v;
+}
+// Arrive at the cluster barrier: with release semantics (this thread's writes before are seen by the
+// cluster's threads after their wait), or relaxed (no memory ordering); wait until every thread of the
+// cluster has arrived (acquire).
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// Every thread of the cluster arrives, then waits for the others.
+__device__ __forceinline__ void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
+}
 
 // The mbarrier at bar (this CTA's shared memory) expects COUNT arrivals a phase.
 template <int COUNT>

@@ -12,11 +12,22 @@ __device__ __forceinline__ unsigned cluster_ctarank() {
 __device__ __forceinline__ unsigned cluster_map(const void* p, unsigned rank) {
     return rank << 24 | (unsigned)__cvta_generic_to_shared(p);
 }
-__device__ __forceinline__ void cluster_arrive_relaxed() { ++cpuexec::rt.fibers[cpuexec::rt.cur].cluster_arrived; }
+__device__ __forceinline__ unsigned long long ld_shared_cluster_u64(unsigned addr) {
+    unsigned long long v;
+    std::memcpy(&v, cpuexec::cluster_at(addr, sizeof v), sizeof v);
+    return v;
+}
+// one thread runs at a time: release or not, what it wrote is seen by every thread that runs after it
+__device__ __forceinline__ void cluster_arrive() { ++cpuexec::rt.fibers[cpuexec::rt.cur].cluster_arrived; }
+__device__ __forceinline__ void cluster_arrive_relaxed() { cluster_arrive(); }
 __device__ __forceinline__ void cluster_wait() {
     cpuexec::Fiber& f = cpuexec::rt.fibers[cpuexec::rt.cur];
     f.state = cpuexec::CLUSTER; f.cluster_phase = f.cluster_arrived; f.what = "barrier.cluster.wait";
     cpuexec::park();
+}
+__device__ __forceinline__ void cluster_sync() {
+    cluster_arrive();
+    cluster_wait();
 }
 
 template <int COUNT>

@@ -31,6 +31,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __cluster_dims__(...)       // the executor reads a kernel's cluster shape from its source
+#define __constant__ static const  // read-only on the device; rwkvx's are initialised in the source
 #define __align__(n) __attribute__((aligned(n)))
 // A block's shared variables are static storage, in a section of their own that every block starts with
 // filled with 0xff bytes (NaN floats): shared memory starts undefined on the GPU, so a read before a write
@@ -62,12 +63,17 @@ static dim3 blockDim, gridDim;
 static constexpr int warpSize = 32;
 
 // ---- arithmetic intrinsics (the fast-math ones computed to fp32 accuracy) ----------------------------
+using std::isfinite;
+using std::isinf;
+using std::isnan;
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
 inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
+inline unsigned long long min(unsigned long long a, unsigned long long b) { return a < b ? a : b; }
+inline unsigned long long max(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
 inline float min(float a, float b) { return fminf(a, b); }
 inline float max(float a, float b) { return fmaxf(a, b); }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -272,12 +278,13 @@ inline unsigned shared_address(const void* p) {
 // variables are at their addresses.
 inline void enter_block(int b) {
     if (b == rt.in_place) return;
-    const size_t s = static_shared_bytes();
-    for (int k : {rt.in_place, b}) {
-        std::vector<unsigned char>& a = rt.aside[k];
-        std::swap_ranges(a.begin(), a.begin() + s, (unsigned char*)__start_cpuexec_shared);
-        std::swap_ranges(a.begin() + s, a.end(), cpuexec_smem);
-    }
+    const size_t s = static_shared_bytes(), d = rt.dyn_smem_bytes;
+    unsigned char* const out = rt.aside[rt.in_place].data();
+    const unsigned char* const in = rt.aside[b].data();
+    std::memcpy(out, __start_cpuexec_shared, s);
+    std::memcpy(out + s, cpuexec_smem, d);
+    std::memcpy(__start_cpuexec_shared, in, s);
+    std::memcpy(cpuexec_smem, in + s, d);
     rt.in_place = b;
 }
 
@@ -395,45 +402,45 @@ inline bool resolve() {
         }
     }
     // block barriers, each block's: id -> arrived threads; -1 counts every thread of the block that has not exited
+    constexpr int BARRIERS = 16;
     for (int b0 = 0; b0 < rt.n; b0 += rt.nb) {
-        int live = 0;
-        for (int t = b0; t < b0 + rt.nb; ++t) live += rt.fibers[t].state != DONE;
-        for (int id = 0; id < 16; ++id) {
-            int arrived = 0, count = 0;
-            for (int t = b0; t < b0 + rt.nb; ++t) {
-                const Fiber& f = rt.fibers[t];
-                if (f.state == BAR && f.bar_id == id) {
-                    if (arrived && f.bar_count != count) {
-                        fail(where(t) + ": barrier " + std::to_string(id) + " reached with different thread counts");
-                        return false;
-                    }
-                    count = f.bar_count;
-                    ++arrived;
-                }
+        int live = 0, arrived[BARRIERS] = {}, count[BARRIERS] = {};
+        for (int t = b0; t < b0 + rt.nb; ++t) {
+            const Fiber& f = rt.fibers[t];
+            live += f.state != DONE;
+            if (f.state != BAR) continue;
+            if (arrived[f.bar_id] && f.bar_count != count[f.bar_id]) {
+                fail(where(t) + ": barrier " + std::to_string(f.bar_id) + " reached with different thread counts");
+                return false;
             }
-            if (!arrived) continue;
-            const int need = count < 0 ? live : count;
-            if (arrived > need) {
-                fail(where(b0) + ": " + std::to_string(arrived) + " threads at barrier " + std::to_string(id) +
+            count[f.bar_id] = f.bar_count;
+            ++arrived[f.bar_id];
+        }
+        bool release[BARRIERS] = {}, some = false;
+        for (int id = 0; id < BARRIERS; ++id) {
+            if (!arrived[id]) continue;
+            const int need = count[id] < 0 ? live : count[id];
+            if (arrived[id] > need) {
+                fail(where(b0) + ": " + std::to_string(arrived[id]) + " threads at barrier " + std::to_string(id) +
                      ", which expects " + std::to_string(need));
                 return false;
             }
-            if (arrived == need) {
-                for (int t = b0; t < b0 + rt.nb; ++t)
-                    if (rt.fibers[t].state == BAR && rt.fibers[t].bar_id == id) rt.fibers[t].state = RUN;
-                any = true;
-            }
+            release[id] = arrived[id] == need;
+            some = some || release[id];
         }
+        if (!some) continue;
+        for (int t = b0; t < b0 + rt.nb; ++t)
+            if (rt.fibers[t].state == BAR && release[rt.fibers[t].bar_id]) rt.fibers[t].state = RUN;
+        any = true;
     }
     // the cluster barrier: a thread waiting for its k-th phase goes on once every thread of the cluster that
     // has not exited has arrived k times
+    int arrived = INT32_MAX;           // the fewest arrivals of a thread that has not exited
+    for (int t = 0; t < rt.n; ++t)
+        if (rt.fibers[t].state != DONE) arrived = std::min(arrived, rt.fibers[t].cluster_arrived);
     for (int t = 0; t < rt.n; ++t) {
         Fiber& f = rt.fibers[t];
-        if (f.state != CLUSTER) continue;
-        bool ready = true;
-        for (int u = 0; u < rt.n && ready; ++u)
-            ready = rt.fibers[u].state == DONE || rt.fibers[u].cluster_arrived >= f.cluster_phase;
-        if (ready) { f.state = RUN; any = true; }
+        if (f.state == CLUSTER && f.cluster_phase <= arrived) { f.state = RUN; any = true; }
     }
     // mbarrier waits: the phase waited for has completed
     for (int t = 0; t < rt.n; ++t) {
@@ -514,6 +521,10 @@ inline int linear_tid() { return rt.cur; }
 
 inline void barrier(int id, int count, const char* what) {
     Fiber& f = rt.fibers[rt.cur];
+    if (id < 0 || id >= 16) {
+        fail(where(rt.cur) + ": " + what + " on barrier " + std::to_string(id) + " (barriers are 0..15)");
+        fiber_exit();
+    }
     f.state = BAR; f.bar_id = id; f.bar_count = count; f.what = what;
     park();
 }
