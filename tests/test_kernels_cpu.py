@@ -6,6 +6,7 @@ a copy read before its wait; and its warp collectives against CUDA's documented 
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 
-from cuda_cpu.executor import CpuDevice, KernelFault, unavailable_reason  # noqa: E402
+from cuda_cpu.executor import INCLUDE, CpuDevice, KernelFault, unavailable_reason  # noqa: E402
 from harness import KernelCase, check  # noqa: E402
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, I32_OUT, INT, KernelFile  # noqa: E402
 from rwkvx.runtime.nvrtc import CU_DIR  # noqa: E402
@@ -307,3 +308,13 @@ def test_cluster_exchange_faults_show(change, error):
     dev = CpuDevice(sources=[(kf, src.replace(wait, change))])
     with pytest.raises((AssertionError, KernelFault), match=error):
         test_loss.test_cross_entropy(KernelCase(dev, "f32"), 5, 4096, 1, False)
+
+
+def test_inline_asm_only_in_the_replaced_headers():
+    """Kernel files and family headers take inline PTX from rwkvx/cu's shared headers only, the ones
+    tests/cuda_cpu/include replaces, so every kernel file compiles for the CPU."""
+    replaced = {CU_DIR / p.name for p in INCLUDE.iterdir()}
+    asm = re.compile(r"\basm\s*(?:volatile\s*)?\(")
+    offenders = [str(p.relative_to(CU_DIR)) for p in sorted(CU_DIR.rglob("*"))
+                 if p.suffix in (".cu", ".cuh") and p not in replaced and asm.search(p.read_text())]
+    assert not offenders, f"inline asm outside the shared PTX headers: {offenders}"
