@@ -4,7 +4,8 @@ has run is what that step sees, so host-side ordering mistakes show. Device and 
 :class:`emulator.Memory` (device memory leaves it when its buffer is freed or garbage-collected); a plan
 runs its copies and memsets, the cross-entropy launch (the per-token loss := float(target)) and AdamW's
 step count, nothing else — each result names the batch and the step it came from. :func:`install` puts
-it, its plans, events and graphs in place of the real ones."""
+it (or a subclass that runs more of a plan, tests/cuda_cpu/step_device.py), its plans, events and graphs
+in place of the real ones."""
 import types
 
 import numpy as np
@@ -37,6 +38,14 @@ class LazyDevice:
         addr, self.next_addr = self.next_addr, self.next_addr + REGION
         self.mem.add(addr, nbytes)
         return addr
+
+    def _release(self, addr):
+        """Free the region at ``addr`` (a freed buffer's)."""
+        self.mem.remove(addr)
+
+    def execute(self, ops):
+        """Run a plan's ``ops`` (when the host waits for them): :func:`execute`'s subset."""
+        execute(self.mem, ops)
 
     def alloc(self, nbytes):
         return LazyBuffer(self, self._region(nbytes), nbytes)
@@ -77,7 +86,7 @@ class LazyBuffer:
 
     def close(self):
         ptr, self.ptr = self.ptr, 0
-        self.dev.mem.remove(ptr)
+        self.dev._release(ptr)
 
     def __del__(self):
         self.close()
@@ -109,7 +118,7 @@ class LazyPlan:
         self.dev, self.ops = dev, flatten_ops(ops)
 
     def run(self):
-        self.dev.queue.append(lambda: execute(self.dev.mem, self.ops))
+        self.dev.queue.append(lambda: self.dev.execute(self.ops))
 
 
 class LazyEvent:
@@ -132,9 +141,10 @@ class LazyGraph:
         return types.SimpleNamespace(launch=fn)
 
 
-def install(monkeypatch) -> LazyDevice:
-    """A fresh :class:`LazyDevice` as the process's device, with its plans, events and graphs."""
-    device = LazyDevice()
+def install(monkeypatch, device: LazyDevice | None = None) -> LazyDevice:
+    """``device`` (default a fresh :class:`LazyDevice`) as the process's device, with its plans, events
+    and graphs."""
+    device = device if device is not None else LazyDevice()
     monkeypatch.setattr(rwkvx.runtime.Device, "get", classmethod(lambda cls: device))
     monkeypatch.setattr(rwkvx._core, "Plan", LazyPlan)
     monkeypatch.setattr(rwkvx.runtime, "Graph", LazyGraph)

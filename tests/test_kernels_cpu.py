@@ -6,6 +6,7 @@ a copy read before its wait; and its warp collectives against CUDA's documented 
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from pathlib import Path
 
@@ -14,14 +15,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 
-from cuda_cpu.executor import CpuDevice, KernelFault, unavailable_reason  # noqa: E402
+from cuda_cpu.executor import INCLUDE, CpuDevice, KernelFault, unavailable_reason  # noqa: E402
 from harness import KernelCase, check  # noqa: E402
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, I32_OUT, INT, KernelFile  # noqa: E402
+from rwkvx.runtime.nvrtc import CU_DIR  # noqa: E402
 
 import test_channelmix  # noqa: E402
 import test_decode  # noqa: E402
 import test_embedding  # noqa: E402
 import test_layernorm  # noqa: E402
+import test_loss  # noqa: E402
 import test_moba  # noqa: E402
 import test_reduce  # noqa: E402
 import test_timemix  # noqa: E402
@@ -105,8 +108,13 @@ FAMILY_TESTS = [  # (a GPU test of tests/gpu, its parameters but case, dev and r
     (test_decode.test_dec_tmix, dict(B=3, H=2, N=16, layer=0, ranks=(10, 6, 0, 7))),
     (test_decode.test_dec_gemv, dict(B=3, specs=test_decode.GEMV_SPECS["shapes"])),
     (test_decode.test_dec_gemv, dict(B=1, specs=test_decode.GEMV_SPECS["lora"])),
+    (test_decode.test_dec_sample_is_the_contract, dict(B=2, V=1000)),
     (test_moba.test_moba_forward_backward, dict(name="N4-chunk1")),
     (test_moba.test_moba_mma_forward_backward, dict(name="T-le-chunk")),
+    (test_loss.test_cross_entropy, dict(R=37, V=1001, n_ign=5, in_place=False)),
+    (test_loss.test_cross_entropy, dict(R=5, V=4096, n_ign=1, in_place=True)),
+    (test_loss.test_cross_entropy, dict(R=16, V=3, n_ign=2, in_place=False)),
+    (test_loss.test_loss_only_and_extreme_logits, {}),
 ]
 def _short(value) -> str:
     """A test parameter in a test id: GEMV_SPECS' lists by their name."""
@@ -174,6 +182,9 @@ extern "C" __global__ void collectives(int* y, int width) {
     y[160 + l] = __any_sync(0xffffffffu, l == 31) + 2 * __all_sync(0xffffffffu, l < 31) + 4 * __all_sync(0xffffffffu, l < 32);
     if (l < 16) y[192 + l] = __shfl_xor_sync(0x0000ffffu, v, 1);    // a mask of half the warp
     __syncwarp();
+    const long long w = __shfl_xor_sync(0xffffffffu, ((long long)(l + 100) << 32) | v, 5, width);   // 8 bytes
+    y[224 + 2 * l] = (int)(w & 0xffffffff);
+    y[225 + 2 * l] = (int)(w >> 32);
 }
 """
 _TOY_ARGS = dict(x=F32_IN, y=F32_OUT)
@@ -247,10 +258,11 @@ def test_copy_read_before_its_wait_is_stale(toy_cpu):
 
 @pytest.mark.parametrize("width", [32, 8])
 def test_warp_collectives(toy_cpu, width):
-    """Shuffles (index, up, down, xor) within subgroups of ``width`` lanes, votes, a half-warp mask: the
-    values CUDA's documentation gives (a source lane outside the subgroup reads the lane's own value)."""
+    """Shuffles (index, up, down, xor) within subgroups of ``width`` lanes, votes, a half-warp mask, an
+    8-byte shuffle: the values CUDA's documentation gives (a source lane outside the subgroup reads the
+    lane's own value)."""
     case = KernelCase(toy_cpu, "f32")
-    y = case.output("y", 224, "i32")
+    y = case.output("y", 288, "i32")
     out = case.run([TOY_COLLECTIVES.launch((1, 1, 1), (32, 1, 1), y=y, width=width)])["y"]
     lane = np.arange(32)
     v, seg = 10 * lane + 1, lane - lane % width
@@ -264,6 +276,8 @@ def test_warp_collectives(toy_cpu, width):
     assert (out[128:160] == np.int32(np.uint32(ballot).view(np.int32))).all()
     assert (out[160:192] == 1 + 0 + 4).all()
     np.testing.assert_array_equal(out[192:208], v[lane[:16] ^ 1])
+    np.testing.assert_array_equal(out[224::2], v[src["xor"]])
+    np.testing.assert_array_equal(out[225::2], lane[src["xor"]] + 100)
 
 
 def test_launch_limits_are_the_drivers(toy_cpu):
@@ -276,3 +290,31 @@ def test_launch_limits_are_the_drivers(toy_cpu):
         toy_cpu.plan([big_block]).run()
     with pytest.raises(ValueError, match="dynamic shared memory"):
         toy_cpu.plan([big_smem]).run()
+
+
+@pytest.mark.parametrize("change, error", [
+    ("", r"second run differs|non-finite"),
+    ("mbarrier_wait_parity<1>(&cl_bar);", r"deadlock in kernel cross_entropy_loss, block \(0,0,0\)'s cluster .*"
+                                          r"wait at mbarrier.try_wait.parity \(shared address \d+, parity 1\)"),
+], ids=["no-wait", "wrong-phase"])
+def test_cluster_exchange_faults_show(change, error):
+    """loss.cu's cluster exchange (st.async into the other blocks' shared memory, counted on their
+    mbarriers) without its mbarrier wait reads the slots before the other blocks' stores land; waiting for
+    a phase that never completes is a deadlock."""
+    kf = KernelFile.registry["loss/loss"]
+    src = (CU_DIR / "loss/loss.cu").read_text()
+    wait = "mbarrier_wait_parity<0>(&cl_bar);"
+    assert src.count(wait) == 1
+    dev = CpuDevice(sources=[(kf, src.replace(wait, change))])
+    with pytest.raises((AssertionError, KernelFault), match=error):
+        test_loss.test_cross_entropy(KernelCase(dev, "f32"), 5, 4096, 1, False)
+
+
+def test_inline_asm_only_in_the_replaced_headers():
+    """Kernel files and family headers take inline PTX from rwkvx/cu's shared headers only, the ones
+    tests/cuda_cpu/include replaces, so every kernel file compiles for the CPU."""
+    replaced = {CU_DIR / p.name for p in INCLUDE.iterdir()}
+    asm = re.compile(r"\basm\s*(?:volatile\s*)?\(")
+    offenders = [str(p.relative_to(CU_DIR)) for p in sorted(CU_DIR.rglob("*"))
+                 if p.suffix in (".cu", ".cuh") and p not in replaced and asm.search(p.read_text())]
+    assert not offenders, f"inline asm outside the shared PTX headers: {offenders}"

@@ -3,7 +3,8 @@ with the defines of its declaration) compiled by g++ against tests/cuda_cpu/incl
 for CUDA's (see tests/cuda_cpu/README.md), and op lists executed on host memory by :class:`CpuDevice`.
 
 A :class:`CpuDevice` has what tests/gpu/harness.KernelCase needs of a device (``alloc``, ``upload``,
-``download``, ``synchronize``, ``info``) and :meth:`CpuDevice.plan`, a plan of launches, memsets and
+``download``, ``synchronize``, ``info``) and :meth:`CpuDevice.plan`, a plan of launches, GEMMs (cuBLASLt's
+result in float64 from the stored operands, rounded once to D's type: tests/emulator.py's), memsets and
 copies; its runs alternate between increasing thread order (runs 1, 3, ...) and decreasing (2, 4, ...),
 so the harness's two bit-identical runs catch a missing barrier. Every buffer has canary bytes before
 and after it, checked after every launch: an out-of-bounds write fails naming the buffer (by the launch
@@ -27,12 +28,12 @@ from pathlib import Path
 import numpy as np
 
 import rwkvx.cu  # noqa: F401  (declares every kernel)
-from emulator import Memory, run_memory_op
+from emulator import Memory, _gemm, run_memory_op
 from rwkvx.runtime.cache import cache_root
 from rwkvx.runtime.device import H200, DeviceInfo
 from rwkvx.runtime.kernel import KernelFile
 from rwkvx.runtime.nvrtc import CU_DIR
-from rwkvx.runtime.ops import DevPtr, Launch, as_ptr, flatten_ops
+from rwkvx.runtime.ops import DevPtr, Gemm, Launch, as_ptr, flatten_ops
 
 INCLUDE = Path(__file__).resolve().parent / "include"
 CXX_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-fno-strict-aliasing", "-ffp-contract=off", "-w")
@@ -44,6 +45,10 @@ MAX_GRID = (2 ** 31 - 1, 65535, 65535)
 ERROR_BYTES = 4096
 # `extern __shared__ [__align__(n)] T name[];` -> a pointer to the launch's dynamic shared memory
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\s*\d+\s*\)\s+)?([\w:]+)\s+(\w+)\s*\[\s*\]\s*;")
+# `__cluster_dims__(x, y, z) [__launch_bounds__(...)] name(`: a kernel's cluster shape, each dimension a number
+# or a define
+_CLUSTER_DIMS = re.compile(r"__cluster_dims__\(([^)]*)\)\s*(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(")
+MAX_CLUSTER_BLOCKS = 8             # the portable cluster size
 
 
 class KernelFault(RuntimeError):
@@ -63,6 +68,18 @@ def cpu_source(src: str) -> str:
     """CUDA source with its dynamic shared memory declarations (in a kernel or at namespace scope) made
     constant pointers to the CPU runtime's buffer."""
     return _EXTERN_SHARED.sub(r"\1* const \2 = reinterpret_cast<\1*>(cpuexec_smem);", src)
+
+
+def cluster_shapes(src: str, defines: tuple[tuple[str, str], ...]) -> dict[str, tuple[int, int, int]]:
+    """Kernel name -> its ``__cluster_dims__`` in ``src`` compiled with ``defines`` (kernels without one absent)."""
+    values = dict(defines)
+    shapes = {}
+    for dims, name in _CLUSTER_DIMS.findall(src):
+        shape = tuple(int(values.get(d.strip(), d.strip())) for d in dims.split(","))
+        if len(shape) != 3:
+            raise ValueError(f"__cluster_dims__ of {name}: three dimensions, got {dims!r}")
+        shapes[name] = shape
+    return shapes
 
 
 def _write_tree(dest: Path, module: str, text: str | None) -> None:
@@ -91,10 +108,11 @@ def wrapper_source(kf: KernelFile) -> str:
     return "\n".join([
         f'#include "{kf.module}.cu"', *calls,
         'extern "C" int cpuexec_launch(int k, const uint64_t* args, const unsigned* grid, const unsigned* block,',
-        "                              unsigned long long smem, int descending, char* err, int errlen) {",
+        "                              const unsigned* cluster, unsigned long long smem, int descending, char* err,",
+        "                              int errlen) {",
         f"    static void (*const fns[])(const uint64_t*) = {{{fns}}};",
         f"    static const char* const names[] = {{{', '.join(names)}}};",
-        "    return cpuexec_launch_impl(fns[k], names[k], args, grid, block, smem, descending, err, errlen);",
+        "    return cpuexec_launch_impl(fns[k], names[k], args, grid, block, cluster, smem, descending, err, errlen);",
         "}", ""])
 
 
@@ -197,7 +215,7 @@ class CpuDevice:
         self.info = info
         self.sources = {kf.module: (kf, text) for kf, text in sources or ()}
         self._buffers: weakref.WeakSet[CpuBuffer] = weakref.WeakSet()
-        self._libs: dict[tuple, ctypes.CDLL] = {}
+        self._libs: dict[tuple, tuple[ctypes.CDLL, dict[str, tuple[int, int, int]]]] = {}
 
     def alloc(self, nbytes: int) -> CpuBuffer:
         """``nbytes`` of memory (filled with 0xFF bytes: NaN floats)."""
@@ -230,21 +248,26 @@ class CpuDevice:
         return mem
 
     def execute(self, op, descending: bool = False) -> None:
-        """Run one op: a launch (threads in decreasing order when ``descending``), a memset or a copy."""
+        """Run one op: a launch (threads in decreasing order when ``descending``), a GEMM, a memset or a copy."""
         if isinstance(op, Launch):
             self._launch(op, descending)
+        elif isinstance(op, Gemm):
+            _gemm(self._memory(), op)
         elif not run_memory_op(self._memory(), op):
-            raise TypeError(f"the CPU device runs kernels, memsets and copies, not {type(op).__name__}")
+            raise TypeError(f"the CPU device runs kernels, GEMMs, memsets and copies, not {type(op).__name__}")
 
-    def _library(self, op: Launch) -> ctypes.CDLL:
+    def _library(self, op: Launch) -> tuple[ctypes.CDLL, dict[str, tuple[int, int, int]]]:
+        """The compiled kernel file of ``op`` and its kernels' cluster shapes."""
         key = (op.module, op.defines)
         if key not in self._libs:
             kf, text = self.sources[op.module] if op.module in self.sources else (KernelFile.registry[op.module], None)
             lib = ctypes.CDLL(str(compile_file(kf, op.defines, text, self.info.smem_per_block)))
             lib.cpuexec_launch.restype = ctypes.c_int
             lib.cpuexec_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                           ctypes.c_ulonglong, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-            self._libs[key] = lib
+                                           ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_char_p,
+                                           ctypes.c_int]
+            src = (CU_DIR / f"{op.module}.cu").read_text() if text is None else text
+            self._libs[key] = lib, cluster_shapes(src, op.defines)
         return self._libs[key]
 
     def _check_launch(self, op: Launch) -> None:
@@ -275,10 +298,13 @@ class CpuDevice:
                 pointers.setdefault(id(owner), []).append(pname)
             fmt = {"p": "<Q", "i": "<i", "l": "<q", "f": "<f", "d": "<d"}[kind]
             slots[i] = int.from_bytes(struct.pack(fmt, value).ljust(8, b"\0"), "little")
+        lib, clusters = self._library(op)
+        cluster = clusters.get(op.name, (1, 1, 1))
+        if np.prod(cluster) > MAX_CLUSTER_BLOCKS:
+            raise ValueError(f"launch of {op.name}: cluster {cluster} of more than {MAX_CLUSTER_BLOCKS} blocks")
         err = ctypes.create_string_buffer(ERROR_BYTES)
-        rc = self._library(op).cpuexec_launch(index, slots, (ctypes.c_uint * 3)(*op.grid),
-                                              (ctypes.c_uint * 3)(*op.block), op.smem, int(descending), err,
-                                              ERROR_BYTES)
+        rc = lib.cpuexec_launch(index, slots, (ctypes.c_uint * 3)(*op.grid), (ctypes.c_uint * 3)(*op.block),
+                                (ctypes.c_uint * 3)(*cluster), op.smem, int(descending), err, ERROR_BYTES)
         if rc:
             raise KernelFault(err.value.decode(errors="replace"))
         for buf in self._buffers:

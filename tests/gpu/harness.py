@@ -95,7 +95,7 @@ class KernelCase:
     def run(self, ops=None, plan=None) -> dict[str, np.ndarray]:
         """Run ``ops`` (or a ``plan`` built on these buffers) twice from the same buffer contents; outputs
         must agree bit for bit. Returns them (float64)."""
-        plan = plan or self._plan(ops)
+        plan = plan or self.plan(ops)
         runs = []
         for _ in range(2):
             self.reset()
@@ -106,9 +106,10 @@ class KernelCase:
                 f"{name}: the second run differs from the first (not deterministic)"
         return {name: from_storage(self._bufs[name][1], raw).astype(np.float64) for name, raw in runs[0].items()}
 
-    def _plan(self, ops):
-        """A plan of ``ops`` on the case's device: the device's own where it has one (tests/cuda_cpu's CPU
-        device, whose runs alternate the order of a block's threads), else rwkvx._core.Plan."""
+    def plan(self, ops):
+        """A plan of ``ops`` on the case's device, for :meth:`run` (``plan=``: one plan over inputs changed by
+        :meth:`set`): the device's own where it has one (tests/cuda_cpu's CPU device, whose runs alternate
+        the order of a block's threads), else rwkvx._core.Plan."""
         make = getattr(self.dev, "plan", None)
         if make is not None:
             return make(ops)

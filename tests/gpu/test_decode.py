@@ -281,12 +281,11 @@ def sample_logits(rng, B, V, kind):
 
 @pytest.mark.parametrize("B, V", [(3, 65536), (2, 50277), (8, 1000), (16, 7)])
 def test_dec_sample_is_the_contract(case, B, V):
-    from rwkvx._core import Plan
     rng = seeded_rng()
     ptrs = (case.input("logits", np.zeros((B, V))), case.input("u", np.zeros(B), "f64"),
             case.input("opts", np.zeros(3), "f64"))
     out = case.output("out", B, "i32")
-    plan = Plan(case.dev, D.sample(*ptrs, out, B, V))
+    plan = case.plan(D.sample(*ptrs, out, B, V))
     for trial in range(60):
         kind = ("plain", "ties", "special")[trial % 3]
         case.set("logits", sample_logits(rng, B, V, kind))

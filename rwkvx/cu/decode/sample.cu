@@ -23,6 +23,7 @@
 // SMP_* constants come from rwkvx/cu/decode/ops.py (which takes them from rwkvx/sampling.py).
 
 #include "common.cuh"
+#include "cluster.cuh"
 #if !defined(SMP_THREADS) || !defined(SMP_WEIGHT_BITS) || !defined(SMP_EXP_COEFFS) || !defined(SMP_CLUSTER)
 #error "decode/sample.cu: the SMP_* constants come from rwkvx/cu/decode/ops.py"
 #endif
@@ -73,31 +74,13 @@ struct Shared {
     u64 prefix, above, through;
 };
 
-// every block of the cluster has arrived: its shared-memory writes before are seen by the others'
-// reads after (release / acquire), and its reads before are done
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-
 // the u64 at p (in this block's shared memory) in the shared memory of the cluster's block `rank`
-__device__ __forceinline__ u64 remote(const u64* p, unsigned rank) {
-    unsigned addr;
-    u64 v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"((unsigned)__cvta_generic_to_shared(p)), "r"(rank));
-    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(addr) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
+__device__ __forceinline__ u64 remote(const u64* p, unsigned rank) { return ld_shared_cluster_u64(cluster_map(p, rank)); }
 
 // this thread's logits: run rank, rank + CL, ... of SMP_THREADS consecutive logits
 template <class F>
 __device__ __forceinline__ void for_my_logits(const floatX* row, int V, F f) {
-    for (int i = cluster_rank() * NT + threadIdx.x; i < V; i += CL * NT) f(to_f32(row[i]), i);
+    for (int i = cluster_ctarank() * NT + threadIdx.x; i < V; i += CL * NT) f(to_f32(row[i]), i);
 }
 
 // an integer sum (MAX: a maximum) over the cluster's threads (exact, so any order gives it); every
@@ -193,7 +176,7 @@ dec_sample(const floatX* __restrict__ logits, const double* __restrict__ u, cons
     using namespace smp;
     __shared__ Shared sh;
     const int rowi = blockIdx.x / CL;
-    const bool writer = cluster_rank() == 0 && threadIdx.x == 0;
+    const bool writer = cluster_ctarank() == 0 && threadIdx.x == 0;
     const floatX* row = logits + (size_t)rowi * V;
     const double T = opts[0], top_p = opts[1];
     const long long top_k = (long long)opts[2];

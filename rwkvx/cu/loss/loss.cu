@@ -44,6 +44,8 @@
 // CE_MIN_BLOCKS (CTAs per SM the register budget is cut for: the row data is 32 registers per thread).
 
 #include "common.cuh"
+#include "cluster.cuh"
+#include "ptx.cuh"
 #if !defined(CE_THREADS) || !defined(CE_QUADS) || !defined(CE_CLUSTER) || !defined(CE_MIN_BLOCKS)
 #error "loss/loss.cu: CE_THREADS, CE_QUADS, CE_CLUSTER and CE_MIN_BLOCKS come from rwkvx/cu/loss/ops.py"
 #endif
@@ -119,11 +121,7 @@ static __device__ __forceinline__ void ce_load(quadX (&b)[CE_QUADS], const float
     }
 }
 
-static __device__ __forceinline__ float ce_ex2(float x) {   // 2^x, one MUFU.EX2; ex2(-inf) = 0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
+static __device__ __forceinline__ float ce_ex2(float x) { return ex2_approx(x); }   // one MUFU.EX2; ex2(-inf) = 0
 
 static __device__ __forceinline__ void ce_store(floatX* drow, int q, int V, bool vec, const f4& o) {
     if (vec) {
@@ -210,37 +208,15 @@ static __device__ __forceinline__ ce_acc ce_warp_merge(ce_acc a) {
 // barrier.cluster.arrive.release (which compiles to MEMBAR.ALL.GPU), this needs no fence on the critical
 // path, and no CTA can exit while a message to it is in flight (it waits for them all). The cluster
 // barrier is used once, split around pass 1, only to know every CTA has initialised its mbarrier.
-static __device__ __forceinline__ unsigned ce_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-static __device__ __forceinline__ unsigned ce_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-static __device__ __forceinline__ unsigned ce_map(unsigned addr, unsigned rank) {   // same variable in CTA `rank`
-    unsigned r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-    return r;
-}
-static __device__ __forceinline__ void ce_mbar_init(unsigned bar, unsigned bytes) {   // one thread
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-static __device__ __forceinline__ void ce_mbar_wait(unsigned bar) {   // phase 0 (one exchange per CTA)
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(bar) : "memory");
+static __device__ __forceinline__ void ce_mbar_init(unsigned long long* bar, unsigned bytes) {   // one thread
+    mbarrier_init<1>(bar);
+    mbarrier_arrive_expect_tx(bar, bytes);
+    fence_mbarrier_init();
 }
 static __device__ __forceinline__ void ce_push(unsigned addr_B, unsigned addr_s, unsigned bar, const ce_acc& a) {
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
-                 :: "r"(addr_B), "r"(__float_as_uint(a.B)), "r"(bar) : "memory");
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];"
-                 :: "r"(addr_s), "l"(__double_as_longlong(a.s)), "r"(bar) : "memory");
+    st_async_b32(addr_B, __float_as_uint(a.B), bar);
+    st_async_b64(addr_s, __double_as_longlong(a.s), bar);
 }
-static __device__ __forceinline__ void ce_cluster_arrive() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-static __device__ __forceinline__ void ce_cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
 // The cluster shape is a compile-time attribute of the kernel, so the launch needs no launch attribute.
 // It is on a declaration of its own (it reaches the cubin: EIATTR_CTA_PER_CLUSTER), which keeps the
@@ -289,8 +265,8 @@ cross_entropy_loss(const floatX* logits, floatX* dlogits, const int* __restrict_
     float xt = __int_as_float(0x7fc00000);
     if (t_own >= 0) xt = to_f32(row[t_own]);
 
-    if (tid == 0) ce_mbar_init(ce_smem(&cl_bar), CE_CLUSTER * (sizeof(float) + sizeof(double)));
-    ce_cluster_arrive();
+    if (tid == 0) ce_mbar_init(&cl_bar, CE_CLUSTER * (sizeof(float) + sizeof(double)));
+    cluster_arrive_relaxed();
 
     // pass 1: (B, s) of this thread's quads; a row of one chunk stays in buf for the gradient
     quadX buf[CE_QUADS];
@@ -307,19 +283,18 @@ cross_entropy_loss(const floatX* logits, floatX* dlogits, const int* __restrict_
     acc = ce_warp_merge<32>(acc);
     if (lane == 0) { sh_B[warp] = acc.B; sh_s[warp] = acc.s; }
     __syncthreads();
-    ce_cluster_wait();                       // every CTA's cl_bar is initialised (arrived before pass 1)
+    cluster_wait();                          // every CTA's cl_bar is initialised (arrived before pass 1)
     if (warp == 0) {
         ce_acc a;
         a.B = lane < CE_WARPS ? sh_B[lane] : CE_NEG_INF;
         a.s = lane < CE_WARPS ? sh_s[lane] : 0.0;
         a = ce_warp_merge<CE_WARPS>(a);      // the same value in every lane
         if (lane < CE_CLUSTER) {             // lane k sends to CTA k
-            const unsigned me = ce_rank();
-            ce_push(ce_map(ce_smem(&cl_B[me]), lane), ce_map(ce_smem(&cl_s[me]), lane),
-                    ce_map(ce_smem(&cl_bar), lane), a);
+            const unsigned me = cluster_ctarank();
+            ce_push(cluster_map(&cl_B[me], lane), cluster_map(&cl_s[me], lane), cluster_map(&cl_bar, lane), a);
         }
     }
-    ce_mbar_wait(ce_smem(&cl_bar));
+    mbarrier_wait_parity<0>(&cl_bar);     // phase 0: one exchange per CTA
     acc.B = cl_B[0];
     acc.s = cl_s[0];
 #pragma unroll

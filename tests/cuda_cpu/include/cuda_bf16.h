@@ -37,5 +37,10 @@ inline __nv_bfloat162 __float22bfloat162_rn(float2 f) { return __floats2bfloat16
 inline __nv_bfloat162 __halves2bfloat162(__nv_bfloat16 a, __nv_bfloat16 b) { return {a, b}; }
 inline float __low2float(__nv_bfloat162 h) { return __bfloat162float(h.x); }
 inline float __high2float(__nv_bfloat162 h) { return __bfloat162float(h.y); }
+// per half the larger value (a NaN loses to a number), exact as bf16
+inline __nv_bfloat162 __hmax2(__nv_bfloat162 a, __nv_bfloat162 b) {
+    return {__nv_bfloat16(fmaxf(__bfloat162float(a.x), __bfloat162float(b.x))),
+            __nv_bfloat16(fmaxf(__bfloat162float(a.y), __bfloat162float(b.y)))};
+}
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }
 inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { __nv_bfloat16 h; h.__x = u; return h; }

@@ -7,3 +7,8 @@ __device__ __forceinline__ void named_barrier(int id) { cpuexec::barrier(id, COU
 __device__ __forceinline__ unsigned dynamic_smem_size() { return cpuexec_dynamic_smem_size(); }
 // a register-allocation hint on the GPU; nothing to do here
 __device__ __forceinline__ void opaque(float&) {}
+// 2^x to fp32 accuracy (the GPU's approximation is not emulated), subnormal inputs and results flushed to zero
+__device__ __forceinline__ float ex2_approx(float x) {
+    const float y = exp2f(std::fabs(x) < 1.17549435e-38f ? 0.f : x);
+    return y < 1.17549435e-38f ? 0.f : y;
+}

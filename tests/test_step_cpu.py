@@ -1,0 +1,80 @@
+"""The GPU model's whole training step on the CPU with rwkvx's real kernels (tests/cuda_cpu/step_device.py):
+``Model`` builds and runs its plans on a stand-in device whose launches run the kernel files compiled by
+g++, checked by the GPU parity test's own body (tests/gpu/test_model_parity.py: loss, every gradient and
+the logits against the float64 oracle within its limits; recompute on and off bit-identical) at tiny
+shapes, and training with AdamW by tests/gpu/test_train_gpu.py's comparison with the CPU backend. Skipped, with the reason, where
+g++ or x86-64 is missing."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+
+from cuda_cpu import step_device  # noqa: E402
+from cuda_cpu.executor import unavailable_reason  # noqa: E402
+from rwkvx import Config  # noqa: E402
+from seeding import seeded_rng  # noqa: E402
+import test_model_parity  # noqa: E402
+import test_train_gpu  # noqa: E402
+from test_model_parity import TOLERANCES, TRAINING_LIKE_TOLERANCES, _check_against_oracle  # noqa: E402
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+# name -> (Config keywords, B, T), small enough for fibers: a pure RWKV-7 model (head size 16: the
+# sequential WKV7 in every precision) and a hybrid with a MoBA block (head size 32: with tensor cores, the
+# chunked WKV7 and MoBA's mma kernels). B, T and C are those of the GPU test's rwkv_only and sparse_hybrid:
+# its reduced-precision limits hold for models of about that many tokens and channels (with fewer, bf16
+# gradients of the small LoRA matrices reach its 5e-2 for some seeds).
+CASES = {
+    "rwkv7": (dict(vocab_size=37, n_embd=64, head_size=16, n_rwkv_layer=2), 2, 40),
+    "hybrid": (dict(vocab_size=37, n_embd=64, head_size=32, n_rwkv_layer=1, n_attn_layer=1, moba_chunk_size=8,
+                    moba_top_k=2), 2, 64),
+}
+
+
+@pytest.fixture
+def cpu_step(monkeypatch) -> step_device.CpuStepDevice:
+    """The CPU step device as the process's device for one test."""
+    return step_device.install(monkeypatch)
+
+
+PARITY = [(n, p, r) for n in CASES for p in ("fp32", "tf32", "bf16") for r in (True, False)]
+
+
+@pytest.mark.parametrize("name, precision, recompute", PARITY,
+                         ids=[f"{n}-{p}-{'recompute' if r else 'keep'}" for n, p, r in PARITY])
+def test_model_matches_oracle(cpu_step, name, precision, recompute, random_params, training_like,
+                              record_property):
+    """Loss, gradients and logits of the step run with the real kernels, against the oracle: fp32 with
+    random parameters at the fp32 limits, reduced precisions on a training-like model at theirs."""
+    kwargs, B, T = CASES[name]
+    cfg = Config(**kwargs)
+    rng = seeded_rng()
+    seed = int(rng.integers(1 << 31))
+    if precision == "fp32":
+        params = {k: v.astype(np.float32) for k, v in random_params(cfg, seed).items()}
+        tolerances = TOLERANCES[precision]
+    else:
+        params = training_like(cfg, seed)
+        tolerances = TRAINING_LIKE_TOLERANCES[precision]
+    _check_against_oracle(cfg, params, B, T, precision, *tolerances, rng, record_property, ignore_some=True,
+                          recompute=recompute)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_no_recompute_is_bit_identical(cpu_step, monkeypatch, name, precision, random_params):
+    """The GPU test's body on the tiny cases: recompute=False gives recompute=True's loss and gradients
+    bit for bit."""
+    monkeypatch.setattr(test_model_parity, "CASES", CASES)
+    test_model_parity.test_no_recompute_is_bit_identical(name, precision, random_params)
+
+
+def test_adamw_training_matches_cpu_backend(cpu_step, random_params):
+    """Trainer(backend="gpu") on the CPU step device: four steps (AdamW with weight decay and clipping,
+    through the graph path) against the float64 CPU backend, by the GPU test's body."""
+    test_train_gpu.test_gpu_adamw_matches_cpu_twin(random_params, "standard")
