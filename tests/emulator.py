@@ -573,7 +573,8 @@ def _store_f32(mem, a, op):
 
 
 KERNELS = {
-    "embedding_forward": _embedding_forward, "ln_forward": _ln_forward, "ln_shift_fwd": _ln_shift_fwd, "tm_shift_fwd": _tm_shift_fwd,
+    "embedding_forward": _embedding_forward, "ln_forward": _ln_forward, "ln_shift_fwd": _ln_shift_fwd,
+    "tm_shift_fwd": _tm_shift_fwd,
     "tm_tanh_fwd": _elementwise(np.tanh), "tm_sigmoid_fwd": _elementwise(lambda x: 1 / (1 + np.exp(-x))),
     "tm_prep_fwd": _tm_prep_fwd, "wkv7_forward": _wkv7_forward, "tm_gn_fwd": _tm_gn_fwd,
     "cm_shift_mix": _cm_shift_mix, "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,

@@ -1,5 +1,5 @@
-"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu) and ln_shift.cu through rwkvx.cu.layernorm, against the twins
-rwkvx.oracle.layernorm_forward / layernorm_backward, in fp32 and bf16 (harness.KernelCase: fresh random
+"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu) and ln_shift.cu through rwkvx.cu.layernorm,
+against the twins rwkvx.oracle.layernorm_forward / layernorm_backward (and the token shifts'), in fp32 and bf16 (harness.KernelCase: fresh random
 inputs, poisoned outputs, two bit-identical runs). x, its copy, dy and dx are fp32 in both (the residual
 stream); bf16 changes y and the GEMM copy of dx. fp32 limits: 1e-5 forward, 1e-4 backward."""
 from __future__ import annotations
@@ -118,7 +118,8 @@ def test_forward_shift(case, dev, B, T, C, nmix, keep_h):
     ph = case.output("h", (R, C), "f32") if keep_h else None
     pm, pr = case.output("mean", R, "f32"), case.output("rstd", R, "f32")
     sep = [case.output(f"sep_o{j}", (R, C)) for j in range(nmix)]
-    sh, sm, sr = case.output("sep_h", (R, C), "f32"), case.output("sep_mean", R, "f32"), case.output("sep_rstd", R, "f32")
+    sh = case.output("sep_h", (R, C), "f32")
+    sm, sr = case.output("sep_mean", R, "f32"), case.output("sep_rstd", R, "f32")
     separate = ln.forward(px, pw, pb, sh, sm, sr, R, C)
     separate += (tm.shift_forward(sh, pmix, sep, R, C, T, dev.info) if nmix == 6
                  else cm.shift_mix(sh, pmix[0], sep[0], R, T, C, dev.info))

@@ -55,7 +55,8 @@ ln_forward(const float* x, const float* __restrict__ w, const float* __restrict_
         floatX* yr = y + (long long)r * C;
 #pragma unroll
         for (int k = 0; k < LN_NQ; ++k)
-            if (lane + 32 * k < C4) store4(yr + 4 * (lane + 32 * k), ln_quad(widen(v[k]), mu, rs, w, b, lane + 32 * k));
+            if (lane + 32 * k < C4)
+                store4(yr + 4 * (lane + 32 * k), ln_quad(widen(v[k]), mu, rs, w, b, lane + 32 * k));
         for (int i = lane + 32 * LN_NQ; i < C4; i += 32) store4(yr + 4 * i, ln_quad(load4(xr + 4 * i), mu, rs, w, b, i));
     }
 }

@@ -120,9 +120,9 @@ def forward_shift(x, w, b, mixes, outs, h, mean, rstd, R: int, C: int, T: int, e
         raise ValueError(f"layernorm.forward_shift: R={R} must be a positive multiple of T={T}")
     if any(p is not None and int(p) == int(x) for p in (h, *outs)):
         raise ValueError("layernorm.forward_shift: no output may alias x")
-    n = len(mixes)
-    warps = math.ceil(R / SHIFT_WALK)
-    return [LN_SHIFT_FWD.launch((math.ceil(warps / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=xtype_of("layernorm.forward_shift", *outs),
+    n, warps = len(mixes), math.ceil(R / SHIFT_WALK)
+    xtype = xtype_of("layernorm.forward_shift", *outs)
+    return [LN_SHIFT_FWD.launch((math.ceil(warps / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=xtype,
                                 variant={"LN_NQ": _nq(C, SHIFT_NQS), "LNS_M": n}, x=x, w=w, b=b, h=h,
                                 mean_out=mean, rstd_out=rstd,
                                 **{f"m{j}": mixes[j] if j < n else None for j in range(6)},
