@@ -19,7 +19,6 @@ from cuda_cpu import step_device  # noqa: E402
 from cuda_cpu.executor import unavailable_reason  # noqa: E402
 from rwkvx import Config  # noqa: E402
 from rwkvx.cu import channelmix, layernorm, timemix  # noqa: E402
-from rwkvx.model import Model  # noqa: E402
 from rwkvx.step import StepBuilder  # noqa: E402
 from seeding import seeded_rng  # noqa: E402
 import test_model_parity  # noqa: E402
@@ -108,18 +107,6 @@ def test_fused_shifts_are_bit_identical(cpu_step, monkeypatch, precision, recomp
     """The step with ln_shift_fwd (h1, h2 stored only for the backward) gives the loss and gradients of
     the step with ln_forward + the shift kernels bit for bit (the hybrid: RWKV and MoBA blocks)."""
     kwargs, B, T = CASES["hybrid"]
-    cfg = Config(**kwargs)
-    rng = seeded_rng()
-    params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
-    tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
-    results = []
-    for separate in (False, True):
-        if separate:
-            _separate_shifts(monkeypatch)
-        model = Model(cfg, params, B, T, precision=precision, recompute=recompute)
-        model.poison()
-        results.append(model.loss_and_grads(tokens, targets))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert loss_a == loss_b
-    assert all(np.array_equal(grads_a[n], grads_b[n]) for n in grads_a), \
-        [n for n in grads_a if not np.array_equal(grads_a[n], grads_b[n])]
+    separate = (lambda: _separate_shifts(monkeypatch), recompute)
+    test_model_parity.assert_steps_bit_identical(Config(**kwargs), B, T, precision, random_params,
+                                                 [(None, recompute), separate])
