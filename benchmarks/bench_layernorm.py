@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rwkvx.cu import layernorm
+from rwkvx.cu import channelmix, layernorm, timemix
 from rwkvx.runtime.dtypes import ELEM_BYTES, XTYPES
-from rwkvx.workloads import BASE_SHAPES, RandomBuffers
+from rwkvx.workloads import BASE_SHAPES, KernelShapes, RandomBuffers, preset_workload
 
 R, C = BASE_SHAPES.R, BASE_SHAPES.C
 
@@ -28,3 +28,37 @@ def test_layernorm_backward(record, dev, xtype):
                              b(layernorm.scratch_elems(R, C, dev.info), "f32"), R, C, dev.info, accumulate_dx=True,
                              dx_copy=copy)
     record(ops, nbytes=16 * R * C + (ELEM_BYTES[xtype] * R * C if copy else 0) + 8 * R)  # x, dy, dx read; dx written
+
+
+# LayerNorm fused with the token shift (ln_shift_fwd) against ln_forward + the shift kernel, bf16 mixes: the
+# 0.22B step (C = 768) and the 1.5B RWKV-7 (C = 2048), 6 mixes (time mix) and 1 (channel mix), h stored or not.
+SHIFT_SHAPES = {"B8_T4096_C768": BASE_SHAPES, "B4_T4096_C2048": KernelShapes.of(preset_workload("rwkv7-1.5b", 4))}
+
+
+def _shift_bytes(R: int, C: int, nmix: int, h_bytes: int) -> int:
+    """x read (f32), the mixes written (bf16), h's bytes (written, or written and read back) and the statistics."""
+    return R * C * (4 + 2 * nmix + h_bytes) + 8 * R
+
+
+@pytest.mark.parametrize("shape", list(SHIFT_SHAPES))
+@pytest.mark.parametrize("nmix", layernorm.SHIFT_MIXES)
+@pytest.mark.parametrize("method", ["fused", "fused_h", "separate"])
+def test_layernorm_shift_forward(record, dev, shape, nmix, method):
+    """fused: ln_shift_fwd without h (its byte floor: x in, the mixes out); fused_h: with h stored (4 bytes
+    more per element); separate: ln_forward (h f32 out) then tm_shift_fwd / cm_shift_mix (h read back)."""
+    s = SHIFT_SHAPES[shape]
+    R, C, T = s.R, s.C, s.T
+    b = RandomBuffers(dev, "bf16")
+    x, w, bias, mean, rstd = b(R * C, "f32"), b(C, "f32"), b(C, "f32"), b(R, "f32"), b(R, "f32")
+    mixes, outs = [b(C, "f32", 0.3, 0.5) for _ in range(nmix)], [b(R * C) for _ in range(nmix)]
+    if method == "separate":
+        h = b(R * C, "f32")
+        ops = layernorm.forward(x, w, bias, h, mean, rstd, R, C)
+        ops += (timemix.shift_forward(h, mixes, outs, R, C, T, dev.info) if nmix == 6
+                else channelmix.shift_mix(h, mixes[0], outs[0], R, T, C, dev.info))
+        nbytes = _shift_bytes(R, C, nmix, 8)
+    else:
+        h = b(R * C, "f32") if method == "fused_h" else None
+        ops = layernorm.forward_shift(x, w, bias, mixes, outs, h, mean, rstd, R, C, T)
+        nbytes = _shift_bytes(R, C, nmix, 4 if h is not None else 0)
+    record(ops, nbytes=nbytes)

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from .arena import Layout
-from .cu import decode, wkv7
+from .cu import decode, layernorm, wkv7
 from .cu._common import carve, carved_bytes
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
@@ -164,11 +164,12 @@ class PrefillBuilder(_DecoderBuilder):
         return [Copy(dst.offset(b * C), src.offset((b * T + n - 1) * C), C * ELEM_BYTES[src.elem])
                 for b, n in self._rows()]
 
-    def time_shift(self, i: int) -> list:
-        return super().time_shift(i) + self._last_rows(self.buf("h1"), self.state[f"tm_prev.{i}"])
+    def time_shift(self, i: int, xin, keep_h: bool) -> list:
+        return super().time_shift(i, xin, keep_h=True) + self._last_rows(self.buf("h1"), self.state[f"tm_prev.{i}"])
 
-    def channel_shift(self, prefix: str) -> list:
-        return super().channel_shift(prefix) + self._last_rows(self.buf("h2"), self.state["cm_prev." + prefix])
+    def channel_shift(self, prefix: str, xin, keep_h: bool) -> list:
+        return (super().channel_shift(prefix, xin, keep_h=True)
+                + self._last_rows(self.buf("h2"), self.state["cm_prev." + prefix]))
 
     def wkv(self, i: int, for_backward: bool) -> list:
         H, N, method = self.cfg.n_head, self.cfg.head_size, self.methods["wkv7"]
@@ -203,15 +204,19 @@ class DecodeStepBuilder(_DecoderBuilder):
         super().__init__(layout, base, weights, state, max_len)
         self.T, self.R = 1, self.B
 
-    def time_shift(self, i: int) -> list:
+    # The LayerNorm and decode.shift stay two launches here: fuse_step joins them into dec_ln_shift.
+    def time_shift(self, i: int, xin, keep_h: bool) -> list:
         att, b = f"rwkv.blocks.{i}.att.", self.buf
-        return decode.shift(b("h1"), self.state[f"tm_prev.{i}"],
-                            [self.p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")],
-                            [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")], self.B, self.cfg.n_embd, self.dev)
+        return self._ln1_forward(f"rwkv.blocks.{i}.", xin, b("h1")) + decode.shift(
+            b("h1"), self.state[f"tm_prev.{i}"], [self.p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")],
+            [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")], self.B, self.cfg.n_embd, self.dev)
 
-    def channel_shift(self, prefix: str) -> list:
-        return decode.shift(self.buf("h2"), self.state["cm_prev." + prefix], [self.p(prefix + "ffn.x_k")],
-                            [self.buf("xk2")], self.B, self.cfg.n_embd, self.dev)
+    def channel_shift(self, prefix: str, xin, keep_h: bool) -> list:
+        b, p, C = self.buf, self.p, self.cfg.n_embd
+        return (layernorm.forward(xin, p(prefix + "ln2.weight"), p(prefix + "ln2.bias"), b("h2"), b("ln2_mean"),
+                                  b("ln2_rstd"), self.B, C)
+                + decode.shift(b("h2"), self.state["cm_prev." + prefix], [p(prefix + "ffn.x_k")], [b("xk2")],
+                               self.B, C, self.dev))
 
     def wkv(self, i: int, for_backward: bool) -> list:
         b, cfg = self.buf, self.cfg

@@ -146,7 +146,7 @@ class StepBuilder:
                 ops += self.rwkv_forward(idx, xin, for_backward=not self.L.recompute)
             else:
                 ops += self.attn_forward(idx, xin)
-            ops += self.channel_mix_forward(self._prefix(kind, idx), xout)
+            ops += self.channel_mix_forward(self._prefix(kind, idx), xout, for_backward=not self.L.recompute)
         self.block_pos = None
         final = self.buf(f"block_in.{cfg.n_blocks}")
         ops += layernorm.forward(final, self.p("rwkv.ln_out.weight"), self.p("rwkv.ln_out.bias"),
@@ -205,7 +205,7 @@ class StepBuilder:
                     ops += self.rwkv_forward(idx, xin, for_backward=True)
                 else:
                     ops += self.attn_forward(idx, xin, attend=False)
-                ops += self.channel_mix_forward(prefix, None)
+                ops += self.channel_mix_forward(prefix, None, for_backward=True)
             ops += self.channel_mix_backward(prefix)
             ops += self.rwkv_backward(idx, xin) if kind == "rwkv" else self.attn_backward(idx, xin)
             self._grads_ready(ops, prefix, exclude=ln0)   # block 0's ln0 comes after the last block
@@ -299,17 +299,25 @@ class StepBuilder:
 
     # The token shifts, the WKV recurrence and the MoBA attention are the parts of a block that look
     # at other tokens; each is one method, so that rwkvx.decoder's stateful builders can replace them.
-    def channel_shift(self, prefix: str) -> list:
-        """xk2 = h2 + (shift(h2) - h2) * ffn.x_k of block ``prefix``."""
-        return channelmix.shift_mix(self.buf("h2"), self.p(prefix + "ffn.x_k"), self.buf("xk2"), self.R,
-                                    self.T, self.cfg.n_embd, self.dev)
+    # A token shift comes with the LayerNorm before it, in one kernel (layernorm.forward_shift): the
+    # LayerNorm's output h (h1, h2) is stored only with ``keep_h``, for the backward's shift gradients.
+    def channel_shift(self, prefix: str, xin, keep_h: bool) -> list:
+        """h2 = LN2(xin) (ln2_mean, ln2_rstd saved; h2 stored with ``keep_h``) and
+        xk2 = h2 + (shift(h2) - h2) * ffn.x_k of block ``prefix``."""
+        b, p = self.buf, self.p
+        return layernorm.forward_shift(xin, p(prefix + "ln2.weight"), p(prefix + "ln2.bias"), [p(prefix + "ffn.x_k")],
+                                       [b("xk2")], b("h2") if keep_h else None, b("ln2_mean"), b("ln2_rstd"),
+                                       self.R, self.cfg.n_embd, self.T)
 
-    def time_shift(self, i: int) -> list:
-        """The six token-shift mixes xr .. xg of h1 in RWKV block i."""
-        att, b = f"rwkv.blocks.{i}.att.", self.buf
-        mixes = tuple(self.p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
-        return timemix.shift_forward(b("h1"), mixes, tuple(b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")),
-                                     self.R, self.cfg.n_embd, self.T, self.dev)
+    def time_shift(self, i: int, xin, keep_h: bool) -> list:
+        """h1 = LN1(xin) (ln1_mean, ln1_rstd saved; h1 stored with ``keep_h``) and the six token-shift mixes
+        xr .. xg of h1 in RWKV block i."""
+        pre, b = f"rwkv.blocks.{i}.", self.buf
+        mixes = [self.p(pre + "att." + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")]
+        return layernorm.forward_shift(xin, self.p(pre + "ln1.weight"), self.p(pre + "ln1.bias"), mixes,
+                                       [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")],
+                                       b("h1") if keep_h else None, b("ln1_mean"), b("ln1_rstd"),
+                                       self.R, self.cfg.n_embd, self.T)
 
     def wkv(self, i: int, for_backward: bool) -> list:
         """y = WKV7(r, decay, kp, v', wa, wb) of RWKV block i (v' = vp, or v in block 0); with
@@ -340,13 +348,12 @@ class StepBuilder:
         b = self.buf
         return moba.forward(b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
 
-    def channel_mix_forward(self, prefix: str, xout) -> list:
-        """h2 = LN2(x1); kf = relu(xk2 @ key^T)^2; xout = x1 + kf @ value^T (skipped when None)."""
+    def channel_mix_forward(self, prefix: str, xout, for_backward: bool = False) -> list:
+        """h2 = LN2(x1) and its shift mix xk2; kf = relu(xk2 @ key^T)^2; xout = x1 + kf @ value^T (skipped
+        when None). Only ``for_backward`` (the forward the backward reads) stores h2."""
         R, C, F, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.dev
         b = self.buf
-        ops = layernorm.forward(b("x1"), self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
-                                b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
-        ops += self.channel_shift(prefix)
+        ops = self.channel_shift(prefix, b("x1"), keep_h=for_backward)
         pre = b(KF_PRE) if KF_PRE in self.L.offsets else b("kf")     # fp32 kf: relu² in place
         ops += self.project(b("xk2"), prefix + "ffn.key.weight", pre, C, F)
         ops += channelmix.relu_sq(pre, b("kf"), R * F, dev)
@@ -417,8 +424,7 @@ class StepBuilder:
         R, C, dev, mm = self.R, self.cfg.n_embd, self.dev, self.mm
         pre, b = f"rwkv.blocks.{i}.", self.buf
         att = pre + "att."
-        ops = self._ln1_forward(pre, xin, b("h1"))
-        ops += self.time_shift(i)
+        ops = self.time_shift(i, xin, keep_h=for_backward)
         for src, dst, name in (("xr", "r", "receptance"), ("xk", "k", "key"), ("xv", "v", "value")):
             ops += self.project(b(src), f"{att}{name}.weight", b(dst), C, C)
         for src, hid, out, letter, rank in self._lora(i):

@@ -221,6 +221,20 @@ def _ln_forward(mem, a, op):
         mem.write(a["y"], O.layernorm_forward(x, mem.read(a["w"], C), mem.read(a["b"], C), a["eps"]))
 
 
+def _ln_shift_fwd(mem, a, op):
+    R, C, T = a["R"], a["C"], a["T"]
+    n = int(dict(op.defines)["LNS_M"])
+    h, mean, rstd = O.layernorm_forward(mem.read(a["x"], R * C, (R, C)), mem.read(a["w"], C), mem.read(a["b"], C),
+                                        a["eps"], return_stats=True)
+    for name, v in (("h", h), ("mean_out", mean), ("rstd_out", rstd)):
+        if a[name]:
+            mem.write(a[name], v)
+    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(n)])
+    outs = O.time_shift_forward(h, mixes, T) if n == 6 else [O.channel_mix_shift_forward(h, mixes[0], T)]
+    for j in range(n):
+        mem.write(a[f"o{j}"], outs[j])
+
+
 def _tm_shift_fwd(mem, a, op):
     R, C, T = a["R"], a["C"], a["T"]
     mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(6)])
@@ -559,7 +573,8 @@ def _store_f32(mem, a, op):
 
 
 KERNELS = {
-    "embedding_forward": _embedding_forward, "ln_forward": _ln_forward, "tm_shift_fwd": _tm_shift_fwd,
+    "embedding_forward": _embedding_forward, "ln_forward": _ln_forward, "ln_shift_fwd": _ln_shift_fwd,
+    "tm_shift_fwd": _tm_shift_fwd,
     "tm_tanh_fwd": _elementwise(np.tanh), "tm_sigmoid_fwd": _elementwise(lambda x: 1 / (1 + np.exp(-x))),
     "tm_prep_fwd": _tm_prep_fwd, "wkv7_forward": _wkv7_forward, "tm_gn_fwd": _tm_gn_fwd,
     "cm_shift_mix": _cm_shift_mix, "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,

@@ -2,8 +2,9 @@
 ``Model`` builds and runs its plans on a stand-in device whose launches run the kernel files compiled by
 g++, checked by the GPU parity test's own body (tests/gpu/test_model_parity.py: loss, every gradient and
 the logits against the float64 oracle within its limits; recompute on and off bit-identical) at tiny
-shapes, and training with AdamW by tests/gpu/test_train_gpu.py's comparison with the CPU backend. Skipped, with the reason, where
-g++ or x86-64 is missing."""
+shapes; the LayerNorms fused with the token shifts (ln_shift_fwd) against the separate kernels, bit for
+bit; and training with AdamW by tests/gpu/test_train_gpu.py's comparison with the CPU backend. Skipped,
+with the reason, where g++ or x86-64 is missing."""
 from __future__ import annotations
 
 import sys
@@ -17,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from cuda_cpu import step_device  # noqa: E402
 from cuda_cpu.executor import unavailable_reason  # noqa: E402
 from rwkvx import Config  # noqa: E402
+from rwkvx.cu import channelmix, layernorm, timemix  # noqa: E402
+from rwkvx.step import StepBuilder  # noqa: E402
 from seeding import seeded_rng  # noqa: E402
 import test_model_parity  # noqa: E402
 import test_train_gpu  # noqa: E402
@@ -78,3 +81,34 @@ def test_adamw_training_matches_cpu_backend(cpu_step, random_params):
     """Trainer(backend="gpu") on the CPU step device: four steps (AdamW with weight decay and clipping,
     through the graph path) against the float64 CPU backend, by the GPU test's body."""
     test_train_gpu.test_gpu_adamw_matches_cpu_twin(random_params, "standard")
+
+
+def _separate_shifts(monkeypatch) -> None:
+    """StepBuilder's LayerNorm + token shifts as two kernels each (ln_forward, then tm_shift_fwd /
+    cm_shift_mix), h1 and h2 always stored: the step before ln_shift_fwd."""
+    def time_shift(self, i, xin, keep_h):
+        b, att = self.buf, f"rwkv.blocks.{i}.att."
+        mixes = [self.p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")]
+        return (self._ln1_forward(f"rwkv.blocks.{i}.", xin, b("h1"))
+                + timemix.shift_forward(b("h1"), mixes, [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")],
+                                        self.R, self.cfg.n_embd, self.T, self.dev))
+
+    def channel_shift(self, prefix, xin, keep_h):
+        b, p, C = self.buf, self.p, self.cfg.n_embd
+        return (layernorm.forward(xin, p(prefix + "ln2.weight"), p(prefix + "ln2.bias"), b("h2"), b("ln2_mean"),
+                                  b("ln2_rstd"), self.R, C)
+                + channelmix.shift_mix(b("h2"), p(prefix + "ffn.x_k"), b("xk2"), self.R, self.T, C, self.dev))
+
+    monkeypatch.setattr(StepBuilder, "time_shift", time_shift)
+    monkeypatch.setattr(StepBuilder, "channel_shift", channel_shift)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
+def test_fused_shifts_are_bit_identical(cpu_step, monkeypatch, precision, recompute, random_params):
+    """The step with ln_shift_fwd (h1, h2 stored only for the backward) gives the loss and gradients of
+    the step with ln_forward + the shift kernels bit for bit (the hybrid: RWKV and MoBA blocks)."""
+    kwargs, B, T = CASES["hybrid"]
+    separate = (lambda: _separate_shifts(monkeypatch), recompute)
+    test_model_parity.assert_steps_bit_identical(Config(**kwargs), B, T, precision, random_params,
+                                                 [(None, recompute), separate])

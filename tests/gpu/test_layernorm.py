@@ -1,5 +1,5 @@
-"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu) through rwkvx.cu.layernorm, against the twins
-rwkvx.oracle.layernorm_forward / layernorm_backward, in fp32 and bf16 (harness.KernelCase: fresh random
+"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu) and ln_shift.cu through rwkvx.cu.layernorm,
+against the twins rwkvx.oracle.layernorm_forward / layernorm_backward (and the token shifts'), in fp32 and bf16 (harness.KernelCase: fresh random
 inputs, poisoned outputs, two bit-identical runs). x, its copy, dy and dx are fp32 in both (the residual
 stream); bf16 changes y and the GEMM copy of dx. fp32 limits: 1e-5 forward, 1e-4 backward."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from harness import check, tolerance
-from rwkvx.oracle import layernorm_backward, layernorm_forward
-from rwkvx.cu import layernorm as ln
+from rwkvx.oracle import channel_mix_shift_forward, layernorm_backward, layernorm_forward, time_shift_forward
+from rwkvx.cu import channelmix as cm, layernorm as ln, timemix as tm
 from rwkvx.runtime.dtypes import round_to
 
 from seeding import seeded_rng
@@ -95,3 +95,46 @@ def test_backward_dx_over_dy_and_accumulate_params(case, dev):
     check("dx", out["dy"], dx, BWD_TOL)
     check("dw", out["dw"], dw + case.seen["dw"], BWD_TOL)
     check("db", out["db"], db + case.seen["db"], BWD_TOL)
+
+
+# ln_shift_fwd: (B, T, C) — T = 1 (every row starts a sequence), T below and past the walk (8) and not a
+# multiple of it, a row narrower than a warp's quads, the model widths, a row past the 16 quads per lane
+# held in registers (the previous row's output recomputed from x)
+SHIFT_SHAPES = [(5, 1, 64), (3, 13, 8), (2, 77, 768), (3, 45, 2048), (2, 19, 2176)]
+
+
+@pytest.mark.parametrize("B,T,C", SHIFT_SHAPES)
+@pytest.mark.parametrize("nmix", ln.SHIFT_MIXES)
+@pytest.mark.parametrize("keep_h", [True, False])
+def test_forward_shift(case, dev, B, T, C, nmix, keep_h):
+    """ln_shift_fwd against the twins (LayerNorm, then the time mix's or the channel mix's token shift) and
+    bit for bit against the separate ln_forward and tm_shift_fwd / cm_shift_mix on the same inputs."""
+    R = B * T
+    rng = seeded_rng()
+    x, w, b, _ = inputs(R, C, rng)
+    px, pw, pb = case.input("x", x, "f32"), case.input("w", w, "f32"), case.input("b", b, "f32")
+    pmix = [case.input(f"m{j}", rng.uniform(0, 1, C), "f32") for j in range(nmix)]
+    fused = [case.output(f"o{j}", (R, C)) for j in range(nmix)]
+    ph = case.output("h", (R, C), "f32") if keep_h else None
+    pm, pr = case.output("mean", R, "f32"), case.output("rstd", R, "f32")
+    sep = [case.output(f"sep_o{j}", (R, C)) for j in range(nmix)]
+    sh = case.output("sep_h", (R, C), "f32")
+    sm, sr = case.output("sep_mean", R, "f32"), case.output("sep_rstd", R, "f32")
+    separate = ln.forward(px, pw, pb, sh, sm, sr, R, C)
+    separate += (tm.shift_forward(sh, pmix, sep, R, C, T, dev.info) if nmix == 6
+                 else cm.shift_mix(sh, pmix[0], sep[0], R, T, C, dev.info))
+    out = case.run(ln.forward_shift(px, pw, pb, pmix, fused, ph, pm, pr, R, C, T) + separate)
+    h, mean, rstd = layernorm_forward(case.seen["x"], case.seen["w"], case.seen["b"], return_stats=True)
+    mixes = np.stack([case.seen[f"m{j}"] for j in range(nmix)])
+    want = time_shift_forward(h, mixes, T) if nmix == 6 else [channel_mix_shift_forward(h, mixes[0], T)]
+    tol = tolerance(case.xtype, FWD_TOL)
+    for j in range(nmix):
+        check(f"o{j}", out[f"o{j}"], want[j], tol)
+        np.testing.assert_array_equal(out[f"o{j}"], out[f"sep_o{j}"], err_msg=f"o{j}: not the separate kernels' bits")
+    check("mean", out["mean"], mean, FWD_TOL)
+    check("rstd", out["rstd"], rstd, FWD_TOL)
+    for name in ("mean", "rstd"):
+        np.testing.assert_array_equal(out[name], out["sep_" + name], err_msg=f"{name}: not ln_forward's bits")
+    if keep_h:
+        check("h", out["h"], h, FWD_TOL)
+        np.testing.assert_array_equal(out["h"], out["sep_h"], err_msg="h: not ln_forward's bits")

@@ -134,16 +134,24 @@ def test_no_recompute_is_bit_identical(name, precision, random_params):
     """recompute=False reads each block's kept transients instead of recomputing them: the same
     arithmetic, so the same loss and gradients bit for bit."""
     kwargs, B, T = CASES[name]
-    cfg = Config(**kwargs)
+    assert_steps_bit_identical(Config(**kwargs), B, T, precision, random_params, [(None, True), (None, False)])
+
+
+def assert_steps_bit_identical(cfg: Config, B: int, T: int, precision: str, random_params, runs) -> None:
+    """The step's loss and gradients (seeded fp32 random parameters and tokens) are the same bits in every
+    run of ``runs``: (a setup called before the model is built, or None; recompute)."""
     rng = seeded_rng()
     params = {k: v.astype(np.float32) for k, v in random_params(cfg, int(rng.integers(1 << 31))).items()}
     tokens, targets = rng.integers(0, cfg.vocab_size, (2, B, T))
     results = []
-    for recompute in (True, False):
+    for setup, recompute in runs:
+        if setup is not None:
+            setup()
         model = Model(cfg, params, B, T, precision=precision, recompute=recompute)
         model.poison()
         results.append(model.loss_and_grads(tokens, targets))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert loss_a == loss_b
-    assert all(np.array_equal(grads_a[n], grads_b[n]) for n in grads_a), \
-        [n for n in grads_a if not np.array_equal(grads_a[n], grads_b[n])]
+    loss_a, grads_a = results[0]
+    for loss_b, grads_b in results[1:]:
+        assert loss_a == loss_b
+        assert all(np.array_equal(grads_a[n], grads_b[n]) for n in grads_a), \
+            [n for n in grads_a if not np.array_equal(grads_a[n], grads_b[n])]

@@ -27,19 +27,12 @@
 #if !defined(LN_WARPS) || !defined(LN_BY) || !defined(LN_NQ)
 #error "layernorm/layernorm.cu: LN_WARPS, LN_BY and LN_NQ come from rwkvx/cu/layernorm/ops.py"
 #endif
-
-static __device__ __forceinline__ float ln_warp_sum(float v)
-{
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+#include "layernorm/ln_row.cuh"
 
 // The row kernels keep a row's first 32*LN_NQ quads (quad i = lane + 32k, k < LN_NQ) in registers:
 // their loads are issued together, one memory round trip per row, and the later passes read the
-// registers. Quads beyond (C > 128*LN_NQ) are read again in each pass. Sums run in the same order as a
-// loop over i = lane, lane + 32, ... (Such a loop, loading, using, then storing one quad at a time,
-// waited for each load in turn: bf16 forward 0.0367 ms at R*C = 32768*768 on the H200, 64% of copy.)
+// registers (ln_row.cuh). (A loop loading, using, then storing one quad at a time waited for each load
+// in turn: bf16 forward 0.0367 ms at R*C = 32768*768 on the H200, 64% of copy.)
 // No __launch_bounds__: with one, ptxas squeezed some LN_NQ builds to 32 registers and spilled.
 extern "C" __global__ void
 ln_forward(const float* x, const float* __restrict__ w, const float* __restrict__ b,
@@ -52,42 +45,19 @@ ln_forward(const float* x, const float* __restrict__ w, const float* __restrict_
     const int C4 = C >> 2;
     const float* xr = x + (long long)r * C;
     float4 v[LN_NQ];
-#pragma unroll
-    for (int k = 0; k < LN_NQ; ++k) v[k] = lane + 32 * k < C4 ? load_quad(xr + 4 * (lane + 32 * k)) : float4{};
-    float s = 0.0f;
-    auto add = [&](const f4& u) { s += (u.v[0] + u.v[1]) + (u.v[2] + u.v[3]); };
-#pragma unroll
-    for (int k = 0; k < LN_NQ; ++k)
-        if (lane + 32 * k < C4) add(widen(v[k]));
-    for (int i = lane + 32 * LN_NQ; i < C4; i += 32) add(load4(xr + 4 * i));
-    const float mu = ln_warp_sum(s) / (float)C;
-    float q = 0.0f;
-    auto addq = [&](const f4& u) {
-        const float a = u.v[0] - mu, bb = u.v[1] - mu, c = u.v[2] - mu, d = u.v[3] - mu;
-        q += (a * a + bb * bb) + (c * c + d * d);
-    };
-#pragma unroll
-    for (int k = 0; k < LN_NQ; ++k)
-        if (lane + 32 * k < C4) addq(widen(v[k]));
-    for (int i = lane + 32 * LN_NQ; i < C4; i += 32) addq(load4(xr + 4 * i));
-    const float rs = 1.0f / sqrtf(ln_warp_sum(q) / (float)C + eps);
+    float mu, rs;
+    ln_row_stats(xr, v, lane, C, eps, mu, rs);
     if (lane == 0) {
         if (mean_out) mean_out[r] = mu;
         if (rstd_out) rstd_out[r] = rs;
     }
-    if (y) {
+    if (y) {      // y may alias x: a quad is read before it is written
         floatX* yr = y + (long long)r * C;
-        auto out = [&](int i, const f4& u) {       // y may alias x: a quad is read before it is written
-            const f4 ww = load4(w + 4 * i), bv = load4(b + 4 * i);
-            f4 o;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) o.v[e] = (u.v[e] - mu) * rs * ww.v[e] + bv.v[e];
-            store4(yr + 4 * i, o);
-        };
 #pragma unroll
         for (int k = 0; k < LN_NQ; ++k)
-            if (lane + 32 * k < C4) out(lane + 32 * k, widen(v[k]));
-        for (int i = lane + 32 * LN_NQ; i < C4; i += 32) out(i, load4(xr + 4 * i));
+            if (lane + 32 * k < C4)
+                store4(yr + 4 * (lane + 32 * k), ln_quad(widen(v[k]), mu, rs, w, b, lane + 32 * k));
+        for (int i = lane + 32 * LN_NQ; i < C4; i += 32) store4(yr + 4 * i, ln_quad(load4(xr + 4 * i), mu, rs, w, b, i));
     }
 }
 

@@ -14,6 +14,16 @@ Forward::
 
 ``y`` may alias ``x`` (in place).
 
+Forward fused with the token shift and its mixes (``ln_shift.cu``, one launch)::
+
+    ops += layernorm.forward_shift(x, w, b, mixes, outs, h, mean, rstd, R, C, T)
+
+``mixes``/``outs``: 6 (the time mix's x_r .. x_g -> xr .. xg) or 1 (the channel mix's x_k -> xk2) f32
+``[C]`` vectors and floatX ``[R, C]`` outputs, o_j = h + (shift(h) - h) * m_j over sequences of T rows.
+h = LN(x) ``f32 [R, C]`` is stored only when ``h`` is given (the backward's shift gradients and the
+decoder's prefill read it; the forward's GEMMs read only the mixes). h, mean, rstd and the mixes are the
+bits of ``forward`` followed by ``timemix.shift_forward`` / ``channelmix.shift_mix``.
+
 Backward (one call: statistics if needed, dweight/dbias partials, their reduction, dx)::
 
     ops += layernorm.backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R, C, dev,
@@ -40,13 +50,16 @@ from rwkvx.config import LN_EPS
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, INT, X_IN, X_OUT, KernelFile
 
 from .. import reduce as _reduce
-from .._common import DeviceInfo, check_rows
+from .._common import DeviceInfo, check_rows, xtype_of
 
 WARPS = 4            # rows (one warp each) per block of the row kernels: 128-thread blocks divide the
                      # register file finely (fp32 ln_backward_dx, 130-168 registers: 3 blocks of 4 warps)
 BY = 8               # row streams per block of ln_backward_dwdb
 REDUCE_BY = 16       # reduce_partials rows (its summation order)
 NQS = (1, 2, 4, 6, 8)  # LN_NQ variants: quads per lane the row kernels keep in registers (see _nq)
+SHIFT_NQS = NQS + (12, 16)  # ln_shift_fwd's: C = 2048 keeps its row and the previous row's output in registers
+SHIFT_WALK = 8       # rows one warp of ln_shift_fwd walks: one row in SHIFT_WALK recomputed at the walk's start
+SHIFT_MIXES = (1, 6)  # LNS_M: the channel mix's one mix, the time mix's six
 
 CU = KernelFile("layernorm/layernorm", constants={"LN_WARPS": WARPS, "LN_BY": BY}, variants={"LN_NQ": NQS})
 LN_FORWARD = CU.kernel("ln_forward", x=F32_IN, w=F32_IN, b=F32_IN, y=X_OUT.opt(),
@@ -56,11 +69,20 @@ LN_BACKWARD_DX = CU.kernel("ln_backward_dx", x=F32_IN, w=F32_IN, dy=F32_IN, mean
 LN_BACKWARD_DWDB = CU.kernel("ln_backward_dwdb", x=F32_IN, dy=F32_IN, mean=F32_IN, rstd=F32_IN, part=F32_OUT,
                              R=INT, C=INT, rows_per_tile=INT)
 
+SHIFT_CU = KernelFile("layernorm/ln_shift", constants={"LN_WARPS": WARPS, "LNS_WALK": SHIFT_WALK},
+                      variants={"LN_NQ": SHIFT_NQS, "LNS_M": SHIFT_MIXES},
+                      derived=lambda v, xtype: {"LNS_MIN_BLOCKS": 3 if v["LN_NQ"] <= 6 else 2})
+_SHIFT_MIX = {f"m{j}": F32_IN.opt() for j in range(6)}
+LN_SHIFT_FWD = SHIFT_CU.kernel("ln_shift_fwd", x=F32_IN, w=F32_IN, b=F32_IN, h=F32_OUT.opt(),
+                               mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), **_SHIFT_MIX,
+                               **{f"o{j}": X_OUT.opt() for j in range(6)}, R=INT, C=INT, T=INT, eps=FLOAT)
 
-def _nq(C: int) -> int:
+
+def _nq(C: int, nqs: tuple = NQS) -> int:
     """LN_NQ for rows of C: the fewest quads per lane that hold the whole row (C <= 128*LN_NQ: the row
-    kernels read each element once); wider rows than 1024 keep 8 and read the rest again in each pass."""
-    return next((q for q in NQS if 128 * q >= C), NQS[-1])
+    kernels read each element once); wider rows than 128 * nqs[-1] keep nqs[-1] and read the rest again
+    in each pass."""
+    return next((q for q in nqs if 128 * q >= C), nqs[-1])
 
 
 def _xtype(out) -> str:
@@ -81,6 +103,30 @@ def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS) -> list
     return [LN_FORWARD.launch((math.ceil(R / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=_xtype(y),
                               variant={"LN_NQ": _nq(C)}, x=x, w=w, b=b, y=y,
                               mean_out=mean, rstd_out=rstd, R=R, C=C, eps=eps)]
+
+
+def forward_shift(x, w, b, mixes, outs, h, mean, rstd, R: int, C: int, T: int, eps: float = LN_EPS) -> list:
+    """ln_shift_fwd: h = LN(x [R,C]; w, b [C]) stored in ``h`` when not None, mean, rstd [R] saved when not
+    None, outs[j] (floatX [R,C]) = h + (shift(h) - h) * mixes[j] with shift zero at row t = 0 of each
+    sequence of T rows; 6 mixes (time mix) or 1 (channel mix). Nothing may alias x."""
+    mixes, outs = list(mixes), list(outs)
+    if len(mixes) not in SHIFT_MIXES or len(outs) != len(mixes):
+        raise ValueError(f"layernorm.forward_shift: {' or '.join(map(str, SHIFT_MIXES))} mixes and as many "
+                         f"outputs, got {len(mixes)} and {len(outs)}")
+    if any(p is None for p in (x, w, b, *mixes, *outs)):
+        raise ValueError("layernorm.forward_shift: x, w, b, the mixes and the outputs are required")
+    check_rows("layernorm.forward_shift", R, C, x, w, b, h, *mixes, *outs)
+    if T <= 0 or R % T:
+        raise ValueError(f"layernorm.forward_shift: R={R} must be a positive multiple of T={T}")
+    if any(p is not None and int(p) == int(x) for p in (h, *outs)):
+        raise ValueError("layernorm.forward_shift: no output may alias x")
+    n, warps = len(mixes), math.ceil(R / SHIFT_WALK)
+    xtype = xtype_of("layernorm.forward_shift", *outs)
+    return [LN_SHIFT_FWD.launch((math.ceil(warps / WARPS), 1, 1), (32 * WARPS, 1, 1), xtype=xtype,
+                                variant={"LN_NQ": _nq(C, SHIFT_NQS), "LNS_M": n}, x=x, w=w, b=b, h=h,
+                                mean_out=mean, rstd_out=rstd,
+                                **{f"m{j}": mixes[j] if j < n else None for j in range(6)},
+                                **{f"o{j}": outs[j] if j < n else None for j in range(6)}, R=R, C=C, T=T, eps=eps)]
 
 
 def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: DeviceInfo,

@@ -13,7 +13,8 @@ The builders with many buffers (prep, gn) take keyword arguments only: a swapped
 silently. Composition of one TimeMix block (RWKV index i; the integrator's GEMMs in brackets)::
 
     forward (also the backward's recompute of the block):
-      shift_forward(x=LN1(x)) -> xr, xw, xk, xv, xa, xg
+      shift_forward(x=LN1(x)) -> xr, xw, xk, xv, xa, xg   (the step fuses LN1 and the shift into one
+                                                          launch: layernorm.forward_shift)
       [r = xr Wr^T, k = xk Wk^T, v = xv Wv^T]
       [hw = xw@w1] tanh_forward(hw -> hw, in place ok)   [wl = hw@w2]
       [ha = xa@a1] [al = ha@a2]      (i > 0): [hv = xv@v1] [vl = hv@v2]
