@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from .arena import Layout
-from .cu import decode, layernorm, wkv7
+from .cu import decode, wkv7
 from .cu._common import carve, carved_bytes
 from .model import Model
 from .runtime.dtypes import ELEM_BYTES, from_storage, storage_dtype
@@ -212,11 +212,10 @@ class DecodeStepBuilder(_DecoderBuilder):
             [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")], self.B, self.cfg.n_embd, self.dev)
 
     def channel_shift(self, prefix: str, xin, keep_h: bool) -> list:
-        b, p, C = self.buf, self.p, self.cfg.n_embd
-        return (layernorm.forward(xin, p(prefix + "ln2.weight"), p(prefix + "ln2.bias"), b("h2"), b("ln2_mean"),
-                                  b("ln2_rstd"), self.B, C)
-                + decode.shift(b("h2"), self.state["cm_prev." + prefix], [p(prefix + "ffn.x_k")], [b("xk2")],
-                               self.B, C, self.dev))
+        b = self.buf
+        return self._ln2_forward(prefix, xin) + decode.shift(
+            b("h2"), self.state["cm_prev." + prefix], [self.p(prefix + "ffn.x_k")], [b("xk2")], self.B,
+            self.cfg.n_embd, self.dev)
 
     def wkv(self, i: int, for_backward: bool) -> list:
         b, cfg = self.buf, self.cfg

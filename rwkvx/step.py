@@ -381,6 +381,13 @@ class StepBuilder:
         return layernorm.forward(xin, self.p(prefix + "ln1.weight"), self.p(prefix + "ln1.bias"),
                                  h1, b("ln1_mean"), b("ln1_rstd"), R, C)
 
+    def _ln2_forward(self, prefix: str, xin) -> list:
+        """h2 = LN2(xin) of block ``prefix`` alone (ln2_mean, ln2_rstd saved), for builders that shift h2
+        with a kernel of their own."""
+        R, C, b = self.R, self.cfg.n_embd, self.buf
+        return layernorm.forward(xin, self.p(prefix + "ln2.weight"), self.p(prefix + "ln2.bias"),
+                                 b("h2"), b("ln2_mean"), b("ln2_rstd"), R, C)
+
     def _ln1_backward(self, prefix: str, xin) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
         return layernorm.backward(xin, self.p(prefix + "ln1.weight"), b("dh1"), b("dx"),

@@ -235,14 +235,6 @@ def _ln_shift_fwd(mem, a, op):
         mem.write(a[f"o{j}"], outs[j])
 
 
-def _tm_shift_fwd(mem, a, op):
-    R, C, T = a["R"], a["C"], a["T"]
-    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(6)])
-    outs = O.time_shift_forward(mem.read(a["x"], R * C, (R, C)), mixes, T)
-    for j in range(6):
-        mem.write(a[f"o{j}"], outs[j])
-
-
 def _elementwise(fn):
     def kernel(mem, a, op):
         mem.write(a["out"], fn(mem.read(a["a"], a["n"])))
@@ -302,11 +294,6 @@ def _tm_gn_fwd(mem, a, op):
     rows = [mem.read(a[n], R * C, (R, C)) for n in ("y", "r", "kp", "vp", "g")]
     mem.write(a["z"], O.time_mix_gn_forward(*rows, mem.read(a["lnw"], C), mem.read(a["lnb"], C),
                                             mem.read(a["rk"], C), N))
-
-
-def _cm_shift_mix(mem, a, op):
-    R, C, T = a["R"], a["C"], a["T"]
-    mem.write(a["xk"], O.channel_mix_shift_forward(mem.read(a["x"], R * C, (R, C)), mem.read(a["mix"], C), T))
 
 
 def _cm_relu_sq_forward(mem, a, op):
@@ -574,10 +561,9 @@ def _store_f32(mem, a, op):
 
 KERNELS = {
     "embedding_forward": _embedding_forward, "ln_forward": _ln_forward, "ln_shift_fwd": _ln_shift_fwd,
-    "tm_shift_fwd": _tm_shift_fwd,
     "tm_tanh_fwd": _elementwise(np.tanh), "tm_sigmoid_fwd": _elementwise(lambda x: 1 / (1 + np.exp(-x))),
     "tm_prep_fwd": _tm_prep_fwd, "wkv7_forward": _wkv7_forward, "tm_gn_fwd": _tm_gn_fwd,
-    "cm_shift_mix": _cm_shift_mix, "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,
+    "cm_relu_sq_forward": _cm_relu_sq_forward, "moba_kmean": _moba_kmean,
     "moba_select": _done_by_another_twin, "moba_scan": _done_by_another_twin, "moba_fill": _done_by_another_twin,
     "moba_fwd_past": _done_by_another_twin, "moba_fwd_own": _moba_fwd_own, "moba_bwd_delta": _done_by_another_twin,
     "moba_bwd_dq_past": _done_by_another_twin, "moba_bwd_dq_own": _moba_bwd_dq_own, "moba_bwd_dkdv": _moba_bwd_dkdv,

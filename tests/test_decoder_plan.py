@@ -37,8 +37,8 @@ CONFIGS = [   # config, B, prompt window, max_len, prompt length
     (dict(vocab_size=65536, n_embd=768, head_size=64, n_rwkv_layer=12, n_attn_layer=4, moba_chunk_size=512,
           moba_top_k=3), 1, 1024, 1536, 600),                       # the chunked WKV7 (head size 64)
 ]
-FORWARD_ONLY_OF_SEQUENCES = {"tm_shift_fwd", "cm_shift_mix", "wkv7_forward", "moba_kmean", "moba_select",
-                             "moba_fwd_own", "moba_fwd_past"}
+FORWARD_ONLY_OF_SEQUENCES = {"ln_shift_fwd", "tm_shift_fwd", "cm_shift_mix", "wkv7_forward", "moba_kmean",
+                             "moba_select", "moba_fwd_own", "moba_fwd_past"}
 
 
 def build(kwargs, B, window, max_len, P):

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from cuda_cpu import step_device  # noqa: E402
 from cuda_cpu.executor import unavailable_reason  # noqa: E402
 from rwkvx import Config  # noqa: E402
-from rwkvx.cu import channelmix, layernorm, timemix  # noqa: E402
+from rwkvx.cu import channelmix, timemix  # noqa: E402
 from rwkvx.step import StepBuilder  # noqa: E402
 from seeding import seeded_rng  # noqa: E402
 import test_model_parity  # noqa: E402
@@ -94,10 +94,10 @@ def _separate_shifts(monkeypatch) -> None:
                                         self.R, self.cfg.n_embd, self.T, self.dev))
 
     def channel_shift(self, prefix, xin, keep_h):
-        b, p, C = self.buf, self.p, self.cfg.n_embd
-        return (layernorm.forward(xin, p(prefix + "ln2.weight"), p(prefix + "ln2.bias"), b("h2"), b("ln2_mean"),
-                                  b("ln2_rstd"), self.R, C)
-                + channelmix.shift_mix(b("h2"), p(prefix + "ffn.x_k"), b("xk2"), self.R, self.T, C, self.dev))
+        b = self.buf
+        return (self._ln2_forward(prefix, xin)
+                + channelmix.shift_mix(b("h2"), self.p(prefix + "ffn.x_k"), b("xk2"), self.R, self.T,
+                                       self.cfg.n_embd, self.dev))
 
     monkeypatch.setattr(StepBuilder, "time_shift", time_shift)
     monkeypatch.setattr(StepBuilder, "channel_shift", channel_shift)
