@@ -114,6 +114,7 @@ FAMILY_TESTS = [  # (a GPU test of tests/gpu, its parameters but case, dev and r
     (test_decode.test_dec_sample_is_the_contract, dict(B=2, V=1000)),
     (test_moba.test_moba_forward_backward, dict(name="N4-chunk1")),
     (test_moba.test_moba_mma_forward_backward, dict(name="T-le-chunk")),
+    (test_loss.test_cross_entropy, dict(R=16, V=3, n_ign=2, in_place=False)),
     (test_loss.test_cross_entropy, dict(R=37, V=1001, n_ign=5, in_place=False)),
     (test_loss.test_cross_entropy, dict(R=5, V=4096, n_ign=1, in_place=True)),
     (test_loss.test_loss_only_and_extreme_logits, {}),

@@ -31,12 +31,17 @@
 // accumulators (<= 16 terms each: relative error <= ~1e-6 worst case) and added to a float64 sum; sums
 // with different references are merged as s_a * 2^(B_a - B) + s_b in float64 with the factor from
 // ex2.approx (the exponent differences along any merge path telescope, so the total argument rounding
-// is that of one factor, ~1e-6 for the terms that matter). So S (sum of exp relative to the row max) has
-// a relative error of a few 1e-6 at worst, i.e. an absolute error of a few 1e-6 in the loss (limit: 1e-5
-// relative on losses ~10) and a relative error of that size in dlogits (limit 1e-4). The loss is
-// log(S) + B / L - x[t] in float64: B / L is the reference in natural units, and the float rounding of L
-// then only enters as L's relative error (1.3e-8) times E_p[x - B/L] (at most ~log V), < 2e-7 absolute,
-// whatever the size of the logits. dlogits = 2^fma(x, L, -B) * (inv_count / S) - [j == t] * inv_count.
+// is that of one factor, ~1e-6 for the terms that matter). The sum leaves out the target's own term:
+// S' = sum over j != t, and S = S' + 2^(x[t] L - B) in float64. So S has a relative error of a few 1e-6 at
+// worst, i.e. an absolute error of a few 1e-6 in the loss (limit: 1e-5 relative on losses ~10) and a
+// relative error of that size in dlogits (limit 1e-4). The loss is log(S) + B / L - x[t] in float64: B / L
+// is the reference in natural units, and the float rounding of L then only enters as L's relative error
+// (1.3e-8) times E_p[x - B/L] (at most ~log V), < 2e-7 absolute, whatever the size of the logits.
+// dlogits[j] = 2^fma(x, L, -B) * (inv_count / S) for j != t, and dlogits[t] = -(S' / S) * inv_count: why
+// S' is summed apart: on a row where softmax puts almost all its mass on t, p_t * inv - inv cancels in
+// fp32 (p_t = 1 - 1e-4 keeps ~3 digits), while S' / S is 1 - p_t to the sum's own relative error.
+// The reference B is the same either way (the row max): every thread starts from x[t] L, so a thread
+// whose quads hold no larger logit scales its terms to that reference.
 // All reductions are butterflies of symmetric merges in a fixed order, then fixed-order warp/CTA/cluster
 // steps: no atomics, bit-reproducible run to run, and every CTA of the cluster gets the same (B, S).
 //
@@ -122,6 +127,26 @@ static __device__ __forceinline__ void ce_load(quadX (&b)[CE_QUADS], const float
 }
 
 static __device__ __forceinline__ float ce_ex2(float x) { return ex2_approx(x); }   // one MUFU.EX2; ex2(-inf) = 0
+
+// Element i of quad k of a chunk set to -inf: the target's term left out of the sum (no dynamic register
+// index: each quad is compared and selected, so the chunk stays in registers).
+static __device__ __forceinline__ void ce_mask(quadX (&b)[CE_QUADS], int k, int i) {
+#pragma unroll
+    for (int m = 0; m < CE_QUADS; ++m) {
+        if (m != k) continue;
+#if FLOATX_BF16
+        const unsigned half = (i & 1) ? 0xffff0000u : 0x0000ffffu;      // element 2j is the low half
+        const unsigned ninf = 0xff80ff80u & half;
+        if (i < 2) b[m].x = (b[m].x & ~half) | ninf;
+        else b[m].y = (b[m].y & ~half) | ninf;
+#else
+        b[m].x = i == 0 ? CE_NEG_INF : b[m].x;
+        b[m].y = i == 1 ? CE_NEG_INF : b[m].y;
+        b[m].z = i == 2 ? CE_NEG_INF : b[m].z;
+        b[m].w = i == 3 ? CE_NEG_INF : b[m].w;
+#endif
+    }
+}
 
 static __device__ __forceinline__ void ce_store(floatX* drow, int q, int V, bool vec, const f4& o) {
     if (vec) {
@@ -257,25 +282,29 @@ cross_entropy_loss(const floatX* logits, floatX* dlogits, const int* __restrict_
         }
         return;
     }
-    // The thread that owns element t (quad t/4) writes the loss and corrects dlogits[t]; with a bad
-    // target thread 0 writes loss NaN. x[t] is read now, before any write of the row.
+    // The thread that owns element t (quad t/4) leaves it out of its sum, writes the loss and corrects
+    // dlogits[t]; with a bad target thread 0 writes loss NaN. Every thread reads x[t] (one broadcast load
+    // per warp) now, before any write of the row: the cluster's first write comes after every CTA's pass 1.
     const bool t_ok = (unsigned)t < (unsigned)V;
     const bool owner = t_ok ? g == (t >> 2) % CE_SPAN : g == 0;
     const int t_own = owner && t_ok ? t : -1;        // one register to the end (the fix-up of dlogits[t])
-    float xt = __int_as_float(0x7fc00000);
-    if (t_own >= 0) xt = to_f32(row[t_own]);
+    const float xt = t_ok ? to_f32(row[t]) : __int_as_float(0x7fc00000);
+    const int c_t = t_own >= 0 ? (t >> 2) / CE_CHUNK : -1;                 // t's chunk, quad and element
+    const int k_t = t_own >= 0 ? ((t >> 2) - c_t * CE_CHUNK - g) / CE_SPAN : -1;
 
     if (tid == 0) ce_mbar_init(&cl_bar, CE_CLUSTER * (sizeof(float) + sizeof(double)));
     cluster_arrive_relaxed();
 
-    // pass 1: (B, s) of this thread's quads; a row of one chunk stays in buf for the gradient
+    // pass 1: (B, s') of this thread's quads, the target's term left out; a row of one chunk stays in buf
+    // for the gradient (with x[t] as -inf: its own term is written last, from xt)
     quadX buf[CE_QUADS];
     const int nchunk = (nq + CE_CHUNK - 1) / CE_CHUNK;
     ce_acc acc;
-    acc.B = CE_NEG_INF;
+    acc.B = t_ok ? xt * CE_L : CE_NEG_INF;
     acc.s = 0.0;
     for (int c = 0; c < nchunk; ++c) {
         ce_load(buf, row, c * CE_CHUNK + g, nq, V, vec);
+        if (c == c_t) ce_mask(buf, k_t, t & 3);
         ce_accumulate(acc, buf);
     }
 
@@ -305,11 +334,12 @@ cross_entropy_loss(const floatX* logits, floatX* dlogits, const int* __restrict_
         acc = ce_merge(acc, b);
     }
     const float B = acc.B;
+    const double S = acc.s + (t_ok ? (double)ce_ex2(fmaf(xt, CE_L, -B)) : 0.0);
 
     // pass 2: dlogits = 2^(x L - B) * (inv_count / S), last chunk from registers first
     if (dlogits) {
         const double ic = *inv_count;
-        const float scale = (float)(ic / acc.s);
+        const float scale = (float)(ic / S);
         floatX* drow = dlogits + base;
         for (int c = nchunk - 1; c >= 0; --c) {
             const int q0 = c * CE_CHUNK + g;
@@ -318,8 +348,8 @@ cross_entropy_loss(const floatX* logits, floatX* dlogits, const int* __restrict_
             else ce_write<false>(buf, drow, q0, nq, V, B, scale, vec);
         }
         // the target's own term, overwriting what this thread stored above (same thread: program order)
-        if (t_own >= 0) drow[t_own] = from_f32(ce_ex2(fmaf(xt, CE_L, -B)) * scale - (float)ic);
+        if (t_own >= 0) drow[t_own] = from_f32((float)(-(acc.s / S) * ic));
     }
     // last: log() needs many registers, which are free once the row data is dead
-    if (owner) loss[r] = log(acc.s) + (double)B / (double)CE_L - (double)xt;
+    if (owner) loss[r] = log(S) + (double)B / (double)CE_L - (double)xt;
 }
