@@ -58,17 +58,6 @@ def test_forward_shift_checks():
         ln.forward_shift(x, w, b, mixes, outs[:5] + [buf()], h, mean, rstd, R, C, T)
 
 
-@pytest.mark.skipif(not nvrtc.nvrtc_available()[0], reason="NVRTC is not installed/usable")
-@pytest.mark.parametrize("xtype", ["f32", "bf16"])
-@pytest.mark.parametrize("nmix", ln.SHIFT_MIXES)
-def test_ln_shift_does_not_spill(xtype, nmix):
-    """ptxas: every LN_NQ build keeps the row and the previous row's output in registers (no spills)."""
-    for nq in ln.SHIFT_NQS:
-        defines = ln.SHIFT_CU.defines(xtype, {"LN_NQ": nq, "LNS_M": nmix})
-        u = nvrtc.resource_usage("layernorm/ln_shift", "sm_90", defines)["ln_shift_fwd"]
-        assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, (nq, u)
-
-
 # (R, T, C, LN_NQ, threads): a row narrower than a warp, the model widths, a row past the registers
 @pytest.mark.parametrize("R,T,C,nq,threads", [(74, 37, 64, 1, 32), (32768, 4096, 768, 1, 192),
                                               (16384, 4096, 2048, 2, 256), (6, 3, 4096, 2, 256)])
@@ -135,12 +124,18 @@ def test_backward_shift_checks():
         call(douts=douts[:5] + [buf()])
 
 
+# kernel -> (its file, its LN_NQ builds)
+SHIFT_KERNELS = {"ln_shift_fwd": (ln.SHIFT_CU, ln.SHIFT_NQS), "ln_shift_bwd": (ln.SHIFT_BWD_CU, ln.SHIFT_BWD_NQS)}
+
+
 @pytest.mark.skipif(not nvrtc.nvrtc_available()[0], reason="NVRTC is not installed/usable")
 @pytest.mark.parametrize("xtype", ["f32", "bf16"])
 @pytest.mark.parametrize("nmix", ln.SHIFT_MIXES)
-def test_ln_shift_bwd_does_not_spill(xtype, nmix):
-    """ptxas: every LN_NQ build of ln_shift_bwd keeps its quads' state in registers (no spills)."""
-    for nq in ln.SHIFT_BWD_NQS:
-        defines = ln.SHIFT_BWD_CU.defines(xtype, {"LN_NQ": nq, "LNS_M": nmix})
-        u = nvrtc.resource_usage("layernorm/ln_shift_bwd", "sm_90", defines)["ln_shift_bwd"]
+@pytest.mark.parametrize("kernel", list(SHIFT_KERNELS))
+def test_ln_shift_kernels_do_not_spill(kernel, xtype, nmix):
+    """ptxas: every LN_NQ build of ln_shift_fwd keeps the row and the previous row's output in registers,
+    every build of ln_shift_bwd its quads' state (no spills)."""
+    kf, nqs = SHIFT_KERNELS[kernel]
+    for nq in nqs:
+        u = nvrtc.resource_usage(kf.module, "sm_90", kf.defines(xtype, {"LN_NQ": nq, "LNS_M": nmix}))[kernel]
         assert u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0, (nq, u)
