@@ -93,6 +93,7 @@ FAMILY_TESTS = [  # (a GPU test of tests/gpu, its parameters but case, dev and r
     (test_layernorm.test_backward_shift, dict(B=5, T=1, C=64, rpt=None, nmix=1, accumulate=False)),
     (test_layernorm.test_backward_shift, dict(B=2, T=5, C=768, rpt=3, nmix=6, accumulate=False)),
     (test_layernorm.test_backward_shift, dict(B=2, T=3, C=2176, rpt=4, nmix=1, accumulate=True)),
+    (test_layernorm.test_backward_shift, dict(B=1, T=4, C=2048, rpt=None, nmix=6, accumulate=True)),
     (test_channelmix.test_shift_mix, dict(B=3, T=7, C=64, rpt=None)),
     (test_channelmix.test_mix_backward, dict(B=5, T=1, C=8, rpt=3, accumulate=True)),
     (test_channelmix.test_mix_backward, dict(B=3, T=7, C=64, rpt=None, accumulate=False)),
