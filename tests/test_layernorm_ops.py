@@ -79,7 +79,7 @@ def test_backward_shift_launch(R, T, C, nq, threads, nmix, frozen):
     d = dict(op.defines)
     args = {name: value for (name, _), (_, value) in zip(ln.LN_SHIFT_BWD.params, op.args)}
     assert op.name == "ln_shift_bwd" and op.grid == (L["pp"], 1, 1) and op.block == (threads, 1, 1)
-    assert (d["LN_NQ"], d["LNS_M"], d["FLOATX_BF16"]) == (str(nq), str(nmix), "1") and op.smem == 2 * C
+    assert (d["LN_NQ"], d["LNS_M"], d["FLOATX_BF16"]) == (str(nq), str(nmix), "1") and op.smem == 4 * C
     assert (args["rpt"], args["ry"], args["accumulate"]) == (L["rpt"], L["ry"], 1)
     assert [args[f"d{j}"] for j in range(6)] == [int(o) for o in douts] + [0] * (6 - nmix)
     if frozen:

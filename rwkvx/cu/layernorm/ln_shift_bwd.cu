@@ -14,21 +14,25 @@
 // Buffers: x, dx f32 [R, C] (the residual stream and its gradient); w, b, m_j f32 [C]; mean, rstd f32 [R]
 // (ln_shift_fwd's); d_j floatX [R, C]; part_mix f32 [P, LNS_M, C], part_ln f32 [P, 2, C]. C % 4 == 0,
 // every pointer aligned to 4 elements; dx aliases no input (layernorm/ops.py checks). h and dh are never
-// in memory. LN_NQ, LNS_M and LNB_THREADS come from rwkvx/cu/layernorm/ops.py.
+// in memory. LN_NQ, LNS_M, LNB_THREADS (the block's threads, at most) and LNB_MIN_BLOCKS (the blocks per SM
+// the registers are budgeted for) come from rwkvx/cu/layernorm/ops.py: LN_NQ = 1 takes up to 192 threads,
+// 2 blocks (<= 168 registers: the 6-mix build took 171 unbounded, one block of 6 warps per SM), LN_NQ = 2
+// up to 256, 1 block.
 //
-// One block of up to LNB_THREADS threads walks the rows of one walk p = blockIdx.x down from the last:
+// One block walks the rows of one walk p = blockIdx.x down from the last:
 // walk p covers rows [tile * rpt + s * sub, + sub) of its row tile (tile = p / ry, s = p % ry,
 // sub = ceil(rpt / ry)), tm_shift_bwd's partial rows, so that the mixes' partial sums are its bits.
 // Thread tid owns the quads i = tid + NT*k of every row (NT = blockDim.x): for k < LN_NQ it keeps x, h and
 // d_j of the row above in registers (the next row's shifted input and dh's second term) and its partial
 // sums; quads beyond NT*LN_NQ (rows wider than 2048 at LN_NQ = 2) read them again and add their partial
 // sums into their walk's own partial rows in memory. The row sums of the LayerNorm backward go through
-// shared memory: each quad's terms (ln_bwd_quad_sums), then warp 0 adds them in ln_backward_dx's order
-// (per lane the quads lane, lane + 32, ..., then the butterfly). Dynamic shared memory: 8 * C/4 bytes.
+// shared memory: each quad's terms (ln_bwd_quad_sums), then every warp adds them in ln_backward_dx's
+// order (per lane the quads lane, lane + 32, ..., then the butterfly). Dynamic shared memory: two rows'
+// terms, 2 * 8 * C/4 bytes.
 
 #include "common.cuh"
-#if !defined(LN_NQ) || !defined(LNS_M) || !defined(LNB_THREADS)
-#error "layernorm/ln_shift_bwd.cu: LN_NQ, LNS_M and LNB_THREADS come from rwkvx/cu/layernorm/ops.py"
+#if !defined(LN_NQ) || !defined(LNS_M) || !defined(LNB_THREADS) || !defined(LNB_MIN_BLOCKS)
+#error "layernorm/ln_shift_bwd.cu: LN_NQ, LNS_M, LNB_THREADS and LNB_MIN_BLOCKS come from rwkvx/cu/layernorm/ops.py"
 #endif
 #include "layernorm/ln_row.cuh"
 
@@ -83,7 +87,7 @@ static __device__ __forceinline__ void lnb_add_partials(f4 (&pm)[LNS_M], f4& pw,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(LNB_THREADS)
+extern "C" __global__ void __launch_bounds__(LNB_THREADS, LNB_MIN_BLOCKS)
 ln_shift_bwd(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ b,
              const float* __restrict__ mean, const float* __restrict__ rstd,
              const float* m0, const float* m1, const float* m2, const float* m3, const float* m4, const float* m5,
@@ -91,8 +95,7 @@ ln_shift_bwd(const float* __restrict__ x, const float* __restrict__ w, const flo
              const floatX* d5, float* dx, floatX* __restrict__ dx_copy, float* __restrict__ part_mix,
              float* __restrict__ part_ln, int R, int C, int T, int rpt, int ry, int accumulate)
 {
-    extern __shared__ float2 lnb_terms[];      // [C/4]: each quad's (sum g, sum g * xhat) of the row
-    __shared__ float lnb_means[2];             // the row's mean_c(g), mean_c(g * xhat)
+    extern __shared__ float2 lnb_shared[];     // [2][C/4]: each quad's (sum g, sum g * xhat), rows alternating
     const float* const mp[6] = {m0, m1, m2, m3, m4, m5};
     const floatX* const dp[6] = {d0, d1, d2, d3, d4, d5};
     const int tid = threadIdx.x, NT = blockDim.x, C4 = C >> 2;
@@ -138,6 +141,7 @@ ln_shift_bwd(const float* __restrict__ x, const float* __restrict__ w, const flo
         }
         for (; r >= beg; --r) {
             const long long row = (long long)r * C;
+            float2* const terms = lnb_shared + ((end - 1 - r) & 1) * C4;
             const int t = r % T;
             const bool first = t == 0, has_next = t != T - 1;
             const float mu_p = r > 0 ? mean[r - 1] : 0.0f, rs_p = r > 0 ? rstd[r - 1] : 0.0f;
@@ -163,7 +167,7 @@ ln_shift_bwd(const float* __restrict__ x, const float* __restrict__ w, const flo
                     lnb_add_partials(pm[k], pw[k], pb[k], dc[k], widen(xc[k]), hc[k], hp[k], first, g[k], mu, rs);
                     float qg, qgx;
                     ln_bwd_quad_sums(widen(xc[k]), g[k], load4(w + 4 * i), mu, rs, qg, qgx);
-                    lnb_terms[i] = make_float2(qg, qgx);
+                    terms[i] = make_float2(qg, qgx);
                 }
             }
             // the quads past the registers: d_j read here (again for dx), partial sums added in memory
@@ -191,25 +195,19 @@ ln_shift_bwd(const float* __restrict__ x, const float* __restrict__ w, const flo
                 }
                 float qg, qgx;
                 ln_bwd_quad_sums(xv, gw, load4(w + 4 * i), mu, rs, qg, qgx);
-                lnb_terms[i] = make_float2(qg, qgx);
+                terms[i] = make_float2(qg, qgx);
             }
+            // Every warp adds the row's terms (the same bits in each). The other half of lnb_shared, which
+            // the next row writes, was last read before this barrier, so it is the only one per row.
             __syncthreads();
-            if (tid < 32) {
-                float sg = 0.0f, sgx = 0.0f;
-                for (int i = tid; i < C4; i += 32) {
-                    const float2 q = lnb_terms[i];
-                    sg += q.x;
-                    sgx += q.y;
-                }
-                sg = ln_warp_sum(sg) * invC;
-                sgx = ln_warp_sum(sgx) * invC;
-                if (tid == 0) {
-                    lnb_means[0] = sg;
-                    lnb_means[1] = sgx;
-                }
+            float mg = 0.0f, mgx = 0.0f;
+            for (int i = tid & 31; i < C4; i += 32) {
+                const float2 q = terms[i];
+                mg += q.x;
+                mgx += q.y;
             }
-            __syncthreads();    // lnb_terms is written again only after this row's means are read below
-            const float mg = lnb_means[0], mgx = lnb_means[1];
+            mg = ln_warp_sum(mg) * invC;
+            mgx = ln_warp_sum(mgx) * invC;
             auto out = [&](int i, const f4& xv, const f4& gv, const f4& prev) {
                 f4 o = ln_bwd_quad_dx(xv, gv, load4(w + 4 * i), mu, rs, mg, mgx);
                 if (accumulate) {

@@ -78,10 +78,14 @@ LN_SHIFT_FWD = SHIFT_CU.kernel("ln_shift_fwd", x=F32_IN, w=F32_IN, b=F32_IN, h=F
                                mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), **_SHIFT_MIX,
                                **{f"o{j}": X_OUT.opt() for j in range(6)}, R=INT, C=INT, T=INT, eps=FLOAT)
 
-SHIFT_BWD_THREADS = 256  # ln_shift_bwd's block, at most: a row's quads over its threads
-SHIFT_BWD_NQS = (1, 2)   # its LN_NQ: quads per thread in registers (C <= 4*256*LN_NQ), rows past 2048 read again
-SHIFT_BWD_CU = KernelFile("layernorm/ln_shift_bwd", constants={"LNB_THREADS": SHIFT_BWD_THREADS},
-                          variants={"LN_NQ": SHIFT_BWD_NQS, "LNS_M": SHIFT_MIXES})
+# ln_shift_bwd's LN_NQ (quads per thread in registers) -> (threads per block at most, blocks per SM its
+# registers are budgeted for): a row's quads over the block's threads, C <= 768 with one quad a thread,
+# C <= 2048 with two; wider rows keep two and read the rest again
+SHIFT_BWD_BLOCKS = {1: (192, 2), 2: (256, 1)}
+SHIFT_BWD_NQS = tuple(SHIFT_BWD_BLOCKS)
+SHIFT_BWD_CU = KernelFile("layernorm/ln_shift_bwd", variants={"LN_NQ": SHIFT_BWD_NQS, "LNS_M": SHIFT_MIXES},
+                          derived=lambda v, xtype: dict(zip(("LNB_THREADS", "LNB_MIN_BLOCKS"),
+                                                            SHIFT_BWD_BLOCKS[v["LN_NQ"]])))
 LN_SHIFT_BWD = SHIFT_BWD_CU.kernel("ln_shift_bwd", x=F32_IN, w=F32_IN, b=F32_IN, mean=F32_IN, rstd=F32_IN,
                                    **_SHIFT_MIX, **{f"d{j}": X_IN.opt() for j in range(6)}, dx=F32_OUT,
                                    dx_copy=X_OUT.opt(), part_mix=F32_OUT.opt(), part_ln=F32_OUT.opt(), R=INT, C=INT,
@@ -113,11 +117,11 @@ def shift_backward_scratch_elems(R: int, C: int, dev: DeviceInfo, n_mixes: int =
 
 
 def _shift_bwd_block(C: int) -> tuple[int, int]:
-    """(LN_NQ, threads) of ln_shift_bwd for rows of C: the fewest quads per thread of SHIFT_BWD_NQS for
-    which SHIFT_BWD_THREADS threads hold the row, and as many warps as the row's quads need."""
+    """(LN_NQ, threads) of ln_shift_bwd for rows of C: the fewest quads per thread whose block holds the
+    row (SHIFT_BWD_BLOCKS), and as many warps as the row's quads need."""
     q4 = C // 4
-    nq = next((q for q in SHIFT_BWD_NQS if SHIFT_BWD_THREADS * q >= q4), SHIFT_BWD_NQS[-1])
-    return nq, min(SHIFT_BWD_THREADS, 32 * math.ceil(q4 / (32 * nq)))
+    nq = next((q for q, (t, _) in SHIFT_BWD_BLOCKS.items() if t * q >= q4), SHIFT_BWD_NQS[-1])
+    return nq, min(SHIFT_BWD_BLOCKS[nq][0], 32 * math.ceil(q4 / (32 * nq)))
 
 
 def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS) -> list:
@@ -218,7 +222,7 @@ def backward_shift(x, w, b, mean, rstd, mixes, douts, dx, dmixes, dw, db, scratc
     nq, threads = _shift_bwd_block(C)
     ln_part = scratch.offset(n * L["pp"] * C)
     ops = [LN_SHIFT_BWD.launch((L["pp"], 1, 1), (threads, 1, 1), xtype=xtype_of("layernorm.backward_shift", *douts),
-                               variant={"LN_NQ": nq, "LNS_M": n}, smem=8 * (C // 4), x=x, w=w, b=b, mean=mean,
+                               variant={"LN_NQ": nq, "LNS_M": n}, smem=4 * C, x=x, w=w, b=b, mean=mean,
                                rstd=rstd, **{f"m{j}": mixes[j] if j < n else None for j in range(6)},
                                **{f"d{j}": douts[j] if j < n else None for j in range(6)}, dx=dx, dx_copy=dx_copy,
                                part_mix=None if dw is None else scratch, part_ln=None if dw is None else ln_part,
