@@ -22,6 +22,7 @@ from .state_tuning import state_name
 # The time mix's token-shift mixes (parameters att.<name>), in the order of their outputs xr .. xg
 TIME_MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 
+
 @dataclass
 class StepOps:
     """The op lists of one step. ``forward`` ends with the final LayerNorm's output; ``loss`` runs the

@@ -139,11 +139,12 @@ def _separate_shift_backwards(monkeypatch) -> None:
 
     def channel_shift_backward(self, prefix):
         b, R, C, dh2 = self.buf, self.R, self.cfg.n_embd, self.buf("dlnout")
-        return (channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), dh2, self.gp(prefix + "ffn.x_k"),
-                                        b("partials"), R, self.T, C, self.dev)
-                + layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), dh2, b("dx"), self.gp(prefix + "ln2.weight"),
-                                     self.gp(prefix + "ln2.bias"), b("ln2_mean"), b("ln2_rstd"), b("partials"), R, C,
-                                     self.dev, accumulate_dx=True, dx_copy=self.copy_out("dx")))
+        return (channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), dh2,
+                                        self.gp(prefix + "ffn.x_k"), b("partials"), R, self.T, C, self.dev)
+                + layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), dh2, b("dx"),
+                                     self.gp(prefix + "ln2.weight"), self.gp(prefix + "ln2.bias"), b("ln2_mean"),
+                                     b("ln2_rstd"), b("partials"), R, C, self.dev, accumulate_dx=True,
+                                     dx_copy=self.copy_out("dx")))
 
     for name, method in (("time_shift", time_shift), ("channel_shift", channel_shift),
                          ("time_shift_backward", time_shift_backward),
@@ -179,7 +180,8 @@ def test_fused_shift_backwards_match_separate(cpu_step, monkeypatch, name, preci
         results.append(model.loss_and_grads(tokens, targets))
     (loss, fused), (loss_separate, separate) = results
     assert loss == loss_separate
-    reordered = [n for n in fused if n.endswith(REORDERED) or n.startswith("rwkv.blocks.") and n.endswith(REORDERED_LN1)]
+    reordered = [n for n in fused
+                 if n.endswith(REORDERED) or n.startswith("rwkv.blocks.") and n.endswith(REORDERED_LN1)]
     assert reordered and [n for n in fused if n not in reordered and not np.array_equal(fused[n], separate[n])] == []
     worst = max(np.abs(fused[n] - separate[n]).max() / np.abs(separate[n]).max() for n in reordered)
     record_property("reordered_max_rel", float(worst))

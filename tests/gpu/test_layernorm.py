@@ -1,5 +1,5 @@
-"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu), ln_shift.cu and ln_shift_bwd.cu through rwkvx.cu.layernorm,
-against the twins rwkvx.oracle.layernorm_forward / layernorm_backward (and the token shifts'), in fp32 and bf16 (harness.KernelCase: fresh random
+"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu), ln_shift.cu and ln_shift_bwd.cu through
+rwkvx.cu.layernorm, against the twins rwkvx.oracle.layernorm_forward / layernorm_backward (and the token shifts'), in fp32 and bf16 (harness.KernelCase: fresh random
 inputs, poisoned outputs, two bit-identical runs). x, its copy, dy and dx are fp32 in both (the residual
 stream); bf16 changes y and the GEMM copy of dx. fp32 limits: 1e-5 forward, 1e-4 backward."""
 from __future__ import annotations
@@ -200,6 +200,7 @@ def test_backward_shift(case, dev, B, T, C, rpt, nmix, accumulate):
     check("db", out["db"], db, BWD_TOL)
     for j in range(nmix):
         check(f"dm{j}", out[f"dm{j}"], dmix[j], tolerance(case.xtype, BWD_TOL))
-    same = ["dx"] + (["dx_copy"] if copies[0] is not None else []) + ([f"dm{j}" for j in range(nmix)] if nmix == 6 else [])
+    same = (["dx"] + (["dx_copy"] if copies[0] is not None else [])
+            + ([f"dm{j}" for j in range(nmix)] if nmix == 6 else []))
     for name in same:
         np.testing.assert_array_equal(out[name], out["sep_" + name], err_msg=f"{name}: not the separate kernels' bits")
