@@ -62,3 +62,39 @@ def test_layernorm_shift_forward(record, dev, shape, nmix, method):
         ops = layernorm.forward_shift(x, w, bias, mixes, outs, h, mean, rstd, R, C, T)
         nbytes = _shift_bytes(R, C, nmix, 4 if h is not None else 0)
     record(ops, nbytes=nbytes)
+
+
+def _shift_backward_bytes(R: int, C: int, nmix: int, separate: bool) -> int:
+    """ln_shift_bwd's floor: x (f32) and the mixes' gradients (bf16) read, dx read and written (f32,
+    accumulated), its bf16 copy written, the statistics read. The separate kernels add h read (f32), dh
+    written (f32), then x and dh read by the dw/db pass and again by the dx pass."""
+    fused = R * C * (4 + 2 * nmix + 8 + 2) + 8 * R
+    return fused + (R * C * (4 + 4 + 8 + 8) if separate else 0)
+
+
+@pytest.mark.parametrize("shape", list(SHIFT_SHAPES))
+@pytest.mark.parametrize("nmix", layernorm.SHIFT_MIXES)
+@pytest.mark.parametrize("method", ["fused", "separate"])
+def test_layernorm_shift_backward(record, dev, shape, nmix, method):
+    """fused: ln_shift_bwd (h recomputed, dh never in memory) and its reductions; separate: tm_shift_bwd /
+    cm_mix_backward (h read, dh written) then the LayerNorm backward, as the step ran them before. bf16
+    mixes' gradients, dx accumulated with its bf16 copy, every parameter gradient formed."""
+    s = SHIFT_SHAPES[shape]
+    R, C, T = s.R, s.C, s.T
+    b = RandomBuffers(dev, "bf16")
+    x, w, bias, mean, rstd = b(R * C, "f32"), b(C, "f32"), b(C, "f32"), b(R, "f32", 0.1, 0), b(R, "f32", 0.1, 1.0)
+    mixes, douts = [b(C, "f32", 0.3, 0.5) for _ in range(nmix)], [b(R * C) for _ in range(nmix)]
+    dx, copy, dmix, dw, db = b(R * C, "f32"), b(R * C), [b(C, "f32") for _ in range(nmix)], b(C, "f32"), b(C, "f32")
+    if method == "separate":
+        h, dh = b(R * C, "f32"), b(R * C, "f32")
+        ops = (timemix.shift_backward(h, mixes, douts, dh, dmix, b(timemix.scratch_elems(R, C, 4, dev.info), "f32"),
+                                      R, C, T, dev.info) if nmix == 6
+               else channelmix.mix_backward(douts[0], h, mixes[0], dh, dmix[0],
+                                            b(channelmix.scratch_elems(R, C, dev.info), "f32"), R, T, C, dev.info))
+        ops += layernorm.backward(x, w, dh, dx, dw, db, mean, rstd, b(layernorm.scratch_elems(R, C, dev.info), "f32"),
+                                  R, C, dev.info, accumulate_dx=True, dx_copy=copy)
+    else:
+        ops = layernorm.backward_shift(x, w, bias, mean, rstd, mixes, douts, dx, dmix, dw, db,
+                                       b(layernorm.shift_backward_scratch_elems(R, C, dev.info, nmix), "f32"), R, C, T,
+                                       dev.info, accumulate_dx=True, dx_copy=copy)
+    record(ops, nbytes=_shift_backward_bytes(R, C, nmix, method == "separate"))

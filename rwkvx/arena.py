@@ -32,15 +32,16 @@ def _round_up(n: int, a: int = _ALIGN) -> int:
 # Transients the backward reads from its own block's forward: with recompute=False each block keeps its
 # own copies (block 0 uses the shared ones); with recompute=True the backward recomputes them.
 FORWARD_STATE = {
-    "rwkv": ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "hw", "ha", "hv",
+    "rwkv": ("xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "hw", "ha", "hv",
              "hg", "decay", "kp", "vp", "wa", "wb", "y", "z", "ln1_mean", "ln1_rstd", "wkv_sa", "wkv_ckpt"),
     "attn": ("h1_x", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist", "moba_olo"),
 }
 # Buffers stored in fp32 in every precision (docs/SPEC.md §4): the residual stream and its gradient, the
-# LayerNorm outputs the token shifts read and the gradients of every LayerNorm output, v_first's gradient
+# LayerNorm outputs (the decoder's prefill keeps rows of h1, h2 as its token shifts' state) and the gradient
+# of the LayerNorm outputs still in memory (dh1: the attention blocks' and ln0's), v_first's gradient
 # (summed over the blocks) and the WKV7 decay. In bf16 these roundings cost the most accuracy per byte
 # (docs/PERFORMANCE.md, "bf16 accuracy"); the rest of the activations are the GEMMs' bf16 operands.
-FP32_ALWAYS = ("emb_out", "block_in", "x1", "dx", "dv_first", "h1", "h2", "dh1", "dh2", "dlnout", "decay")
+FP32_ALWAYS = ("emb_out", "block_in", "x1", "dx", "dv_first", "h1", "h2", "dh1", "dlnout", "decay")
 # The bf16 GEMM operands of fp32 buffers, name -> its copy in the activation type: the attention blocks'
 # LN1 output (only GEMMs read it) and the residual gradient (written by the LayerNorm backward with it).
 # In fp32 and tf32 a copy is the buffer itself (same offset).
@@ -55,7 +56,7 @@ KF_PRE = "kf_pre"
 # B*T*(C + H) activations (in bf16 B*T*(2C + H): the output's residual olo too) and the query lists per
 # attention block.
 ATTENTION_KEPT = ("y", "moba_lse", "moba_idx", "moba_qlist", "moba_olo")
-CHANNEL_MIX_STATE = ("x1", "h2", "xk2", "kf", "ln2_mean", "ln2_rstd")
+CHANNEL_MIX_STATE = ("x1", "xk2", "kf", "ln2_mean", "ln2_rstd")
 # The WKV7 gradients that only feed the time mix's prep backward: f32 in every precision (its parameter
 # gradients sum them over the tokens after near-cancelling projections, where bf16 rounding would show).
 WKV_F32_GRADS = ("ddecay", "dkp", "dvp", "dwa", "dwb")
@@ -196,7 +197,7 @@ class Layout:
         # (each set lives inside the head or inside one part of one block's pass)
         shared: dict[str, dict[str, tuple[int, str]]] = {
             "head": {"logits": (self.head_rows * V, X)}, "wkv": {}, "moba": {},
-            "ffn": {"dkf": (R * F, X), "dxk2": (R * C, X), "dh2": (R * C, self.elem_of("dh2"))},
+            "ffn": {"dkf": (R * F, X), "dxk2": (R * C, X)},
             "ffn_forward": {KF_PRE: (R * F, "f32")} if X != "f32" else {},
             "tail": {name: (R * C, self.elem_of(name)) for name in AFTER_WKV_GRADS}}
         self._add("dx", R * C, self.elem_of("dx"))
@@ -249,8 +250,8 @@ class Layout:
                 elif name != "sel":
                     self._add("moba_" + name, count, elem)
         self._add_shared(shared)
-        self._add("partials", max(layernorm.scratch_elems(R, C, dev), channelmix.scratch_elems(R, C, dev),
-                                  timemix.scratch_elems(R, C, N, dev)), "f32")
+        self._add("partials", max(layernorm.scratch_elems(R, C, dev), layernorm.shift_backward_scratch_elems(R, C, dev),
+                                  channelmix.scratch_elems(R, C, dev), timemix.scratch_elems(R, C, N, dev)), "f32")
         for pos, (kind, _) in enumerate(cfg.block_order()):
             if not recompute:
                 kept = FORWARD_STATE[kind] + CHANNEL_MIX_STATE if pos else ()

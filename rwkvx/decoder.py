@@ -55,7 +55,7 @@ from .runtime.kernel import XTYPE_DEFINE, KernelFile
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, Launch, Memset, flatten_ops
 from .sampling import Sampling
 from .state_tuning import state_name
-from .step import StepBuilder
+from .step import TIME_MIXES, StepBuilder
 from .validate import check_tokens
 
 # read from the model's arena, never copied: the weights, a state-tuned model's initial WKV states, a LoRA
@@ -164,11 +164,12 @@ class PrefillBuilder(_DecoderBuilder):
         return [Copy(dst.offset(b * C), src.offset((b * T + n - 1) * C), C * ELEM_BYTES[src.elem])
                 for b, n in self._rows()]
 
-    def time_shift(self, i: int, xin, keep_h: bool) -> list:
-        return super().time_shift(i, xin, keep_h=True) + self._last_rows(self.buf("h1"), self.state[f"tm_prev.{i}"])
+    # h1 and h2 always stored (``h`` aside): their rows at each prefix's end are the shifts' decoding state
+    def time_shift(self, i: int, xin, h: DevPtr | None = None) -> list:
+        return super().time_shift(i, xin, self.buf("h1")) + self._last_rows(self.buf("h1"), self.state[f"tm_prev.{i}"])
 
-    def channel_shift(self, prefix: str, xin, keep_h: bool) -> list:
-        return (super().channel_shift(prefix, xin, keep_h=True)
+    def channel_shift(self, prefix: str, xin, h: DevPtr | None = None) -> list:
+        return (super().channel_shift(prefix, xin, self.buf("h2"))
                 + self._last_rows(self.buf("h2"), self.state["cm_prev." + prefix]))
 
     def wkv(self, i: int, for_backward: bool) -> list:
@@ -205,13 +206,13 @@ class DecodeStepBuilder(_DecoderBuilder):
         self.T, self.R = 1, self.B
 
     # The LayerNorm and decode.shift stay two launches here: fuse_step joins them into dec_ln_shift.
-    def time_shift(self, i: int, xin, keep_h: bool) -> list:
+    def time_shift(self, i: int, xin, h: DevPtr | None = None) -> list:
         att, b = f"rwkv.blocks.{i}.att.", self.buf
         return self._ln1_forward(f"rwkv.blocks.{i}.", xin, b("h1")) + decode.shift(
-            b("h1"), self.state[f"tm_prev.{i}"], [self.p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")],
+            b("h1"), self.state[f"tm_prev.{i}"], [self.p(att + m) for m in TIME_MIXES],
             [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")], self.B, self.cfg.n_embd, self.dev)
 
-    def channel_shift(self, prefix: str, xin, keep_h: bool) -> list:
+    def channel_shift(self, prefix: str, xin, h: DevPtr | None = None) -> list:
         b = self.buf
         return self._ln2_forward(prefix, xin) + decode.shift(
             b("h2"), self.state["cm_prev." + prefix], [self.p(prefix + "ffn.x_k")], [b("xk2")], self.B,

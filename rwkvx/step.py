@@ -19,6 +19,9 @@ from .runtime import gemm
 from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
 from .state_tuning import state_name
 
+# The time mix's token-shift mixes (parameters att.<name>), in the order of their outputs xr .. xg
+TIME_MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+
 
 @dataclass
 class StepOps:
@@ -146,7 +149,7 @@ class StepBuilder:
                 ops += self.rwkv_forward(idx, xin, for_backward=not self.L.recompute)
             else:
                 ops += self.attn_forward(idx, xin)
-            ops += self.channel_mix_forward(self._prefix(kind, idx), xout, for_backward=not self.L.recompute)
+            ops += self.channel_mix_forward(self._prefix(kind, idx), xout)
         self.block_pos = None
         final = self.buf(f"block_in.{cfg.n_blocks}")
         ops += layernorm.forward(final, self.p("rwkv.ln_out.weight"), self.p("rwkv.ln_out.bias"),
@@ -205,7 +208,7 @@ class StepBuilder:
                     ops += self.rwkv_forward(idx, xin, for_backward=True)
                 else:
                     ops += self.attn_forward(idx, xin, attend=False)
-                ops += self.channel_mix_forward(prefix, None, for_backward=True)
+                ops += self.channel_mix_forward(prefix, None)
             ops += self.channel_mix_backward(prefix)
             ops += self.rwkv_backward(idx, xin) if kind == "rwkv" else self.attn_backward(idx, xin)
             self._grads_ready(ops, prefix, exclude=ln0)   # block 0's ln0 comes after the last block
@@ -299,25 +302,47 @@ class StepBuilder:
 
     # The token shifts, the WKV recurrence and the MoBA attention are the parts of a block that look
     # at other tokens; each is one method, so that rwkvx.decoder's stateful builders can replace them.
-    # A token shift comes with the LayerNorm before it, in one kernel (layernorm.forward_shift): the
-    # LayerNorm's output h (h1, h2) is stored only with ``keep_h``, for the backward's shift gradients.
-    def channel_shift(self, prefix: str, xin, keep_h: bool) -> list:
-        """h2 = LN2(xin) (ln2_mean, ln2_rstd saved; h2 stored with ``keep_h``) and
+    # A token shift comes with the LayerNorm before it, in one kernel (layernorm.forward_shift), and so do
+    # their backwards (layernorm.backward_shift, which recomputes the LayerNorm's output from its input and
+    # statistics): the output h (h1, h2) is stored only where ``h`` is given (the decoder's prefill keeps
+    # its last rows).
+    def channel_shift(self, prefix: str, xin, h: DevPtr | None = None) -> list:
+        """h2 = LN2(xin) (ln2_mean, ln2_rstd saved; stored in ``h`` when given) and
         xk2 = h2 + (shift(h2) - h2) * ffn.x_k of block ``prefix``."""
         b, p = self.buf, self.p
         return layernorm.forward_shift(xin, p(prefix + "ln2.weight"), p(prefix + "ln2.bias"), [p(prefix + "ffn.x_k")],
-                                       [b("xk2")], b("h2") if keep_h else None, b("ln2_mean"), b("ln2_rstd"),
-                                       self.R, self.cfg.n_embd, self.T)
+                                       [b("xk2")], h, b("ln2_mean"), b("ln2_rstd"), self.R, self.cfg.n_embd, self.T)
 
-    def time_shift(self, i: int, xin, keep_h: bool) -> list:
-        """h1 = LN1(xin) (ln1_mean, ln1_rstd saved; h1 stored with ``keep_h``) and the six token-shift mixes
+    def time_shift(self, i: int, xin, h: DevPtr | None = None) -> list:
+        """h1 = LN1(xin) (ln1_mean, ln1_rstd saved; stored in ``h`` when given) and the six token-shift mixes
         xr .. xg of h1 in RWKV block i."""
         pre, b = f"rwkv.blocks.{i}.", self.buf
-        mixes = [self.p(pre + "att." + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")]
-        return layernorm.forward_shift(xin, self.p(pre + "ln1.weight"), self.p(pre + "ln1.bias"), mixes,
-                                       [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")],
-                                       b("h1") if keep_h else None, b("ln1_mean"), b("ln1_rstd"),
+        return layernorm.forward_shift(xin, self.p(pre + "ln1.weight"), self.p(pre + "ln1.bias"),
+                                       [self.p(pre + "att." + m) for m in TIME_MIXES],
+                                       [b("x" + m[-1]) for m in TIME_MIXES], h, b("ln1_mean"), b("ln1_rstd"),
                                        self.R, self.cfg.n_embd, self.T)
+
+    def channel_shift_backward(self, prefix: str) -> list:
+        """From dxk2 (and dx = d x1's residual part) through the channel mix's token shift and LN2: dx += d LN2,
+        with the gradients of ffn.x_k and ln2's weight and bias."""
+        b, p, gp = self.buf, self.p, self.gp
+        return layernorm.backward_shift(b("x1"), p(prefix + "ln2.weight"), p(prefix + "ln2.bias"), b("ln2_mean"),
+                                        b("ln2_rstd"), [p(prefix + "ffn.x_k")], [b("dxk2")], b("dx"),
+                                        [gp(prefix + "ffn.x_k")], gp(prefix + "ln2.weight"), gp(prefix + "ln2.bias"),
+                                        b("partials"), self.R, self.cfg.n_embd, self.T, self.dev, accumulate_dx=True,
+                                        dx_copy=self.copy_out("dx"))
+
+    def time_shift_backward(self, i: int, xin) -> list:
+        """From dxr .. dxg (and dx = d xin's residual part) through RWKV block i's token shift and LN1:
+        dx += d LN1, with the gradients of the six mixes and ln1's weight and bias."""
+        pre, b, p, gp = f"rwkv.blocks.{i}.", self.buf, self.p, self.gp
+        att = pre + "att."
+        return layernorm.backward_shift(xin, p(pre + "ln1.weight"), p(pre + "ln1.bias"), b("ln1_mean"),
+                                        b("ln1_rstd"), [p(att + m) for m in TIME_MIXES],
+                                        [b("dx" + m[-1]) for m in TIME_MIXES], b("dx"),
+                                        [gp(att + m) for m in TIME_MIXES], gp(pre + "ln1.weight"),
+                                        gp(pre + "ln1.bias"), b("partials"), self.R, self.cfg.n_embd, self.T,
+                                        self.dev, accumulate_dx=True, dx_copy=self.copy_out("dx"))
 
     def wkv(self, i: int, for_backward: bool) -> list:
         """y = WKV7(r, decay, kp, v', wa, wb) of RWKV block i (v' = vp, or v in block 0); with
@@ -348,12 +373,12 @@ class StepBuilder:
         b = self.buf
         return moba.forward(b("r"), b("k"), b("v"), b("y"), **self._moba_args(j))
 
-    def channel_mix_forward(self, prefix: str, xout, for_backward: bool = False) -> list:
+    def channel_mix_forward(self, prefix: str, xout) -> list:
         """h2 = LN2(x1) and its shift mix xk2; kf = relu(xk2 @ key^T)^2; xout = x1 + kf @ value^T (skipped
-        when None). Only ``for_backward`` (the forward the backward reads) stores h2."""
+        when None)."""
         R, C, F, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.dev
         b = self.buf
-        ops = self.channel_shift(prefix, b("x1"), keep_h=for_backward)
+        ops = self.channel_shift(prefix, b("x1"))
         pre = b(KF_PRE) if KF_PRE in self.L.offsets else b("kf")     # fp32 kf: relu² in place
         ops += self.project(b("xk2"), prefix + "ffn.key.weight", pre, C, F)
         ops += channelmix.relu_sq(pre, b("kf"), R * F, dev)
@@ -363,18 +388,12 @@ class StepBuilder:
 
     def channel_mix_backward(self, prefix: str) -> list:
         """From dx (= d block output) to dx = d x1 (in place), with the FFN and ln2 gradients."""
-        R, C, F, T, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.T, self.dev
+        R, C, F, dev = self.R, self.cfg.n_embd, self.cfg.ffn_dim, self.dev
         b = self.buf
         ops = self.project_backward(b("kf"), self.operand("dx"), prefix + "ffn.value.weight", b("dkf"), F, C)
         ops += channelmix.relu_sq_backward(b("dkf"), b("kf"), b("dkf"), R * F, dev, src_is_k=True)
         ops += self.project_backward(b("xk2"), b("dkf"), prefix + "ffn.key.weight", b("dxk2"), C, F)
-        ops += channelmix.mix_backward(b("dxk2"), b("h2"), self.p(prefix + "ffn.x_k"), b("dh2"),
-                                       self.gp(prefix + "ffn.x_k"), b("partials"), R, T, C, dev)
-        ops += layernorm.backward(b("x1"), self.p(prefix + "ln2.weight"), b("dh2"), b("dx"),
-                                  self.gp(prefix + "ln2.weight"), self.gp(prefix + "ln2.bias"),
-                                  b("ln2_mean"), b("ln2_rstd"), b("partials"), R, C, dev, accumulate_dx=True,
-                                  dx_copy=self.copy_out("dx"))
-        return ops
+        return ops + self.channel_shift_backward(prefix)
 
     def _ln1_forward(self, prefix: str, xin, h1) -> list:
         R, C, b = self.R, self.cfg.n_embd, self.buf
@@ -431,7 +450,7 @@ class StepBuilder:
         R, C, dev, mm = self.R, self.cfg.n_embd, self.dev, self.mm
         pre, b = f"rwkv.blocks.{i}.", self.buf
         att = pre + "att."
-        ops = self.time_shift(i, xin, keep_h=for_backward)
+        ops = self.time_shift(i, xin)
         for src, dst, name in (("xr", "r", "receptance"), ("xk", "k", "key"), ("xv", "v", "value")):
             ops += self.project(b(src), f"{att}{name}.weight", b(dst), C, C)
         for src, hid, out, letter, rank in self._lora(i):
@@ -452,7 +471,7 @@ class StepBuilder:
         """From dx = d x1 to dx = d xin (in place), with every TimeMix and ln1 gradient of block i."""
         R, C, T, N, H, dev, mm = (self.R, self.cfg.n_embd, self.T, self.cfg.head_size, self.cfg.n_head,
                                   self.dev, self.mm)
-        pre, b, p, gp = f"rwkv.blocks.{i}.", self.buf, self.p, self.gp
+        pre, b, gp = f"rwkv.blocks.{i}.", self.buf, self.gp
         att = pre + "att."
         gn = self._gn_inputs(i)
         ops = self.project_backward(b("z"), self.operand("dx"), att + "output.weight", b("dz"), C, C)
@@ -488,12 +507,7 @@ class StepBuilder:
             beta = 1.0 if letter == "v" else 0.0
             ops.append(gemm.matmul_dx(dhid, self.w(f"{att}{letter}1"), b("d" + src), R, C, rank, beta=beta,
                                       precision=mm))
-        dmix = tuple(gp(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"))
-        ops += timemix.shift_backward(b("h1"), tuple(p(att + m) for m in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")),
-                                      tuple(b(n) for n in ("dxr", "dxw", "dxk", "dxv", "dxa", "dxg")),
-                                      b("dh1"), dmix, b("partials"), R, C, T, dev)
-        ops += self._ln1_backward(pre, xin)
-        return ops
+        return ops + self.time_shift_backward(i, xin)
 
     # -- MoBA attention -------------------------------------------------------------------------
     def _moba_args(self, j: int) -> dict:

@@ -241,13 +241,6 @@ def _elementwise(fn):
     return kernel
 
 
-def _tm_shift_bwd(mem, a, op):
-    R, C, T = a["R"], a["C"], a["T"]
-    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(6)])
-    douts = np.stack([mem.read(a[f"d{j}"], R * C, (R, C)) for j in range(6)])
-    _write_or_add(mem, a["dx"], O.time_shift_backward(mem.read(a["x"], R * C, (R, C)), mixes, douts, T)[0], a["acc"])
-
-
 def _elementwise_backward(fn):
     def kernel(mem, a, op):
         mem.write(a["out"], fn(mem.read(a["a"], a["n"]), mem.read(a["b"], a["n"])))
@@ -313,25 +306,35 @@ def _write_or_add(mem, ptr, values, accumulate) -> None:
     mem.write(ptr, values + (mem.read(ptr, values.size, values.shape) if accumulate else 0))
 
 
-def _ln_backward_dx(mem, a, op):
+def _layernorm_dx(mem, a, x, dy) -> None:
+    """The LayerNorm backward's dx of x [R, C] for dy: written or added to (``accumulate``), and its copy."""
     R, C = a["R"], a["C"]
-    x, dy = mem.read(a["x"], R * C, (R, C)), mem.read(a["dy"], R * C, (R, C))
     _write_or_add(mem, a["dx"], O.layernorm_backward(x, mem.read(a["w"], C), dy)[0], a["accumulate"])
     if a["dx_copy"]:                    # the bf16 GEMM operand of the fp32 result
         mem.write(a["dx_copy"], mem.read(a["dx"], R * C))
+
+
+def _ln_backward_dx(mem, a, op):
+    R, C = a["R"], a["C"]
+    _layernorm_dx(mem, a, mem.read(a["x"], R * C, (R, C)), mem.read(a["dy"], R * C, (R, C)))
+
+
+def _ln_shift_bwd(mem, a, op):
+    R, C, T = a["R"], a["C"], a["T"]
+    n = int(dict(op.defines)["LNS_M"])
+    x = mem.read(a["x"], R * C, (R, C))
+    h = O.layernorm_forward(x, mem.read(a["w"], C), mem.read(a["b"], C))
+    mixes = np.stack([mem.read(a[f"m{j}"], C) for j in range(n)])
+    douts = np.stack([mem.read(a[f"d{j}"], R * C, (R, C)) for j in range(n)])
+    dh = (O.time_shift_backward(h, mixes, douts, T) if n == 6
+          else O.channel_mix_shift_backward(douts[0], h, mixes[0], T))[0]
+    _layernorm_dx(mem, a, x, dh)
 
 
 def _cm_relu_sq_backward(mem, a, op):
     src = mem.read(a["src"], a["n"])
     h = np.sqrt(src) if a["src_is_k"] else src            # k = relu(h)^2: relu(h) = sqrt(k)
     mem.write(a["dh"], O.relu_sq_backward(mem.read(a["dk"], a["n"]), h))
-
-
-def _cm_mix_backward(mem, a, op):
-    R, C, T = a["R"], a["C"], a["T"]
-    dx, _ = O.channel_mix_shift_backward(mem.read(a["dxk"], R * C, (R, C)), mem.read(a["x"], R * C, (R, C)),
-                                         mem.read(a["mix"], C), T)
-    _write_or_add(mem, a["dx"], dx, a["accumulate"])
 
 
 def _parameter_partials(mem, a, op):
@@ -571,10 +574,10 @@ KERNELS = {
     "dec_gemv": _dec_gemv, "dec_ln_shift": _dec_ln_shift, "dec_tmix": _dec_tmix,
     "cross_entropy_loss": _cross_entropy_loss, "ln_backward_dx": _ln_backward_dx,
     "ln_backward_dwdb": _parameter_partials, "reduce_partials": _reduce_partials,
-    "cm_relu_sq_backward": _cm_relu_sq_backward, "cm_mix_backward": _cm_mix_backward, "tm_gn_bwd": _tm_gn_bwd,
+    "cm_relu_sq_backward": _cm_relu_sq_backward, "ln_shift_bwd": _ln_shift_bwd, "tm_gn_bwd": _tm_gn_bwd,
     "wkv7_backward": _wkv7_backward, "wkv7_backward_reduce": _done_by_another_twin, "tm_prep_bwd": _tm_prep_bwd,
     "tm_tanh_bwd": _elementwise_backward(O.tanh_backward), "tm_sigmoid_bwd": _elementwise_backward(O.sigmoid_backward),
-    "tm_shift_bwd": _tm_shift_bwd, "embedding_backward": _embedding_backward,
+    "embedding_backward": _embedding_backward,
     "init_normal": _init_normal, "init_uniform": _init_uniform, "chol_diag": _chol_diag, "trsm_rows": _trsm_rows,
     "gram_deviation": _gram_deviation, "store_f32": _store_f32,
 }

@@ -129,7 +129,7 @@ def test_block_scratch_shares_the_logits_region():
     layout = Layout(Config(**kwargs), B, T, H200, "bf16", recompute=True)
     start = layout.offsets["logits"]
     sets = (("logits",), ("wkv_records", "wkv_partials"), ("moba_part", "moba_lpart"),
-            ("wkv_records", "dkf", "dxk2", "dh2"), ("wkv_records", KF_PRE))
+            ("wkv_records", "dkf", "dxk2"), ("wkv_records", KF_PRE))
     assert {layout.offsets[names[0]] for names in sets} == {start}
     kept_end = start + layout.nbytes("wkv_records")
     assert all(layout.offsets[n] >= kept_end for n in ("wkv_partials", "dkf", KF_PRE))

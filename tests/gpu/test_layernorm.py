@@ -1,5 +1,5 @@
-"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu) and ln_shift.cu through rwkvx.cu.layernorm,
-against the twins rwkvx.oracle.layernorm_forward / layernorm_backward (and the token shifts'), in fp32 and bf16 (harness.KernelCase: fresh random
+"""GPU tests of rwkvx/cu/layernorm/layernorm.cu (+ reduce.cu), ln_shift.cu and ln_shift_bwd.cu through
+rwkvx.cu.layernorm, against the twins rwkvx.oracle.layernorm_forward / layernorm_backward (and the token shifts'), in fp32 and bf16 (harness.KernelCase: fresh random
 inputs, poisoned outputs, two bit-identical runs). x, its copy, dy and dx are fp32 in both (the residual
 stream); bf16 changes y and the GEMM copy of dx. fp32 limits: 1e-5 forward, 1e-4 backward."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from harness import check, tolerance
-from rwkvx.oracle import channel_mix_shift_forward, layernorm_backward, layernorm_forward, time_shift_forward
+from rwkvx.oracle import (channel_mix_shift_backward, channel_mix_shift_forward, layernorm_backward, layernorm_forward,
+                          time_shift_backward, time_shift_forward)
 from rwkvx.cu import channelmix as cm, layernorm as ln, timemix as tm
 from rwkvx.runtime.dtypes import round_to
 
@@ -138,3 +139,68 @@ def test_forward_shift(case, dev, B, T, C, nmix, keep_h):
     if keep_h:
         check("h", out["h"], h, FWD_TOL)
         np.testing.assert_array_equal(out["h"], out["sep_h"], err_msg="h: not ln_forward's bits")
+
+
+# ln_shift_bwd: (B, T, C, rows per tile) — T = 1, walks (rows per tile) crossing sequences and not dividing
+# T, a row narrower than a warp, the model widths (one and two quads per thread), a row past the 2048
+# channels held in registers (the rest read again, their partial sums added in memory)
+SHIFT_BWD_SHAPES = [(5, 1, 64, None), (3, 13, 64, 7), (2, 77, 768, 12), (2, 45, 2048, None), (2, 19, 2176, 5)]
+
+
+@pytest.mark.parametrize("B,T,C,rpt", SHIFT_BWD_SHAPES)
+@pytest.mark.parametrize("nmix", ln.SHIFT_MIXES)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_backward_shift(case, dev, B, T, C, rpt, nmix, accumulate):
+    """ln_shift_bwd against the twins (the time mix's or the channel mix's shift backward of h = LN(x), then
+    the LayerNorm backward) and against the separate kernels on the same inputs (h stored by ln_forward,
+    then tm_shift_bwd / cm_mix_backward and the LayerNorm backward): dx and its copy bit for bit (h
+    recomputed from the saved statistics is the stored h, dh the separate kernels' dh), the time mix's
+    mix gradients too (the same walks); the LayerNorm's dw, db and the channel mix's x_k gradient sum in
+    another order."""
+    R = B * T
+    rng = seeded_rng()
+    x, w, b, _ = inputs(R, C, rng)
+    px, pw, pb = case.input("x", x, "f32"), case.input("w", w, "f32"), case.input("b", b, "f32")
+    pmix = [case.input(f"m{j}", rng.uniform(0, 1, C), "f32") for j in range(nmix)]
+    pd = [case.input(f"d{j}", rng.standard_normal((R, C))) for j in range(nmix)]
+    dx0 = rng.standard_normal((R, C))
+    pdx, sdx = ((case.inout(n, dx0, "f32") for n in ("dx", "sep_dx")) if accumulate
+                else (case.output(n, (R, C), "f32") for n in ("dx", "sep_dx")))
+    copies = [case.output(n, (R, C)) if case.xtype != "f32" else None for n in ("dx_copy", "sep_dx_copy")]
+    grads = {n: case.output(n, C, "f32") for p in ("", "sep_") for n in
+             [f"{p}dm{j}" for j in range(nmix)] + [p + "dw", p + "db"]}
+    sh, sm, sr = case.output("h", (R, C), "f32"), case.output("mean", R, "f32"), case.output("rstd", R, "f32")
+    sdh = case.scratch("dh", R * C)
+    fused = ln.backward_shift(px, pw, pb, sm, sr, pmix, pd, pdx, [grads[f"dm{j}"] for j in range(nmix)],
+                              grads["dw"], grads["db"], case.scratch("partials", ln.shift_backward_scratch_elems(
+                                  R, C, dev.info, nmix, rpt)), R, C, T, dev.info, accumulate_dx=accumulate,
+                              rows_per_tile=rpt, dx_copy=copies[0])
+    sep_dmix = [grads[f"sep_dm{j}"] for j in range(nmix)]
+    if nmix == 6:
+        separate = tm.shift_backward(sh, pmix, pd, sdh, sep_dmix, case.scratch(
+            "sep_partials", tm.scratch_elems(R, C, 4, dev.info, rpt)), R, C, T, dev.info, rows_per_tile=rpt)
+    else:
+        separate = cm.mix_backward(pd[0], sh, pmix[0], sdh, sep_dmix[0], case.scratch(
+            "sep_partials", cm.scratch_elems(R, C, dev.info)), R, T, C, dev.info)
+    separate += ln.backward(px, pw, sdh, sdx, grads["sep_dw"], grads["sep_db"], sm, sr,
+                            case.scratch("sep_ln_partials", ln.scratch_elems(R, C, dev.info)), R, C, dev.info,
+                            accumulate_dx=accumulate, dx_copy=copies[1])
+    out = case.run(ln.forward(px, pw, pb, sh, sm, sr, R, C) + fused + separate)
+    seen = case.seen
+    h = layernorm_forward(seen["x"], seen["w"], seen["b"])
+    mixes, douts = np.stack([seen[f"m{j}"] for j in range(nmix)]), np.stack([seen[f"d{j}"] for j in range(nmix)])
+    if nmix == 6:
+        dh, dmix = time_shift_backward(h, mixes, douts, T)
+    else:
+        dh, dm = channel_mix_shift_backward(douts[0], h, mixes[0], T)
+        dmix = dm[None]
+    dx, dw, db = layernorm_backward(seen["x"], seen["w"], dh)
+    check("dx", out["dx"], dx + (seen["dx"] if accumulate else 0), BWD_TOL)
+    check("dw", out["dw"], dw, BWD_TOL)
+    check("db", out["db"], db, BWD_TOL)
+    for j in range(nmix):
+        check(f"dm{j}", out[f"dm{j}"], dmix[j], tolerance(case.xtype, BWD_TOL))
+    same = (["dx"] + (["dx_copy"] if copies[0] is not None else [])
+            + ([f"dm{j}" for j in range(nmix)] if nmix == 6 else []))
+    for name in same:
+        np.testing.assert_array_equal(out[name], out["sep_" + name], err_msg=f"{name}: not the separate kernels' bits")

@@ -17,6 +17,9 @@ Backward, after the model's GEMMs (dk = dout @ value, d value = dout^T k)::
     [d key = dh^T xk ; dxk = dh @ key]
     ops += channelmix.mix_backward(dxk, x, x_k, dx, dx_k, scratch, R, T, C, dev, accumulate_dx=...)
 
+(the step fuses LN2, the shift and their backwards: layernorm.forward_shift / backward_shift; shift_mix and
+mix_backward are their references in tests and benchmarks)
+
 ``relu_sq_backward``: dh = dk * 2 * relu(h). With ``src_is_k=True`` the source is k = relu(h)^2 (when h
 was overwritten in place) and relu(h) = sqrt(k) (exact to 1 ulp). dh may alias dk.
 ``mix_backward``: dx (= or += with ``accumulate_dx``) and dx_k (= or += with ``accumulate_dparam``);

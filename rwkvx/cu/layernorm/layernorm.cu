@@ -87,10 +87,10 @@ ln_backward_dx(const float* __restrict__ x, const float* __restrict__ w, const f
     const float mu = mean[r], rs = rstd[r];
     float sg = 0.0f, sgx = 0.0f;
     auto add = [&](const f4& xv, const f4& dv, const f4& ww) {
-        const float g0 = dv.v[0] * ww.v[0], g1 = dv.v[1] * ww.v[1], g2 = dv.v[2] * ww.v[2], g3 = dv.v[3] * ww.v[3];
-        sg += (g0 + g1) + (g2 + g3);
-        sgx += (g0 * ((xv.v[0] - mu) * rs) + g1 * ((xv.v[1] - mu) * rs))
-             + (g2 * ((xv.v[2] - mu) * rs) + g3 * ((xv.v[3] - mu) * rs));
+        float qg, qgx;
+        ln_bwd_quad_sums(xv, dv, ww, mu, rs, qg, qgx);
+        sg += qg;
+        sgx += qgx;
     };
 #pragma unroll
     for (int k = 0; k < LN_NQ; ++k) {
@@ -102,10 +102,7 @@ ln_backward_dx(const float* __restrict__ x, const float* __restrict__ w, const f
     const float mg = ln_warp_sum(sg) * invC;
     const float mgx = ln_warp_sum(sgx) * invC;
     auto out = [&](int i, const f4& xv, const f4& dv, const f4& old) {
-        const f4 ww = load4(w + 4 * i);
-        f4 o;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o.v[e] = rs * (dv.v[e] * ww.v[e] - mg - ((xv.v[e] - mu) * rs) * mgx);
+        f4 o = ln_bwd_quad_dx(xv, dv, load4(w + 4 * i), mu, rs, mg, mgx);
         if (accumulate) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) o.v[e] += old.v[e];

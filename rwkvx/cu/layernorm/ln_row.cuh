@@ -1,5 +1,6 @@
 // layernorm/ln_row.cuh — one warp's LayerNorm of one row: the arithmetic every row-wise LayerNorm forward
-// shares (ln_forward, ln_shift_fwd), so that their statistics and outputs are the same bits.
+// shares (ln_forward, ln_shift_fwd), so that their statistics and outputs are the same bits; and the
+// per-quad arithmetic of the row-wise backwards (ln_backward_dx, ln_shift_bwd), for the same reason.
 // LN_NQ (quads per lane held in registers) comes from the including file's declaration.
 #pragma once
 #include "common.cuh"
@@ -48,5 +49,27 @@ static __device__ __forceinline__ f4 ln_quad(const f4& u, float mu, float rs, co
     f4 o;
 #pragma unroll
     for (int e = 0; e < 4; ++e) o.v[e] = (u.v[e] - mu) * rs * ww.v[e] + bv.v[e];
+    return o;
+}
+
+// A quad's terms of the backward's two row sums, with g = dy * w and xhat = (x - mu) * rs: sg = sum of g,
+// sgx = sum of g * xhat over the quad, added in pairs. A row's sums add these over its quads i = lane,
+// lane + 32, ... in order, then the xor butterfly.
+static __device__ __forceinline__ void ln_bwd_quad_sums(const f4& xv, const f4& dv, const f4& ww, float mu, float rs,
+                                                        float& sg, float& sgx)
+{
+    const float g0 = dv.v[0] * ww.v[0], g1 = dv.v[1] * ww.v[1], g2 = dv.v[2] * ww.v[2], g3 = dv.v[3] * ww.v[3];
+    sg = (g0 + g1) + (g2 + g3);
+    sgx = (g0 * ((xv.v[0] - mu) * rs) + g1 * ((xv.v[1] - mu) * rs))
+        + (g2 * ((xv.v[2] - mu) * rs) + g3 * ((xv.v[3] - mu) * rs));
+}
+
+// The backward's dx of a quad from the row's means mg = mean_c(g), mgx = mean_c(g * xhat).
+static __device__ __forceinline__ f4 ln_bwd_quad_dx(const f4& xv, const f4& dv, const f4& ww, float mu, float rs,
+                                                    float mg, float mgx)
+{
+    f4 o;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o.v[e] = rs * (dv.v[e] * ww.v[e] - mg - ((xv.v[e] - mu) * rs) * mgx);
     return o;
 }

@@ -50,6 +50,7 @@ from rwkvx.config import LN_EPS
 from rwkvx.runtime.kernel import F32_IN, F32_OUT, FLOAT, INT, X_IN, X_OUT, KernelFile
 
 from .. import reduce as _reduce
+from .. import timemix as _timemix
 from .._common import DeviceInfo, check_rows, xtype_of
 
 WARPS = 4            # rows (one warp each) per block of the row kernels: 128-thread blocks divide the
@@ -77,6 +78,19 @@ LN_SHIFT_FWD = SHIFT_CU.kernel("ln_shift_fwd", x=F32_IN, w=F32_IN, b=F32_IN, h=F
                                mean_out=F32_OUT.opt(), rstd_out=F32_OUT.opt(), **_SHIFT_MIX,
                                **{f"o{j}": X_OUT.opt() for j in range(6)}, R=INT, C=INT, T=INT, eps=FLOAT)
 
+# ln_shift_bwd's LN_NQ (quads per thread in registers) -> (threads per block at most, blocks per SM its
+# registers are budgeted for): a row's quads over the block's threads, C <= 768 with one quad a thread,
+# C <= 2048 with two; wider rows keep two and read the rest again
+SHIFT_BWD_BLOCKS = {1: (192, 2), 2: (256, 1)}
+SHIFT_BWD_NQS = tuple(SHIFT_BWD_BLOCKS)
+SHIFT_BWD_CU = KernelFile("layernorm/ln_shift_bwd", variants={"LN_NQ": SHIFT_BWD_NQS, "LNS_M": SHIFT_MIXES},
+                          derived=lambda v, xtype: dict(zip(("LNB_THREADS", "LNB_MIN_BLOCKS"),
+                                                            SHIFT_BWD_BLOCKS[v["LN_NQ"]])))
+LN_SHIFT_BWD = SHIFT_BWD_CU.kernel("ln_shift_bwd", x=F32_IN, w=F32_IN, b=F32_IN, mean=F32_IN, rstd=F32_IN,
+                                   **_SHIFT_MIX, **{f"d{j}": X_IN.opt() for j in range(6)}, dx=F32_OUT,
+                                   dx_copy=X_OUT.opt(), part_mix=F32_OUT.opt(), part_ln=F32_OUT.opt(), R=INT, C=INT,
+                                   T=INT, rpt=INT, ry=INT, accumulate=INT)
+
 
 def _nq(C: int, nqs: tuple = NQS) -> int:
     """LN_NQ for rows of C: the fewest quads per lane that hold the whole row (C <= 128*LN_NQ: the row
@@ -94,6 +108,20 @@ def _xtype(out) -> str:
 def scratch_elems(R: int, C: int, dev: DeviceInfo, rows_per_tile: int | None = None) -> int:
     """fp32 elements of the backward's partials scratch: 2 * n_tiles * C."""
     return 2 * _reduce.scratch_elems(R, C, dev, rows_per_tile)
+
+
+def shift_backward_scratch_elems(R: int, C: int, dev: DeviceInfo, n_mixes: int = 6,
+                                 rows_per_tile: int | None = None) -> int:
+    """fp32 elements of :func:`backward_shift`'s partials scratch: (n_mixes + 2) * walks * C."""
+    return (n_mixes + 2) * _timemix.shift_backward_layout(R, C, dev, rows_per_tile)["pp"] * C
+
+
+def _shift_bwd_block(C: int) -> tuple[int, int]:
+    """(LN_NQ, threads) of ln_shift_bwd for rows of C: the fewest quads per thread whose block holds the
+    row (SHIFT_BWD_BLOCKS), and as many warps as the row's quads need."""
+    q4 = C // 4
+    nq = next((q for q, (t, _) in SHIFT_BWD_BLOCKS.items() if t * q >= q4), SHIFT_BWD_NQS[-1])
+    return nq, min(SHIFT_BWD_BLOCKS[nq][0], 32 * math.ceil(q4 / (32 * nq)))
 
 
 def forward(x, w, b, y, mean, rstd, R: int, C: int, eps: float = LN_EPS) -> list:
@@ -161,3 +189,43 @@ def backward(x, w, dy, dx, dw, db, mean, rstd, scratch, R: int, C: int, dev: Dev
                                      R=R, C=C,
                                      accumulate=int(bool(accumulate_dx))))
     return ops
+
+
+def backward_shift(x, w, b, mean, rstd, mixes, douts, dx, dmixes, dw, db, scratch, R: int, C: int, T: int,
+                   dev: DeviceInfo, accumulate_dx: bool = False, accumulate_dparams: bool = False,
+                   rows_per_tile: int | None = None, dx_copy=None) -> list:
+    """ln_shift_bwd + reduce_partials: the backward of :func:`forward_shift` from the mixes' gradients
+    ``douts`` (floatX [R,C], 6 or 1, as ``outs``) with h = LN(x) recomputed from x and the saved ``mean``,
+    ``rstd`` (w, b: LN's weight and bias). Written or added to (see the module docstring):
+    ``dx`` f32 [R,C] (``accumulate_dx``; ``dx_copy`` floatX gets dx rounded), ``dmixes`` f32 [C] each and
+    ``dw``, ``db`` (``accumulate_dparams``; all None: frozen, not formed). The mixes' partials are
+    timemix.shift_backward's (same walks, same order); ``scratch``: :func:`shift_backward_scratch_elems`.
+    dx must not alias x or any of douts."""
+    mixes, douts, dmixes = list(mixes), list(douts), list(dmixes)
+    n = len(mixes)
+    if n not in SHIFT_MIXES or len(douts) != n or len(dmixes) != n:
+        raise ValueError(f"layernorm.backward_shift: {' or '.join(map(str, SHIFT_MIXES))} mixes and as many "
+                         f"output gradients and mix gradients, got {n}, {len(douts)} and {len(dmixes)}")
+    if any(p is None for p in (x, w, b, mean, rstd, dx, scratch, *mixes, *douts)):
+        raise ValueError("layernorm.backward_shift: x, w, b, mean, rstd, dx, scratch, the mixes and the output "
+                         "gradients are required")
+    given = [p is not None for p in (dw, db, *dmixes)]
+    if any(given) and not all(given):
+        raise ValueError("layernorm.backward_shift: dw, db and the mix gradients are all given, or all None "
+                         "(frozen parameters)")
+    check_rows("layernorm.backward_shift", R, C, x, w, b, dx, scratch, dx_copy, *mixes, *douts, *dmixes, dw, db)
+    if T <= 0 or R % T:
+        raise ValueError(f"layernorm.backward_shift: R={R} must be a positive multiple of T={T}")
+    if any(int(dx) == int(p) for p in (x, *douts)):
+        raise ValueError("layernorm.backward_shift: dx must not alias x or the output gradients")
+    L = _timemix.shift_backward_layout(R, C, dev, rows_per_tile)
+    nq, threads = _shift_bwd_block(C)
+    ln_part = scratch.offset(n * L["pp"] * C)
+    ops = [LN_SHIFT_BWD.launch((L["pp"], 1, 1), (threads, 1, 1), xtype=xtype_of("layernorm.backward_shift", *douts),
+                               variant={"LN_NQ": nq, "LNS_M": n}, smem=4 * C, x=x, w=w, b=b, mean=mean,
+                               rstd=rstd, **{f"m{j}": mixes[j] if j < n else None for j in range(6)},
+                               **{f"d{j}": douts[j] if j < n else None for j in range(6)}, dx=dx, dx_copy=dx_copy,
+                               part_mix=None if dw is None else scratch, part_ln=None if dw is None else ln_part,
+                               R=R, C=C, T=T, rpt=L["rpt"], ry=L["ry"], accumulate=int(bool(accumulate_dx)))]
+    ops += _reduce.partials(scratch, L["pp"], C, dmixes, _timemix.REDUCE_BY, accumulate_dparams)
+    return ops + _reduce.partials(ln_part, L["pp"], C, [dw, db], REDUCE_BY, accumulate_dparams)

@@ -33,7 +33,8 @@ silently. Composition of one TimeMix block (RWKV index i; the integrator's GEMMs
                     d w0, d a0, d k_k, d k_a, (d v0)
       [w2/w1 with tanh_backward(hw, dhw -> dhw), a2/a1, v2/v1, receptance/key/value GEMM backward;
        dxv collects value and v1 (beta = 1)]
-      shift_backward(x, dxr..dxg) -> dx (= or +=), d x_r..x_g
+      shift_backward(x, dxr..dxg) -> dx (= or +=), d x_r..x_g   (the step fuses it with LN1's backward:
+                                                            layernorm.backward_shift, the same walks)
 
     v_first gradient: zero it (Memset) before the backward or pass ``vf_accumulate=False`` at the
     first RWKV block processed (the last one, i = L-1); blocks i > 0 add into it; block 0 reads it.
