@@ -52,7 +52,7 @@ MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 # The bf16 roundings of the rwkvx_bf16 recipe by family: what each rounds (rwkvx's buffer names).
 FAMILIES = {
     "residual": "the residual stream emb_out, block_in.*, x1 and its gradient dx; dv_first",
-    "layernorm": "the LayerNorm outputs h1, h2, lnout and their gradients dh1, dh2, dlnout",
+    "layernorm": "the LayerNorm outputs h1, h2, lnout and their gradients",
     "shift": "the token-shift mixes xr .. xg, xk2 and their gradients",
     "lora": "the LoRA hiddens hw, ha, hv, hg (before and after tanh / sigmoid), outputs wl, al, vl, and "
             "their gradients",

@@ -13,7 +13,8 @@
 //
 // Buffers: x, dx f32 [R, C] (the residual stream and its gradient); w, b, m_j f32 [C]; mean, rstd f32 [R]
 // (ln_shift_fwd's); d_j floatX [R, C]; part_mix f32 [P, LNS_M, C], part_ln f32 [P, 2, C]. C % 4 == 0,
-// every pointer aligned to 4 elements; dx aliases no input (layernorm/ops.py checks). h and dh are never
+// every pointer aligned to 4 elements; dx and dx_copy alias neither x, the d_j nor each other (layernorm/ops.py
+// checks). h and dh are never
 // in memory. LN_NQ, LNS_M, LNB_THREADS (the block's threads, at most) and LNB_MIN_BLOCKS (the blocks per SM
 // the registers are budgeted for) come from rwkvx/cu/layernorm/ops.py: LN_NQ = 1 takes up to 192 threads,
 // 2 blocks (<= 168 registers: the 6-mix build took 171 unbounded, one block of 6 warps per SM), LN_NQ = 2
@@ -23,7 +24,7 @@
 // walk p covers rows [tile * rpt + s * sub, + sub) of its row tile (tile = p / ry, s = p % ry,
 // sub = ceil(rpt / ry)), tm_shift_bwd's partial rows, so that the mixes' partial sums are its bits.
 // Thread tid owns the quads i = tid + NT*k of every row (NT = blockDim.x): for k < LN_NQ it keeps x, h and
-// d_j of the row above in registers (the next row's shifted input and dh's second term) and its partial
+// d_j of row r + 1 (the row the walk left) in registers (the next row's shifted input and dh's second term) and its partial
 // sums; quads beyond NT*LN_NQ (rows wider than 2048 at LN_NQ = 2) read them again and add their partial
 // sums into their walk's own partial rows in memory. The row sums of the LayerNorm backward go through
 // shared memory: each quad's terms (ln_bwd_quad_sums), then every warp adds them in ln_backward_dx's

@@ -218,6 +218,8 @@ def backward_shift(x, w, b, mean, rstd, mixes, douts, dx, dmixes, dw, db, scratc
         raise ValueError(f"layernorm.backward_shift: R={R} must be a positive multiple of T={T}")
     if any(int(dx) == int(p) for p in (x, *douts)):
         raise ValueError("layernorm.backward_shift: dx must not alias x or the output gradients")
+    if dx_copy is not None and any(int(dx_copy) == int(p) for p in (x, dx, *douts)):
+        raise ValueError("layernorm.backward_shift: dx_copy must not alias x, dx or the output gradients")
     L = _timemix.shift_backward_layout(R, C, dev, rows_per_tile)
     nq, threads = _shift_bwd_block(C)
     ln_part = scratch.offset(n * L["pp"] * C)

@@ -2,8 +2,10 @@
 //
 //   cross_entropy_loss(logits, dlogits, targets, loss, inv_count, R, V, ignore_index)
 //     logits   floatX  [R, V]   row-major
-//     dlogits  floatX  [R, V]   may be NULL (loss only) and may equal logits (in place: each element,
-//                               x[t] included, is read and written by one thread only, read first)
+//     dlogits  floatX  [R, V]   may be NULL (loss only) and may equal logits (in place: each element is
+//                               written by the one thread that read it, after reading it; x[t] is also
+//                               read by every thread, before the cluster exchange, and no CTA writes
+//                               the row before that exchange has seen every CTA's pass 1)
 //     targets  int32   [R]
 //     loss     float64 [R]      loss[r] = logsumexp(logits[r]) - logits[r, t]; 0 where t == ignore_index
 //     inv_count float64 [1]     device scalar, 1 / (number of rows with t != ignore_index), written by
