@@ -118,6 +118,10 @@ def test_backward_shift_checks():
         call(dx=douts[3])
     with pytest.raises(ValueError, match="must not alias"):
         call(dx=x)
+    with pytest.raises(ValueError, match="dx_copy must not alias"):
+        call(dx_copy=dx)
+    with pytest.raises(ValueError, match="dx_copy must not alias"):
+        call(dx_copy=douts[0])
     with pytest.raises(ValueError, match="multiple of 4"):
         call(C=30)
     with pytest.raises(TypeError, match="one element type"):
