@@ -77,7 +77,7 @@ def _shift_backward_bytes(R: int, C: int, nmix: int, separate: bool) -> int:
 @pytest.mark.parametrize("method", ["fused", "separate"])
 def test_layernorm_shift_backward(record, dev, shape, nmix, method):
     """fused: ln_shift_bwd (h recomputed, dh never in memory) and its reductions; separate: tm_shift_bwd /
-    cm_mix_backward (h read, dh written) then the LayerNorm backward, as the step ran them before. bf16
+    cm_mix_backward (h read, dh written) then the LayerNorm backward, the separate kernels. bf16
     mixes' gradients, dx accumulated with its bf16 copy, every parameter gradient formed."""
     s = SHIFT_SHAPES[shape]
     R, C, T = s.R, s.C, s.T

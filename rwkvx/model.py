@@ -300,11 +300,11 @@ class Model:
         self._claim(slot)["tokens"].array(np.int32, (self.B * self.T,))[:] = tokens.ravel()
         return tokens
 
-    def stage_tokens(self, tokens) -> np.ndarray:
+    def stage_tokens(self, tokens: np.ndarray) -> np.ndarray:
         """Validate ``tokens`` [B, T] and write them into the pinned buffer the forward reads."""
         return self._stage_tokens(0, tokens)
 
-    def forward(self, tokens) -> np.ndarray:
+    def forward(self, tokens: np.ndarray) -> np.ndarray:
         """Logits ``[B, T, V]`` (float32) for int tokens ``[B, T]``."""
         self.stage_tokens(tokens)
         self._forward_plan.run()
@@ -336,7 +336,7 @@ class Model:
         pin["emb_n_seg"].array(np.int32, (1,))[:] = n_seg
         pin["inv_count"].array(np.float64, (1,))[:] = loss.inv_count(flat)
 
-    def stage_batch(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> None:
+    def stage_batch(self, tokens: np.ndarray, targets: np.ndarray, ignore_index: int = validate.IGNORE_INDEX) -> None:
         """Validate a batch and write it into the pinned buffers the step reads (ignored targets are
         stored as validate.IGNORE_INDEX, the value the loss kernel was built with)."""
         self._stage_batch(0, tokens, targets, ignore_index)
@@ -359,7 +359,8 @@ class Model:
         self._step_plan.run()
         self._events[0].record()
 
-    def loss_and_grads(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> tuple[float, ParamDict]:
+    def loss_and_grads(self, tokens: np.ndarray, targets: np.ndarray,
+                       ignore_index: int = validate.IGNORE_INDEX) -> tuple[float, ParamDict]:
         """Mean cross-entropy over targets != ignore_index, and the gradient of every parameter."""
         self.stage_batch(tokens, targets, ignore_index)
         self.run_step()
@@ -399,7 +400,7 @@ class Model:
         self.dev.synchronize()
         self._train_graphs = [Graph.capture(self.dev, plan.run) for plan in self._train_plans]
 
-    def launch_step(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX,
+    def launch_step(self, tokens: np.ndarray, targets: np.ndarray, ignore_index: int = validate.IGNORE_INDEX,
                     graph: bool = True) -> PendingStep:
         """Enqueue forward, loss, backward and AdamW update on one batch; returns at once with the
         :class:`PendingStep` that reads its loss when asked.
@@ -433,12 +434,13 @@ class Model:
         self._owners[slot] = None
         return result
 
-    def train_step(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX, graph: bool = True) -> float:
+    def train_step(self, tokens: np.ndarray, targets: np.ndarray, ignore_index: int = validate.IGNORE_INDEX,
+                   graph: bool = True) -> float:
         """Forward, loss, backward and AdamW update on one batch; returns the mean loss (waits for it).
         :meth:`launch_step` without the wait; ``graph`` as there."""
         return self.launch_step(tokens, targets, ignore_index, graph).loss()
 
-    def evaluate(self, tokens, targets, ignore_index: int = validate.IGNORE_INDEX) -> float:
+    def evaluate(self, tokens: np.ndarray, targets: np.ndarray, ignore_index: int = validate.IGNORE_INDEX) -> float:
         """Mean loss on one batch: forward and loss only, the parameters untouched (after every step
         launched before)."""
         from ._core import Plan

@@ -46,10 +46,13 @@ class Schedule:
         return learning_rate(t, self.lr_max, self.lr_min, self.warmup, self.total_steps)
 
     def to_dict(self) -> dict[str, Any]:
+        """The schedule's fields as a JSON-able dict (the checkpoint's form; :meth:`from_dict` reads it)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Schedule":
+        """The schedule :meth:`to_dict` wrote: an unknown key raises ``TypeError``, a bad value
+        ``ValueError`` (the constructor's checks)."""
         return cls(**dict(data))
 
 

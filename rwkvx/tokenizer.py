@@ -66,9 +66,12 @@ class ByteTokenizer(Tokenizer):
     name, vocab_size, eod = "bytes", 256, None
 
     def encode_bytes(self, data: bytes | memoryview, final: bool = True) -> tuple[np.ndarray, int]:
+        """``(ids, len(data))``: each byte of ``data`` as its uint16 id; every byte is a whole token, so
+        ``final`` changes nothing."""
         return np.frombuffer(data, dtype=np.uint8).astype(np.uint16), len(data)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The bytes whose values are ``ids``; ``ValueError`` for an id outside ``[0, 256)``."""
         return bytes(self._check_ids(ids))
 
 
@@ -128,9 +131,12 @@ class WorldTokenizer(Tokenizer):
             self._pieces[tid] = data
 
     def encode_bytes(self, data: bytes | memoryview, final: bool = True) -> tuple[np.ndarray, int]:
+        """``(ids, consumed)`` by greedy longest match over the vocabulary (see :meth:`Tokenizer.encode_bytes`
+        for ``final``)."""
         return self._trie.encode(data, final)
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The vocabulary entries of ``ids``, joined; ``ValueError`` for an id outside ``[0, vocab_size)``."""
         return b"".join(self._pieces[i] for i in self._check_ids(ids))
 
 

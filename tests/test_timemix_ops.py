@@ -74,4 +74,4 @@ def test_builders_make_launches():
 def test_keyword_only_builders_reject_positional_calls():
     P = _buffers()
     with pytest.raises(TypeError):
-        tm.gn_forward(*[P() for _ in range(9)], 74, 256, 64, H200)    # noqa: the old positional form
+        tm.gn_forward(*[P() for _ in range(9)], 74, 256, 64, H200)    # noqa: a positional call

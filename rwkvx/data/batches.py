@@ -54,6 +54,8 @@ class BatchSampler:
         self.rng = np.random.Generator(np.random.PCG64(seed))
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next batch, ``(tokens, targets)``, both int64 ``[B, T]`` (this rank's rows of the global
+        batch; see the class docstring); advances the generator."""
         T, B = self.seq_len, self.batch_size
         starts = self.rng.integers(0, self.tokens.shape[0] - T, size=B * self.world_size)
         mine = starts[self.rank * B:(self.rank + 1) * B]
@@ -70,6 +72,8 @@ class BatchSampler:
         return self.rng.bit_generator.state
 
     def set_state(self, state: Mapping[str, Any]) -> None:
+        """Restore a generator state from :meth:`state` (a checkpoint's data position); ``ValueError`` when
+        ``state`` is not a PCG64 bit-generator state."""
         if not isinstance(state, Mapping) or state.get("bit_generator") != "PCG64":
             raise ValueError("sampler state must be a PCG64 bit_generator state")
         self.rng.bit_generator.state = dict(state)

@@ -24,6 +24,7 @@ class TokenData:
         return int(self.tokens.shape[0])
 
     def max_token(self) -> int:
+        """The largest token id in the stream (-1 when it is empty), scanned chunk by chunk."""
         return scan_max(self.tokens)
 
 

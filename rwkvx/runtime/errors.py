@@ -59,12 +59,15 @@ CUBLAS_STATUS = {
 
 
 def cublas_error(call: str, status: int, what: str = "") -> CudaError:
+    """The :class:`CudaError` for cuBLAS ``status`` returned by ``call`` (``what``: the operation, in the
+    message), naming the status."""
     extra = f" ({what})" if what else ""
     name = CUBLAS_STATUS.get(int(status), "unknown cuBLAS status")
     return CudaError(f"{call}{extra} failed: {name} [{int(status)}]", call, int(status))
 
 
 def check_cublas(status: int, call: str, what: str = "") -> None:
+    """Raise :func:`cublas_error` unless ``status`` is ``CUBLAS_STATUS_SUCCESS`` (0)."""
     if int(status) != 0:
         raise cublas_error(call, status, what)
 

@@ -141,6 +141,10 @@ def _local_includes(src: str, seen: dict[str, bytes], base_dirs: list[Path]) -> 
 
 def cache_key(name: str, src: str, options: list[str], arch: str,
               extra_dirs: list[Path] | None = None) -> str:
+    """The hex SHA-256 naming a compiled module in the cache: the cache format, the kernel ``name``, the
+    target ``arch``, the NVRTC version, the compile ``options``, the source and the bytes of every local
+    header it includes (searched in ``extra_dirs``, then ``rwkvx/cu``), so that a change to any of them
+    compiles again."""
     h = hashlib.sha256()
     h.update(_CACHE_FORMAT + b"\0")
     h.update(name.encode() + b"\0" + arch.encode() + b"\0")

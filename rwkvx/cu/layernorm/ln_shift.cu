@@ -5,9 +5,9 @@
 //   o_j = h + (shift(h) - h) * m_j,  j < LNS_M,  shift(h)[r] = h[r - 1], zero where r % T == 0
 //         (tm_shift_fwd's and cm_shift_mix's expression: the same bits)
 //
-// Buffers: x f32 [R, C] (the residual stream); w, b, m_j f32 [C]; h f32 [R, C] or NULL (not stored: only
-// the backward's shift gradients and the decoder's prefill read it); mean, rstd f32 [R] (NULL: not
-// saved); o_j floatX [R, C]. C % 4 == 0, every pointer aligned to 4 elements (layernorm/ops.py checks).
+// Buffers: x f32 [R, C] (the residual stream); w, b, m_j f32 [C]; h f32 [R, C] or NULL (not stored: the
+// decoder's prefill reads it; ln_shift_bwd recomputes h from x); mean, rstd f32 [R] (NULL: not saved);
+// o_j floatX [R, C]. C % 4 == 0, every pointer aligned to 4 elements (layernorm/ops.py checks).
 // Nothing may alias x. LN_WARPS, LN_NQ, LNS_WALK, LNS_M and LNS_MIN_BLOCKS come from rwkvx/cu/layernorm/ops.py.
 // LNS_MIN_BLOCKS (the blocks per SM the registers are budgeted for): 3 up to LN_NQ = 6 (<= 168 registers;
 // without a bound the 6-mix fp32 build took 230, 2 blocks), 2 above (a tighter bound spills).

@@ -20,8 +20,8 @@ Forward fused with the token shift and its mixes (``ln_shift.cu``, one launch)::
 
 ``mixes``/``outs``: 6 (the time mix's x_r .. x_g -> xr .. xg) or 1 (the channel mix's x_k -> xk2) f32
 ``[C]`` vectors and floatX ``[R, C]`` outputs, o_j = h + (shift(h) - h) * m_j over sequences of T rows.
-h = LN(x) ``f32 [R, C]`` is stored only when ``h`` is given (the backward's shift gradients and the
-decoder's prefill read it; the forward's GEMMs read only the mixes). h, mean, rstd and the mixes are the
+h = LN(x) ``f32 [R, C]`` is stored only when ``h`` is given: the decoder's prefill reads it, while
+:func:`backward_shift` recomputes h from x and the forward's GEMMs read only the mixes. h, mean, rstd and the mixes are the
 bits of ``forward`` followed by ``timemix.shift_forward`` / ``channelmix.shift_mix``.
 
 Backward (one call: statistics if needed, dweight/dbias partials, their reduction, dx)::

@@ -19,10 +19,10 @@
 // threads take quads q = g, g + SPAN, ... (g = blockIdx.y * CE_THREADS + tid: coalesced), CE_QUADS of
 // them per thread in registers ("a chunk", 128 bytes = 32 registers). A row of at most
 // CE_CLUSTER * CE_THREADS * CE_QUADS quads (V <= 65536) is one chunk: it is read from
-// DRAM once, and the dlogits come from the registers. Why: the previous one-CTA-per-row kernel re-read
-// each 128 KB row for the gradient with 3 CTAs (rows) per SM resident, 396 x 128 KB = 52 MB in flight,
-// more than the 50 MB L2, so part of the re-read went to DRAM; and since logits may alias dlogits its
-// load-compute-store loop kept one 8-byte load in flight per thread. Here all CE_QUADS loads of a thread
+// DRAM once, and the dlogits come from the registers. Why: a kernel that re-reads each row from memory
+// for the gradient, one CTA per row with 3 rows per SM resident, has 396 x 128 KB = 49.5 MiB of rows in
+// flight, most of the 60 MiB L2, so part of the re-read goes to DRAM; and as logits may alias dlogits, a
+// load-compute-store loop keeps one 8-byte load in flight per thread. Here all CE_QUADS loads of a thread
 // are in flight together. Longer rows (and V % 4 != 0, element loads) stream chunk after chunk with an
 // online max, and the gradient pass re-reads every chunk but the last, which is still in registers.
 //
@@ -286,7 +286,7 @@ cross_entropy_loss(const floatX* logits, floatX* dlogits, const int* __restrict_
     }
     // The thread that owns element t (quad t/4) leaves it out of its sum, writes the loss and corrects
     // dlogits[t]; with a bad target thread 0 writes loss NaN. Every thread reads x[t] (one broadcast load
-    // per warp) now, before any write of the row: the cluster's first write comes after every CTA's pass 1.
+    // per warp) here, before any write of the row: the cluster's first write comes after every CTA's pass 1.
     const bool t_ok = (unsigned)t < (unsigned)V;
     const bool owner = t_ok ? g == (t >> 2) % CE_SPAN : g == 0;
     const int t_own = owner && t_ok ? t : -1;        // one register to the end (the fix-up of dlogits[t])
