@@ -37,7 +37,7 @@ FORWARD_STATE = {
     "attn": ("h1_x", "r", "k", "v", "y", "ln1_mean", "ln1_rstd", "moba_lse", "moba_idx", "moba_qlist", "moba_olo"),
 }
 # Buffers stored in fp32 in every precision (docs/SPEC.md §4): the residual stream and its gradient, the
-# LayerNorm outputs (the decoder's prefill keeps rows of h1, h2 as its token shifts' state) and the gradient
+# LayerNorm outputs where they are stored (LN_OUTPUTS; the decoder's token shifts read them) and the gradient
 # of the LayerNorm outputs still in memory (dh1: the attention blocks' and ln0's), v_first's gradient
 # (summed over the blocks) and the WKV7 decay. In bf16 these roundings cost the most accuracy per byte
 # (docs/PERFORMANCE.md, "bf16 accuracy"); the rest of the activations are the GEMMs' bf16 operands.
@@ -46,6 +46,12 @@ FP32_ALWAYS = ("emb_out", "block_in", "x1", "dx", "dv_first", "h1", "h2", "dh1",
 # LN1 output (only GEMMs read it) and the residual gradient (written by the LayerNorm backward with it).
 # In fp32 and tf32 a copy is the buffer itself (same offset).
 GEMM_COPIES = {"h1": "h1_x", "dx": "dx_x"}
+# One block's full LayerNorm outputs, LN1's and LN2's [B*T, C]: only the decoder stores them (its prefill keeps
+# their last rows as the token shifts' state, its step shifts them), so only its layout has them
+# (Layout's ln_outputs). The training step never does: the fused LayerNorm + token shift kernels write the
+# mixes alone and their backward recomputes the output from the LayerNorm's input and statistics; h1 is
+# there only as the attention blocks' LN1 output where that GEMM operand is h1 itself (fp32, tf32).
+LN_OUTPUTS = ("h1", "h2")
 # The FFN key projection's output before relu², fp32 in every precision: relu² squares its rounding, so
 # the kernel squares the fp32 product and rounds once, into kf (docs/PERFORMANCE.md, "bf16 accuracy").
 # A transient of the channel mix's forward, in the channel mix's shared set; in fp32 and tf32 there is none
@@ -112,12 +118,15 @@ class Layout:
     (``lora``, flat f32 at :attr:`lora_offsets`, with their bf16 copy ``lora_x`` where the GEMMs read bf16
     operands) are what AdamW trains (``lora_grads``, ``lora_m``, ``lora_v``; the parameters get no
     moments); ``lora_h`` [B*T, r] holds one projection's hidden x·A (then, in the backward, its gradient).
+    ``ln_outputs``: allocate the full LayerNorm outputs h1 and h2 (:data:`LN_OUTPUTS`), as the decoder's
+    builders and step variants with separate LayerNorm and shift kernels need; without it h2 is absent and
+    h1 exists only where the attention blocks' GEMM operand ``h1_x`` is h1 itself (fp32, tf32).
     """
 
     def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: Precision | str,
                  recompute: bool, methods: dict[str, str] | None = None, *,
                  head_chunk_bytes: int = HEAD_CHUNK_BYTES, tune_states: bool = False,
-                 moments: str = "f32", lora: LoraSettings | None = None):
+                 moments: str = "f32", lora: LoraSettings | None = None, ln_outputs: bool = False):
         if isinstance(head_chunk_bytes, bool) or not isinstance(head_chunk_bytes, int) or head_chunk_bytes < 1:
             raise ValueError(f"head_chunk_bytes must be a positive int, got {head_chunk_bytes!r}")
         precision = resolve_precision(precision)
@@ -128,6 +137,7 @@ class Layout:
         if lora is not None and not isinstance(lora, LoraSettings):
             raise TypeError(f"Layout: lora must be an rwkvx.lora.LoraSettings, got {type(lora).__name__}")
         self.precision, self.recompute, self.tune_states, self.lora = precision, recompute, tune_states, lora
+        self.ln_outputs = ln_outputs
         # the regions AdamW updates (TRAINED's key)
         self.trains = "states" if tune_states else "lora" if lora is not None else "params"
         self.methods = precision.kernel_methods(cfg)
@@ -206,16 +216,18 @@ class Layout:
             moba_sizes = moba.scratch_sizes(B, T, H, N, cfg.moba_chunk_size, cfg.moba_top_k, X)
             for j in range(cfg.n_attn_layer):  # kept per block: the selection is read back after a step
                 self._add(f"moba_sel.{j}", *moba_sizes["sel"])
-        # one block's transients, shared by every block (blocks run one after another)
+        # one block's transients, shared by every block (blocks run one after another); a LayerNorm output
+        # only where something stores it (LN_OUTPUTS)
         rc = ("h1", "xr", "xw", "xk", "xv", "xa", "xg", "r", "k", "v", "wl", "al", "vl", "g", "decay",
               "kp", "vp", "wa", "wb", "y", "z", "x1", "h2", "xk2",
               "dz", "dy", "dg", "dr2", "dkp2", "dvp2", "dr", "ddecay", "dkp", "dvp", "dwa", "dwb",
               "dk", "dv", "dwl", "dal", "dvl", "dxr", "dxw", "dxk", "dxv", "dxa", "dxg", "dh1")
         for name in rc:
-            if name not in AFTER_WKV_GRADS:
+            stored = name not in LN_OUTPUTS or ln_outputs or self._is_own_copy(name)
+            if name not in AFTER_WKV_GRADS and stored:
                 self._add(name, R * C, self.elem_of(name))
         for name, copy in GEMM_COPIES.items():
-            if self.elems[name] == X:
+            if self._is_own_copy(name):
                 self._alias(copy, name)
             else:
                 self._add(copy, R * C, X)
@@ -283,6 +295,11 @@ class Layout:
 
         return {"params": compact(lambda n: n not in gemm) if bf16_operands else every, "grads": {},
                 "params_x": compact(lambda n: n in gemm) if bf16_operands else {}}
+
+    def _is_own_copy(self, name: str) -> bool:
+        """Whether fp32 buffer ``name`` of :data:`GEMM_COPIES` is its own GEMM-operand copy (the activations
+        are fp32)."""
+        return name in GEMM_COPIES and self.elem_of(name) == self.xtype
 
     def elem_of(self, name: str) -> str:
         """The element type of activation buffer ``name`` (``block_in`` for every ``block_in.i``):

@@ -126,10 +126,14 @@ def state_sizes(layout: Layout, max_len: int) -> dict[str, tuple[int, str]]:
 
 class _DecoderBuilder(StepBuilder):
     """A StepBuilder on the decoder's arena at ``base`` whose weights are ``weights`` (the model's
-    ``params`` and ``params_x`` pointers), with the state arena ``state`` (caches of ``max_len`` tokens)."""
+    ``params`` and ``params_x`` pointers), with the state arena ``state`` (caches of ``max_len`` tokens).
+    Its token shifts store and read the LayerNorm outputs h1 and h2: ``layout`` must have them (``ln_outputs``)."""
 
     def __init__(self, layout: Layout, base: int, weights: dict[str, DevPtr | None],
                  state: dict[str, DevPtr | None], max_len: int):
+        if not layout.ln_outputs:
+            raise ValueError("decoder: the layout must have the LayerNorm outputs h1 and h2 "
+                             "(Layout(..., ln_outputs=True))")
         super().__init__(layout, base, {})
         self.weights, self.state, self.max_len = weights, state, max_len
 
@@ -164,7 +168,8 @@ class PrefillBuilder(_DecoderBuilder):
         return [Copy(dst.offset(b * C), src.offset((b * T + n - 1) * C), C * ELEM_BYTES[src.elem])
                 for b, n in self._rows()]
 
-    # h1 and h2 always stored (``h`` aside): their rows at each prefix's end are the shifts' decoding state
+    # h1 and h2 always stored (``h`` aside; the layout has them): their rows at each prefix's end are the
+    # shifts' decoding state
     def time_shift(self, i: int, xin, h: DevPtr | None = None) -> list:
         return super().time_shift(i, xin, self.buf("h1")) + self._last_rows(self.buf("h1"), self.state[f"tm_prev.{i}"])
 
@@ -470,7 +475,7 @@ class Decoder:
         # or factors read from the model
         self.layout = Layout(self.cfg, self.B, self.prompt_cap, self.dev.info, model.precision, recompute=True,
                              methods=model.layout.methods, tune_states=model.layout.tune_states,
-                             lora=model.layout.lora)
+                             lora=model.layout.lora, ln_outputs=True)
         self.lengths: np.ndarray | None = None          # tokens fed so far per sequence (None: no prompt yet)
         B = self.B
         if B > self.layout.head_rows:

@@ -60,7 +60,8 @@ def emulated_decode(cfg, params, tokens, lens, window, rng, precision="fp32", tu
     B, T = tokens.shape
     want = Oracle(cfg, params, dtype=np.float32, **tuned["oracle"]).forward(tokens)
     mem = Memory(exact)
-    layout = Layout(cfg, B, window, H200, precision, recompute=True, methods=SEQUENTIAL, **tuned["layout"])
+    layout = Layout(cfg, B, window, H200, precision, recompute=True, methods=SEQUENTIAL, ln_outputs=True,
+                    **tuned["layout"])
     start, end = own_span(layout)
     mem.add(BASE + start, end - start)              # the decoder's own part of the layout
     weights_of = StepBuilder(layout, WEIGHTS, {})   # the model's weights (states, factors), in another arena

@@ -42,7 +42,7 @@ FORWARD_ONLY_OF_SEQUENCES = {"ln_shift_fwd", "tm_shift_fwd", "cm_shift_mix", "wk
 
 
 def build(kwargs, B, window, max_len, P):
-    layout = Layout(Config(**kwargs), B, window, H200, DEFAULT_PRECISION, recompute=True)
+    layout = Layout(Config(**kwargs), B, window, H200, DEFAULT_PRECISION, recompute=True, ln_outputs=True)
     weights_of = StepBuilder(layout, WEIGHTS, {})
     weights = weight_pointers(weights_of)
     sizes = state_sizes(layout, max_len)
@@ -97,12 +97,24 @@ def test_step_is_one_token_per_sequence(kwargs, B, window, max_len, P):
 
 def step_kernels(cfg, B, precision, max_len=64):
     """The launches and GEMMs of the decoder's step (step_ops) for B sequences."""
-    layout = Layout(cfg, B, 16, H200, precision, recompute=True)
+    layout = Layout(cfg, B, 16, H200, precision, recompute=True, ln_outputs=True)
     weights_of = StepBuilder(layout, WEIGHTS, {})
     state = carve(STATE, state_sizes(layout, max_len))
     ops = step_ops(layout, BASE, weight_pointers(weights_of), state, max_len, 1 << 46, 1 << 47,
                    1 << 48)
     return [op for op in flatten_ops(ops) if isinstance(op, (Launch, Gemm))]
+
+
+def test_decoder_builders_need_the_layernorm_outputs():
+    """The decoder's builders store and shift h1 and h2: a training layout, without them, is refused."""
+    cfg, B, max_len = Config(**SMALL), 2, 40
+    layout = Layout(cfg, B, 16, H200, DEFAULT_PRECISION, recompute=True)
+    state = carve(STATE, state_sizes(layout, max_len))
+    weights = weight_pointers(StepBuilder(layout, WEIGHTS, {}))
+    with pytest.raises(ValueError, match="ln_outputs=True"):
+        DecodeStepBuilder(layout, BASE, weights, state, max_len)
+    with pytest.raises(ValueError, match="ln_outputs=True"):
+        PrefillBuilder(layout, BASE, weights, state, max_len, (8, 8))
 
 
 def gemv_jobs(op):
@@ -192,7 +204,7 @@ LORA_CASES = [   # config, B, prompt window, max_len, prompt length, precision, 
 def lora_build(kwargs, B, window, max_len, P, precision, settings):
     """The layout, the buffers (start, end) a plan may touch — the decoder's own, each weight tensor and
     LoRA factor at its place in the model's arena, the state arena's — and the prefill's and step's ops."""
-    layout = Layout(Config(**kwargs), B, window, H200, precision, recompute=True, lora=settings)
+    layout = Layout(Config(**kwargs), B, window, H200, precision, recompute=True, lora=settings, ln_outputs=True)
     weights = weight_pointers(StepBuilder(layout, WEIGHTS, {}))
     sizes = state_sizes(layout, max_len)
     state = carve(STATE, sizes)
@@ -257,7 +269,7 @@ def test_decoder_buffers_keep_the_layouts_alignment(kwargs, B, window, max_len, 
     """The decoder allocates its part of the layout from a buffer's offset: at an aligned allocation
     every one of its buffers is 256-byte aligned, as in the model's arena, whatever the weight and
     factor regions before it hold."""
-    layout = Layout(Config(**kwargs), B, window, H200, precision, recompute=True, lora=settings)
+    layout = Layout(Config(**kwargs), B, window, H200, precision, recompute=True, lora=settings, ln_outputs=True)
     start, end = own_span(layout)
     skipped = [n for n in WEIGHT_REGIONS + TRAINING_REGIONS if n in layout.offsets]
     assert max(layout.offsets[n] + layout.nbytes(n) for n in skipped) <= start < end

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from rwkvx import Config
-from rwkvx.arena import CHANNEL_MIX_STATE, FORWARD_STATE, FP32_ALWAYS, KF_PRE, Layout, head_chunk_rows
+from rwkvx.arena import (CHANNEL_MIX_STATE, FORWARD_STATE, FP32_ALWAYS, KF_PRE, LN_OUTPUTS, Layout,
+                         head_chunk_rows)
 from rwkvx.precision import DEFAULT_PRECISION, resolve_precision
 from rwkvx.step import StepBuilder
 from rwkvx.cu import moba, wkv7
@@ -117,6 +118,26 @@ def test_memory_is_linear_in_tokens():
                  for T in (32768, 65536, 131072)]
     d1, d2 = per_token[1] - per_token[0], per_token[2] - per_token[1]
     assert d2 == pytest.approx(2 * d1, rel=1e-3)       # no T^2 term
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_layernorm_outputs_only_where_asked(precision):
+    """A training layout has no LN2 output h2 and LN1's h1 only as the attention blocks' GEMM operand h1_x
+    where that is fp32 (fp32, tf32; in bf16 h1_x is a bf16 buffer of its own and h1 is absent); with
+    ln_outputs both are fp32 [B*T, C], and the arena grows by exactly the bytes of the ones added."""
+    kwargs, B, T = CONFIGS[1]
+    cfg = Config(**kwargs)
+    R, C = B * T, cfg.n_embd
+    train = Layout(cfg, B, T, H200, precision, recompute=True)
+    full = Layout(cfg, B, T, H200, precision, recompute=True, ln_outputs=True)
+    assert "h2" not in train.offsets
+    if precision == "bf16":
+        assert "h1" not in train.offsets and (train.elems["h1_x"], train.counts["h1_x"]) == ("bf16", R * C)
+    else:
+        assert train.offsets["h1_x"] == train.offsets["h1"] and train.elems["h1"] == "f32"
+    assert all((full.elems[name], full.counts[name]) == ("f32", R * C) for name in LN_OUTPUTS)
+    added = [name for name in LN_OUTPUTS if name not in train.offsets]
+    assert (R * C * 4) % 256 == 0 and full.total - train.total == len(added) * R * C * 4
 
 
 def test_block_scratch_shares_the_logits_region():

@@ -19,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 from cuda_cpu import step_device  # noqa: E402
 from cuda_cpu.executor import unavailable_reason  # noqa: E402
 from rwkvx import Config  # noqa: E402
+from rwkvx import model as model_module  # noqa: E402
+from rwkvx.arena import Layout  # noqa: E402
 from rwkvx.cu import channelmix, layernorm, timemix  # noqa: E402
 from rwkvx.model import Model  # noqa: E402
 from rwkvx.step import TIME_MIXES, StepBuilder  # noqa: E402
@@ -85,9 +87,18 @@ def test_adamw_training_matches_cpu_backend(cpu_step, random_params):
     test_train_gpu.test_gpu_adamw_matches_cpu_twin(random_params, "standard")
 
 
+class _LayoutWithLnOutputs(Layout):
+    """A Layout with the LayerNorm outputs h1 and h2, which the separate kernels' steps store and read."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, ln_outputs=True, **kwargs)
+
+
 def _separate_shifts(monkeypatch) -> None:
     """StepBuilder's LayerNorm + token shifts as two kernels each (ln_forward, then tm_shift_fwd /
-    cm_shift_mix), h1 and h2 always stored: the step before ln_shift_fwd."""
+    cm_shift_mix), h1 and h2 always stored (Model's layouts have them): the step before ln_shift_fwd."""
+    monkeypatch.setattr(model_module, "Layout", _LayoutWithLnOutputs)
+
     def time_shift(self, i, xin, h=None):
         b, att = self.buf, f"rwkv.blocks.{i}.att."
         mixes = [self.p(att + m) for m in TIME_MIXES]
@@ -108,7 +119,7 @@ def _separate_shifts(monkeypatch) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep"])
 def test_fused_shifts_are_bit_identical(cpu_step, monkeypatch, precision, recompute, random_params):
-    """The step with ln_shift_fwd (h1, h2 stored only for the backward) gives the loss and gradients of
+    """The step with ln_shift_fwd (h1, h2 never stored) gives the loss and gradients of
     the step with ln_forward + the shift kernels bit for bit (the hybrid: RWKV and MoBA blocks)."""
     kwargs, B, T = CASES["hybrid"]
     separate = (lambda: _separate_shifts(monkeypatch), recompute)
@@ -119,8 +130,9 @@ def test_fused_shifts_are_bit_identical(cpu_step, monkeypatch, precision, recomp
 def _separate_shift_backwards(monkeypatch) -> None:
     """StepBuilder's token shift + LayerNorm backwards as the shift's backward (tm_shift_bwd / cm_mix_backward)
     into dh1 / dh2, then the LayerNorm backward, reading the h1 and h2 the forward stores: the step before
-    ln_shift_bwd (with recompute, where the block's forward has just stored them). dh2 lives in dlnout, free
-    once ln_out's backward has run."""
+    ln_shift_bwd (with recompute, where the block's forward has just stored them; Model's layouts have them).
+    dh2 lives in dlnout, free once ln_out's backward has run."""
+    monkeypatch.setattr(model_module, "Layout", _LayoutWithLnOutputs)
     fused_time, fused_channel = StepBuilder.time_shift, StepBuilder.channel_shift
 
     def time_shift(self, i, xin, h=None):
