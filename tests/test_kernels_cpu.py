@@ -43,8 +43,10 @@ def cpu():
 # ------------------------------------------------------------------------------------------ WKV7 sequential
 SEQUENTIAL = [  # (B, T, H, N, state): T below and past the staging (8 / 16 tokens) and the checkpoint chunk
     # (8); B*H small, so the default splits are the largest (the backward's partial sums and their reduce);
-    # N = 128 needs the backward split; from s0 with B > 1 (ds0's reduce over the sequences)
-    (1, 1, 1, 16, False), (2, 21, 2, 16, False), (3, 19, 2, 16, True), (2, 17, 1, 64, False), (2, 11, 1, 64, True),
+    # N = 128 needs the backward split; from s0 with B > 1 (ds0's reduce over the sequences). One token from a
+    # zero state takes two heads: with one, y = v·(k·r) hangs on one 16-term dot, and a draw where it cancels
+    # is the whole output's relative error (about 0.4% of draws over 1e-5 in fp32, the kernel as exact as fp32)
+    (1, 1, 2, 16, False), (2, 21, 2, 16, False), (3, 19, 2, 16, True), (2, 17, 1, 64, False), (2, 11, 1, 64, True),
     (1, 9, 1, 128, False),
 ]
 
