@@ -55,7 +55,7 @@ from .runtime.kernel import XTYPE_DEFINE, KernelFile
 from .runtime.ops import Copy, CopyDtoH, CopyHtoD, DevPtr, Gemm, Launch, Memset, flatten_ops
 from .sampling import Sampling
 from .state_tuning import state_name
-from .step import TIME_MIXES, StepBuilder
+from .step import TIME_MIX_OUTPUTS, TIME_MIXES, StepBuilder
 from .validate import check_tokens
 
 # read from the model's arena, never copied: the weights, a state-tuned model's initial WKV states, a LoRA
@@ -215,7 +215,7 @@ class DecodeStepBuilder(_DecoderBuilder):
         att, b = f"rwkv.blocks.{i}.att.", self.buf
         return self._ln1_forward(f"rwkv.blocks.{i}.", xin, b("h1")) + decode.shift(
             b("h1"), self.state[f"tm_prev.{i}"], [self.p(att + m) for m in TIME_MIXES],
-            [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")], self.B, self.cfg.n_embd, self.dev)
+            [b(n) for n in TIME_MIX_OUTPUTS], self.B, self.cfg.n_embd, self.dev)
 
     def channel_shift(self, prefix: str, xin, h: DevPtr | None = None) -> list:
         b = self.buf

@@ -19,8 +19,9 @@ from .runtime import gemm
 from .runtime.ops import CopyDtoH, CopyHtoD, DevPtr, Memset
 from .state_tuning import state_name
 
-# The time mix's token-shift mixes (parameters att.<name>), in the order of their outputs xr .. xg
+# The time mix's token-shift mixes (parameters att.<name>) and the buffers of their outputs, in one order
 TIME_MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+TIME_MIX_OUTPUTS = ("xr", "xw", "xk", "xv", "xa", "xg")
 
 
 @dataclass
@@ -319,7 +320,7 @@ class StepBuilder:
         pre, b = f"rwkv.blocks.{i}.", self.buf
         return layernorm.forward_shift(xin, self.p(pre + "ln1.weight"), self.p(pre + "ln1.bias"),
                                        [self.p(pre + "att." + m) for m in TIME_MIXES],
-                                       [b("x" + m[-1]) for m in TIME_MIXES], h, b("ln1_mean"), b("ln1_rstd"),
+                                       [b(n) for n in TIME_MIX_OUTPUTS], h, b("ln1_mean"), b("ln1_rstd"),
                                        self.R, self.cfg.n_embd, self.T)
 
     def channel_shift_backward(self, prefix: str) -> list:
@@ -339,7 +340,7 @@ class StepBuilder:
         att = pre + "att."
         return layernorm.backward_shift(xin, p(pre + "ln1.weight"), p(pre + "ln1.bias"), b("ln1_mean"),
                                         b("ln1_rstd"), [p(att + m) for m in TIME_MIXES],
-                                        [b("dx" + m[-1]) for m in TIME_MIXES], b("dx"),
+                                        [b("d" + n) for n in TIME_MIX_OUTPUTS], b("dx"),
                                         [gp(att + m) for m in TIME_MIXES], gp(pre + "ln1.weight"),
                                         gp(pre + "ln1.bias"), b("partials"), self.R, self.cfg.n_embd, self.T,
                                         self.dev, accumulate_dx=True, dx_copy=self.copy_out("dx"))

@@ -23,7 +23,7 @@ from rwkvx import model as model_module  # noqa: E402
 from rwkvx.arena import Layout  # noqa: E402
 from rwkvx.cu import channelmix, layernorm, timemix  # noqa: E402
 from rwkvx.model import Model  # noqa: E402
-from rwkvx.step import TIME_MIXES, StepBuilder  # noqa: E402
+from rwkvx.step import TIME_MIX_OUTPUTS, TIME_MIXES, StepBuilder  # noqa: E402
 from seeding import seeded_rng  # noqa: E402
 import test_model_parity  # noqa: E402
 import test_train_gpu  # noqa: E402
@@ -103,7 +103,7 @@ def _separate_shifts(monkeypatch) -> None:
         b, att = self.buf, f"rwkv.blocks.{i}.att."
         mixes = [self.p(att + m) for m in TIME_MIXES]
         return (self._ln1_forward(f"rwkv.blocks.{i}.", xin, b("h1"))
-                + timemix.shift_forward(b("h1"), mixes, [b(n) for n in ("xr", "xw", "xk", "xv", "xa", "xg")],
+                + timemix.shift_forward(b("h1"), mixes, [b(n) for n in TIME_MIX_OUTPUTS],
                                         self.R, self.cfg.n_embd, self.T, self.dev))
 
     def channel_shift(self, prefix, xin, h=None):
@@ -144,7 +144,7 @@ def _separate_shift_backwards(monkeypatch) -> None:
     def time_shift_backward(self, i, xin):
         b, att = self.buf, f"rwkv.blocks.{i}.att."
         return (timemix.shift_backward(b("h1"), [self.p(att + m) for m in TIME_MIXES],
-                                       [b("dx" + m[-1]) for m in TIME_MIXES], b("dh1"),
+                                       [b("d" + n) for n in TIME_MIX_OUTPUTS], b("dh1"),
                                        [self.gp(att + m) for m in TIME_MIXES], b("partials"), self.R,
                                        self.cfg.n_embd, self.T, self.dev)
                 + self._ln1_backward(f"rwkv.blocks.{i}.", xin))
