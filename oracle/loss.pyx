@@ -3,14 +3,17 @@
 """Twin of rwkvx/cu/loss/loss.cu: the cross-entropy, always in float64 (docs/SPEC.md §3).
 
 Per row: loss = logsumexp(z) - z[target]; its gradient softmax(z) - onehot(target). Rows whose
-target is ignore_index contribute nothing.
+target is ignore_index contribute nothing. The target's entries are formed from the sum of the other
+classes' exponentials, rest (dz[target] = -rest / sum; loss = log1p(rest / own) where the target's
+own term is near the row's maximum), as the kernel forms dz[target], so they stay accurate on near
+one-hot rows.
 """
 from __future__ import annotations
 
 cimport cython
 import numpy as np
 
-from libc.math cimport exp, log
+from libc.math cimport exp, log, log1p
 from libc.stdint cimport int64_t
 
 
@@ -20,7 +23,7 @@ from libc.stdint cimport int64_t
 def _cross_entropy(const double[:, ::1] z, const int64_t[::1] target, int64_t ignore_index,
                    double[::1] loss, double[:, ::1] dz):
     cdef Py_ssize_t R = z.shape[0], V = z.shape[1], row, c
-    cdef double m, s, lse
+    cdef double m, rest, own, s, lse
     cdef int64_t tgt
     with nogil:
         for row in range(R):
@@ -34,14 +37,22 @@ def _cross_entropy(const double[:, ::1] z, const int64_t[::1] target, int64_t ig
             for c in range(1, V):
                 if z[row, c] > m:
                     m = z[row, c]
-            s = 0
+            # The target's term is kept apart from the rest: on a near one-hot row p_t - 1 and
+            # lse - z_t are tiny differences of numbers near 1 and z_t, so both are formed from the
+            # rest's sum instead.
+            rest = 0
             for c in range(V):
-                s = s + exp(z[row, c] - m)
+                if c != tgt:
+                    rest = rest + exp(z[row, c] - m)
+            own = exp(z[row, tgt] - m)
+            s = rest + own
             lse = m + log(s)
-            loss[row] = lse - z[row, tgt]
+            # log(s / own) = log1p(rest / own); where the target is far below the maximum the
+            # quotient could overflow, and lse - z_t > log 2 has no cancellation anyway.
+            loss[row] = log1p(rest / own) if own >= 0.5 else lse - z[row, tgt]
             for c in range(V):
                 dz[row, c] = exp(z[row, c] - lse)
-            dz[row, tgt] -= 1
+            dz[row, tgt] = -rest / s
 
 
 def cross_entropy_rows(logits: np.ndarray, targets: np.ndarray,

@@ -92,6 +92,18 @@ def test_cross_entropy_rows():
     np.testing.assert_allclose(dmean, dz / 5, rtol=1e-15)
 
 
+def test_cross_entropy_near_one_hot_rows():
+    # p_t = 1 / (1 + 2 e^-30): 1 - p_t ~ 1.9e-13, below what exp(z_t - lse) - 1 or lse - z_t resolve
+    # (~1e-3 relative), so the target's loss and gradient must come from the other classes' sum.
+    z = np.array([[0.0, -30.0, -30.0], [-30.0, 5.0, -25.0]])
+    t = np.array([0, 1])
+    loss, dz = cross_entropy_rows(z, t)
+    rest = np.array([2 * np.exp(-30.0), np.exp(-35.0) + np.exp(-30.0)])
+    np.testing.assert_allclose(loss, np.log1p(rest), rtol=1e-14)
+    np.testing.assert_allclose(dz[[0, 1], t], -rest / (1 + rest), rtol=1e-14)
+    np.testing.assert_allclose(dz[0, 1:], np.exp(-30.0) / (1 + rest[0]), rtol=1e-14)
+
+
 # ------------------------------------------------------------------ MoBA log-sum-exp
 
 def test_moba_logsumexp_matches_dense_masked_scores():
