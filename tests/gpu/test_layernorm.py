@@ -141,10 +141,11 @@ def test_forward_shift(case, dev, B, T, C, nmix, keep_h):
         np.testing.assert_array_equal(out["h"], out["sep_h"], err_msg="h: not ln_forward's bits")
 
 
-# ln_shift_bwd: (B, T, C, rows per tile) — T = 1, walks (rows per tile) crossing sequences and not dividing
-# T, a row narrower than a warp, the model widths (one and two quads per thread), a row past the 2048
-# channels held in registers (the rest read again, their partial sums added in memory)
-SHIFT_BWD_SHAPES = [(5, 1, 64, None), (3, 13, 64, 7), (2, 77, 768, 12), (2, 45, 2048, None), (2, 19, 2176, 5)]
+# ln_shift_bwd: (B, T, C, rows per tile) — T = 1, walks of several rows (a tile's rows over its row
+# walkers) crossing sequences and not dividing T, a row narrower than a warp, the model widths (one and
+# two quads per thread), a row past the 2048 channels held in registers (the rest read again, their
+# partial sums added in memory)
+SHIFT_BWD_SHAPES = [(5, 1, 64, None), (3, 13, 64, 40), (2, 77, 768, 12), (2, 45, 2048, 20), (2, 19, 2176, 5)]
 
 
 @pytest.mark.parametrize("B,T,C,rpt", SHIFT_BWD_SHAPES)
