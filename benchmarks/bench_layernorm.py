@@ -31,8 +31,11 @@ def test_layernorm_backward(record, dev, xtype):
 
 
 # LayerNorm fused with the token shift (ln_shift_fwd) against ln_forward + the shift kernel, bf16 mixes: the
-# 0.22B step (C = 768) and the 1.5B RWKV-7 (C = 2048), 6 mixes (time mix) and 1 (channel mix), h stored or not.
-SHIFT_SHAPES = {"B8_T4096_C768": BASE_SHAPES, "B4_T4096_C2048": KernelShapes.of(preset_workload("rwkv7-1.5b", 4))}
+# 0.22B step (C = 768), the 1.5B RWKV-7 (C = 2048) and the 7.2B one at its preset batch (C = 4096: a row
+# past the channels the backward holds in registers, and few row walks per SM), 6 mixes (time mix) and 1
+# (channel mix), h stored or not.
+SHIFT_SHAPES = {"B8_T4096_C768": BASE_SHAPES, "B4_T4096_C2048": KernelShapes.of(preset_workload("rwkv7-1.5b", 4)),
+                "B1_T4096_C4096": KernelShapes.of(preset_workload("rwkv7-7.2b", 1))}
 
 
 def _shift_bytes(R: int, C: int, nmix: int, h_bytes: int) -> int:
