@@ -26,7 +26,6 @@ Run: ``python -m pytest benchmarks/bench_finetune.py -k 7.2b --benchmark-columns
 from __future__ import annotations
 
 import functools
-import gc
 
 import numpy as np
 import pytest
@@ -38,6 +37,8 @@ from rwkvx.optim import Schedule
 from rwkvx.presets import get_preset
 from rwkvx.runtime import Device
 from rwkvx.state_tuning import zero_states
+
+from _common import free_memory, skip_unless_fits
 
 SIZES = ("rwkv7-1.5b", "rwkv7-2.9b", "rwkv7-7.2b")
 LORA = LoraSettings(DEFAULT_RANK, DEFAULT_ALPHA, DEFAULT_TARGETS)
@@ -89,12 +90,11 @@ def test_finetune_step(benchmark, dev, preset, mode, T, batch):
     cfg = Config(**get_preset(preset)["model"])
     opts = MODES[mode]
     lora = LORA if opts.get("lora") else None
-    gc.collect()                                     # the previous row's model, before reading the free memory
-    free = dev.memory_info()["free"]
+    free = free_memory(dev)
     B = largest_batch(cfg, T, dev, mode, free) if batch == "max" else batch
-    need = arena_bytes(cfg, max(B, 1), T, dev, mode)
-    if B == 0 or need > free:
-        pytest.skip(f"{preset} {mode}: the arena takes {need / 2**30:.1f} GiB at B = 1, {free / 2**30:.1f} GiB free")
+    # B = 0: not even B = 1 leaves the largest batch's headroom
+    skip_unless_fits(f"{preset} {mode} at B = 1", arena_bytes(cfg, max(B, 1), T, dev, mode), free,
+                     HEADROOM if B == 0 else 0)
     if batch == "max" and B == 1:
         pytest.skip(f"{preset} {mode}: B = 1 is the largest batch that fits (its B1 row)")
     params = fresh_params(preset)

@@ -19,6 +19,8 @@ from rwkvx.arena import Layout
 from rwkvx.precision import PRECISION_NAMES
 from rwkvx.workloads import STEP_WORKLOADS, mfu
 
+from _common import free_memory, skip_unless_fits
+
 LONG = ("base_B1_T131072",)       # bf16 with recompute only (the other modes need more memory)
 BIG = ("pure1.5b_B4_T4096", "pure2.9b_B4_T4096")      # bf16 only, as these sizes train
 EAGER = ("small_B8_T512", "base_B8_T4096")
@@ -36,10 +38,7 @@ def test_step(benchmark, dev, name, mode, precision, recompute):
     from rwkvx.model import Model
     from rwkvx.runtime import Graph, warm_time_ms
     cfg, B, T = STEP_WORKLOADS[name]
-    need = Layout(cfg, B, T, dev.info, precision, recompute).total
-    free = dev.memory_info()["free"]
-    if need > free:
-        pytest.skip(f"{name}: the arena takes {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+    skip_unless_fits(name, Layout(cfg, B, T, dev.info, precision, recompute).total, free_memory(dev))
     rng = np.random.default_rng(0)
     dev.reset_peak()
     model = Model(cfg, init_params(cfg, 0, device="gpu"), B, T, precision=precision, recompute=recompute)

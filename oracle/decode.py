@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from rwkvx.runtime.dtypes import round_to
 from rwkvx.sampling import sample_rows
 
 from ._common import float64_op, matmul, shift_mix_forward
@@ -38,20 +39,28 @@ def decode_wkv7(r: np.ndarray, w: np.ndarray, k: np.ndarray, v: np.ndarray, a: n
 def decode_time_mix(hidden: dict, second: dict, r: np.ndarray, k: np.ndarray, v: np.ndarray,
                     v_first: np.ndarray, w0: np.ndarray, a0: np.ndarray, v0: np.ndarray | None,
                     k_k: np.ndarray, k_a: np.ndarray, state: np.ndarray, ln_w: np.ndarray, ln_b: np.ndarray,
-                    r_k: np.ndarray, N: int) -> tuple[np.ndarray, ...]:
+                    r_k: np.ndarray, N: int, xtype: str | None = None) -> tuple[np.ndarray, ...]:
     """(z [B, C], new state [B, H, N, N], v_first [B, C]): an RWKV block's time mix of one token from its
     LoRA hidden rows ``hidden[p]`` [B, d_p] and second layers ``second[p]`` [d_p, C] (p in w, a, g and,
     after the first layer, v): the LoRA products, the prep, one WKV7 token on ``state`` and the
-    GroupNorm with bonus and gate. v_first is read after the first layer, else it becomes v."""
-    lora = {p: matmul(hidden[p], second[p]) for p in hidden}
+    GroupNorm with bonus and gate. v_first is read after the first layer, else it becomes v.
+
+    ``xtype`` None: float64 throughout. An element type ("f32", "bf16"): the values dec_tmix keeps in
+    that type are rounded to it where the kernel rounds them (the LoRA products, kp, wa, wb, the mixed
+    vp, the WKV output y and z), so a comparison with the kernel sees only its own arithmetic."""
+    def rnd(a: np.ndarray) -> np.ndarray:
+        return a if xtype is None else round_to(xtype, a)
+
+    lora = {p: rnd(matmul(hidden[p], second[p])) for p in hidden}
     layer = int("v" in hidden)
     prep = time_mix_prep_forward(k, v, lora["w"], lora["a"], lora.get("v"), v_first if layer else None, w0, a0,
                                  v0, k_k, k_a, N, layer)
+    kp, vp = rnd(prep["kp"]), rnd(prep["vp"])
     B, C = r.shape
-    rows = (r, prep["decay"], prep["kp"], prep["vp"], prep["wa"], prep["wb"])
+    rows = (r, prep["decay"], kp, vp, rnd(prep["wa"]), rnd(prep["wb"]))
     y, new = decode_wkv7(*(np.reshape(t, (B, C // N, N)) for t in rows), state)
-    z = time_mix_gn_forward(y.reshape(B, C), r, prep["kp"], prep["vp"], lora["g"], ln_w, ln_b, r_k, N)
-    return z, new, prep["v_first"]
+    z = time_mix_gn_forward(rnd(y.reshape(B, C)), r, kp, vp, lora["g"], ln_w, ln_b, r_k, N)
+    return rnd(z), new, prep["v_first"]
 
 
 def decode_moba(q: np.ndarray, k: np.ndarray, v: np.ndarray, kc: np.ndarray, vc: np.ndarray, kmean: np.ndarray,

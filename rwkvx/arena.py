@@ -46,6 +46,9 @@ FP32_ALWAYS = ("emb_out", "block_in", "x1", "dx", "dv_first", "h1", "h2", "dh1",
 # LN1 output (only GEMMs read it) and the residual gradient (written by the LayerNorm backward with it).
 # In fp32 and tf32 a copy is the buffer itself (same offset).
 GEMM_COPIES = {"h1": "h1_x", "dx": "dx_x"}
+# The buffers of GEMM_COPIES that only attention blocks read as GEMM operands: a model without attention
+# blocks has no copy of them (and, unless a layout stores the LayerNorm outputs, no h1).
+ATTENTION_OPERANDS = ("h1",)
 # One block's full LayerNorm outputs, LN1's and LN2's [B*T, C]: only the decoder stores them (its prefill keeps
 # their last rows as the token shifts' state, its step shifts them), so only its layout has them
 # (Layout's ln_outputs). The training step never does: the fused LayerNorm + token shift kernels write the
@@ -120,7 +123,8 @@ class Layout:
     moments); ``lora_h`` [B*T, r] holds one projection's hidden x·A (then, in the backward, its gradient).
     ``ln_outputs``: allocate the full LayerNorm outputs h1 and h2 (:data:`LN_OUTPUTS`), as the decoder's
     builders and step variants with separate LayerNorm and shift kernels need; without it h2 is absent and
-    h1 exists only where the attention blocks' GEMM operand ``h1_x`` is h1 itself (fp32, tf32).
+    h1 exists only where the attention blocks' GEMM operand ``h1_x`` is h1 itself (fp32, tf32). A model
+    without attention blocks has no ``h1_x`` (:data:`ATTENTION_OPERANDS`).
     """
 
     def __init__(self, cfg: Config, B: int, T: int, dev: DeviceInfo, precision: Precision | str,
@@ -138,6 +142,9 @@ class Layout:
             raise TypeError(f"Layout: lora must be an rwkvx.lora.LoraSettings, got {type(lora).__name__}")
         self.precision, self.recompute, self.tune_states, self.lora = precision, recompute, tune_states, lora
         self.ln_outputs = ln_outputs
+        # the GEMM-operand copies this model's step reads
+        self.gemm_copies = {name: copy for name, copy in GEMM_COPIES.items()
+                            if cfg.n_attn_layer or name not in ATTENTION_OPERANDS}
         # the regions AdamW updates (TRAINED's key)
         self.trains = "states" if tune_states else "lora" if lora is not None else "params"
         self.methods = precision.kernel_methods(cfg)
@@ -226,7 +233,7 @@ class Layout:
             stored = name not in LN_OUTPUTS or ln_outputs or self._is_own_copy(name)
             if name not in AFTER_WKV_GRADS and stored:
                 self._add(name, R * C, self.elem_of(name))
-        for name, copy in GEMM_COPIES.items():
+        for name, copy in self.gemm_copies.items():
             if self._is_own_copy(name):
                 self._alias(copy, name)
             else:
@@ -297,9 +304,9 @@ class Layout:
                 "params_x": compact(lambda n: n in gemm) if bf16_operands else {}}
 
     def _is_own_copy(self, name: str) -> bool:
-        """Whether fp32 buffer ``name`` of :data:`GEMM_COPIES` is its own GEMM-operand copy (the activations
-        are fp32)."""
-        return name in GEMM_COPIES and self.elem_of(name) == self.xtype
+        """Whether fp32 buffer ``name`` has a GEMM-operand copy in this model (:attr:`gemm_copies`) and is that
+        copy itself (the activations are fp32)."""
+        return name in self.gemm_copies and self.elem_of(name) == self.xtype
 
     def elem_of(self, name: str) -> str:
         """The element type of activation buffer ``name`` (``block_in`` for every ``block_in.i``):

@@ -12,7 +12,8 @@ the backward's for the input gradients they pass on: the parameters' gradients (
 kernels leave for reduce_partials, the embedding's) are not computed; reduce_partials and
 embedding_backward write NaN to them, so a result that reads them shows it. Kernels that compute part of
 what one twin computes whole (the WKV7 backward's reduce, MoBA's selection, partial outputs and delta)
-do nothing. An unknown kernel raises.
+do nothing; MoBA's backward twin runs once per block, in moba_bwd_dq_own's launch, which leaves dk and dv
+for moba_bwd_dkdv's. An unknown kernel raises.
 """
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class Memory:
     def __init__(self, exact: bool = False):
         self.exact = exact
         self.regions: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+        # results a twin computed for a later launch that writes them (MoBA's dk, dv), by that launch
+        self.pending: dict[tuple, tuple[np.ndarray, ...]] = {}
 
     def add(self, base: int, nbytes: int, buf: np.ndarray | None = None) -> np.ndarray:
         """A region of ``nbytes`` at ``base``: zeros, or the uint8 array ``buf`` (memory that exists elsewhere)."""
@@ -408,20 +411,31 @@ def _moba_fwd_own(mem, a, op):
         mem.write(a["olo"], o - mem.read(a["o"], o.size, o.shape))
 
 
-def _moba_backward(mem, a, B: int, op) -> tuple:
-    """(dq, dk, dv) of the whole attention from q, k, v and dout, the selection recomputed as
-    :func:`_moba_fwd_own` does (lse, delta and the partial sums, the other backward kernels' work, unused)."""
-    T, H, chunk, N = a["T"], a["H"], a["chunk"], _head_size(op)
-    return O.moba_attention_backward(*(_bthn(mem, a[n], B, T, H, N) for n in ("q", "k", "v", "dout")), chunk,
-                                     a["K1"] + 1, None)
+_MOBA_BWD_IN = ("q", "k", "v", "dout")
+
+
+def _moba_dkdv_key(a) -> tuple:
+    """Where moba_bwd_dq_own's twin leaves dk, dv for the moba_bwd_dkdv launch on the same inputs."""
+    return ("moba_bwd_dkdv", *(int(a[n]) for n in _MOBA_BWD_IN))
 
 
 def _moba_bwd_dq_own(mem, a, op):
-    mem.write(a["dq"], _moba_backward(mem, a, op.grid[2], op)[0])
+    # the whole backward from q, k, v and dout, the selection recomputed as _moba_fwd_own does (lse, delta
+    # and the partial sums, the other backward kernels' work, unused): dq now, dk and dv for moba_bwd_dkdv,
+    # the launch after this one, whose arguments alone point at their buffers
+    T, H, chunk, N, B = a["T"], a["H"], a["chunk"], _head_size(op), op.grid[2]
+    dq, dk, dv = O.moba_attention_backward(*(_bthn(mem, a[n], B, T, H, N) for n in _MOBA_BWD_IN), chunk,
+                                           a["K1"] + 1, None)
+    mem.write(a["dq"], dq)
+    mem.pending[_moba_dkdv_key(a)] = dk, dv
 
 
 def _moba_bwd_dkdv(mem, a, op):
-    _, dk, dv = _moba_backward(mem, a, op.grid[2] // a["H"], op)
+    key = _moba_dkdv_key(a)
+    if key not in mem.pending:
+        raise RuntimeError("moba_bwd_dkdv: no moba_bwd_dq_own launch on the same q, k, v, dout before it "
+                           "(its twin computes dk and dv)")
+    dk, dv = mem.pending.pop(key)
     mem.write(a["dk"], dk)
     mem.write(a["dv"], dv)
 

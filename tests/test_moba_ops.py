@@ -1,10 +1,14 @@
 """CPU tests of the MoBA launch builders (rwkvx/cu/moba/ops.py): scratch sizes, shared-memory layouts,
-launch lists. No GPU needed (plans assume an H200); compiling the kernel files is tests/test_nvrtc_compile.py's job."""
+launch lists, and the backward's launches as tests/emulator.py runs them. No GPU needed (plans assume an H200); compiling the kernel files is tests/test_nvrtc_compile.py's job."""
+import numpy as np
 import pytest
 
+import emulator
+from rwkvx import oracle as O
 from rwkvx.cu import moba
 from rwkvx.runtime import DevPtr, Launch
 from rwkvx.runtime.device import H200
+from seeding import seeded_rng
 
 A = 1 << 20          # fake, 16-byte aligned device addresses
 
@@ -187,3 +191,34 @@ def test_mma_kernels_do_not_spill(xtype, N):
     mma = {name: u for name, u in usage.items() if name.endswith("_mma")}
     assert len(mma) == 5
     assert all(u.get("spill_stores", 0) == 0 and u.get("spill_loads", 0) == 0 for u in mma.values()), mma
+
+
+@pytest.mark.parametrize("method", ["exact", "mma"])
+def test_emulated_backward_runs_the_twin_once(monkeypatch, method):
+    """tests/emulator.py's MoBA backward: the launch list of :func:`moba.backward` on the CPU gives the
+    twin's dq, dk, dv with the twin run once (moba_bwd_dq_own's launch; moba_bwd_dkdv's writes what it
+    left), and moba_bwd_dkdv without that launch before it raises."""
+    B, T, H, N, chunk, top_k = 2, 40, 2, 32, 8, 3           # N 32: a head size of both methods
+    shape = (B, T, H, N)
+    mem = emulator.Memory()
+    for i in range(1, 9):                          # q, k, v, o, do, dq, dk, dv
+        mem.add(i * A, B * T * H * N * 4)
+    sc = moba.carve(16 * A, B, T, H, N, chunk, top_k)
+    mem.add(16 * A, moba.scratch_bytes(B, T, H, N, chunk, top_k))
+    rng = seeded_rng()
+    inputs = {i: rng.standard_normal(shape) for i in (1, 2, 3, 5)}
+    for i, values in inputs.items():
+        mem.write(x(i), values)
+    calls = []
+    twin = O.moba_attention_backward
+    monkeypatch.setattr(emulator.O, "moba_attention_backward", lambda *args: calls.append(args) or twin(*args))
+    fwd = moba.forward(x(1), x(2), x(3), x(4), sc, B, T, H, N, chunk, top_k, H200, method=method)
+    bwd = moba.backward(x(1), x(2), x(3), x(4), x(5), x(6), x(7), x(8), sc, B, T, H, N, chunk, top_k, H200,
+                        method=method)
+    emulator.run(mem, fwd + bwd)
+    assert len(calls) == 1 and not mem.pending
+    want = twin(*(mem.read(x(i), B * T * H * N, shape) for i in (1, 2, 3, 5)), chunk, top_k, None)
+    for i, w in zip((6, 7, 8), want):
+        assert np.array_equal(mem.read(x(i), B * T * H * N, shape), w.astype(np.float32))
+    with pytest.raises(RuntimeError, match="no moba_bwd_dq_own launch"):
+        emulator.run(mem, [op for op in bwd if op.name.startswith("moba_bwd_dkdv")])

@@ -3,7 +3,7 @@ parity suite plans, buffers fit the arena, pointers are typed, and memory grows 
 import numpy as np
 import pytest
 
-from rwkvx import Config
+from rwkvx import Config, arena
 from rwkvx.arena import (CHANNEL_MIX_STATE, FORWARD_STATE, FP32_ALWAYS, KF_PRE, LN_OUTPUTS, Layout,
                          head_chunk_rows)
 from rwkvx.precision import DEFAULT_PRECISION, resolve_precision
@@ -138,6 +138,31 @@ def test_layernorm_outputs_only_where_asked(precision):
     assert all((full.elems[name], full.counts[name]) == ("f32", R * C) for name in LN_OUTPUTS)
     added = [name for name in LN_OUTPUTS if name not in train.offsets]
     assert (R * C * 4) % 256 == 0 and full.total - train.total == len(added) * R * C * 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+@pytest.mark.parametrize("ln_outputs", [False, True])
+def test_attention_operand_copy_only_with_attention_blocks(monkeypatch, precision, ln_outputs):
+    """Only attention blocks read LN1's output as a GEMM operand: a pure RWKV-7 layout has no h1_x (nor h1
+    unless it stores the LayerNorm outputs) and its arena is smaller than with the copy by exactly the
+    copy's bytes (bf16: h1_x's; fp32, tf32: h1's where nothing else stores it); a hybrid has h1_x
+    [B*T, C]. The residual gradient's copy dx_x is in both."""
+    kwargs, B, T = CONFIGS[0]
+    cfg = Config(**kwargs)
+    assert not cfg.n_attn_layer
+    pure = Layout(cfg, B, T, H200, precision, recompute=True, ln_outputs=ln_outputs)
+    assert "h1_x" not in pure.offsets and "dx_x" in pure.offsets
+    assert ("h1" in pure.offsets) == ln_outputs
+    with monkeypatch.context() as m:
+        m.setattr(arena, "ATTENTION_OPERANDS", ())
+        copied = Layout(cfg, B, T, H200, precision, recompute=True, ln_outputs=ln_outputs)
+    x_bytes = 2 if precision == "bf16" else 4
+    added = 0 if ln_outputs and precision != "bf16" else B * T * cfg.n_embd * x_bytes
+    assert added % 256 == 0 and copied.total - pure.total == added
+    kwargs, B, T = CONFIGS[1]
+    hybrid = Layout(Config(**kwargs), B, T, H200, precision, recompute=True, ln_outputs=ln_outputs)
+    assert hybrid.counts["h1_x"] == B * T * hybrid.cfg.n_embd and hybrid.elems["h1_x"] == hybrid.xtype
+    assert "dx_x" in hybrid.offsets
 
 
 def test_block_scratch_shares_the_logits_region():

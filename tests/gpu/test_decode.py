@@ -102,7 +102,9 @@ TMIX = [(1, 12, 64, 1, (64, 64, 32, 128)), (3, 2, 16, 0, (10, 6, 0, 7)), (2, 2, 
 
 @pytest.mark.parametrize("B, H, N, layer, ranks", TMIX)
 def test_dec_tmix(case, B, H, N, layer, ranks):
-    """z, the new state and v_first against the composed twins (LoRA products, prep, WKV7 token, GroupNorm)."""
+    """z, the new state and v_first against the composed twins (LoRA products, prep, WKV7 token, GroupNorm),
+    with the intermediates rounded to floatX where the kernel rounds them: in bf16 the exact twin's z
+    differs from the kernel's by those roundings alone, over the limit on 0.3-0.4% of draws at N 4 and 8."""
     rng = seeded_rng()
     C = H * N
     paths = [p for p, d in zip(D.LORA2, ranks) if d]
@@ -123,7 +125,7 @@ def test_dec_tmix(case, B, H, N, layer, ranks):
     want_z, want_state, want_vf = decode_time_mix(
         {p: seen[f"h{p}"] for p in paths}, {p: seen[f"{p}2"] for p in paths}, seen["r"], seen["k"], seen["v"],
         seen["vf"], seen["w0"], seen["a0"], seen.get("v0"), seen["k_k"], seen["k_a"], seen["state"], seen["lnw"],
-        seen["lnb"], seen["rk"], N)
+        seen["lnb"], seen["rk"], N, case.xtype)
     check("z", out["z"], want_z, tolerance(case.xtype, FWD_TOL))
     check("state", out["state"], want_state, tolerance(case.xtype, FWD_TOL))  # from floatX intermediates
     if layer:
